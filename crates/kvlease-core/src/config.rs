@@ -1,0 +1,343 @@
+//! `--kv-transfer-config`: the JSON `vllm serve` takes, parsed into the lease parameters (SPEC §2).
+//!
+//! Pure parsing and validation. Invalid values are refused with a message naming the key; keys we
+//! do not know are returned as warnings for the caller to log, never fatal, so a config written
+//! for vLLM starts here unchanged.
+
+use serde_json::{Map, Value};
+use std::time::Duration;
+use thiserror::Error;
+
+/// What D does when the lease on its remote KV is lost (SPEC D6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadFailurePolicy {
+    /// Compute the prompt's KV locally; the output is the same (SPEC D7).
+    Recompute,
+    /// Fail the request with a clear error.
+    Fail,
+}
+
+/// The engine's role as configured; each request's role comes from its `kv_transfer_params`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRole {
+    Producer,
+    Consumer,
+    Both,
+}
+
+/// The lease parameters every engine derives from its config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseConfig {
+    /// L: the initial lease P grants.
+    pub lease_duration: Duration,
+    /// I = L/6: D sends at most one heartbeat per P engine per interval.
+    pub heartbeat_interval: Duration,
+    /// E = 2L/3: each heartbeat sets `deadline = max(deadline, now + E)`.
+    pub extension: Duration,
+    /// SPEC P9: renewals never push a deadline past `grant + max_lifetime`.
+    pub max_lifetime: Option<Duration>,
+    /// SPEC B1: how long D keeps a finished turn's blocks in bidirectional mode.
+    pub decoder_kv_blocks_ttl: Duration,
+    pub bidirectional: bool,
+    pub load_failure_policy: LoadFailurePolicy,
+    /// SPEC D2: heartbeats are split into messages of at most this many bytes.
+    pub max_notif_bytes: usize,
+}
+
+impl LeaseConfig {
+    /// SPEC P4: how late after its deadline a lease may be reaped, min(I/10, 100 ms).
+    pub fn reap_granularity(&self) -> Duration {
+        (self.heartbeat_interval / 10).min(Duration::from_millis(100))
+    }
+
+    /// The lease parameters for a lease duration of `secs`, everything else at its default.
+    pub fn with_lease_secs(secs: f64) -> Result<LeaseConfig, ConfigError> {
+        let mut extra = Map::new();
+        extra.insert("kv_lease_duration".into(), Value::from(secs));
+        Self::from_extra(&extra, &mut Vec::new())
+    }
+
+    fn from_extra(extra: &Map<String, Value>, warnings: &mut Vec<String>) -> Result<LeaseConfig, ConfigError> {
+        let lease = secs_key(extra, "kv_lease_duration", 30.0)?;
+        let interval = lease / 6;
+        if interval < Duration::from_millis(1) {
+            return Err(ConfigError::Invalid {
+                key: "kv_lease_duration",
+                why: format!(
+                    "{} s gives a heartbeat interval of {:?}; it must be at least 1 ms (use ≥ 0.006)",
+                    lease.as_secs_f64(),
+                    interval
+                ),
+            });
+        }
+        let max_lifetime = match extra.get("kv_lease_max_lifetime") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(secs_key(extra, "kv_lease_max_lifetime", 0.0)?),
+        };
+        let max_notif_bytes = match extra.get("max_notif_bytes") {
+            None => crate::wire::DEFAULT_MAX_NOTIF_BYTES,
+            Some(v) => {
+                let n = number(v).filter(|n| n.fract() == 0.0 && *n >= crate::wire::MIN_MAX_NOTIF_BYTES as f64 && *n <= u32::MAX as f64);
+                match n {
+                    Some(n) => n as usize,
+                    None => {
+                        return Err(ConfigError::Invalid {
+                            key: "max_notif_bytes",
+                            why: format!("{v} is not a whole number of bytes ≥ {}", crate::wire::MIN_MAX_NOTIF_BYTES),
+                        })
+                    }
+                }
+            }
+        };
+        let load_failure_policy = match extra.get("kv_load_failure_policy") {
+            None => LoadFailurePolicy::Recompute,
+            Some(v) => policy(v)?,
+        };
+        for key in extra.keys() {
+            if !KNOWN_EXTRA_KEYS.contains(&key.as_str()) {
+                warnings.push(format!("kv_connector_extra_config: unknown key {key:?} ignored"));
+            }
+        }
+        Ok(LeaseConfig {
+            lease_duration: lease,
+            heartbeat_interval: interval,
+            extension: lease * 2 / 3,
+            max_lifetime,
+            decoder_kv_blocks_ttl: secs_key(extra, "decoder_kv_blocks_ttl", 480.0)?,
+            bidirectional: bool_key(extra, "bidirectional_kv_xfer", false)?,
+            load_failure_policy,
+            max_notif_bytes,
+        })
+    }
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self::from_extra(&Map::new(), &mut Vec::new()).expect("defaults are valid")
+    }
+}
+
+/// The whole `--kv-transfer-config`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvTransferConfig {
+    /// `NixlConnector` or `KvLeaseConnector`, as given.
+    pub kv_connector: String,
+    pub kv_role: KvRole,
+    /// `engine_id` if the config names one.
+    pub engine_id: Option<String>,
+    pub lease: LeaseConfig,
+}
+
+impl KvTransferConfig {
+    /// Parses the JSON text of `--kv-transfer-config`. Returns the config and the warnings to log.
+    pub fn parse(json: &str) -> Result<(KvTransferConfig, Vec<String>), ConfigError> {
+        let value: Value = serde_json::from_str(json).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let Value::Object(top) = value else {
+            return Err(ConfigError::Json("expected a JSON object".into()));
+        };
+        let mut warnings = Vec::new();
+        let kv_connector = match top.get("kv_connector") {
+            None => "NixlConnector".to_string(),
+            Some(Value::String(s)) if CONNECTORS.contains(&s.as_str()) => s.clone(),
+            Some(v) => {
+                return Err(ConfigError::Invalid { key: "kv_connector", why: format!("{v} is not supported; use one of {CONNECTORS:?}") })
+            }
+        };
+        let kv_role = match top.get("kv_role") {
+            None => KvRole::Both,
+            Some(Value::String(s)) => match s.as_str() {
+                "kv_producer" => KvRole::Producer,
+                "kv_consumer" => KvRole::Consumer,
+                "kv_both" => KvRole::Both,
+                _ => {
+                    return Err(ConfigError::Invalid {
+                        key: "kv_role",
+                        why: format!("{s:?} is not one of kv_producer, kv_consumer, kv_both"),
+                    })
+                }
+            },
+            Some(v) => return Err(ConfigError::Invalid { key: "kv_role", why: format!("{v} is not a string") }),
+        };
+        let engine_id = match top.get("engine_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(v) => return Err(ConfigError::Invalid { key: "engine_id", why: format!("{v} is not a non-empty string") }),
+        };
+        let empty = Map::new();
+        let extra = match top.get("kv_connector_extra_config") {
+            None | Some(Value::Null) => &empty,
+            Some(Value::Object(m)) => m,
+            Some(v) => return Err(ConfigError::Invalid { key: "kv_connector_extra_config", why: format!("{v} is not an object") }),
+        };
+        let mut lease = LeaseConfig::from_extra(extra, &mut warnings)?;
+        // vLLM keeps kv_load_failure_policy at the top level of the config; we accept both places.
+        if let Some(v) = top.get("kv_load_failure_policy") {
+            lease.load_failure_policy = policy(v)?;
+        }
+        for key in top.keys() {
+            if !KNOWN_TOP_KEYS.contains(&key.as_str()) {
+                warnings.push(format!("kv-transfer-config: unknown key {key:?} ignored"));
+            }
+        }
+        Ok((KvTransferConfig { kv_connector, kv_role, engine_id, lease }, warnings))
+    }
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        KvTransferConfig { kv_connector: "NixlConnector".into(), kv_role: KvRole::Both, engine_id: None, lease: LeaseConfig::default() }
+    }
+}
+
+const CONNECTORS: [&str; 2] = ["NixlConnector", "KvLeaseConnector"];
+
+/// vLLM's `KVTransferConfig` fields: accepted silently, used where they mean something here.
+const KNOWN_TOP_KEYS: [&str; 13] = [
+    "kv_connector",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_role",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+    "enable_permute_local_kv",
+    "kv_load_failure_policy",
+];
+
+const KNOWN_EXTRA_KEYS: [&str; 8] = [
+    "kv_lease_duration",
+    "kv_lease_max_lifetime",
+    "decoder_kv_blocks_ttl",
+    "bidirectional_kv_xfer",
+    "kv_load_failure_policy",
+    "max_notif_bytes",
+    "backends",
+    "num_threads",
+];
+
+/// Why a `--kv-transfer-config` was refused.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ConfigError {
+    #[error("--kv-transfer-config is not valid JSON: {0}")]
+    Json(String),
+    #[error("--kv-transfer-config: {key}: {why}")]
+    Invalid { key: &'static str, why: String },
+}
+
+/// A JSON number, or a string holding one (vLLM applies `float()` to these values).
+fn number(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse::<f64>().ok(),
+        _ => None,
+    }
+}
+
+fn secs_key(extra: &Map<String, Value>, key: &'static str, default: f64) -> Result<Duration, ConfigError> {
+    let secs = match extra.get(key) {
+        None => default,
+        Some(v) => number(v).ok_or_else(|| ConfigError::Invalid { key, why: format!("{v} is not a number of seconds") })?,
+    };
+    if !secs.is_finite() || secs <= 0.0 {
+        return Err(ConfigError::Invalid { key, why: format!("{secs} must be a positive, finite number of seconds") });
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| ConfigError::Invalid { key, why: format!("{secs} s: {e}") })
+}
+
+fn bool_key(extra: &Map<String, Value>, key: &'static str, default: bool) -> Result<bool, ConfigError> {
+    match extra.get(key) {
+        None => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("true") => Ok(true),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("false") => Ok(false),
+        Some(v) => Err(ConfigError::Invalid { key, why: format!("{v} is not true or false") }),
+    }
+}
+
+fn policy(v: &Value) -> Result<LoadFailurePolicy, ConfigError> {
+    match v.as_str() {
+        Some("recompute") => Ok(LoadFailurePolicy::Recompute),
+        Some("fail") => Ok(LoadFailurePolicy::Fail),
+        _ => Err(ConfigError::Invalid { key: "kv_load_failure_policy", why: format!("{v} is not \"recompute\" or \"fail\"") }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_derive_interval_and_extension_from_lease() {
+        let (c, w) = KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#).unwrap();
+        assert!(w.is_empty());
+        assert_eq!(c.lease.lease_duration, Duration::from_secs(30));
+        assert_eq!(c.lease.heartbeat_interval, Duration::from_secs(5));
+        assert_eq!(c.lease.extension, Duration::from_secs(20));
+        assert_eq!(c.lease.decoder_kv_blocks_ttl, Duration::from_secs(480));
+        assert_eq!(c.lease.load_failure_policy, LoadFailurePolicy::Recompute);
+        assert_eq!(c.lease.max_lifetime, None);
+        assert!(!c.lease.bidirectional);
+        assert_eq!(c.lease.reap_granularity(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn spec_example_and_fractional_seconds() {
+        let (c, _) = KvTransferConfig::parse(
+            r#"{"kv_connector":"KvLeaseConnector","kv_role":"kv_producer",
+                "kv_connector_extra_config":{"kv_lease_duration":1.5,"decoder_kv_blocks_ttl":"60",
+                "bidirectional_kv_xfer":true,"kv_load_failure_policy":"fail","kv_lease_max_lifetime":90}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.kv_role, KvRole::Producer);
+        assert_eq!(c.lease.lease_duration, Duration::from_millis(1500));
+        assert_eq!(c.lease.heartbeat_interval, Duration::from_millis(250));
+        assert_eq!(c.lease.extension, Duration::from_millis(1000));
+        assert_eq!(c.lease.decoder_kv_blocks_ttl, Duration::from_secs(60));
+        assert_eq!(c.lease.max_lifetime, Some(Duration::from_secs(90)));
+        assert_eq!(c.lease.load_failure_policy, LoadFailurePolicy::Fail);
+        assert!(c.lease.bidirectional);
+        assert_eq!(c.lease.reap_granularity(), Duration::from_millis(25));
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        for (json, key) in [
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":0}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":-3}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":"NaN"}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":"soon"}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":0.001}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"decoder_kv_blocks_ttl":[]}}"#, "decoder_kv_blocks_ttl"),
+            (r#"{"kv_connector_extra_config":{"kv_load_failure_policy":"retry"}}"#, "kv_load_failure_policy"),
+            (r#"{"kv_connector_extra_config":{"max_notif_bytes":16}}"#, "max_notif_bytes"),
+            (r#"{"kv_connector_extra_config":{"bidirectional_kv_xfer":3}}"#, "bidirectional_kv_xfer"),
+            (r#"{"kv_role":"kv_reader"}"#, "kv_role"),
+            (r#"{"kv_connector":"LMCacheConnector"}"#, "kv_connector"),
+            (r#"{"kv_connector_extra_config":"x"}"#, "kv_connector_extra_config"),
+        ] {
+            let err = KvTransferConfig::parse(json).unwrap_err();
+            assert!(err.to_string().contains(key), "{json}: {err}");
+        }
+        assert!(matches!(KvTransferConfig::parse("{not json"), Err(ConfigError::Json(_))));
+        assert!(matches!(KvTransferConfig::parse("[]"), Err(ConfigError::Json(_))));
+    }
+
+    #[test]
+    fn unknown_keys_warn_and_vllm_keys_are_accepted() {
+        let (c, w) = KvTransferConfig::parse(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cuda",
+                "engine_id":"p0","kv_load_failure_policy":"fail","colour":"red",
+                "kv_connector_extra_config":{"backends":["UCX"],"flavour":1}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.engine_id.as_deref(), Some("p0"));
+        assert_eq!(c.kv_role, KvRole::Consumer);
+        assert_eq!(c.lease.load_failure_policy, LoadFailurePolicy::Fail);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w.iter().any(|m| m.contains("colour")) && w.iter().any(|m| m.contains("flavour")));
+    }
+}

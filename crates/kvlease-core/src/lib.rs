@@ -1,0 +1,24 @@
+//! kvlease-core: the KV-cache lease protocol of SPEC.md as a sans-io library.
+//!
+//! Nothing in this crate touches a socket, a thread or a clock. Time comes in as an argument
+//! ([`Nanos`], monotonic nanoseconds on the caller's clock); messages come in and go out as bytes
+//! or as [`wire::Message`] values. The serving runtime and the simulator drive the same types, so
+//! every rule of the protocol is written once, here, and tested here.
+//!
+//! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
+//! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
+//! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
+//! * [`wire`] — the notification codec (SPEC §9).
+//! * [`clock`] — clock-offset estimation for bidirectional transfer (SPEC B2).
+
+pub mod clock;
+pub mod config;
+pub mod lease_table;
+pub mod renewer;
+mod time;
+pub mod wire;
+
+pub use time::Nanos;
+
+/// A lease's fencing token, assigned by P, never reused within one incarnation (SPEC §3).
+pub type LeaseId = u64;

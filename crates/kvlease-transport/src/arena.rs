@@ -1,0 +1,95 @@
+//! Registered block memory: the bytes of a rank's KV cache, shared by the engine (which writes
+//! blocks it owns) and the agent (which copies leased blocks out, or fetched blocks in).
+//!
+//! Like GPU memory registered with NIXL, the arena is raw: who may touch which block when is
+//! decided by the engine's block pool and the lease table (a leased block is never written; a
+//! block being read is never reused, SPEC P5). The accessors are therefore `unsafe` and copy
+//! through raw pointers; they never hand out references.
+
+use std::sync::Arc;
+
+/// A fixed array of `num_blocks` blocks of `block_bytes` bytes each, 64-byte aligned.
+pub struct BlockArena {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+    num_blocks: u32,
+    block_bytes: usize,
+}
+
+// SAFETY: the arena is plain memory; access discipline is the callers' (see the module doc).
+unsafe impl Send for BlockArena {}
+unsafe impl Sync for BlockArena {}
+
+impl std::fmt::Debug for BlockArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockArena").field("num_blocks", &self.num_blocks).field("block_bytes", &self.block_bytes).finish()
+    }
+}
+
+impl BlockArena {
+    /// Zeroed memory for `num_blocks` blocks of `block_bytes` (both > 0).
+    pub fn new(num_blocks: u32, block_bytes: usize) -> Arc<BlockArena> {
+        assert!(num_blocks > 0 && block_bytes > 0, "an arena needs at least one non-empty block");
+        let size = (num_blocks as usize).checked_mul(block_bytes).expect("arena size overflows usize");
+        let layout = std::alloc::Layout::from_size_align(size, 64).expect("arena layout");
+        // SAFETY: size > 0.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Arc::new(BlockArena { ptr, layout, num_blocks, block_bytes })
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Base address and length, for registration with a NIC.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether `len` bytes at `offset` in `block` lie inside the arena.
+    pub fn contains(&self, block: u32, offset: usize, len: usize) -> bool {
+        block < self.num_blocks && offset.checked_add(len).is_some_and(|end| end <= self.block_bytes)
+    }
+
+    /// Copies `dst.len()` bytes from `offset` in `block` into `dst`.
+    ///
+    /// # Safety
+    /// The range must be inside the arena ([`BlockArena::contains`]) and nobody may be writing it.
+    pub unsafe fn copy_out(&self, block: u32, offset: usize, dst: &mut [u8]) {
+        debug_assert!(self.contains(block, offset, dst.len()));
+        let src = self.ptr.add(block as usize * self.block_bytes + offset);
+        std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+    }
+
+    /// Copies `src` to `offset` in `block`.
+    ///
+    /// # Safety
+    /// The range must be inside the arena and owned by the caller: nobody else reads or writes it.
+    pub unsafe fn copy_in(&self, block: u32, offset: usize, src: &[u8]) {
+        debug_assert!(self.contains(block, offset, src.len()));
+        let dst = self.ptr.add(block as usize * self.block_bytes + offset);
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+    }
+}
+
+impl Drop for BlockArena {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}

@@ -1,0 +1,127 @@
+//! kvlease-transport: the transfer agent, in NIXL's model.
+//!
+//! An agent per rank owns a [`BlockArena`] (registered memory) and talks to peer agents it was
+//! introduced to by metadata ([`Agent::metadata`] / [`Agent::add_peer`], exchanged over the
+//! engine's own handshake channel). It does two things: one-sided reads of a peer's blocks into
+//! its own ([`Agent::read`]), and small opaque notifications both ways ([`Agent::send_notif`],
+//! [`AgentEvent::Notification`]). It knows nothing of leases beyond the `lease_id` a read names:
+//! the serving side decides through its [`ReadGate`] whether a read may be served (SPEC P5, S2).
+//!
+//! Backends: `tcp` (tokio, the default), `mem` (in-process, for tests and simulation).
+//! A backend that cannot refuse reads (NIXL: the NIC reads P's memory without asking P) says so
+//! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
+//! alone (SPEC D6).
+
+mod arena;
+pub mod mem;
+pub mod tcp;
+
+pub use arena::BlockArena;
+
+use std::future::Future;
+use std::pin::Pin;
+use thiserror::Error;
+
+/// A future returned by an [`Agent`] method.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One contiguous piece of a read: `len` bytes at `remote_offset` in the peer's block
+/// `remote_block`, landing at `local_offset` in our block `local_block`. Heterogeneous TP reads
+/// a slice of a block (its KV heads), hence offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub remote_block: u32,
+    pub remote_offset: u32,
+    pub local_block: u32,
+    pub local_offset: u32,
+    pub len: u32,
+}
+
+/// A one-sided read of a peer's blocks, fenced by the lease that pins them (SPEC S2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadOp {
+    pub lease_id: u64,
+    pub segments: Vec<Segment>,
+    /// Delivered to the peer as a notification once the data has landed here (NIXL attaches
+    /// the notification to the READ; the `ReadDone` of SPEC P8).
+    pub notif: Option<Vec<u8>>,
+}
+
+/// What an agent reports, on the channel given at its start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentEvent {
+    /// A notification from a peer that completed a handshake.
+    Notification { from: String, bytes: Vec<u8> },
+    /// A message dropped before it reached the engine (SPEC P7): `reason` is `unknown_agent`,
+    /// `malformed` or `oversized` (`kvlease_messages_rejected_total{reason}`).
+    Rejected { reason: &'static str },
+    /// The connection to a peer broke; its in-flight reads failed with `Disconnected`.
+    Disconnected { peer: String },
+}
+
+/// The serving side's say over reads of its memory (SPEC P5, S2).
+pub trait ReadGate: Send + Sync + 'static {
+    /// Peer `peer` asks to read `blocks` under `lease_id`. Return a permit to serve it, or `None`
+    /// to refuse (the lease is not live, or the blocks are not the lease's). The agent drops the
+    /// permit when the bytes have been copied out: until then no block of the lease is reused.
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit>;
+}
+
+/// Held while a read is served; dropping it ends the read.
+pub type ReadPermit = Box<dyn Send>;
+
+/// A gate that serves every read of a known peer: for memory not under leases (tests).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct OpenGate;
+
+impl ReadGate for OpenGate {
+    fn begin_read(&self, _peer: &str, _lease_id: u64, _blocks: &[u32]) -> Option<ReadPermit> {
+        Some(Box::new(()))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum TransportError {
+    #[error("unknown peer agent {0:?}: no handshake with it")]
+    UnknownPeer(String),
+    #[error("peer refused the read of lease {lease_id}: lease lost")]
+    Refused { lease_id: u64 },
+    #[error("peer agent {0:?} disconnected")]
+    Disconnected(String),
+    #[error("bad agent metadata: {0}")]
+    BadMetadata(String),
+    #[error("segment out of range: {0}")]
+    OutOfRange(String),
+    #[error("transport I/O error: {0}")]
+    Io(String),
+}
+
+/// A transfer agent (one per rank).
+pub trait Agent: Send + Sync + 'static {
+    /// This agent's unique name (`{engine_id}/{incarnation}/{rank}` by convention).
+    fn name(&self) -> &str;
+
+    /// What a peer needs to reach this agent; opaque, a few hundred bytes.
+    fn metadata(&self) -> Vec<u8>;
+
+    /// Introduce a peer by its metadata (NIXL's `load_remote_md`). Until this is called for a
+    /// peer, its connections, reads and notifications are refused (SPEC S2, P7). Returns the
+    /// peer's name. Either side may add the other first; both directions then work.
+    fn add_peer<'a>(&'a self, metadata: &'a [u8]) -> BoxFuture<'a, Result<String, TransportError>>;
+
+    /// Forget a peer: its connection is closed and its messages refused from now on.
+    fn remove_peer(&self, peer: &str);
+
+    /// Read from a peer's registered blocks into ours; resolves when the data has landed and the
+    /// op's notification was handed to the peer.
+    fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Send a notification; queued, never blocks. Fails at once for an unknown peer.
+    fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError>;
+
+    /// Whether the serving side's [`ReadGate`] sees (and may refuse) each read.
+    fn can_refuse_reads(&self) -> bool;
+
+    /// The memory this agent registered.
+    fn arena(&self) -> &BlockArena;
+}
