@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 /// Why a lease ended; each release is counted under exactly one (SPEC P3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ReleaseReason {
     Transferred,
     Released,

@@ -154,10 +154,16 @@ impl Renewer {
             engine.failures = 0;
             engine.inflight.clear();
         }
+        // The same id from another incarnation of P: the older grant is certainly dead.
+        let stale = engine.leases.get(&lease_id).is_some_and(|t| t.incarnation != remote.incarnation);
         if engine.leases.is_empty() {
             // The first lease toward an idle engine is renewed at once: D learns it is live early.
             engine.next_due = engine.next_due.min(now);
         }
+        if stale {
+            self.lose(&remote.engine_id, lease_id);
+        }
+        let Some(engine) = self.engines.get_mut(&remote.engine_id) else { return };
         engine
             .leases
             .insert(lease_id, Tracked { request_id: request_id.to_string(), incarnation: remote.incarnation, acked_until: Nanos::ZERO });

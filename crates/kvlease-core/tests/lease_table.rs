@@ -1,0 +1,326 @@
+//! P's lease table against SPEC §4, one test per invariant.
+
+use kvlease_core::config::LeaseConfig;
+use kvlease_core::lease_table::{Completion, LeaseTable, ReleaseReason, Released};
+use kvlease_core::Nanos;
+use std::time::Duration;
+
+fn table() -> LeaseTable<&'static str> {
+    LeaseTable::new(&LeaseConfig::default()) // L = 30 s, E = 20 s, I = 5 s, granularity 100 ms
+}
+
+fn secs(s: f64) -> Nanos {
+    Nanos::from_secs_f64(s)
+}
+
+fn reasons<T>(r: &[Released<T>]) -> Vec<(u64, ReleaseReason)> {
+    r.iter().map(|r| (r.lease_id, r.reason)).collect()
+}
+
+/// SPEC P1: a grant runs for L from now, counts its blocks, and ids are never reused.
+#[test]
+fn p1_grant_runs_for_l_and_ids_are_unique() {
+    let mut t = table();
+    let a = t.grant(secs(1.0), 4, "a");
+    let b = t.grant(secs(1.0), 2, "b");
+    assert_ne!(a, b);
+    assert_eq!(t.deadline(a), Some(secs(31.0)));
+    assert_eq!((t.live(), t.leased_blocks()), (2, 6));
+    let mut rel = Vec::new();
+    t.release(&[a], secs(2.0), &mut Vec::new(), &mut rel);
+    let c = t.grant(secs(3.0), 1, "c");
+    assert!(c != a && c != b, "a released id is never handed out again");
+    assert_eq!(t.stats().granted, 3);
+}
+
+/// SPEC P2: a heartbeat sets max(deadline, now + E); it never shortens a lease.
+#[test]
+fn p2_renewal_takes_the_max_and_never_shortens() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, "a");
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    // now + E = 21 s < 30 s: unchanged.
+    assert_eq!(t.renew(&[a], secs(1.0), &mut lost, &mut rel), 1);
+    assert_eq!(t.deadline(a), Some(secs(30.0)));
+    // now + E = 35 s > 30 s: extended.
+    t.renew(&[a], secs(15.0), &mut lost, &mut rel);
+    assert_eq!(t.deadline(a), Some(secs(35.0)));
+    // An older heartbeat processed late cannot pull it back.
+    t.renew(&[a], secs(14.0), &mut lost, &mut rel);
+    assert_eq!(t.deadline(a), Some(secs(35.0)));
+    assert!(lost.is_empty() && rel.is_empty());
+    assert_eq!(t.stats().renewals, 3);
+}
+
+/// SPEC P3: each lease is released exactly once, by the first cause, counted under one reason;
+/// everything after is answered as lost.
+#[test]
+fn p3_release_happens_once_under_the_first_reason() {
+    let mut t = table();
+    let ids: Vec<u64> = (0..4).map(|_| t.grant(secs(0.0), 1, "x")).collect();
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    assert_eq!(t.complete(ids[0], 0, 1, secs(1.0), &mut rel), Completion::Transferred);
+    t.release(&[ids[1]], secs(1.0), &mut lost, &mut rel);
+    t.tick(secs(40.0), &mut rel); // ids[2], ids[3] expire
+    t.shutdown(secs(41.0), &mut rel); // nothing left
+    assert_eq!(
+        reasons(&rel),
+        vec![
+            (ids[0], ReleaseReason::Transferred),
+            (ids[1], ReleaseReason::Released),
+            (ids[2], ReleaseReason::Expired),
+            (ids[3], ReleaseReason::Expired)
+        ]
+    );
+    assert!(rel.iter().all(|r| r.payload.is_some()));
+    // Late messages for all of them: lost, and nothing released twice.
+    let n = rel.len();
+    assert_eq!(t.renew(&ids, secs(42.0), &mut lost, &mut rel), 0);
+    t.release(&ids, secs(42.0), &mut lost, &mut rel);
+    assert_eq!(t.complete(ids[0], 1, 2, secs(42.0), &mut rel), Completion::Lost);
+    assert_eq!(rel.len(), n);
+    assert_eq!(lost.len(), 8);
+    assert_eq!(t.stats().released, [1, 1, 2, 0]);
+}
+
+/// SPEC P3: shutdown releases whatever is live as `shutdown`, including leases in the side map.
+#[test]
+fn p3_shutdown_releases_everything_live() {
+    let mut t = table();
+    let old = t.grant(secs(0.0), 1, "old");
+    let mut rel = Vec::new();
+    // Push `old` out of the dense window: many short-lived leases after it.
+    for i in 0..5000 {
+        let id = t.grant(secs(0.0), 1, "tmp");
+        if i % 2 == 0 {
+            t.release(&[id], secs(0.0), &mut Vec::new(), &mut rel);
+        } else {
+            t.complete(id, 0, 1, secs(0.0), &mut rel);
+        }
+    }
+    let young = t.grant(secs(1.0), 3, "young");
+    rel.clear();
+    t.shutdown(secs(2.0), &mut rel);
+    let mut got = reasons(&rel);
+    got.sort();
+    assert_eq!(got, vec![(old, ReleaseReason::Shutdown), (young, ReleaseReason::Shutdown)]);
+    assert_eq!((t.live(), t.leased_blocks()), (0, 0));
+}
+
+/// SPEC P4 (vLLM #58222): expiry does not depend on insertion order — a renewed lease granted
+/// first does not strand expired leases granted after it — and happens on a tick of an otherwise
+/// idle table.
+#[test]
+fn p4_expiry_is_in_deadline_order_not_insertion_order() {
+    let mut t = table();
+    let first = t.grant(secs(0.0), 1, "renewed");
+    let later: Vec<u64> = (0..100).map(|_| t.grant(secs(1.0), 1, "stale")).collect();
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    for s in [10.0, 20.0, 30.0] {
+        t.renew(&[first], secs(s), &mut lost, &mut rel);
+    }
+    t.tick(secs(31.0), &mut rel);
+    let expired: Vec<u64> = rel.iter().map(|r| r.lease_id).collect();
+    assert_eq!(expired, later, "all later leases expire although the first one is still live");
+    assert_eq!(t.deadline(first), Some(secs(50.0)));
+    rel.clear();
+    t.tick(secs(50.0), &mut rel);
+    assert_eq!(reasons(&rel), vec![(first, ReleaseReason::Expired)]);
+}
+
+/// SPEC P4: a lease whose deadline ≤ now is gone after the next tick, whatever the tick spacing,
+/// and never before its deadline.
+#[test]
+fn p4_every_tick_reaps_exactly_the_expired() {
+    let cfg = LeaseConfig::with_lease_secs(0.6).unwrap(); // E = 0.4 s, granularity 10 ms
+    let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+    let mut rel = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..2000u64 {
+        // Grants spread over 2 s, some renewed once.
+        let now = Nanos(i * 1_000_000);
+        let id = t.grant(now, 1, ());
+        if i % 3 == 0 {
+            t.renew(&[id], now + Duration::from_millis(500), &mut Vec::new(), &mut rel);
+        }
+        ids.push(id);
+    }
+    assert!(rel.is_empty());
+    let mut now = Nanos(0);
+    for step in [7u64, 1, 13, 100, 3, 250, 1, 999] {
+        for _ in 0..6 {
+            now = now + Duration::from_millis(step);
+            t.tick(now, &mut rel);
+            for r in rel.drain(..) {
+                assert_eq!(r.reason, ReleaseReason::Expired);
+            }
+            for &id in &ids {
+                if let Some(d) = t.deadline(id) {
+                    assert!(d > now, "lease {id} with deadline {d:?} survived a tick at {now:?}");
+                }
+            }
+        }
+    }
+}
+
+/// SPEC P4: after a long quiet spell a single tick reaps everything (no turn of the wheel missed),
+/// including leases renewed far past the wheel's horizon.
+#[test]
+fn p4_long_gaps_and_far_deadlines() {
+    let cfg = LeaseConfig { max_lifetime: None, ..LeaseConfig::with_lease_secs(0.06).unwrap() };
+    let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+    let mut rel = Vec::new();
+    let a = t.grant(Nanos(0), 1, ());
+    let b = t.grant(Nanos(0), 1, ());
+    // Keep `a` alive for 10 s with renewals every 10 ms while ticking.
+    let mut now = Nanos(0);
+    for _ in 0..1000 {
+        now = now + Duration::from_millis(10);
+        t.renew(&[a], now, &mut Vec::new(), &mut rel);
+        t.tick(now, &mut rel);
+    }
+    assert_eq!(reasons(&rel), vec![(b, ReleaseReason::Expired)]);
+    rel.clear();
+    t.tick(now + Duration::from_secs(3600), &mut rel);
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Expired)]);
+    assert_eq!(t.next_expiry(), None);
+}
+
+/// SPEC P5: a read begins only on a live lease; a lease released mid-read keeps its payload
+/// (its blocks) until the last reader ends.
+#[test]
+fn p5_no_reuse_under_a_reader() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 2, "blocks");
+    let mut rel = Vec::new();
+    let r1 = t.begin_read(a, secs(1.0), &mut rel).unwrap();
+    let r2 = t.begin_read(a, secs(1.0), &mut rel).unwrap();
+    t.tick(secs(31.0), &mut rel);
+    assert_eq!(rel.len(), 1);
+    assert!(rel[0].payload.is_none(), "payload must stay parked while read");
+    assert_eq!(t.parked(), 1);
+    assert!(t.begin_read(a, secs(31.0), &mut rel).is_none(), "no new read of a dead lease");
+    assert_eq!(t.end_read(r1), None);
+    assert_eq!(t.end_read(r2), Some("blocks"));
+    assert_eq!(t.parked(), 0);
+    // A read that ends normally returns nothing; the lease stays live.
+    let b = t.grant(secs(40.0), 1, "b");
+    let r = t.begin_read(b, secs(40.0), &mut rel).unwrap();
+    assert_eq!(t.end_read(r), None);
+    assert!(t.deadline(b).is_some());
+}
+
+/// SPEC P5, P6: a read, renewal or completion arriving after the deadline but before the reaper
+/// tick finds the lease dead (and releases it as expired), never live.
+#[test]
+fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
+    let mut t = table();
+    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    assert!(t.begin_read(a, secs(30.0), &mut rel).is_none());
+    assert_eq!(t.renew(&[b], secs(30.0), &mut lost, &mut rel), 0);
+    assert_eq!(t.complete(c, 0, 1, secs(30.0), &mut rel), Completion::Lost);
+    assert_eq!(lost, vec![b]);
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Expired), (b, ReleaseReason::Expired), (c, ReleaseReason::Expired)]);
+}
+
+/// SPEC P6: unknown and released ids in a heartbeat are answered lost; live ones renew.
+#[test]
+fn p6_unknown_ids_are_reported_lost() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, "a");
+    let b = t.grant(secs(0.0), 1, "b");
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    t.release(&[b], secs(1.0), &mut lost, &mut rel);
+    assert_eq!(t.renew(&[a, b, 999, 0, u64::MAX], secs(15.0), &mut lost, &mut rel), 1);
+    assert_eq!(lost, vec![b, 999, 0, u64::MAX]);
+    assert_eq!(t.deadline(a), Some(secs(35.0)));
+}
+
+/// SPEC P8: with n expected consumers the lease is transferred at the n-th distinct one;
+/// duplicates do not count twice.
+#[test]
+fn p8_transferred_after_n_distinct_consumers() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, "a");
+    let mut rel = Vec::new();
+    assert_eq!(t.complete(a, 0, 3, secs(1.0), &mut rel), Completion::Pending);
+    assert_eq!(t.complete(a, 0, 3, secs(1.0), &mut rel), Completion::Pending, "duplicate");
+    assert_eq!(t.complete(a, 2, 3, secs(1.0), &mut rel), Completion::Pending);
+    assert!(rel.is_empty());
+    assert_eq!(t.complete(a, 1, 3, secs(1.0), &mut rel), Completion::Transferred);
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Transferred)]);
+    assert_eq!(rel[0].held, Duration::from_secs(1));
+    // n = 0 is read as 1: a malformed count cannot pin a lease forever nor free it twice.
+    let b = t.grant(secs(0.0), 1, "b");
+    assert_eq!(t.complete(b, 7, 0, secs(1.0), &mut rel), Completion::Transferred);
+}
+
+/// SPEC P9: with kv_lease_max_lifetime, renewals stop at grant + max_lifetime.
+#[test]
+fn p9_max_lifetime_caps_renewals() {
+    let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(60)), ..LeaseConfig::default() };
+    let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+    let a = t.grant(secs(10.0), 1, ());
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    for s in (15..=120).step_by(5) {
+        t.renew(&[a], secs(s as f64), &mut lost, &mut rel);
+        t.tick(secs(s as f64), &mut rel);
+    }
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Expired)]);
+    assert_eq!(rel[0].held, Duration::from_secs(60));
+    // Off by default: the same renewals keep a lease forever.
+    let mut t: LeaseTable<()> = LeaseTable::new(&LeaseConfig::default());
+    let b = t.grant(secs(10.0), 1, ());
+    rel.clear();
+    for s in (15..=1000).step_by(5) {
+        t.renew(&[b], secs(s as f64), &mut lost, &mut rel);
+        t.tick(secs(s as f64), &mut rel);
+    }
+    assert!(rel.is_empty());
+}
+
+/// Memory stays O(live): one lease kept alive while a million come and go does not grow the
+/// dense window (it moves to the side map).
+#[test]
+fn window_stays_small_behind_a_long_lived_lease() {
+    let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
+    let keep = t.grant(Nanos(0), 1, 0);
+    let mut rel = Vec::new();
+    for i in 0..200_000u32 {
+        let id = t.grant(Nanos(0), 1, i);
+        t.complete(id, 0, 1, Nanos(0), &mut rel);
+    }
+    assert_eq!(t.live(), 1);
+    assert_eq!(t.get(keep), Some(&0));
+    let mut lost = Vec::new();
+    assert_eq!(t.renew(&[keep], secs(25.0), &mut lost, &mut rel), 1);
+    assert_eq!(t.deadline(keep), Some(secs(45.0)));
+    assert_eq!(*t.stats(), kvlease_core::lease_table::LeaseStats { granted: 200_001, renewals: 1, released: [200_000, 0, 0, 0] });
+}
+
+/// SPEC P4: with sparse ticks (several buckets apart) renewed leases refiled past the wheel's
+/// horizon are still reaped on the first tick after their deadline, not a turn of the wheel later.
+#[test]
+fn p4_sparse_ticks_with_renewals() {
+    let cfg = LeaseConfig::with_lease_secs(0.6).unwrap(); // E = 400 ms, buckets of 10 ms, ring ~ 630 ms
+    for gaps in [[30u64, 50, 70, 130, 290], [290, 60, 13, 250, 80], [7, 290, 45, 1, 300]] {
+        let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+        let mut rel = Vec::new();
+        let ids: Vec<u64> = (0..50).map(|i| t.grant(Nanos(i * 3_000_000), 1, ())).collect();
+        let mut now = Nanos(0);
+        for round in 0..60u64 {
+            let gap_ms = gaps[round as usize % gaps.len()];
+            now = now + Duration::from_millis(gap_ms);
+            // Keep renewing a shrinking subset, so deadlines move while the cursor lags.
+            let keep = &ids[..ids.len().saturating_sub(round as usize)];
+            t.renew(keep, now, &mut Vec::new(), &mut rel);
+            t.tick(now, &mut rel);
+            for &id in &ids {
+                if let Some(d) = t.deadline(id) {
+                    assert!(d > now, "gap {gap_ms} ms: lease {id} due {d:?} survived a tick at {now:?}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! D's renewer against SPEC §5, one test per invariant.
+
+use kvlease_core::config::LeaseConfig;
+use kvlease_core::renewer::{Action, ReadCheck, Remote, Renewer, SendKind, Untrack};
+use kvlease_core::wire::Message;
+use kvlease_core::Nanos;
+use std::time::Duration;
+
+fn p(engine: &str) -> Remote {
+    Remote { engine_id: engine.into(), host: "127.0.0.1".into(), port: 7000, incarnation: 11 }
+}
+
+fn at(ms: u64) -> Nanos {
+    Nanos(ms * 1_000_000)
+}
+
+fn poll(r: &mut Renewer, now: Nanos) -> Vec<Action> {
+    let mut out = Vec::new();
+    r.poll(now, &mut out);
+    out
+}
+
+/// Decoded messages sent to `engine` among `actions`.
+fn sent(actions: &[Action], engine: &str) -> Vec<Message> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { engine_id, bytes, .. } if engine_id == engine => Some(Message::decode(bytes).unwrap()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn heartbeat_ids(actions: &[Action], engine: &str) -> Vec<u64> {
+    sent(actions, engine)
+        .into_iter()
+        .flat_map(|m| match m {
+            Message::Heartbeat { lease_ids, .. } => lease_ids,
+            _ => vec![],
+        })
+        .collect()
+}
+
+fn ready(r: &mut Renewer, engine: &str, now: Nanos) {
+    let acts = poll(r, now);
+    assert!(acts.iter().any(|a| matches!(a, Action::Handshake { engine_id, .. } if engine_id == engine)), "{acts:?}");
+    r.handshake_done(engine, Ok(11), now);
+}
+
+/// SPEC D1: tracking starts on arrival, grouped by remote engine: the first poll asks for a
+/// handshake per engine, and once ready each engine gets one heartbeat naming only its leases.
+#[test]
+fn d1_tracks_from_arrival_grouped_by_engine() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("req-a", &p("P1"), 5, at(0));
+    r.track("req-b", &p("P1"), 3, at(0));
+    r.track("req-c", &p("P2"), 5, at(0));
+    assert_eq!(r.tracked(), 3);
+    let acts = poll(&mut r, at(0));
+    let mut hs: Vec<&str> =
+        acts.iter().filter_map(|a| if let Action::Handshake { engine_id, .. } = a { Some(engine_id.as_str()) } else { None }).collect();
+    hs.sort();
+    assert_eq!(hs, ["P1", "P2"]);
+    r.handshake_done("P1", Ok(11), at(1));
+    r.handshake_done("P2", Ok(11), at(1));
+    let acts = poll(&mut r, at(1));
+    assert_eq!(heartbeat_ids(&acts, "P1"), vec![3, 5]);
+    assert_eq!(heartbeat_ids(&acts, "P2"), vec![5]);
+    assert_eq!(sent(&acts, "P1").len(), 1, "one batched message per engine");
+}
+
+/// SPEC D2: one heartbeat per engine per interval I, covering every tracked lease, and chunked
+/// to max_notif_bytes (down to 256 B) when large.
+#[test]
+fn d2_one_batched_heartbeat_per_interval_chunked() {
+    let cfg = LeaseConfig { max_notif_bytes: 256, ..LeaseConfig::default() };
+    let mut r = Renewer::new(&cfg);
+    for i in 0..2000u64 {
+        r.track(&format!("r{i}"), &p("P"), 1000 + i * 7, at(0));
+    }
+    ready(&mut r, "P", at(0));
+    let first = poll(&mut r, at(0));
+    let msgs = sent(&first, "P");
+    assert!(msgs.len() > 1, "2000 ids do not fit in 256 B");
+    assert!(first.iter().all(|a| !matches!(a, Action::Send { bytes, .. } if bytes.len() > 256)));
+    assert_eq!(heartbeat_ids(&first, "P"), (0..2000u64).map(|i| 1000 + i * 7).collect::<Vec<_>>());
+    // Nothing more until I = 5 s has passed.
+    assert!(poll(&mut r, at(4999)).is_empty());
+    assert_eq!(r.poll_timeout(), Some(at(5000)));
+    let second = poll(&mut r, at(5003));
+    assert_eq!(heartbeat_ids(&second, "P").len(), 2000);
+    let Some(Action::Send { kind: SendKind::Heartbeat { lateness }, .. }) = second.first() else { panic!("{second:?}") };
+    assert_eq!(*lateness, Duration::from_millis(3));
+}
+
+/// SPEC D4: a transfer done stops tracking silently; an abort before the transfer sends an
+/// explicit Release at once.
+#[test]
+fn d4_abort_releases_at_once_transfer_stops_silently() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("done", &p("P"), 1, at(0));
+    r.track("gone", &p("P"), 2, at(0));
+    r.track("stay", &p("P"), 3, at(0));
+    ready(&mut r, "P", at(0));
+    poll(&mut r, at(0));
+    r.untrack("done", Untrack::Transferred);
+    r.untrack("gone", Untrack::Abandoned);
+    assert!(!r.is_tracked("done") && !r.is_tracked("gone"));
+    assert_eq!(r.poll_timeout(), Some(Nanos::ZERO), "the release is due now");
+    let acts = poll(&mut r, at(10));
+    assert_eq!(sent(&acts, "P"), vec![Message::Release { lease_ids: vec![2] }]);
+    let later = poll(&mut r, at(5000));
+    assert_eq!(heartbeat_ids(&later, "P"), vec![3]);
+    r.untrack("stay", Untrack::Transferred);
+    assert!(poll(&mut r, at(10_000)).is_empty(), "no heartbeats for an engine with nothing tracked");
+    assert_eq!(r.poll_timeout(), None);
+}
+
+/// SPEC D5: the handshake runs in the background (poll never waits); failures back off; one
+/// dead P delays nothing toward another; new coordinates or a new incarnation reconnect.
+#[test]
+fn d5_background_handshake_backoff_and_reconnect() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("dead"), 1, at(0));
+    r.track("b", &p("live"), 1, at(0));
+    assert_eq!(poll(&mut r, at(0)).len(), 2);
+    assert!(poll(&mut r, at(1)).is_empty(), "pending handshakes are not restarted");
+    r.handshake_done("live", Ok(11), at(2));
+    r.handshake_done("dead", Err(()), at(2));
+    let acts = poll(&mut r, at(2));
+    assert_eq!(heartbeat_ids(&acts, "live"), vec![1], "first heartbeat right after the handshake");
+    assert!(sent(&acts, "dead").is_empty());
+    // Back-off: 100 ms, then 200 ms, 400 ms ...
+    assert!(poll(&mut r, at(101)).is_empty());
+    assert!(matches!(&poll(&mut r, at(102))[..], [Action::Handshake { engine_id, .. }] if engine_id == "dead"));
+    r.handshake_done("dead", Err(()), at(102));
+    assert!(poll(&mut r, at(301)).is_empty());
+    assert_eq!(poll(&mut r, at(302)).len(), 1);
+    // The live engine's schedule is unaffected by the dead one.
+    assert_eq!(heartbeat_ids(&poll(&mut r, at(5002)), "live"), vec![1]);
+    // New coordinates for "live": reconnect.
+    let moved = Remote { port: 7001, ..p("live") };
+    r.track("c", &moved, 2, at(5003));
+    assert!(matches!(&poll(&mut r, at(5003))[..], [Action::Handshake { port: 7001, .. }]));
+    r.handshake_done("live", Ok(11), at(5004));
+    assert_eq!(heartbeat_ids(&poll(&mut r, at(5004)), "live"), vec![1, 2]);
+    // A new incarnation: reconnect, and leases of the old one are lost.
+    let reborn = Remote { incarnation: 12, ..moved };
+    r.track("d", &reborn, 1, at(6000));
+    // Lease 1 of the old incarnation ("b") is dead at once: the new one reuses its id.
+    let acts = poll(&mut r, at(6000));
+    assert!(matches!(&acts[..], [Action::Lost { request_id, lease_id: 1 }, Action::Handshake { .. }] if request_id == "b"), "{acts:?}");
+    r.handshake_done("live", Ok(12), at(6001));
+    let acts = poll(&mut r, at(6001));
+    assert!(matches!(&acts[0], Action::Lost { request_id, lease_id: 2 } if request_id == "c"), "{acts:?}");
+    assert_eq!(heartbeat_ids(&acts, "live"), vec![1]);
+    assert!(r.is_tracked("d"));
+}
+
+/// SPEC D6: D reads only while an acknowledged heartbeat covers the read budget; otherwise it
+/// renews first; a lost id in an ack (or a LeaseLost) stops tracking and is reported.
+#[test]
+fn d6_read_only_under_an_acknowledged_lease() {
+    let mut r = Renewer::new(&LeaseConfig::default()); // E = 20 s
+    r.track("a", &p("P"), 7, at(0));
+    r.track("b", &p("P"), 8, at(0));
+    ready(&mut r, "P", at(0));
+    let budget = Duration::from_secs(1);
+    assert_eq!(r.read_check("a", budget, at(0)), ReadCheck::RenewFirst, "no ack yet");
+    let acts = poll(&mut r, at(0));
+    let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![8] });
+    // Acked at send time 0 + E: safe while now + budget < 20 s. Later heartbeats go unacked.
+    let acts = poll(&mut r, at(5_000));
+    assert!(acts.iter().any(|a| matches!(a, Action::Lost { request_id, lease_id: 8 } if request_id == "b")), "{acts:?}");
+    assert_eq!(heartbeat_ids(&acts, "P"), vec![7], "a lost lease is renewed no more");
+    poll(&mut r, at(10_000));
+    poll(&mut r, at(15_000));
+    assert_eq!(r.read_check("a", budget, at(18_999)), ReadCheck::Safe);
+    assert_eq!(r.read_check("a", budget, at(19_000)), ReadCheck::RenewFirst);
+    // The renewal for the read goes out now, not at the next interval.
+    let acts = poll(&mut r, at(19_000));
+    assert!(matches!(&acts[..], [Action::Send { kind: SendKind::ReadRenewal, .. }]), "{acts:?}");
+    assert_eq!(heartbeat_ids(&acts, "P"), vec![7]);
+    assert_eq!(r.read_check("b", budget, at(19_000)), ReadCheck::Untracked);
+    // An unsolicited LeaseLost.
+    r.on_message("P", &Message::LeaseLost { lease_ids: vec![7, 99] });
+    assert!(matches!(&poll(&mut r, at(19_001))[..], [Action::Lost { lease_id: 7, .. }]));
+    assert_eq!(r.tracked(), 0);
+}
+
+/// SPEC D6: an acknowledgement that arrives after E no longer proves anything.
+#[test]
+fn d6_stale_acknowledgements_are_ignored() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 7, at(0));
+    ready(&mut r, "P", at(0));
+    let acts = poll(&mut r, at(0));
+    let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
+    poll(&mut r, at(20_000)); // the heartbeat of t=0 ages out
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] });
+    assert_eq!(r.read_check("a", Duration::ZERO, at(20_001)), ReadCheck::RenewFirst);
+}
