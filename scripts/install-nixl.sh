@@ -19,6 +19,7 @@ STAMP="$UNPACK_DIR/.kvlease-unpacked"
 LIB_SUBDIR=".nixl_cu12.mesonpy.libs"
 
 log() { printf 'install-nixl: %s\n' "$*" >&2; }
+did_work=0
 die() {
     {
         printf '\n'
@@ -45,6 +46,7 @@ if ((${#missing[@]})); then
     SUDO=()
     if [[ $(id -u) -ne 0 ]]; then SUDO=(sudo); fi
     export DEBIAN_FRONTEND=noninteractive
+    did_work=1
     log "installing Debian packages: ${missing[*]}"
     # apt-get update only when the package lists do not know a package we need
     # (fresh machine); if the install still fails, refresh once and retry.
@@ -70,6 +72,7 @@ fi
 lib_dir_of() { printf '%s/%s' "$UNPACK_DIR" "$LIB_SUBDIR"; }
 
 if [[ ! -f $STAMP || ! -f "$(lib_dir_of)/libnixl_capi.so" ]]; then
+    did_work=1
     mkdir -p "$NIXL_DIR"
     wheel=$(find "$NIXL_DIR" -maxdepth 1 -name 'nixl_cu12-1.5.1-*.whl' -print -quit)
     if [[ -z $wheel ]]; then
@@ -87,10 +90,14 @@ if [[ ! -f $STAMP || ! -f "$(lib_dir_of)/libnixl_capi.so" ]]; then
         tmpdl=$(mktemp -d "$NIXL_DIR/.download.XXXXXX")
         trap 'rm -rf "$tmpdl"' EXIT
         log "downloading $NIXL_WHEEL_SPEC (~69 MB) into $NIXL_DIR"
+        # Pin the wheel's tags so the same file is fetched whatever the local
+        # Python version is (only the bundled C++ libraries are used).
         if ! "${PIP[@]}" download --no-deps --only-binary=:all: --disable-pip-version-check \
+            --python-version 3.11 --implementation cp --abi cp311 \
+            --platform "manylinux_2_28_$(uname -m)" \
             --progress-bar off -q "$NIXL_WHEEL_SPEC" -d "$tmpdl" >&2; then
             die "failed to download the NIXL wheel '$NIXL_WHEEL_SPEC' from PyPI" \
-                "Command: ${PIP[*]} download --no-deps $NIXL_WHEEL_SPEC -d $NIXL_DIR" \
+                "Command: ${PIP[*]} download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_$(uname -m) $NIXL_WHEEL_SPEC -d DIR" \
                 "Check network access to PyPI (and pip's index settings), then re-run" \
                 "scripts/install-nixl.sh. Without it the NIXL backend is unavailable" \
                 "(nixl_sys::is_stub() stays true) and NIXL tests cannot run."
@@ -125,5 +132,5 @@ if [[ ! -f $STAMP || ! -f "$(lib_dir_of)/libnixl_capi.so" ]]; then
 fi
 
 LIB_DIR=$(cd "$(lib_dir_of)" && pwd -P)
-log "NIXL libraries ready in $LIB_DIR"
+if ((did_work)); then log "NIXL libraries ready in $LIB_DIR"; fi
 printf '%s\n' "$LIB_DIR"
