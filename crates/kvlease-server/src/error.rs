@@ -1,0 +1,111 @@
+//! The OpenAI error shape: every failure the HTTP layer reports, as
+//! `{"error":{"message","type","param","code"}}` with a 4xx/5xx status.
+//!
+//! One type so that no path (body extraction, validation, the engine, the proxy's upstreams)
+//! can answer with axum's plain-text rejections or an empty 500.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use kvlease_engine::RequestError;
+use serde_json::{json, Value};
+
+/// An error answered to the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// OpenAI's `type`: `invalid_request_error` for the client's mistakes, `server_error` else.
+    pub kind: &'static str,
+    pub code: Option<String>,
+    pub param: Option<String>,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: Option<&str>, param: Option<&str>, message: impl Into<String>) -> ApiError {
+        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
+        ApiError { status, kind, code: code.map(str::to_owned), param: param.map(str::to_owned), message: message.into() }
+    }
+
+    /// 400, naming the offending field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, Some("invalid_value"), Some(param), message)
+    }
+
+    /// 400 about the body as a whole.
+    pub fn bad_body(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, Some("invalid_json"), None, message)
+    }
+
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, Some("model_not_found"), Some("model"), format!("The model `{model}` does not exist."))
+    }
+
+    pub fn too_large(limit: usize) -> ApiError {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Some("request_too_large"), None, format!("request body exceeds {limit} bytes"))
+    }
+
+    pub fn unsupported_media_type(got: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Some("unsupported_media_type"),
+            None,
+            format!("Content-Type `{got}` is not supported: send `application/json`"),
+        )
+    }
+
+    pub fn not_found(path: &str) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, Some("not_found"), None, format!("no route for `{path}`"))
+    }
+
+    pub fn method_not_allowed() -> ApiError {
+        ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Some("method_not_allowed"), None, "method not allowed on this path")
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Some("service_unavailable"), None, message)
+    }
+
+    /// 502: the proxy could not get an answer from an upstream engine.
+    pub fn bad_gateway(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_GATEWAY, Some("bad_gateway"), None, message)
+    }
+
+    /// The JSON body: `{"error":{…}}`.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> ApiError {
+        // An engine status outside 400..=599 would be an engine bug; report it as a server error.
+        let status = StatusCode::from_u16(e.status).ok().filter(|s| s.is_client_error() || s.is_server_error());
+        ApiError::new(status.unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), Some(e.code), e.param, e.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_keep_status_code_and_param() {
+        let e: ApiError = RequestError::bad_request(Some("prompt"), "token id 999 out of range").into();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let b = e.body();
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["param"], "prompt");
+        assert_eq!(b["error"]["code"], "invalid_request_error");
+        let e: ApiError = RequestError::unavailable("queue full").into();
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.body()["error"]["type"], "server_error");
+        let e: ApiError = RequestError { status: 42, code: "x", param: None, message: "?".into() }.into();
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

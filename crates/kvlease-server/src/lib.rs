@@ -1,0 +1,21 @@
+//! kvlease-server: the HTTP surface of kvlease.
+//!
+//! * [`serve`]: the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+//!   `/health`, `/metrics`) in front of one engine, with vLLM's `kv_transfer_params` (SPEC §10).
+//! * [`proxy`]: the P/D routing proxy, flag- and behaviour-compatible with vLLM's toy proxy.
+//!
+//! Bad input always gets a 4xx in the OpenAI error shape ([`ApiError`]), never a 5xx or a panic.
+
+mod api;
+mod body;
+mod error;
+pub mod ids;
+mod openai;
+mod proxy;
+mod sse;
+
+pub use api::{router, serve, REQUEST_ID};
+pub use body::MAX_BODY_BYTES;
+pub use error::ApiError;
+pub use openai::DEFAULT_MAX_TOKENS;
+pub use proxy::{proxy, router as proxy_router, ProxyConfig, ProxyError, Upstream};

@@ -1,0 +1,271 @@
+//! `kvlease proxy`: routes each completion through a prefill engine (P) and then a decode engine
+//! (D), as vLLM's toy proxy (`toy_proxy_server.py`) does, with the same flags, so either proxy
+//! drives either server (SPEC §10).
+//!
+//! P leg: the request with `max_tokens = 1`, `stream = false` and `do_remote_decode = true`;
+//! P's response carries the `kv_transfer_params` that the D leg then sends unchanged. D's response
+//! is streamed back as it comes. Beyond the toy: a client that disconnects drops the upstream
+//! request and its body stream, so P or D sees the connection close and aborts (SPEC D4), and an
+//! unreachable upstream is a 502 in the OpenAI error shape.
+
+use crate::api::{request_id, with_request_id, REQUEST_ID};
+use crate::body;
+use crate::error::ApiError;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Map, Value};
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One upstream engine's HTTP address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Upstream {
+    fn url(&self, path: &str) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("http://[{}]:{}{path}", self.host, self.port)
+        } else {
+            format!("http://{}:{}{path}", self.host, self.port)
+        }
+    }
+}
+
+impl fmt::Display for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.url(""))
+    }
+}
+
+/// The prefill and decode engines to route over (round-robin over each list).
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub prefillers: Vec<Upstream>,
+    pub decoders: Vec<Upstream>,
+}
+
+impl ProxyConfig {
+    /// Pairs `--*-hosts` with `--*-ports` as the toy proxy does; one host may serve many ports.
+    pub fn pair(what: &str, hosts: &[String], ports: &[u16]) -> Result<Vec<Upstream>, String> {
+        if hosts.is_empty() || ports.is_empty() {
+            return Err(format!("--{what}-hosts and --{what}-ports need at least one value each"));
+        }
+        if hosts.len() != ports.len() && hosts.len() != 1 {
+            return Err(format!(
+                "--{what}-hosts has {} values but --{what}-ports has {}: give one port per host (or a single host)",
+                hosts.len(),
+                ports.len()
+            ));
+        }
+        Ok(ports
+            .iter()
+            .enumerate()
+            .map(|(i, &port)| Upstream { host: hosts[if hosts.len() == 1 { 0 } else { i }].clone(), port })
+            .collect())
+    }
+}
+
+struct Pool {
+    upstreams: Vec<Upstream>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    fn pick(&self) -> &Upstream {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.upstreams.len();
+        &self.upstreams[i]
+    }
+}
+
+struct Proxy {
+    client: reqwest::Client,
+    prefill: Pool,
+    decode: Pool,
+}
+
+/// Why the proxy could not start.
+#[derive(Debug)]
+pub struct ProxyError(pub String);
+
+impl fmt::Display for ProxyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ProxyError {}
+
+/// The proxy's router.
+pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
+    if cfg.prefillers.is_empty() || cfg.decoders.is_empty() {
+        return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
+    }
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(10))
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+    let proxy = Arc::new(Proxy {
+        client,
+        prefill: Pool { upstreams: cfg.prefillers, next: AtomicUsize::new(0) },
+        decode: Pool { upstreams: cfg.decoders, next: AtomicUsize::new(0) },
+    });
+    Ok(Router::new()
+        .route("/v1/completions", post(forward))
+        .route("/v1/chat/completions", post(forward))
+        .route("/healthcheck", get(|| async { Json(json!({"status": "ok"})) }))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .with_state(proxy))
+}
+
+/// Runs the proxy on `listener` until `shutdown` resolves.
+pub async fn proxy(
+    cfg: ProxyConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = router(cfg).map_err(std::io::Error::other)?;
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let rid = match request_id(&parts.headers) {
+        Ok(rid) => rid,
+        Err(e) => return e.into_response(),
+    };
+    let resp = match route(&p, &rid, parts.uri.path(), &parts.headers, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(request_id = %rid, status = %e.status, "{}", e.message);
+            e.into_response()
+        }
+    };
+    with_request_id(resp, &rid)
+}
+
+async fn route(p: &Proxy, rid: &str, path: &str, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let request = body::json_object(headers, body).await?;
+    let auth = headers.get(header::AUTHORIZATION);
+
+    let prefiller = p.prefill.pick();
+    let p_resp = send(p, prefiller, path, rid, auth, &prefill_leg(&request)).await?;
+    if !p_resp.status().is_success() {
+        return relay_whole(prefiller, p_resp).await;
+    }
+    let p_json: Value =
+        p_resp.json().await.map_err(|e| ApiError::bad_gateway(format!("prefiller {prefiller} answered with invalid JSON: {e}")))?;
+
+    let mut d_request = request;
+    if let Some(params) = p_json.get("kv_transfer_params").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) {
+        d_request.insert("kv_transfer_params".into(), params.clone());
+    }
+    let decoder = p.decode.pick();
+    let d_resp = send(p, decoder, path, rid, auth, &d_request).await?;
+    Ok(relay_stream(d_resp))
+}
+
+/// The P leg: one token, not streamed, asking P to keep the KV for a remote decoder.
+fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
+    let mut r = request.clone();
+    r.insert(
+        "kv_transfer_params".into(),
+        json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null
+        }),
+    );
+    r.insert("stream".into(), Value::Bool(false));
+    r.insert("max_tokens".into(), json!(1));
+    if r.contains_key("max_completion_tokens") {
+        r.insert("max_completion_tokens".into(), json!(1));
+    }
+    r.remove("stream_options");
+    r
+}
+
+async fn send(
+    p: &Proxy,
+    to: &Upstream,
+    path: &str,
+    rid: &str,
+    auth: Option<&HeaderValue>,
+    body: &Map<String, Value>,
+) -> Result<reqwest::Response, ApiError> {
+    let mut req = p.client.post(to.url(path)).header(REQUEST_ID, rid).json(body);
+    if let Some(a) = auth {
+        req = req.header(header::AUTHORIZATION, a.clone());
+    }
+    req.send().await.map_err(|e| ApiError::bad_gateway(format!("upstream {to} is unreachable: {e}")))
+}
+
+/// The upstream's status, content type and whole body (P's errors).
+async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Response, ApiError> {
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let bytes = resp.bytes().await.map_err(|e| ApiError::bad_gateway(format!("upstream {from} broke off its answer: {e}")))?;
+    let mut out = (status, bytes).into_response();
+    if let Some(ct) = content_type {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    Ok(out)
+}
+
+/// The upstream's status, content type and body, streamed chunk by chunk. The body owns the
+/// upstream response: dropping it (client gone) closes the upstream connection.
+fn relay_stream(resp: reqwest::Response) -> Response {
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let mut out = (status, Body::from_stream(resp.bytes_stream())).into_response();
+    if let Some(ct) = content_type {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_leg_is_one_token_unstreamed_with_remote_decode() {
+        let Value::Object(req) = json!({"prompt": "x", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true}}) else {
+            unreachable!()
+        };
+        let leg = prefill_leg(&req);
+        assert_eq!(leg["max_tokens"], 1);
+        assert_eq!(leg["stream"], false);
+        assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens"));
+        assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+        assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
+        let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
+        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
+    }
+
+    #[test]
+    fn hosts_pair_with_ports() {
+        let h = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let two = ProxyConfig::pair("prefiller", &h(&["a", "b"]), &[1, 2]).unwrap();
+        assert_eq!(two[1], Upstream { host: "b".into(), port: 2 });
+        let one_host = ProxyConfig::pair("decoder", &h(&["a"]), &[1, 2]).unwrap();
+        assert_eq!(one_host[1].host, "a");
+        assert!(ProxyConfig::pair("decoder", &h(&["a", "b"]), &[1, 2, 3]).unwrap_err().contains("--decoder-hosts"));
+        assert_eq!(Upstream { host: "::1".into(), port: 8 }.url("/x"), "http://[::1]:8/x");
+    }
+}

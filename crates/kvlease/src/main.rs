@@ -1,0 +1,388 @@
+//! The `kvlease` binary: `kvlease serve` runs one engine behind the OpenAI API, `kvlease proxy`
+//! routes requests through a prefill and a decode engine as vLLM's toy proxy does.
+//!
+//! This file only turns flags into configuration, sets up logging and signals, and prints the
+//! one start-up line that scripts and tests wait for; the work is in kvlease-server and
+//! kvlease-engine.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvlease_core::config::KvTransferConfig;
+use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
+use kvlease_server::{ProxyConfig, Upstream};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Environment variable holding the transfer secret when no `--kv-transfer-secret-file` is given.
+const SECRET_ENV: &str = "KVLEASE_TRANSFER_SECRET";
+
+/// How long open connections may take to finish after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+#[derive(Parser, Debug)]
+#[command(name = "kvlease", version, about = "KV-cache lease renewal for disaggregated LLM serving")]
+struct Cli {
+    /// Log level: error, warn, info, debug or trace (logs go to stderr).
+    #[arg(long, global = true, default_value = "info")]
+    log_level: tracing::Level,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run one engine behind the OpenAI API (P, D or both, per request's kv_transfer_params).
+    Serve(ServeArgs),
+    /// Route requests through a prefill engine then a decode engine (vLLM toy-proxy flags).
+    Proxy(ProxyArgs),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address the HTTP API and the KV side channel listen on (SPEC S3).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Unique engine id (default: a random UUID).
+    #[arg(long)]
+    engine_id: Option<String>,
+    /// Port of the KV handshake side channel (0: any free port; it is advertised in kv_transfer_params).
+    #[arg(long, default_value_t = 0)]
+    kv_port: u16,
+    /// vLLM's --kv-transfer-config JSON.
+    #[arg(long, value_name = "JSON")]
+    kv_transfer_config: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    tp_size: u32,
+    #[arg(long, default_value_t = 1024)]
+    num_gpu_blocks: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 4096)]
+    max_model_len: u32,
+    /// The model name requests must use (`/v1/models` lists it).
+    #[arg(long, default_value = "kvlease-synthetic")]
+    model: String,
+    #[arg(long, default_value_t = 2)]
+    num_layers: u32,
+    #[arg(long, default_value_t = 4)]
+    num_kv_heads: u32,
+    #[arg(long, default_value_t = 16)]
+    head_dim: u32,
+    #[arg(long, default_value_t = 2)]
+    dtype_bytes: u32,
+    /// Emulated prefill compute per prompt token, in milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    prefill_ms_per_token: f64,
+    /// Emulated decode compute per generated token, in milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    decode_ms_per_token: f64,
+    /// KV transfer backend.
+    #[arg(long, value_enum, default_value_t = Transport::Tcp)]
+    transport: Transport,
+    /// File holding the cluster's secret for signing kv_transfer_params (SPEC S1); else $KVLEASE_TRANSFER_SECRET.
+    #[arg(long, value_name = "PATH")]
+    kv_transfer_secret_file: Option<PathBuf>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Transport {
+    /// One-sided reads over TCP (tokio).
+    Tcp,
+}
+
+impl From<Transport> for TransportKind {
+    fn from(t: Transport) -> TransportKind {
+        match t {
+            Transport::Tcp => TransportKind::Tcp,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct ProxyArgs {
+    #[arg(long, default_value = "localhost")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    #[arg(long, num_args = 1.., default_values_t = ["localhost".to_string()])]
+    prefiller_hosts: Vec<String>,
+    #[arg(long, num_args = 1.., default_values_t = [8100u16])]
+    prefiller_ports: Vec<u16>,
+    #[arg(long, num_args = 1.., default_values_t = ["localhost".to_string()])]
+    decoder_hosts: Vec<String>,
+    #[arg(long, num_args = 1.., default_values_t = [8200u16])]
+    decoder_ports: Vec<u16>,
+}
+
+/// A configuration refused before anything started: exit code 2, like a usage error.
+#[derive(Debug)]
+struct InvalidConfig(String);
+
+impl std::fmt::Display for InvalidConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidConfig {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level).init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(args) => serve(args).await,
+            Command::Proxy(args) => proxy(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if e.downcast_ref::<InvalidConfig>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// Reads the transfer secret: the file's contents trimmed, else the environment variable.
+fn transfer_secret(file: Option<&PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
+    if let Some(path) = file {
+        let raw = std::fs::read(path).with_context(|| format!("cannot read --kv-transfer-secret-file {}", path.display()))?;
+        let secret = raw.trim_ascii().to_vec();
+        if secret.is_empty() {
+            return Err(InvalidConfig(format!("--kv-transfer-secret-file {} is empty", path.display())).into());
+        }
+        return Ok(Some(secret));
+    }
+    Ok(std::env::var_os(SECRET_ENV).map(|v| v.as_encoded_bytes().trim_ascii().to_vec()).filter(|s| !s.is_empty()))
+}
+
+fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
+    let model = ModelConfig {
+        name: args.model.clone(),
+        num_layers: args.num_layers,
+        num_kv_heads: args.num_kv_heads,
+        head_dim: args.head_dim,
+        dtype_bytes: args.dtype_bytes,
+        block_size: args.block_size,
+        max_model_len: args.max_model_len,
+        prefill_ms_per_token: args.prefill_ms_per_token,
+        decode_ms_per_token: args.decode_ms_per_token,
+    };
+    model.validate(args.tp_size).map_err(InvalidConfig)?;
+    if args.num_gpu_blocks == 0 {
+        return Err(InvalidConfig("--num-gpu-blocks must be at least 1".into()).into());
+    }
+    if args.max_num_seqs == 0 {
+        return Err(InvalidConfig("--max-num-seqs must be at least 1".into()).into());
+    }
+    let transfer = match &args.kv_transfer_config {
+        None => KvTransferConfig::default(),
+        Some(json) => {
+            let (cfg, warnings) = KvTransferConfig::parse(json).map_err(|e| InvalidConfig(e.to_string()))?;
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
+            cfg
+        }
+    };
+    let secret = transfer_secret(args.kv_transfer_secret_file.as_ref())?;
+    if secret.is_none() {
+        tracing::warn!(
+            "no transfer secret (--kv-transfer-secret-file or ${SECRET_ENV}): kv_transfer_params are unsigned and accepted unsigned (SPEC S1)"
+        );
+    }
+    Ok(EngineConfig {
+        engine_id: args.engine_id.clone().unwrap_or_else(kvlease_server::ids::random_uuid),
+        host: args.host.clone(),
+        kv_port: args.kv_port,
+        transfer,
+        tp_size: args.tp_size,
+        num_gpu_blocks: args.num_gpu_blocks,
+        max_num_seqs: args.max_num_seqs,
+        model,
+        transport: args.transport.into(),
+        secret,
+    })
+}
+
+/// `host:port`, bracketing IPv6 literals.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+async fn bind(host: &str, port: u16) -> anyhow::Result<TcpListener> {
+    let addr = host_port(host, port);
+    TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))
+}
+
+/// Prints the start-up line on stdout (tests and scripts wait for it).
+fn announce(line: String) {
+    let mut out = std::io::stdout().lock();
+    // stdout closed is no reason to stop serving.
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = engine_config(&args)?;
+    let listener = bind(&args.host, args.port).await?;
+    let http = listener.local_addr().context("listener has no address")?;
+    let engine_id = cfg.engine_id.clone();
+    let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
+    announce(format!(
+        "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
+        host_port(&args.host, http.port()),
+        engine.kv_addr()
+    ));
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = kvlease_server::serve(engine.clone(), listener, async move {
+        shutdown_signal().await;
+        let _ = stopped_tx.send(());
+    });
+    run_with_grace(server, stopped_rx).await?;
+    engine.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
+    let cfg = ProxyConfig {
+        prefillers: ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
+        decoders: ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+    };
+    let listener = bind(&args.host, args.port).await?;
+    let http = listener.local_addr().context("listener has no address")?;
+    let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
+    tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
+    announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = kvlease_server::proxy(cfg, listener, async move {
+        shutdown_signal().await;
+        let _ = stopped_tx.send(());
+    });
+    run_with_grace(server, stopped_rx).await
+}
+
+/// Runs the server; once the shutdown signal has come, gives open connections
+/// [`SHUTDOWN_GRACE`] to finish, then stops regardless.
+async fn run_with_grace(
+    server: impl std::future::Future<Output = std::io::Result<()>>,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> anyhow::Result<()> {
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r.context("HTTP server failed"),
+        Ok(()) = stopped => {}
+    }
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(r) => r.context("HTTP server failed"),
+        Err(_) => {
+            tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}: closing them");
+            Ok(())
+        }
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot watch SIGTERM ({e}); stopping on SIGINT only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown signal received");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn toy_proxy_flags_take_space_separated_lists() {
+        let cli = Cli::try_parse_from([
+            "kvlease",
+            "proxy",
+            "--port",
+            "9000",
+            "--prefiller-hosts",
+            "a",
+            "b",
+            "--prefiller-ports",
+            "1",
+            "2",
+            "--decoder-ports",
+            "3",
+        ])
+        .unwrap();
+        let Command::Proxy(p) = cli.command else { panic!("expected proxy") };
+        assert_eq!(p.prefiller_hosts, ["a", "b"]);
+        assert_eq!(p.prefiller_ports, [1, 2]);
+        assert_eq!(p.decoder_hosts, ["localhost"]);
+        assert_eq!(p.decoder_ports, [3]);
+    }
+
+    #[test]
+    fn serve_defaults_listen_on_loopback() {
+        let cli = Cli::try_parse_from(["kvlease", "serve"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert_eq!((s.host.as_str(), s.port, s.kv_port, s.transport), ("127.0.0.1", 8000, 0, Transport::Tcp));
+        let cfg = engine_config(&s).unwrap();
+        assert_eq!(cfg.model, ModelConfig::default());
+        assert_eq!(cfg.engine_id.len(), 36);
+    }
+
+    #[test]
+    fn bad_geometry_and_config_are_usage_errors() {
+        let cli = Cli::try_parse_from(["kvlease", "serve", "--tp-size", "3"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        let e = engine_config(&s).unwrap_err();
+        assert!(e.downcast_ref::<InvalidConfig>().is_some() && e.to_string().contains("--tp-size"));
+        let cli = Cli::try_parse_from(["kvlease", "serve", "--kv-transfer-config", "{nope"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert!(engine_config(&s).unwrap_err().downcast_ref::<InvalidConfig>().is_some());
+    }
+}
