@@ -85,7 +85,9 @@ pub(crate) fn request_id(headers: &HeaderMap) -> Result<String, ApiError> {
         None => Ok(crate::ids::random_hex(16)),
         Some(v) => match v.to_str() {
             Ok(s) if !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN => Ok(s.to_owned()),
-            _ => Err(ApiError::bad_body(format!("`X-Request-Id` must be 1 to {MAX_REQUEST_ID_LEN} visible ASCII characters"))),
+            _ => {
+                Err(ApiError::invalid("X-Request-Id", format!("`X-Request-Id` must be 1 to {MAX_REQUEST_ID_LEN} visible ASCII characters")))
+            }
         },
     }
 }
