@@ -1,0 +1,575 @@
+//! The connector: where the engine meets kvlease-core and the transport.
+//!
+//! P side: grants a lease when a `do_remote_decode` prefill finishes (SPEC P1), serves reads only
+//! of live leases through the agents' [`ReadGate`] (P5), applies heartbeats, releases and read
+//! completions from D and answers each (P2, P3, P6, P8), and reaps expired leases from a task of
+//! its own that ticks while idle (P4).
+//!
+//! D side: drives the [`Renewer`](kvlease_core::renewer::Renewer) from a timer task that never
+//! waits on the forward loop (D2, D3), runs handshakes in the background (D5), and pulls a
+//! request's KV only while its lease is acknowledged live, using the bytes only once P confirms
+//! the lease was live when the read completed (D6).
+
+use crate::engine::{lock, Inner, Peer, Rank};
+use crate::kv_params::RemoteKv;
+use crate::pool::Blocks;
+use crate::scheduler::{PrefillDone, Seq};
+use crate::side_channel::{self, read_frame, write_frame};
+use crate::{FinishReason, GenerateEvent, StartError};
+use kvlease_core::lease_table::{Completion, ReadTicket, Released};
+use kvlease_core::renewer::{Action, ReadCheck, SendKind};
+use kvlease_core::wire::{Hello, Message};
+use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment};
+use serde_json::json;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+/// What P keeps under a lease: the blocks, returned to the pool when the lease ends.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    blocks: Blocks,
+}
+
+/// How a pull ended.
+#[derive(Debug)]
+pub(crate) enum PullOutcome {
+    /// Every byte is in our blocks and P confirmed the lease was live when the reads completed.
+    Pulled,
+    /// The lease is gone or the transfer failed: the bytes must not be used.
+    Lost(String),
+}
+
+/// How long D waits for an acknowledgement that makes a read safe before giving up on the lease.
+const ACK_WAIT: Duration = Duration::from_secs(10);
+
+pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
+    let cfg = &inner.cfg;
+    let hpr = inner.heads_per_rank();
+    let block_bytes = cfg.model.block_bytes(hpr);
+    let mut ranks = Vec::new();
+    for r in 0..cfg.tp_size {
+        let arena = BlockArena::new(cfg.num_gpu_blocks, block_bytes);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let name = format!("{}/{:x}/{r}", cfg.engine_id, inner.incarnation);
+        let gate: Arc<dyn ReadGate> = Arc::new(Gate { inner: Arc::downgrade(inner) });
+        let agent: Arc<dyn Agent> = TcpAgent::start(name, &cfg.host, arena.clone(), gate, tx).await?;
+        tokio::spawn(agent_events(Arc::downgrade(inner), r as usize, rx));
+        ranks.push(Rank { heads: r * hpr..(r + 1) * hpr, arena, agent });
+    }
+    let _ = inner.ranks.set(ranks);
+    let addr = format!("{}:{}", cfg.host, cfg.kv_port);
+    let listener = TcpListener::bind(&addr).await.map_err(|e| StartError::Bind { addr: addr.clone(), why: e.to_string() })?;
+    let local = listener.local_addr().map_err(|e| StartError::Bind { addr, why: e.to_string() })?;
+    let _ = inner.kv_addr.set(local);
+    tokio::spawn(side_channel_server(Arc::downgrade(inner), listener));
+    tokio::spawn(reaper(Arc::downgrade(inner)));
+    tokio::spawn(renewer_task(Arc::downgrade(inner)));
+    if inner.cfg.secret.is_none() {
+        tracing::warn!("no --kv-transfer-secret-file or KVLEASE_TRANSFER_SECRET: kv_transfer_params are neither signed nor checked");
+    }
+    Ok(())
+}
+
+/// Releases every lease as `shutdown` and every renewed lease explicitly, then flushes.
+pub(crate) async fn shutdown(inner: &Arc<Inner>) {
+    let mut released = Vec::new();
+    lock(&inner.leases).shutdown(inner.now(), &mut released);
+    settle(inner, released);
+    drive_renewer(inner);
+    // Give the releases a moment on the wire before the process goes.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+// ---------------------------------------------------------------- P side
+
+/// SPEC P1: the prefill finished normally; grant the lease and answer with signed params.
+/// A request whose client is gone gets no lease: its blocks go back at once.
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
+    let done = PrefillDone::from(seq);
+    let Some(blocks) = done.blocks else { return };
+    if done.tx.is_closed() || blocks.ids().is_empty() {
+        return;
+    }
+    let block_ids = blocks.ids().to_vec();
+    let n = block_ids.len() as u32;
+    let lease_id = {
+        let mut table = lock(&inner.leases);
+        let id = table.grant(inner.now(), n, Lease { blocks });
+        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        id
+    };
+    inner.metrics.leases_granted.fetch_add(1, Relaxed);
+    let kv = inner.kv_addr.get().copied();
+    let remote = RemoteKv {
+        engine_id: inner.cfg.engine_id.clone(),
+        request_id: done.client_id.clone(),
+        block_ids,
+        host: kv.map(|a| a.ip().to_string()).unwrap_or_else(|| inner.cfg.host.clone()),
+        port: kv.map(|a| a.port()).unwrap_or(0),
+        tp_size: inner.cfg.tp_size,
+        num_tokens: done.prompt.len() as u32,
+        lease_id,
+        incarnation: inner.incarnation,
+        signature: None,
+    };
+    let params = remote.to_json(inner.cfg.secret.as_deref(), &done.prompt);
+    let first = done.first_token;
+    if first != crate::model::EOS {
+        let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });
+    }
+    let sent = done.tx.send(GenerateEvent::Done {
+        finish_reason: FinishReason::Length,
+        prompt_tokens: done.prompt.len() as u32,
+        completion_tokens: 1,
+        kv_transfer_params: Some(params),
+    });
+    if sent.is_err() {
+        // The client left between the check and now: nobody will read; free at once.
+        let (mut lost, mut released) = (Vec::new(), Vec::new());
+        lock(&inner.leases).release(&[lease_id], inner.now(), &mut lost, &mut released);
+        settle(inner, released);
+    }
+}
+
+/// Counts released leases and frees their blocks (by dropping them).
+fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
+    if released.is_empty() {
+        return;
+    }
+    for r in &released {
+        inner.metrics.released(r.reason).fetch_add(1, Relaxed);
+        inner.metrics.lease_hold.observe(r.held.as_secs_f64());
+    }
+    let table = lock(&inner.leases);
+    inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+    inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+    drop(table);
+    drop(released);
+}
+
+/// SPEC P4: tick the lease table every half granularity, busy or idle.
+async fn reaper(inner: Weak<Inner>) {
+    let period = match inner.upgrade() {
+        Some(i) => (i.cfg.transfer.lease.reap_granularity() / 2).max(Duration::from_micros(100)),
+        None => return,
+    };
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let mut released = Vec::new();
+        lock(&inner.leases).tick(inner.now(), &mut released);
+        settle(&inner, released);
+    }
+}
+
+/// SPEC P5, S2: a read is served only for a live lease, only of that lease's blocks, and the
+/// blocks stay out of the pool until the read has been copied out.
+struct Gate {
+    inner: Weak<Inner>,
+}
+
+struct Permit {
+    inner: Weak<Inner>,
+    ticket: Option<ReadTicket>,
+}
+
+impl ReadGate for Gate {
+    fn begin_read(&self, _peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
+        let inner = self.inner.upgrade()?;
+        let mut released = Vec::new();
+        let ticket = {
+            let mut table = lock(&inner.leases);
+            let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.blocks.ids().contains(b)));
+            if owned {
+                table.begin_read(lease_id, inner.now(), &mut released)
+            } else {
+                None
+            }
+        };
+        settle(&inner, released);
+        let ticket = ticket?;
+        Some(Box::new(Permit { inner: Arc::downgrade(&inner), ticket: Some(ticket) }))
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let (Some(inner), Some(ticket)) = (self.inner.upgrade(), self.ticket.take()) else { return };
+        // A lease released under this reader hands its blocks back only now.
+        let payload = lock(&inner.leases).end_read(ticket);
+        drop(payload);
+    }
+}
+
+/// Every notification any rank's agent receives.
+async fn agent_events(inner: Weak<Inner>, rank: usize, mut rx: mpsc::UnboundedReceiver<AgentEvent>) {
+    while let Some(ev) = rx.recv().await {
+        let Some(inner) = inner.upgrade() else { return };
+        match ev {
+            AgentEvent::Notification { from, bytes } => on_notification(&inner, rank, &from, &bytes),
+            AgentEvent::Rejected { reason } => inner.metrics.rejected(reason),
+            AgentEvent::Disconnected { peer } => {
+                let engine = lock(&inner.agent_engines).get(&peer).cloned();
+                if let Some(engine) = engine {
+                    tracing::info!(peer = %peer, "transfer agent disconnected; handshake again before the next heartbeat");
+                    lock(&inner.peers).remove(&engine);
+                    lock(&inner.renewer).disconnected(&engine);
+                    inner.renewer_wake.notify_one();
+                }
+            }
+        }
+    }
+}
+
+fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
+    let msg = match Message::decode(bytes) {
+        Ok(m) => m,
+        Err(e) => {
+            inner.metrics.rejected(e.reason());
+            return;
+        }
+    };
+    let reply = |m: Message| {
+        if let Some(r) = inner.ranks().get(rank) {
+            if let Err(e) = r.agent.send_notif(from, m.encode()) {
+                tracing::debug!("cannot answer {from}: {e}");
+            }
+        }
+    };
+    let now = inner.now();
+    match msg {
+        Message::Heartbeat { seq, lease_ids } => {
+            inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
+            let (mut lost, mut released) = (Vec::new(), Vec::new());
+            let n = lock(&inner.leases).renew(&lease_ids, now, &mut lost, &mut released);
+            inner.metrics.lease_renewals.fetch_add(n as u64, Relaxed);
+            settle(inner, released);
+            lost.sort_unstable();
+            reply(Message::HeartbeatAck { seq, lost_ids: lost });
+        }
+        Message::Release { lease_ids } => {
+            let (mut lost, mut released) = (Vec::new(), Vec::new());
+            lock(&inner.leases).release(&lease_ids, now, &mut lost, &mut released);
+            settle(inner, released);
+            if !lost.is_empty() {
+                reply(Message::LeaseLost { lease_ids: lost });
+            }
+        }
+        Message::ReadDone { lease_id, consumer_rank, n } => {
+            let mut released = Vec::new();
+            let c = lock(&inner.leases).complete(lease_id, consumer_rank, n, now, &mut released);
+            settle(inner, released);
+            reply(Message::ReadDoneAck { lease_id, live: c != Completion::Lost });
+        }
+        Message::ClockPing { seq, t0 } => reply(Message::ClockPong { seq, t0, t1: now.0, t2: inner.now().0 }),
+        Message::HeartbeatAck { .. } | Message::LeaseLost { .. } => {
+            let engine = lock(&inner.agent_engines).get(from).cloned();
+            let Some(engine) = engine else { return };
+            lock(&inner.renewer).on_message(&engine, &msg);
+            inner.renewer_wake.notify_one();
+            inner.bump_news();
+        }
+        Message::ReadDoneAck { lease_id, live } => {
+            if let Some(tx) = lock(&inner.read_acks).remove(&(rank, from.to_string(), lease_id)) {
+                let _ = tx.send(live);
+            }
+        }
+        Message::ClockPong { .. } => {}
+        Message::Hello(_) => inner.metrics.rejected("malformed"),
+    }
+}
+
+/// Answers handshakes: introduces the peer's agents to ours, replies with our Hello.
+async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            stream.set_nodelay(true).ok();
+            let got = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, read_frame(&mut stream)).await;
+            let Some(inner) = inner.upgrade() else { return };
+            let t_recv = inner.now().0;
+            let hello = match got {
+                Ok(Ok(Message::Hello(h))) => h,
+                Ok(Ok(_)) => return inner.metrics.rejected("malformed"),
+                Ok(Err(e)) => return e.reason().into_iter().for_each(|r| inner.metrics.rejected(r)),
+                Err(_) => return,
+            };
+            if let Err(e) = check_geometry(&inner, &hello) {
+                tracing::warn!(peer = %hello.engine_id, "handshake refused: {e}");
+                return;
+            }
+            // The peer adds our agents only once it has our reply: introduce its agents to
+            // ours alongside, not before replying, or each side would wait for the other.
+            let (inner2, hello2) = (inner.clone(), hello.clone());
+            tokio::spawn(async move {
+                if let Err(e) = introduce(&inner2, &hello2).await {
+                    tracing::warn!(peer = %hello2.engine_id, "cannot reach the peer's transfer agents: {e}");
+                }
+            });
+            let mut ours = our_hello(&inner);
+            ours.echo = (hello.t_send, t_recv);
+            let _ = write_frame(&mut stream, &Message::Hello(ours)).await;
+        });
+    }
+}
+
+fn our_hello(inner: &Inner) -> Hello {
+    let m = &inner.cfg.model;
+    let info = json!({
+        "tp_size": inner.cfg.tp_size, "num_layers": m.num_layers, "num_kv_heads": m.num_kv_heads,
+        "head_dim": m.head_dim, "dtype_bytes": m.dtype_bytes, "block_size": m.block_size,
+    });
+    Hello {
+        engine_id: inner.cfg.engine_id.clone(),
+        incarnation: inner.incarnation,
+        agents: inner.ranks().iter().map(|r| r.agent.metadata()).collect(),
+        info: info.to_string().into_bytes(),
+        t_send: inner.now().0,
+        echo: (0, 0),
+    }
+}
+
+/// Checks that a peer serves the same model geometry (its TP may differ).
+fn check_geometry(inner: &Inner, hello: &Hello) -> Result<(), String> {
+    let info: serde_json::Value = serde_json::from_slice(&hello.info).map_err(|e| format!("bad engine info: {e}"))?;
+    let m = &inner.cfg.model;
+    for (key, ours) in [
+        ("num_layers", m.num_layers),
+        ("num_kv_heads", m.num_kv_heads),
+        ("head_dim", m.head_dim),
+        ("dtype_bytes", m.dtype_bytes),
+        ("block_size", m.block_size),
+    ] {
+        let theirs = info.get(key).and_then(|v| v.as_u64());
+        if theirs != Some(u64::from(ours)) {
+            return Err(format!("{key} differs: ours {ours}, theirs {theirs:?}; P and D must serve the same model geometry"));
+        }
+    }
+    let tp = info.get("tp_size").and_then(|v| v.as_u64()).unwrap_or(0);
+    if tp == 0 || tp as usize != hello.agents.len() || u64::from(m.num_kv_heads) % tp != 0 {
+        return Err(format!("peer tp_size {tp} does not fit {} agents and {} heads", hello.agents.len(), m.num_kv_heads));
+    }
+    Ok(())
+}
+
+/// Checks a peer's geometry and adds its agents to every rank's agent.
+async fn introduce(inner: &Arc<Inner>, hello: &Hello) -> Result<Vec<String>, String> {
+    check_geometry(inner, hello)?;
+    // All at once: an agent may wait for its peer to have added it too, and the peer adds ours
+    // in an order of its own; one at a time, the two sides could wait on each other.
+    let mut adds = Vec::new();
+    for rank in inner.ranks() {
+        for md in &hello.agents {
+            let (agent, md) = (rank.agent.clone(), md.clone());
+            adds.push(tokio::spawn(async move { agent.add_peer(&md).await }));
+        }
+    }
+    let mut names = Vec::new();
+    for (i, add) in adds.into_iter().enumerate() {
+        let name = add.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        if i < hello.agents.len() {
+            names.push(name);
+        }
+    }
+    let mut engines = lock(&inner.agent_engines);
+    for n in &names {
+        engines.insert(n.clone(), hello.engine_id.clone());
+    }
+    Ok(names)
+}
+
+// ---------------------------------------------------------------- D side
+
+/// The renewer's driver: polls it when it asks to be polled or when woken, carries out what it
+/// says. Runs on its own, so a long forward step delays no heartbeat (SPEC D3).
+async fn renewer_task(inner: Weak<Inner>) {
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let next = drive_renewer(&strong);
+        let wait = next.map(|t| t.since(strong.now())).unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
+        let wake = strong.renewer_wake.clone();
+        drop(strong);
+        let _ = tokio::time::timeout(wait, wake.notified()).await;
+    }
+}
+
+/// One poll of the renewer; returns when it next wants to be polled.
+fn drive_renewer(inner: &Arc<Inner>) -> Option<kvlease_core::Nanos> {
+    let mut actions = Vec::new();
+    let next = {
+        let mut r = lock(&inner.renewer);
+        r.poll(inner.now(), &mut actions);
+        r.poll_timeout()
+    };
+    for a in actions {
+        match a {
+            Action::Handshake { engine_id, host, port } => {
+                tokio::spawn(handshake(inner.clone(), engine_id, host, port));
+            }
+            Action::Send { engine_id, bytes, kind } => {
+                let peer = lock(&inner.peers).get(&engine_id).cloned();
+                let Some(peer) = peer else {
+                    lock(&inner.renewer).disconnected(&engine_id);
+                    continue;
+                };
+                let Some(rank0) = inner.ranks().first() else { continue };
+                let mut ok = true;
+                // SPEC D2: to every P rank that holds a shard.
+                for agent in &peer.agents {
+                    ok &= rank0.agent.send_notif(agent, bytes.clone()).is_ok();
+                }
+                match kind {
+                    SendKind::Heartbeat { lateness } => {
+                        inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+                        inner.metrics.heartbeat_lateness.observe(lateness.as_secs_f64());
+                    }
+                    SendKind::ReadRenewal => {
+                        inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+                    }
+                    SendKind::Release => {}
+                }
+                if !ok {
+                    lock(&inner.peers).remove(&engine_id);
+                    lock(&inner.renewer).disconnected(&engine_id);
+                }
+            }
+            Action::Lost { request_id, lease_id } => {
+                tracing::info!(request = %request_id, lease_id, "lease lost on the prefill engine");
+                inner.bump_news();
+            }
+        }
+    }
+    next
+}
+
+/// SPEC D5: a background handshake with a P engine; reports to the renewer when done.
+async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16) {
+    let addr = format!("{host}:{port}");
+    let ours = our_hello(&inner);
+    let result = async {
+        let theirs = side_channel::exchange(&addr, &ours).await?;
+        if theirs.engine_id != engine_id {
+            return Err(format!("the engine at {addr} is {:?}, not {engine_id:?}", theirs.engine_id));
+        }
+        let agents = introduce(&inner, &theirs).await?;
+        Ok((theirs.incarnation, agents))
+    }
+    .await;
+    let now = inner.now();
+    match result {
+        Ok((incarnation, agents)) => {
+            lock(&inner.peers).insert(engine_id.clone(), Peer { incarnation, agents });
+            lock(&inner.renewer).handshake_done(&engine_id, Ok(incarnation), now);
+        }
+        Err(e) => {
+            tracing::warn!(engine = %engine_id, "handshake with {addr} failed: {e}; retrying with back-off");
+            lock(&inner.renewer).handshake_done(&engine_id, Err(()), now);
+        }
+    }
+    inner.renewer_wake.notify_one();
+    inner.bump_news();
+}
+
+/// SPEC D6, T1, T2: pull the prompt's KV of `rk` into `local` blocks, every D rank from every
+/// P rank whose heads overlap its own, under the lease; `Pulled` only when P confirmed each
+/// completion while the lease was live.
+pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, local: &[u32]) -> PullOutcome {
+    let budget = inner.cfg.transfer.lease.extension / 4;
+    // 1. Wait until an acknowledged heartbeat covers the read.
+    let mut news = inner.news.subscribe();
+    let give_up = tokio::time::Instant::now() + ACK_WAIT;
+    loop {
+        news.borrow_and_update();
+        match lock(&inner.renewer).read_check(internal, budget, inner.now()) {
+            ReadCheck::Safe => break,
+            ReadCheck::Untracked => return PullOutcome::Lost("the prefill engine reported the lease lost".into()),
+            ReadCheck::RenewFirst => inner.renewer_wake.notify_one(),
+        }
+        if tokio::time::timeout_at(give_up, news.changed()).await.is_err() {
+            return PullOutcome::Lost(format!("no heartbeat acknowledgement from {} within {ACK_WAIT:?}", rk.engine_id));
+        }
+    }
+    let Some(peer) = lock(&inner.peers).get(&rk.engine_id).cloned() else {
+        return PullOutcome::Lost("no connection to the prefill engine".into());
+    };
+    if rk.incarnation != 0 && peer.incarnation != rk.incarnation {
+        return PullOutcome::Lost("the prefill engine restarted since it granted the lease".into());
+    }
+    // 2. Plan: one read per (D rank, P rank) pair whose heads overlap.
+    let m = &inner.cfg.model;
+    let hbb = m.head_block_bytes() as u32;
+    let p_tp = peer.agents.len() as u32;
+    let p_heads = m.num_kv_heads / p_tp.max(1);
+    let mut plan = Vec::new();
+    for (d, rank) in inner.ranks().iter().enumerate() {
+        for p in 0..p_tp {
+            let (lo, hi) = (rank.heads.start.max(p * p_heads), rank.heads.end.min((p + 1) * p_heads));
+            if lo >= hi {
+                continue;
+            }
+            let segments: Vec<Segment> = rk
+                .block_ids
+                .iter()
+                .zip(local)
+                .map(|(&remote_block, &local_block)| Segment {
+                    remote_block,
+                    remote_offset: (lo - p * p_heads) * hbb,
+                    local_block,
+                    local_offset: (lo - rank.heads.start) * hbb,
+                    len: (hi - lo) * hbb,
+                })
+                .collect();
+            plan.push((d, peer.agents[p as usize].clone(), segments));
+        }
+    }
+    let n = plan.len() as u32;
+    // 3. Read, each with its ReadDone attached; collect P's answers.
+    let mut acks = Vec::new();
+    let mut reads = Vec::new();
+    for (consumer, (d, p_agent, segments)) in plan.into_iter().enumerate() {
+        let (tx, rx) = oneshot::channel();
+        lock(&inner.read_acks).insert((d, p_agent.clone(), rk.lease_id), tx);
+        acks.push(rx);
+        let notif = Message::ReadDone { lease_id: rk.lease_id, consumer_rank: consumer as u32, n }.encode();
+        let agent = inner.ranks()[d].agent.clone();
+        let op = ReadOp { lease_id: rk.lease_id, segments, notif: Some(notif) };
+        reads.push(tokio::spawn(async move { agent.read(&p_agent, op).await }));
+    }
+    let all = async {
+        let mut failure = None;
+        for r in reads {
+            match r.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failure = failure.or(Some(e.to_string())),
+                Err(e) => failure = failure.or(Some(format!("read task failed: {e}"))),
+            }
+        }
+        failure
+    };
+    let failure = match tokio::time::timeout(budget.max(Duration::from_secs(1)) * 2, all).await {
+        Err(_) => Some("the read timed out".to_string()),
+        Ok(f) => f,
+    };
+    if let Some(why) = failure {
+        lock(&inner.read_acks).retain(|(_, _, l), _| *l != rk.lease_id);
+        return PullOutcome::Lost(why);
+    }
+    for rx in acks {
+        match tokio::time::timeout(ACK_WAIT, rx).await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => return PullOutcome::Lost("the lease ended before the read completed".into()),
+            _ => {
+                lock(&inner.read_acks).retain(|(_, _, l), _| *l != rk.lease_id);
+                return PullOutcome::Lost("no read-completion acknowledgement from the prefill engine".into());
+            }
+        }
+    }
+    PullOutcome::Pulled
+}

@@ -1,0 +1,267 @@
+//! `kv_transfer_params`: what a request says about where its KV comes from or goes (SPEC §10),
+//! with vLLM's field names, and their signature (SPEC S1).
+//!
+//! P signs the fields D acts on — and the prompt they belong to — with HMAC-SHA256 under the
+//! cluster's secret, so a client cannot make D read another request's KV cache by crafting
+//! params. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
+//! adds fields of its own).
+
+use hmac::{Hmac, Mac};
+use serde_json::{json, Map, Value};
+use sha2::Sha256;
+use thiserror::Error;
+
+/// What a request asks of this engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvRole {
+    /// No disaggregation: prefill and decode here.
+    Local,
+    /// `do_remote_decode`: prefill here, keep the KV under a lease for a remote decoder.
+    PrefillForRemote,
+    /// `do_remote_prefill`: the prompt's KV is on a remote engine; pull it, then decode here.
+    DecodeRemote(RemoteKv),
+}
+
+/// Where a prompt's KV waits, as P described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteKv {
+    pub engine_id: String,
+    pub request_id: String,
+    pub block_ids: Vec<u32>,
+    pub host: String,
+    pub port: u16,
+    pub tp_size: u32,
+    pub num_tokens: u32,
+    pub lease_id: u64,
+    pub incarnation: u64,
+    pub signature: Option<String>,
+}
+
+/// A bad `kv_transfer_params`: a 400 naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("kv_transfer_params: {0}")]
+pub struct ParamError(pub String);
+
+impl KvRole {
+    /// Reads `kv_transfer_params` (absent or null: a local request).
+    pub fn parse(params: Option<&Value>) -> Result<KvRole, ParamError> {
+        let obj = match params {
+            None | Some(Value::Null) => return Ok(KvRole::Local),
+            Some(Value::Object(o)) => o,
+            Some(_) => return Err(ParamError("must be an object".into())),
+        };
+        let decode = flag(obj, "do_remote_decode")?;
+        let prefill = flag(obj, "do_remote_prefill")?;
+        match (decode, prefill) {
+            (true, true) => Err(ParamError("do_remote_decode and do_remote_prefill cannot both be true".into())),
+            (false, false) => Ok(KvRole::Local),
+            (true, false) => Ok(KvRole::PrefillForRemote),
+            (false, true) => {
+                let block_ids = match obj.get("remote_block_ids") {
+                    Some(Value::Array(a)) if !a.is_empty() => a
+                        .iter()
+                        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                        .ok_or_else(|| ParamError("remote_block_ids must be a list of block numbers".into()))?,
+                    _ => return Err(ParamError("remote_block_ids must be a non-empty list".into())),
+                };
+                let port = uint(obj, "remote_port")?;
+                Ok(KvRole::DecodeRemote(RemoteKv {
+                    engine_id: string(obj, "remote_engine_id")?,
+                    request_id: string(obj, "remote_request_id")?,
+                    block_ids,
+                    host: string(obj, "remote_host")?,
+                    port: u16::try_from(port)
+                        .ok()
+                        .filter(|p| *p != 0)
+                        .ok_or_else(|| ParamError(format!("remote_port {port} is not a port")))?,
+                    tp_size: match obj.get("tp_size") {
+                        None | Some(Value::Null) => 1,
+                        Some(_) => u32::try_from(uint(obj, "tp_size")?)
+                            .ok()
+                            .filter(|t| *t >= 1)
+                            .ok_or_else(|| ParamError("tp_size must be ≥ 1".into()))?,
+                    },
+                    num_tokens: u32::try_from(uint(obj, "remote_num_tokens")?)
+                        .map_err(|_| ParamError("remote_num_tokens is too large".into()))?,
+                    lease_id: uint(obj, "remote_lease_id")?,
+                    incarnation: match obj.get("remote_incarnation") {
+                        None | Some(Value::Null) => 0,
+                        Some(Value::String(s)) => s.parse().map_err(|_| ParamError("remote_incarnation must be a number".into()))?,
+                        Some(_) => uint(obj, "remote_incarnation")?,
+                    },
+                    signature: match obj.get("kvlease_signature") {
+                        None | Some(Value::Null) => None,
+                        Some(Value::String(s)) => Some(s.clone()),
+                        Some(_) => return Err(ParamError("kvlease_signature must be a string".into())),
+                    },
+                }))
+            }
+        }
+    }
+}
+
+impl RemoteKv {
+    /// The params P returns to the router, signed when a secret is configured. The incarnation
+    /// travels as a string too: JSON numbers above 2^53 lose precision in many clients.
+    pub fn to_json(&self, secret: Option<&[u8]>, prompt: &[u32]) -> Value {
+        let mut v = json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_block_ids": self.block_ids,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": self.num_tokens,
+            "remote_lease_id": self.lease_id,
+            "remote_incarnation": self.incarnation.to_string(),
+        });
+        if let (Some(secret), Value::Object(o)) = (secret, &mut v) {
+            o.insert("kvlease_signature".into(), Value::String(self.sign(secret, prompt)));
+        }
+        v
+    }
+
+    /// SPEC S1: D checks P's signature over the fields it acts on and its own prompt.
+    pub fn verify(&self, secret: &[u8], prompt: &[u32]) -> Result<(), ParamError> {
+        let Some(sig) = &self.signature else {
+            return Err(ParamError("unsigned; this engine requires params signed by the prefill engine (kvlease_signature)".into()));
+        };
+        let Some(bytes) = hex_decode(sig) else { return Err(ParamError("kvlease_signature is not hex".into())) };
+        self.mac(secret, prompt)
+            .verify_slice(&bytes)
+            .map_err(|_| ParamError("signature does not match these params and this prompt".into()))
+    }
+
+    fn sign(&self, secret: &[u8], prompt: &[u32]) -> String {
+        self.mac(secret, prompt).finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn mac(&self, secret: &[u8], prompt: &[u32]) -> Hmac<Sha256> {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+        let fields = format!(
+            "kvlease-v1\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n",
+            self.engine_id, self.request_id, self.host, self.port, self.tp_size, self.num_tokens, self.lease_id, self.incarnation
+        );
+        mac.update(&(fields.len() as u64).to_le_bytes());
+        mac.update(fields.as_bytes());
+        for b in &self.block_ids {
+            mac.update(&b.to_le_bytes());
+        }
+        mac.update(b"\nprompt\n");
+        for t in prompt {
+            mac.update(&t.to_le_bytes());
+        }
+        mac
+    }
+}
+
+fn flag(obj: &Map<String, Value>, key: &str) -> Result<bool, ParamError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ParamError(format!("{key} must be true or false, not {v}"))),
+    }
+}
+
+fn string(obj: &Map<String, Value>, key: &str) -> Result<String, ParamError> {
+    match obj.get(key) {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(Value::Number(n)) if key == "remote_host" => Ok(n.to_string()),
+        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with do_remote_prefill"))),
+        Some(v) => Err(ParamError(format!("{key} must be a non-empty string, not {v}"))),
+    }
+}
+
+fn uint(obj: &Map<String, Value>, key: &str) -> Result<u64, ParamError> {
+    match obj.get(key) {
+        Some(Value::Number(n)) => n.as_u64().ok_or_else(|| ParamError(format!("{key} must be a non-negative integer, not {n}"))),
+        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with do_remote_prefill"))),
+        Some(v) => Err(ParamError(format!("{key} must be a non-negative integer, not {v}"))),
+    }
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote() -> RemoteKv {
+        RemoteKv {
+            engine_id: "p0".into(),
+            request_id: "r1".into(),
+            block_ids: vec![3, 4],
+            host: "127.0.0.1".into(),
+            port: 5600,
+            tp_size: 1,
+            num_tokens: 20,
+            lease_id: 9,
+            incarnation: u64::MAX - 1,
+            signature: None,
+        }
+    }
+
+    #[test]
+    fn round_trip_through_json_like_a_router() {
+        let prompt = [1, 2, 3];
+        let v = remote().to_json(Some(b"s3cret"), &prompt);
+        let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
+        assert_eq!(r.incarnation, u64::MAX - 1);
+        r.verify(b"s3cret", &prompt).unwrap();
+    }
+
+    /// SPEC S1: altered fields, another prompt, another secret, or no signature are refused.
+    #[test]
+    fn s1_altered_or_unsigned_params_are_refused() {
+        let prompt = [1, 2, 3];
+        let v = remote().to_json(Some(b"s3cret"), &prompt);
+        for (key, val) in [
+            ("remote_block_ids", json!([3, 5])),
+            ("remote_lease_id", json!(10)),
+            ("remote_request_id", json!("r2")),
+            ("remote_port", json!(5601)),
+        ] {
+            let mut w = v.clone();
+            w[key] = val;
+            let KvRole::DecodeRemote(r) = KvRole::parse(Some(&w)).unwrap() else { panic!() };
+            assert!(r.verify(b"s3cret", &prompt).is_err(), "{key}");
+        }
+        let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
+        assert!(r.verify(b"s3cret", &[1, 2, 4]).is_err(), "another prompt");
+        assert!(r.verify(b"other", &prompt).is_err(), "another secret");
+        let unsigned = remote().to_json(None, &prompt);
+        let KvRole::DecodeRemote(r) = KvRole::parse(Some(&unsigned)).unwrap() else { panic!() };
+        assert!(r.verify(b"s3cret", &prompt).unwrap_err().0.contains("unsigned"));
+    }
+
+    #[test]
+    fn bad_params_name_the_field() {
+        let v = remote().to_json(None, &[]);
+        for (key, val, want) in [
+            ("do_remote_prefill", json!("yes"), "do_remote_prefill"),
+            ("remote_block_ids", json!([]), "remote_block_ids"),
+            ("remote_block_ids", json!([-1]), "remote_block_ids"),
+            ("remote_port", json!(70000), "remote_port"),
+            ("remote_lease_id", Value::Null, "remote_lease_id"),
+            ("remote_engine_id", json!(""), "remote_engine_id"),
+            ("tp_size", json!(0), "tp_size"),
+            ("do_remote_decode", json!(true), "both"),
+        ] {
+            let mut w = v.clone();
+            w[key] = val;
+            let err = KvRole::parse(Some(&w)).unwrap_err();
+            assert!(err.0.contains(want), "{key}: {err}");
+        }
+        assert!(KvRole::parse(Some(&json!([1]))).is_err());
+        assert_eq!(KvRole::parse(None), Ok(KvRole::Local));
+        assert_eq!(KvRole::parse(Some(&json!({"do_remote_decode": true, "remote_engine_id": null}))), Ok(KvRole::PrefillForRemote));
+    }
+}

@@ -1,0 +1,148 @@
+//! kvlease-engine: one serving engine (one `kvlease serve` process).
+//!
+//! It owns a paged KV block pool of real bytes (one [`BlockArena`] per rank, each holding its
+//! shard of the KV heads), a scheduler with a waiting queue and a running set, the synthetic
+//! model, and the connector that drives kvlease-core: P's lease table and D's renewer. It reaches
+//! other engines only through the transport's [`Agent`]s and its own handshake side channel.
+//!
+//! A request's path: [`EngineHandle::submit`] → (D: the renewer starts tracking at once, SPEC D1)
+//! → waiting queue → admitted when blocks and a running slot are free → P or local: prefill;
+//! D: pull the prompt's KV from P under its lease, verified → decode → events to the caller.
+//! Dropping the [`RequestStream`] aborts the request (D: releases P's lease at once, SPEC D4).
+//!
+//! [`BlockArena`]: kvlease_transport::BlockArena
+//! [`Agent`]: kvlease_transport::Agent
+
+mod connector;
+mod engine;
+pub mod kv_params;
+pub mod metrics;
+pub mod model;
+mod pool;
+mod scheduler;
+mod side_channel;
+
+pub use engine::{EngineHandle, RequestStream};
+pub use kv_params::{KvRole, ParamError, RemoteKv};
+pub use metrics::Metrics;
+pub use model::ModelConfig;
+
+use kvlease_core::config::KvTransferConfig;
+use thiserror::Error;
+
+/// Which transfer agent the engine's ranks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    Tcp,
+}
+
+/// Everything `kvlease serve` configures.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Unique per engine (a random one when not given).
+    pub engine_id: String,
+    /// Where the handshake side channel and the agents listen (SPEC S3: 127.0.0.1 by default).
+    pub host: String,
+    /// Side-channel port; 0 picks a free one (it is advertised in `kv_transfer_params`).
+    pub kv_port: u16,
+    pub transfer: KvTransferConfig,
+    pub tp_size: u32,
+    pub num_gpu_blocks: u32,
+    pub max_num_seqs: usize,
+    pub model: ModelConfig,
+    pub transport: TransportKind,
+    /// SPEC S1: the cluster's shared secret for signing `kv_transfer_params`.
+    pub secret: Option<Vec<u8>>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            engine_id: String::new(),
+            host: "127.0.0.1".into(),
+            kv_port: 0,
+            transfer: KvTransferConfig::default(),
+            tp_size: 1,
+            num_gpu_blocks: 1024,
+            max_num_seqs: 64,
+            model: ModelConfig::default(),
+            transport: TransportKind::Tcp,
+            secret: None,
+        }
+    }
+}
+
+/// The prompt of a request: text (tokenized as UTF-8 bytes) or token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// One completion request, as the HTTP layer hands it over.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The client's id (`X-Request-Id` or generated); shown in logs and in `kv_transfer_params`.
+    pub request_id: String,
+    pub prompt: Prompt,
+    pub max_tokens: u32,
+    /// Generate exactly `max_tokens`, ignoring the model's end-of-sequence token.
+    pub ignore_eos: bool,
+    /// The request's `kv_transfer_params`, unparsed (the engine validates them).
+    pub kv_transfer_params: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What a request produces, in order: tokens, then exactly one `Done` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerateEvent {
+    Token { id: u32, text: String },
+    Done { finish_reason: FinishReason, prompt_tokens: u32, completion_tokens: u32, kv_transfer_params: Option<serde_json::Value> },
+    Failed(RequestError),
+}
+
+/// A request refused or failed: the HTTP status, an OpenAI error `type`/`code`, and a message
+/// that says what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{message}")]
+pub struct RequestError {
+    pub status: u16,
+    pub code: &'static str,
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
+impl RequestError {
+    pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> RequestError {
+        RequestError { status: 400, code: "invalid_request_error", param, message: message.into() }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> RequestError {
+        RequestError { status: 503, code: "service_unavailable", param: None, message: message.into() }
+    }
+}
+
+/// Why an engine did not start.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {why}")]
+    Bind { addr: String, why: String },
+    #[error("transport: {0}")]
+    Transport(#[from] kvlease_transport::TransportError),
+}

@@ -1,0 +1,298 @@
+//! The synthetic model: makes the KV cache real without a GPU.
+//!
+//! Every token's KV bytes are a deterministic function of the token prefix (so P and a local
+//! run write the same bytes), and every generated token is a function of the KV bytes actually
+//! held in the block pool: the first from a digest of the whole prompt's KV as read back from the
+//! pool, each next one from the previous digest and the KV just written. A wrong, stale or torn
+//! transfer therefore changes the output (SPEC D7). Compute time is emulated per prefill token and
+//! per decode step, so queueing and overload happen as on a GPU.
+//!
+//! Tokens: 0..256 are bytes (prompts are tokenized as UTF-8 bytes), 256..256+WORDS are words
+//! (what the model generates), `EOS` ends a completion with `finish_reason = "stop"`.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Words the model speaks, one token each.
+const WORDS: [&str; 64] = [
+    "the",
+    "lease",
+    "block",
+    "cache",
+    "decode",
+    "prefill",
+    "heartbeat",
+    "engine",
+    "token",
+    "model",
+    "river",
+    "stone",
+    "light",
+    "quiet",
+    "green",
+    "north",
+    "window",
+    "signal",
+    "garden",
+    "paper",
+    "silver",
+    "morning",
+    "harbor",
+    "orbit",
+    "velvet",
+    "copper",
+    "meadow",
+    "lantern",
+    "thunder",
+    "violet",
+    "echo",
+    "summit",
+    "canyon",
+    "ember",
+    "glacier",
+    "willow",
+    "falcon",
+    "marble",
+    "prism",
+    "tide",
+    "cedar",
+    "comet",
+    "delta",
+    "fable",
+    "grove",
+    "haven",
+    "island",
+    "jade",
+    "kernel",
+    "lumen",
+    "mosaic",
+    "nectar",
+    "opal",
+    "pebble",
+    "quartz",
+    "ripple",
+    "sonnet",
+    "tundra",
+    "umber",
+    "vortex",
+    "whisper",
+    "xenon",
+    "yarrow",
+    "zephyr",
+];
+pub const FIRST_WORD: u32 = 256;
+pub const EOS: u32 = FIRST_WORD + WORDS.len() as u32;
+/// Token ids a prompt may use: bytes, words, EOS.
+pub const VOCAB_SIZE: u32 = EOS + 1;
+
+/// The model's shape and speed (`kvlease serve` flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// The name `/v1/models` lists and requests must name.
+    pub name: String,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype_bytes: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    pub max_model_len: u32,
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_token: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: "kvlease-synthetic".into(),
+            num_layers: 2,
+            num_kv_heads: 4,
+            head_dim: 16,
+            dtype_bytes: 2,
+            block_size: 16,
+            max_model_len: 4096,
+            prefill_ms_per_token: 0.0,
+            decode_ms_per_token: 0.0,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Bytes of one head's K (or V) for one token.
+    pub fn head_bytes(&self) -> usize {
+        (self.head_dim * self.dtype_bytes) as usize
+    }
+
+    /// Bytes of one KV head's slice of a block: all layers, K and V, all token slots.
+    pub fn head_block_bytes(&self) -> usize {
+        self.num_layers as usize * 2 * self.block_size as usize * self.head_bytes()
+    }
+
+    /// Bytes of one block on a rank holding `heads` KV heads. Heads are the outermost dimension,
+    /// so a rank's shard, and any contiguous range of heads, is one contiguous range of bytes.
+    pub fn block_bytes(&self, heads: u32) -> usize {
+        heads as usize * self.head_block_bytes()
+    }
+
+    /// Emulated compute for a prefill of `tokens` tokens.
+    pub fn prefill_time(&self, tokens: usize) -> Duration {
+        Duration::from_secs_f64((self.prefill_ms_per_token * tokens as f64 / 1e3).max(0.0))
+    }
+
+    pub fn decode_time(&self) -> Duration {
+        Duration::from_secs_f64((self.decode_ms_per_token / 1e3).max(0.0))
+    }
+
+    /// Offset in a rank's block of token slot `slot`, local head `head`, `layer`, K (0) or V (1).
+    pub fn kv_offset(&self, head: u32, layer: u32, kv: u32, slot: u32) -> usize {
+        (((head * self.num_layers + layer) * 2 + kv) * self.block_size + slot) as usize * self.head_bytes()
+    }
+
+    /// Checks the shape; the message names the flag.
+    pub fn validate(&self, tp_size: u32) -> Result<(), String> {
+        for (v, flag) in [
+            (self.num_layers, "--num-layers"),
+            (self.num_kv_heads, "--num-kv-heads"),
+            (self.head_dim, "--head-dim"),
+            (self.dtype_bytes, "--dtype-bytes"),
+            (self.block_size, "--block-size"),
+            (self.max_model_len, "--max-model-len"),
+        ] {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        if tp_size == 0 || !self.num_kv_heads.is_multiple_of(tp_size) {
+            return Err(format!("--tp-size {tp_size} must divide --num-kv-heads {}", self.num_kv_heads));
+        }
+        if !(self.prefill_ms_per_token >= 0.0 && self.prefill_ms_per_token.is_finite()) {
+            return Err("--prefill-ms-per-token must be a finite number ≥ 0".into());
+        }
+        if !(self.decode_ms_per_token >= 0.0 && self.decode_ms_per_token.is_finite()) {
+            return Err("--decode-ms-per-token must be a finite number ≥ 0".into());
+        }
+        if self.block_bytes(self.num_kv_heads / tp_size) > 64 << 20 {
+            return Err("a KV block would exceed 64 MiB: reduce the geometry".into());
+        }
+        Ok(())
+    }
+}
+
+/// UTF-8 bytes as tokens.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// The text of generated tokens (words, space-separated, as a tokenizer's leading spaces).
+pub fn detokenize(token: u32) -> String {
+    match token {
+        0..=255 => String::from_utf8_lossy(&[token as u8]).into_owned(),
+        t if t < EOS => format!(" {}", WORDS[(t - FIRST_WORD) as usize]),
+        _ => String::new(),
+    }
+}
+
+/// The chat template: one line per message, then the assistant's turn.
+pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str(&format!("<|{role}|>\n{content}\n"));
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+/// The running hash of a token prefix: prefix_hash(tokens[..=i]).
+pub fn extend_prefix(prev: u64, token: u32) -> u64 {
+    mix(prev ^ (u64::from(token).wrapping_add(0x9e37_79b9_7f4a_7c15)))
+}
+
+pub const PREFIX_SEED: u64 = 0x6b76_6c65_6173_6531;
+
+/// Fills `out` with the KV bytes of one (head, layer, K|V) of the token whose prefix hash is
+/// `prefix`. `head` is the global head index, so every TP layout writes the same bytes.
+pub fn kv_bytes(prefix: u64, head: u32, layer: u32, kv: u32, out: &mut [u8]) {
+    let mut state = mix(prefix ^ (u64::from(head) << 40) ^ (u64::from(layer) << 20) ^ u64::from(kv) ^ 0x5eed);
+    for chunk in out.chunks_mut(8) {
+        state = mix(state.wrapping_add(0x9e37_79b9_7f4a_7c15));
+        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+/// A 64-bit digest of bytes, 8 at a time (fast enough to reread a sequence's KV every step).
+pub fn digest(seed: u64, bytes: &[u8]) -> u64 {
+    let mut h = seed ^ (bytes.len() as u64).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = (h ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    }
+    for &b in chunks.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    mix(h)
+}
+
+/// The token generated from a KV digest, and the digest carried to the next step.
+pub fn next_token(kv_digest: u64) -> u32 {
+    let h = mix(kv_digest ^ 0x746f_6b65_6e21);
+    if h.is_multiple_of(97) {
+        EOS
+    } else {
+        FIRST_WORD + (h % WORDS.len() as u64) as u32
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_bytes_depend_on_prefix_head_layer_kv() {
+        let mut a = [0u8; 32];
+        let mut b = [0u8; 32];
+        kv_bytes(1, 0, 0, 0, &mut a);
+        for (p, h, l, k) in [(2, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1)] {
+            kv_bytes(p, h, l, k, &mut b);
+            assert_ne!(a, b);
+        }
+        kv_bytes(1, 0, 0, 0, &mut b);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn digest_sees_every_byte() {
+        let mut v = vec![7u8; 1001];
+        let d = digest(0, &v);
+        for i in [0, 500, 999, 1000] {
+            v[i] ^= 1;
+            assert_ne!(digest(0, &v), d, "byte {i}");
+            v[i] ^= 1;
+        }
+    }
+
+    #[test]
+    fn tokens_and_text() {
+        assert_eq!(tokenize("hi"), vec![104, 105]);
+        assert_eq!(detokenize(104), "h");
+        assert_eq!(detokenize(FIRST_WORD), " the");
+        assert_eq!(detokenize(EOS), "");
+        assert!(next_token(42) >= FIRST_WORD && next_token(42) <= EOS);
+        assert_eq!(chat_prompt([("user", "hi")]), "<|user|>\nhi\n<|assistant|>\n");
+    }
+
+    #[test]
+    fn validate_names_the_flag() {
+        let m = ModelConfig::default();
+        assert!(m.validate(1).is_ok() && m.validate(4).is_ok());
+        assert!(m.validate(3).unwrap_err().contains("--tp-size"));
+        assert!(ModelConfig { block_size: 0, ..m.clone() }.validate(1).unwrap_err().contains("--block-size"));
+        assert!(ModelConfig { decode_ms_per_token: f64::NAN, ..m }.validate(1).unwrap_err().contains("--decode-ms"));
+    }
+}

@@ -1,0 +1,400 @@
+//! The scheduler: one task owning the waiting queue and the running set, stepping the synthetic
+//! model the way a GPU engine's busy loop does.
+//!
+//! Admission is first-come first-served, bounded by `--max-num-seqs` and by free blocks (a
+//! request holds all the blocks it can need from admission on). A `do_remote_prefill` request is
+//! admitted into a loading state: its pull runs as a task of its own and reports back, so the
+//! loop keeps stepping others. Forward steps take emulated time; nothing lease-related runs in
+//! this loop (SPEC D3): heartbeats and the reaper have their own tasks.
+
+use crate::connector::{self, PullOutcome};
+use crate::engine::{Inner, Rank};
+use crate::kv_params::KvRole;
+use crate::model::{self, EOS};
+use crate::pool::Blocks;
+use crate::{FinishReason, GenerateEvent, RequestError};
+use kvlease_core::config::LoadFailurePolicy;
+use kvlease_core::renewer::Untrack;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+pub(crate) enum SchedMsg {
+    Submit(Box<Seq>),
+    Abort(u64),
+    Loaded { id: u64, blocks: Blocks, outcome: PullOutcome },
+    Shutdown,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Prefill,
+    Decoding,
+}
+
+/// One request inside the engine.
+pub(crate) struct Seq {
+    id: u64,
+    /// The renewer's key: the client's id made unique.
+    internal: String,
+    client_id: String,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    ignore_eos: bool,
+    role: KvRole,
+    tx: mpsc::UnboundedSender<GenerateEvent>,
+    blocks: Option<Blocks>,
+    state: State,
+    /// Prefix hash of every token whose KV is in the pool.
+    prefix: u64,
+    /// Digest of the KV read back so far; the next token is a function of it.
+    digest: u64,
+    last_token: u32,
+    generated: u32,
+}
+
+impl Seq {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: u64,
+        internal: String,
+        client_id: String,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        ignore_eos: bool,
+        role: KvRole,
+        tx: mpsc::UnboundedSender<GenerateEvent>,
+    ) -> Seq {
+        Seq {
+            id,
+            internal,
+            client_id,
+            prompt,
+            max_tokens,
+            ignore_eos,
+            role,
+            tx,
+            blocks: None,
+            state: State::Prefill,
+            prefix: model::PREFIX_SEED,
+            digest: 0,
+            last_token: 0,
+            generated: 0,
+        }
+    }
+
+    fn fail(&self, err: RequestError) {
+        let _ = self.tx.send(GenerateEvent::Failed(err));
+    }
+}
+
+/// Blocks a request holds from admission: the prompt's, plus room for every generated token
+/// unless the request only prefills for a remote decoder.
+pub(crate) fn blocks_needed(role: &KvRole, prompt_len: usize, max_tokens: u32, block_size: u32) -> usize {
+    let tokens = match role {
+        KvRole::PrefillForRemote => prompt_len,
+        _ => prompt_len + max_tokens as usize,
+    };
+    tokens.div_ceil(block_size as usize)
+}
+
+pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<SchedMsg>) {
+    let mut waiting: VecDeque<Seq> = VecDeque::new();
+    let mut running: Vec<Seq> = Vec::new();
+    let mut loading: HashMap<u64, Seq> = HashMap::new();
+    let mut aborted_loads: HashSet<u64> = HashSet::new();
+    loop {
+        // Take every message that is already here.
+        loop {
+            let msg = match rx.try_recv() {
+                Ok(m) => m,
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return,
+            };
+            match msg {
+                SchedMsg::Submit(seq) => waiting.push_back(*seq),
+                SchedMsg::Abort(id) => {
+                    waiting.retain(|s| s.id != id);
+                    running.retain(|s| s.id != id);
+                    if loading.remove(&id).is_some() {
+                        aborted_loads.insert(id);
+                    }
+                }
+                SchedMsg::Loaded { id, blocks, outcome } => {
+                    if aborted_loads.remove(&id) {
+                        continue;
+                    }
+                    if let Some(seq) = loading.remove(&id) {
+                        finish_load(&inner, seq, blocks, outcome, &mut running);
+                    }
+                }
+                SchedMsg::Shutdown => {
+                    let err = RequestError::unavailable("the engine is shutting down");
+                    for seq in waiting.drain(..).chain(running.drain(..)).chain(loading.drain().map(|(_, s)| s)) {
+                        if matches!(seq.role, KvRole::DecodeRemote(_)) {
+                            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
+                        }
+                        seq.fail(err.clone());
+                    }
+                    inner.renewer_wake.notify_one();
+                    inner.stopped.send_replace(true);
+                    return;
+                }
+            }
+        }
+        admit(&inner, &mut waiting, &mut running, &mut loading);
+        inner.metrics.requests_waiting.store(waiting.len() as i64, Relaxed);
+        inner.metrics.requests_running.store((running.len() + loading.len()) as i64, Relaxed);
+        if running.is_empty() {
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(m) => {
+                        // Put it back through the drain at the top of the loop.
+                        if inner.sched.send(m).is_err() {
+                            return;
+                        }
+                    }
+                    None => return,
+                },
+                _ = inner.pool.freed.notified(), if !waiting.is_empty() => {}
+            }
+            continue;
+        }
+        step(&inner, &mut running).await;
+    }
+}
+
+fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>, loading: &mut HashMap<u64, Seq>) {
+    let bs = inner.cfg.model.block_size;
+    while let Some(front) = waiting.front() {
+        if front.tx.is_closed() {
+            waiting.pop_front();
+            continue;
+        }
+        if running.len() + loading.len() >= inner.cfg.max_num_seqs {
+            return;
+        }
+        let need = blocks_needed(&front.role, front.prompt.len(), front.max_tokens, bs);
+        let Some(blocks) = inner.pool.alloc(need) else { return };
+        let Some(mut seq) = waiting.pop_front() else { return };
+        match &seq.role {
+            KvRole::DecodeRemote(rk) => {
+                let (inner2, rk, internal, id) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id);
+                tokio::spawn(async move {
+                    let outcome = connector::pull(&inner2, &internal, &rk, blocks.ids()).await;
+                    let _ = inner2.sched.send(SchedMsg::Loaded { id, blocks, outcome });
+                });
+                loading.insert(seq.id, seq);
+            }
+            _ => {
+                seq.blocks = Some(blocks);
+                seq.state = State::Prefill;
+                running.push(seq);
+            }
+        }
+    }
+}
+
+/// The pull finished: decode from the pulled KV, or apply the load failure policy (SPEC D6).
+fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, outcome: PullOutcome, running: &mut Vec<Seq>) {
+    seq.blocks = Some(blocks);
+    match outcome {
+        PullOutcome::Pulled => {
+            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
+            prompt_ready(inner, &mut seq);
+            if !finished(&mut seq) {
+                running.push(seq);
+            }
+        }
+        PullOutcome::Lost(why) => {
+            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
+            inner.renewer_wake.notify_one();
+            inner.metrics.lease_lost.fetch_add(1, Relaxed);
+            match inner.cfg.transfer.lease.load_failure_policy {
+                LoadFailurePolicy::Recompute => {
+                    tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
+                    inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
+                    seq.state = State::Prefill;
+                    running.push(seq);
+                }
+                LoadFailurePolicy::Fail => {
+                    tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+                    seq.fail(RequestError {
+                        status: 503,
+                        code: "kv_load_failed",
+                        param: None,
+                        message: format!("the prompt's KV cache could not be loaded from the prefill engine: {why}"),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// One forward step: every request waiting for prefill is prefilled, every decoding request
+/// produces one token. Emulated compute time is slept once per step.
+async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
+    let m = &inner.cfg.model;
+    running.retain(|s| !s.tx.is_closed());
+    let prefill_tokens: usize = running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len()).sum();
+    if prefill_tokens > 0 {
+        for seq in running.iter_mut().filter(|s| s.state == State::Prefill) {
+            let Some(blocks) = &seq.blocks else { continue };
+            let mut prefix = model::PREFIX_SEED;
+            for (pos, &tok) in seq.prompt.iter().enumerate() {
+                prefix = model::extend_prefix(prefix, tok);
+                write_kv(inner.ranks(), m, blocks, pos, prefix);
+            }
+        }
+        sleep(m.prefill_time(prefill_tokens)).await;
+        let mut i = 0;
+        while i < running.len() {
+            if running[i].state != State::Prefill {
+                i += 1;
+                continue;
+            }
+            let mut seq = running.swap_remove(i);
+            prompt_ready(inner, &mut seq);
+            if matches!(seq.role, KvRole::PrefillForRemote) {
+                connector::grant_and_finish(inner, seq);
+            } else if !finished(&mut seq) {
+                running.push(seq);
+            }
+        }
+        return;
+    }
+    for seq in running.iter_mut() {
+        let Some(blocks) = &seq.blocks else { continue };
+        let pos = seq.prompt.len() + seq.generated as usize - 1;
+        seq.prefix = model::extend_prefix(seq.prefix, seq.last_token);
+        write_kv(inner.ranks(), m, blocks, pos, seq.prefix);
+        seq.digest = digest_positions(inner.ranks(), m, blocks, pos, pos + 1, seq.digest);
+        let tok = model::next_token(seq.digest);
+        emit(seq, tok);
+    }
+    sleep(m.decode_time()).await;
+    let mut i = 0;
+    while i < running.len() {
+        if finished(&mut running[i]) {
+            running.swap_remove(i);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+/// The prompt's KV is in our blocks (prefilled or pulled): read it back and produce the first
+/// token from it.
+fn prompt_ready(inner: &Arc<Inner>, seq: &mut Seq) {
+    let Some(blocks) = &seq.blocks else { return };
+    seq.prefix = seq.prompt.iter().fold(model::PREFIX_SEED, |h, &t| model::extend_prefix(h, t));
+    seq.digest = digest_positions(inner.ranks(), &inner.cfg.model, blocks, 0, seq.prompt.len(), 0);
+    seq.state = State::Decoding;
+    let tok = model::next_token(seq.digest);
+    emit(seq, tok);
+}
+
+fn emit(seq: &mut Seq, tok: u32) {
+    seq.last_token = tok;
+    seq.generated += 1;
+    if tok == EOS && !seq.ignore_eos {
+        return;
+    }
+    if matches!(seq.role, KvRole::PrefillForRemote) {
+        // The P leg's token goes out with its Done, after the lease is granted.
+        return;
+    }
+    let _ = seq.tx.send(GenerateEvent::Token { id: tok, text: model::detokenize(tok) });
+}
+
+/// Sends `Done` if the request is complete; true if it was.
+fn finished(seq: &mut Seq) -> bool {
+    let reason = if seq.last_token == EOS && !seq.ignore_eos {
+        FinishReason::Stop
+    } else if seq.generated >= seq.max_tokens {
+        FinishReason::Length
+    } else {
+        return false;
+    };
+    let completion_tokens = if reason == FinishReason::Stop { seq.generated - 1 } else { seq.generated };
+    let _ = seq.tx.send(GenerateEvent::Done {
+        finish_reason: reason,
+        prompt_tokens: seq.prompt.len() as u32,
+        completion_tokens,
+        kv_transfer_params: None,
+    });
+    true
+}
+
+/// What the P leg hands to the connector when its prefill is done.
+pub(crate) struct PrefillDone {
+    pub client_id: String,
+    pub prompt: Vec<u32>,
+    pub first_token: u32,
+    pub blocks: Option<Blocks>,
+    pub tx: mpsc::UnboundedSender<GenerateEvent>,
+}
+
+impl From<Seq> for PrefillDone {
+    fn from(seq: Seq) -> PrefillDone {
+        PrefillDone { client_id: seq.client_id, prompt: seq.prompt, first_token: seq.last_token, blocks: seq.blocks, tx: seq.tx }
+    }
+}
+
+async fn sleep(d: std::time::Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// Writes the KV of the token at `pos` (prefix hash `prefix`) into every rank's shard.
+fn write_kv(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, pos: usize, prefix: u64) {
+    let Some(&block) = blocks.ids().get(pos / m.block_size as usize) else { return };
+    let slot = (pos % m.block_size as usize) as u32;
+    let mut buf = vec![0u8; m.head_bytes()];
+    for rank in ranks {
+        for head in rank.heads.clone() {
+            let local = head - rank.heads.start;
+            for layer in 0..m.num_layers {
+                for kv in 0..2 {
+                    model::kv_bytes(prefix, head, layer, kv, &mut buf);
+                    let off = m.kv_offset(local, layer, kv, slot);
+                    // SAFETY: the request owns `block` (its guard is alive) and the range is in
+                    // bounds by construction of the geometry.
+                    unsafe { rank.arena.copy_in(block, off, &buf) };
+                }
+            }
+        }
+    }
+}
+
+/// Digest of the KV of positions `start..end` as held in the pool, in a layout-independent
+/// order (global head, layer, K/V, position), so any TP split reads back the same digest.
+pub(crate) fn digest_positions(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, start: usize, end: usize, seed: u64) -> u64 {
+    let bs = m.block_size as usize;
+    let hb = m.head_bytes();
+    let mut buf = vec![0u8; bs * hb];
+    let mut h = seed;
+    for rank in ranks {
+        for head in rank.heads.clone() {
+            let local = head - rank.heads.start;
+            for layer in 0..m.num_layers {
+                for kv in 0..2 {
+                    let mut pos = start;
+                    while pos < end {
+                        let Some(&block) = blocks.ids().get(pos / bs) else { return h };
+                        let slot = pos % bs;
+                        let n = (bs - slot).min(end - pos);
+                        let off = m.kv_offset(local, layer, kv, slot as u32);
+                        // SAFETY: as in `write_kv`; nobody writes the request's blocks meanwhile.
+                        unsafe { rank.arena.copy_out(block, off, &mut buf[..n * hb]) };
+                        h = model::digest(h, &buf[..n * hb]);
+                        pos += n;
+                    }
+                }
+            }
+        }
+    }
+    h
+}

@@ -1,0 +1,236 @@
+//! Engines in one test process, talking over real loopback sockets (side channel and TCP
+//! transfer agents): the lease protocol end to end, below HTTP.
+
+use kvlease_core::config::{KvTransferConfig, LoadFailurePolicy};
+use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, ModelConfig, Prompt};
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+fn config(lease_secs: f64, tp: u32) -> EngineConfig {
+    let transfer =
+        KvTransferConfig { lease: kvlease_core::config::LeaseConfig::with_lease_secs(lease_secs).unwrap(), ..Default::default() };
+    EngineConfig { transfer, tp_size: tp, num_gpu_blocks: 256, model: ModelConfig::default(), ..EngineConfig::default() }
+}
+
+async fn engine(cfg: EngineConfig) -> EngineHandle {
+    EngineHandle::start(cfg).await.expect("engine starts")
+}
+
+/// Runs a request to its end: (text, kv_transfer_params) or the error.
+async fn run(
+    e: &EngineHandle,
+    prompt: &str,
+    max_tokens: u32,
+    params: Option<Value>,
+) -> Result<(String, Option<Value>), kvlease_engine::RequestError> {
+    let req = GenerateRequest {
+        request_id: "t".into(),
+        prompt: Prompt::Text(prompt.into()),
+        max_tokens,
+        ignore_eos: true,
+        kv_transfer_params: params,
+    };
+    let mut s = e.submit(req)?;
+    let mut text = String::new();
+    let deadline = Duration::from_secs(30);
+    loop {
+        match tokio::time::timeout(deadline, s.next()).await.expect("request finishes in time") {
+            Some(GenerateEvent::Token { text: t, .. }) => text.push_str(&t),
+            Some(GenerateEvent::Done { kv_transfer_params, .. }) => return Ok((text, kv_transfer_params)),
+            Some(GenerateEvent::Failed(e)) => return Err(e),
+            None => panic!("stream ended without Done"),
+        }
+    }
+}
+
+fn prefill_params() -> Option<Value> {
+    Some(json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null}))
+}
+
+/// Waits for a condition, polling, with a deadline.
+async fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = tokio::time::Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+const PROMPT: &str = "In disaggregated serving a prefill engine computes the KV cache of a prompt";
+
+/// SPEC D7, P1, P3, P8: P prefills and leases, D pulls and decodes; the output equals a local
+/// run, and the lease is released once, as transferred, freeing P's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d7_disaggregated_output_equals_local_and_lease_is_transferred() {
+    let (local, p, d) = (engine(config(30.0, 1)).await, engine(config(30.0, 1)).await, engine(config(30.0, 1)).await);
+    let (want, _) = run(&local, PROMPT, 24, None).await.unwrap();
+    assert!(want.split_whitespace().count() == 24, "{want}");
+    for _ in 0..3 {
+        let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+        let params = params.expect("P returns kv_transfer_params");
+        assert_eq!(params["do_remote_prefill"], true);
+        assert_eq!(p.metrics().leases_active.load(Relaxed), 1);
+        let (got, _) = run(&d, PROMPT, 24, Some(params)).await.unwrap();
+        assert_eq!(got, want);
+        until("P releases the lease", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    }
+    let m = p.metrics();
+    assert_eq!(m.leases_granted.load(Relaxed), 3);
+    assert_eq!(m.released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 3);
+    assert_eq!(m.kv_blocks_free.load(Relaxed), 256, "every block back on P");
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
+}
+
+/// SPEC T1, T2: heterogeneous tensor parallelism (P TP 2 → D TP 1, P TP 1 → D TP 4): each D
+/// rank reads the heads it holds from every P rank holding them; output still equals local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t1_t2_heterogeneous_tp_pulls_the_right_heads() {
+    let local = engine(config(30.0, 1)).await;
+    let (want, _) = run(&local, PROMPT, 12, None).await.unwrap();
+    for (p_tp, d_tp) in [(2, 1), (1, 4), (4, 2)] {
+        let (p, d) = (engine(config(30.0, p_tp)).await, engine(config(30.0, d_tp)).await);
+        let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+        let (got, _) = run(&d, PROMPT, 12, params).await.unwrap();
+        assert_eq!(got, want, "P tp {p_tp} → D tp {d_tp}");
+        assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "P tp {p_tp} → D tp {d_tp} pulled");
+        until("transferred", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+        assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
+    }
+}
+
+/// SPEC P4 end to end: a lease nobody reads expires within L plus the reaper's granularity,
+/// on an idle engine, and its blocks come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p4_unread_lease_expires_on_an_idle_engine() {
+    let p = engine(config(0.6, 1)).await;
+    let t0 = tokio::time::Instant::now();
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    assert!(params.is_some());
+    assert!(p.metrics().kv_blocks_free.load(Relaxed) < 256);
+    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(600), "expired early: {took:?}");
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
+    assert_eq!(p.metrics().kv_blocks_free.load(Relaxed), 256);
+}
+
+/// SPEC D1, D3, P2: a request waits on a busy D (one running slot, a slow decode) far longer
+/// than the lease; D's heartbeats, sent from their own task, keep P's blocks alive, and the
+/// pull succeeds without recompute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_overloaded_decoder_keeps_the_lease_alive() {
+    let p = engine(config(0.6, 1)).await; // L = 0.6 s, I = 0.1 s, E = 0.4 s
+    let mut dcfg = config(0.6, 1);
+    dcfg.max_num_seqs = 1;
+    dcfg.model.decode_ms_per_token = 250.0; // each step blocks the loop for 250 ms
+    let d = engine(dcfg).await;
+    let local = engine(config(0.6, 1)).await;
+    let (want, _) = run(&local, "second", 4, None).await.unwrap();
+    // Occupy D's only slot for about 2 s.
+    let busy = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, "first", 8, None).await })
+    };
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    let (_, params) = run(&p, "second", 1, prefill_params()).await.unwrap();
+    let (got, _) = run(&d, "second", 4, params).await.unwrap();
+    assert_eq!(got, want);
+    busy.await.unwrap().unwrap();
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "the lease must have survived the wait");
+    assert!(p.metrics().lease_renewals.load(Relaxed) >= 5);
+    until("transferred", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 0);
+}
+
+/// SPEC D4: a request aborted on D before its transfer releases P's lease at once, as
+/// `released`, long before it would expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d4_abort_on_d_releases_the_lease_at_once() {
+    let p = engine(config(30.0, 1)).await;
+    let mut dcfg = config(30.0, 1);
+    dcfg.max_num_seqs = 1;
+    dcfg.model.decode_ms_per_token = 100.0;
+    let d = engine(dcfg).await;
+    let busy = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, "first", 30, None).await })
+    };
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let req = GenerateRequest {
+        request_id: "x".into(),
+        prompt: Prompt::Text(PROMPT.into()),
+        max_tokens: 4,
+        ignore_eos: true,
+        kv_transfer_params: params,
+    };
+    let stream = d.submit(req).unwrap();
+    until("heartbeats flow", Duration::from_secs(5), || p.metrics().heartbeats_received.load(Relaxed) >= 1).await;
+    drop(stream); // the client went away
+    until("release", Duration::from_secs(2), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Released).load(Relaxed), 1);
+    busy.abort();
+}
+
+/// SPEC D6, D7: a lease that expired before D could read is detected (LeaseLost / refused read),
+/// the bytes are never used, and with `recompute` the output is still the local one; with `fail`
+/// the request fails with a clear 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d6_lost_lease_recomputes_or_fails_never_garbage() {
+    let p = engine(config(0.3, 1)).await;
+    let local = engine(config(30.0, 1)).await;
+    let (want, _) = run(&local, PROMPT, 10, None).await.unwrap();
+    let d = engine(config(30.0, 1)).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    // P reuses the blocks for another prompt: a stale read would now see other bytes.
+    let (_, _) = run(&p, "something else entirely, to overwrite the freed blocks", 1, prefill_params()).await.unwrap();
+    let (got, _) = run(&d, PROMPT, 10, params.clone()).await.unwrap();
+    assert_eq!(got, want);
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
+    assert_eq!(d.metrics().lease_lost.load(Relaxed), 1);
+
+    let mut fcfg = config(30.0, 1);
+    fcfg.transfer.lease.load_failure_policy = LoadFailurePolicy::Fail;
+    let f = engine(fcfg).await;
+    let err = run(&f, PROMPT, 10, params).await.unwrap_err();
+    assert_eq!(err.status, 503);
+    assert!(err.message.contains("KV cache could not be loaded"), "{}", err.message);
+}
+
+/// SPEC S1: with a secret, altered or unsigned params are refused before anything is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_signed_params_are_checked_by_d() {
+    let secret = Some(b"cluster-secret".to_vec());
+    let p = engine(EngineConfig { secret: secret.clone(), ..config(30.0, 1) }).await;
+    let d = engine(EngineConfig { secret, ..config(30.0, 1) }).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let params = params.unwrap();
+    let mut altered = params.clone();
+    altered["remote_block_ids"] = json!([0, 1, 2, 3, 4]);
+    let mut unsigned = params.clone();
+    unsigned.as_object_mut().unwrap().remove("kvlease_signature");
+    for bad in [altered, unsigned] {
+        let err = run(&d, PROMPT, 4, Some(bad)).await.unwrap_err();
+        assert_eq!(err.status, 400, "{err:?}");
+        assert_eq!(err.param, Some("kv_transfer_params"));
+    }
+    assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0, "nothing was tracked or read");
+    // The genuine params still work.
+    let (got, _) = run(&d, PROMPT, 4, Some(params)).await.unwrap();
+    assert_eq!(got.split_whitespace().count(), 4);
+}
+
+/// Graceful shutdown releases live leases as `shutdown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p3_shutdown_releases_leases() {
+    let p = engine(config(30.0, 1)).await;
+    run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    run(&p, "two", 1, prefill_params()).await.unwrap();
+    p.shutdown().await;
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).load(Relaxed), 2);
+    assert_eq!(p.metrics().leases_active.load(Relaxed), 0);
+    assert!(run(&p, PROMPT, 1, None).await.unwrap_err().status == 503);
+}
