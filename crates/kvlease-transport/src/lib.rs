@@ -15,6 +15,8 @@
 mod arena;
 pub mod mem;
 pub mod tcp;
+#[cfg(test)]
+mod testing;
 
 pub use arena::BlockArena;
 

@@ -1,1 +1,1019 @@
-//! placeholder
+//! The tcp backend: one TCP connection per pair of agents, carrying one-sided reads and
+//! notifications both ways (the wire format is in [`wire`]).
+//!
+//! Who talks to us: only agents introduced by [`Agent::add_peer`] (SPEC S2, P7). An inbound
+//! connection names its dialer in a `Hello`; one from an agent not (yet) added is held for
+//! [`TcpOptions::hold_unknown`] waiting for the engine's `add_peer`, then dropped and counted as
+//! `unknown_agent`. When both sides dial at once, the connection dialed by the smaller name wins.
+//!
+//! Per connection, a reader task parses frames (serving read requests through the [`ReadGate`],
+//! handing read data and notifications on) and a writer task owns the socket's write half.
+//! The writer sends control frames (notifications, requests, errors) before the next chunk of a
+//! read response, so heartbeats are not stuck behind a 64 MiB transfer, and writes response
+//! bytes straight from the arena with vectored writes while it holds the read's permit
+//! (SPEC P5). The reading side receives response bytes straight into its arena with vectored
+//! non-blocking reads, each done under the read's lock; a read future that is dropped takes that
+//! lock to cancel, so once it is gone nothing writes its blocks any more. Neither side copies the
+//! bulk bytes itself: the kernel's two copies are all.
+
+mod wire;
+
+use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
+use std::collections::HashMap;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::time::Instant;
+use wire::Outgoing;
+
+/// Read response bytes per `ReadData` frame: small enough to interleave control frames soon,
+/// large enough that per-frame costs vanish.
+const CHUNK: usize = 1024 * 1024;
+/// Arena slices gathered into one vectored write (Linux allows 1024).
+const MAX_IOV: usize = 128;
+/// Control frames gathered into one vectored write.
+const MAX_BATCH: usize = 64;
+/// The reader's socket buffer: small frames are parsed from it, large payloads bypass it.
+const READ_BUFFER: usize = 16 * 1024;
+/// A frame header announcing more than this is not a frame: the stream is out of step, so the
+/// connection is closed instead of draining it.
+const DESYNC_LEN: usize = 256 * 1024 * 1024;
+/// After a `HelloNack`, how long to wait for the peer's own connection before dialing again.
+const NACK_RETRY: Duration = Duration::from_millis(500);
+
+/// Tunables of a [`TcpAgent`].
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    /// How long an inbound connection from an agent not yet added waits for `add_peer`
+    /// before it is dropped as `unknown_agent`; also the limit for a dialer to say hello.
+    pub hold_unknown: Duration,
+    /// How long `add_peer` tries to get a connection up.
+    pub connect_timeout: Duration,
+    /// The largest notification (and control frame) accepted; larger frames from a peer are
+    /// dropped as `oversized` and larger `send_notif`s refused.
+    pub max_frame: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions { hold_unknown: Duration::from_secs(5), connect_timeout: Duration::from_secs(10), max_frame: 16 * 1024 * 1024 }
+    }
+}
+
+/// A transfer agent over TCP. Dropping the last `Arc` (or [`TcpAgent::shutdown`]) closes the
+/// listener and every connection.
+pub struct TcpAgent {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TcpAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpAgent").field("name", &self.inner.name).field("addr", &self.inner.addr).finish()
+    }
+}
+
+struct Inner {
+    name: String,
+    addr: SocketAddr,
+    arena: Arc<BlockArena>,
+    gate: Arc<dyn ReadGate>,
+    events: mpsc::UnboundedSender<AgentEvent>,
+    options: TcpOptions,
+    state: Mutex<State>,
+    /// Signalled whenever `state` changes in a way a waiter may care about.
+    changed: Notify,
+    shutdown: watch::Sender<bool>,
+}
+
+#[derive(Default)]
+struct State {
+    peers: HashMap<String, Peer>,
+    /// Inbound connections that said hello and wait for `add_peer`, by claimed name.
+    held: HashMap<String, usize>,
+    closed: bool,
+}
+
+struct Peer {
+    addr: SocketAddr,
+    conn: Option<Arc<Conn>>,
+    /// One of our `add_peer`s is dialing it now.
+    dialing: bool,
+}
+
+/// One live connection to a peer.
+struct Conn {
+    peer: String,
+    dialed_by_us: bool,
+    /// Our end and the peer's end of the socket (tests check both sides share one).
+    #[cfg_attr(not(test), allow(dead_code))]
+    ends: Option<(SocketAddr, SocketAddr)>,
+    ctrl: mpsc::UnboundedSender<Outgoing>,
+    bulk: mpsc::UnboundedSender<ServeJob>,
+    /// Our reads waiting for data, by request id; `None` once the connection is closed.
+    reads: Mutex<Option<HashMap<u64, PendingRead>>>,
+    next_req: AtomicU64,
+    stop: watch::Sender<bool>,
+}
+
+struct PendingRead {
+    lease_id: u64,
+    remaining: u64,
+    sink: Arc<ReadSink>,
+    done: oneshot::Sender<Result<(), TransportError>>,
+}
+
+/// Where a read's bytes land: its local segments, filled in order. The connection's reader
+/// writes the arena only inside [`ReadSink::fill`], under `cursor`'s lock, and never after
+/// the read future (which owns those blocks) cancelled it.
+struct ReadSink {
+    arena: Arc<BlockArena>,
+    segments: Vec<Segment>,
+    cursor: Mutex<SinkCursor>,
+}
+
+#[derive(Default)]
+struct SinkCursor {
+    cancelled: bool,
+    next: usize,
+    offset: usize,
+}
+
+/// A read we serve: the writer sends its bytes straight from the arena, chunk by chunk, and
+/// drops the permit once the last byte has left the arena.
+struct ServeJob {
+    req_id: u64,
+    segments: Vec<wire::RemoteSegment>,
+    next: usize,
+    offset: usize,
+    _permit: ReadPermit,
+}
+
+/// Why a connection's reader stopped.
+enum ConnEnd {
+    Io,
+    Desync,
+}
+
+impl From<io::Error> for ConnEnd {
+    fn from(_: io::Error) -> Self {
+        ConnEnd::Io
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    // A dropped sender also means stop.
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+impl TcpAgent {
+    /// Starts an agent listening on `host` at a port the OS chooses.
+    pub async fn start(
+        name: String,
+        host: &str,
+        arena: Arc<BlockArena>,
+        gate: Arc<dyn ReadGate>,
+        events: mpsc::UnboundedSender<AgentEvent>,
+    ) -> Result<Arc<TcpAgent>, TransportError> {
+        Self::start_with(name, host, arena, gate, events, TcpOptions::default()).await
+    }
+
+    /// [`TcpAgent::start`] with explicit tunables.
+    pub async fn start_with(
+        name: String,
+        host: &str,
+        arena: Arc<BlockArena>,
+        gate: Arc<dyn ReadGate>,
+        events: mpsc::UnboundedSender<AgentEvent>,
+        options: TcpOptions,
+    ) -> Result<Arc<TcpAgent>, TransportError> {
+        if !wire::valid_name(&name) {
+            return Err(TransportError::BadMetadata(format!("agent names are 1 to {} bytes, got {}", wire::MAX_NAME, name.len())));
+        }
+        let listener = TcpListener::bind((host, 0)).await.map_err(|e| TransportError::Io(format!("cannot listen on {host}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| TransportError::Io(format!("listener address: {e}")))?;
+        let inner = Arc::new(Inner {
+            name,
+            addr,
+            arena,
+            gate,
+            events,
+            options,
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+            shutdown: watch::Sender::new(false),
+        });
+        tokio::spawn(Arc::clone(&inner).accept_loop(listener));
+        Ok(Arc::new(TcpAgent { inner }))
+    }
+
+    /// Where this agent listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Closes the listener and every connection; reads in flight fail with `Disconnected`.
+    /// Idempotent; also done when the last `Arc` is dropped.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Drop for TcpAgent {
+    fn drop(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Agent for TcpAgent {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn metadata(&self) -> Vec<u8> {
+        wire::encode_metadata(&self.inner.name, self.inner.addr)
+    }
+
+    fn add_peer<'a>(&'a self, metadata: &'a [u8]) -> BoxFuture<'a, Result<String, TransportError>> {
+        Box::pin(async move {
+            let (name, addr) = wire::decode_metadata(metadata)?;
+            if name == self.inner.name {
+                return Err(TransportError::BadMetadata(format!("{name:?} is this agent's own metadata")));
+            }
+            {
+                let mut st = lock(&self.inner.state);
+                if st.closed {
+                    return Err(TransportError::Disconnected(name));
+                }
+                st.peers.entry(name.clone()).and_modify(|p| p.addr = addr).or_insert(Peer { addr, conn: None, dialing: false });
+            }
+            self.inner.changed.notify_waiters();
+            self.inner.ensure_connected(&name).await?;
+            Ok(name)
+        })
+    }
+
+    fn remove_peer(&self, peer: &str) {
+        let conn = lock(&self.inner.state).peers.remove(peer).and_then(|p| p.conn);
+        if let Some(conn) = conn {
+            self.inner.close_conn(&conn, false);
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.read(peer, op))
+    }
+
+    fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError> {
+        self.inner.check_notif_size(bytes.len())?;
+        let conn = self.inner.conn_to(peer)?;
+        conn.ctrl.send(Outgoing::notif(bytes)).map_err(|_| TransportError::Disconnected(peer.to_owned()))
+    }
+
+    fn can_refuse_reads(&self) -> bool {
+        true
+    }
+
+    fn arena(&self) -> &BlockArena {
+        &self.inner.arena
+    }
+}
+
+impl Inner {
+    fn reject(&self, reason: &'static str) {
+        let _ = self.events.send(AgentEvent::Rejected { reason });
+    }
+
+    fn shutdown(&self) {
+        let conns: Vec<Arc<Conn>> = {
+            let mut st = lock(&self.state);
+            if st.closed {
+                return;
+            }
+            st.closed = true;
+            st.peers.values_mut().filter_map(|p| p.conn.take()).collect()
+        };
+        self.shutdown.send_replace(true);
+        for conn in conns {
+            self.close_conn(&conn, false);
+        }
+        self.changed.notify_waiters();
+    }
+
+    fn check_notif_size(&self, len: usize) -> Result<(), TransportError> {
+        if len > self.options.max_frame {
+            return Err(TransportError::Io(format!("a notification of {len} bytes exceeds the frame limit of {}", self.options.max_frame)));
+        }
+        Ok(())
+    }
+
+    /// The live connection to a known peer.
+    fn conn_to(&self, peer: &str) -> Result<Arc<Conn>, TransportError> {
+        let st = lock(&self.state);
+        match st.peers.get(peer) {
+            None => Err(TransportError::UnknownPeer(peer.to_owned())),
+            Some(p) => p.conn.clone().ok_or_else(|| TransportError::Disconnected(peer.to_owned())),
+        }
+    }
+
+    /// Ends a connection once: fails its pending reads, stops its tasks, forgets it, and
+    /// reports `Disconnected` if asked (not when we closed it on purpose).
+    fn close_conn(&self, conn: &Arc<Conn>, report: bool) {
+        let Some(pending) = lock(&conn.reads).take() else { return };
+        conn.stop.send_replace(true);
+        for p in pending.into_values() {
+            let _ = p.done.send(Err(TransportError::Disconnected(conn.peer.clone())));
+        }
+        {
+            let mut st = lock(&self.state);
+            if let Some(p) = st.peers.get_mut(&conn.peer) {
+                if p.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+                    p.conn = None;
+                }
+            }
+        }
+        self.changed.notify_waiters();
+        if report {
+            let _ = self.events.send(AgentEvent::Disconnected { peer: conn.peer.clone() });
+        }
+    }
+
+    // ---- connection set-up ----
+
+    async fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        let stop = stopped(self.shutdown.subscribe());
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        tokio::spawn(Arc::clone(&self).accept_inbound(stream));
+                    }
+                    // Out of descriptors or similar: back off instead of spinning.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                },
+            }
+        }
+    }
+
+    /// Handshake of a connection someone dialed to us.
+    async fn accept_inbound(self: Arc<Self>, stream: TcpStream) {
+        let deadline = Instant::now() + self.options.hold_unknown;
+        let _ = stream.set_nodelay(true);
+        let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
+        let (rd, mut wr) = stream.into_split();
+        let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
+        let hello = tokio::select! {
+            _ = stopped(self.shutdown.subscribe()) => return,
+            r = tokio::time::timeout_at(deadline, read_handshake_frame(&mut rd)) => r,
+        };
+        let hello = match hello {
+            Err(_) => return self.reject("unknown_agent"), // never said who it is
+            Ok(Err(HandshakeError::Closed)) => return,
+            Ok(Err(HandshakeError::Broken)) => return self.reject("malformed"),
+            Ok(Ok((wire::HELLO, body))) => match wire::decode_hello(&body) {
+                Some(h) => h,
+                None => return self.reject("malformed"),
+            },
+            Ok(Ok(_)) => return self.reject("malformed"),
+        };
+        if hello.to != self.name || hello.from == self.name {
+            return self.reject("unknown_agent");
+        }
+        let from = hello.from;
+
+        // Hold the connection until the engine adds the peer (SPEC S2), or give up.
+        *lock(&self.state).held.entry(from.clone()).or_default() += 1;
+        self.changed.notify_waiters();
+        let stop = stopped(self.shutdown.subscribe());
+        tokio::pin!(stop);
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = lock(&self.state);
+                if st.closed || st.peers.contains_key(&from) {
+                    break;
+                }
+            }
+            tokio::select! {
+                _ = &mut stop => break,
+                r = tokio::time::timeout_at(deadline, notified) => if r.is_err() { break },
+            }
+        }
+
+        enum Verdict {
+            Closed,
+            Unknown,
+            /// Our own dial to the peer wins the tie.
+            Nack,
+            Adopt(Arc<Conn>, ConnQueues, Option<Arc<Conn>>),
+        }
+        let verdict = {
+            let mut st = lock(&self.state);
+            if let Some(n) = st.held.get_mut(&from) {
+                *n -= 1;
+                if *n == 0 {
+                    st.held.remove(&from);
+                }
+            }
+            let closed = st.closed;
+            match st.peers.get_mut(&from) {
+                _ if closed => Verdict::Closed,
+                None => Verdict::Unknown,
+                Some(peer) if self.name < from && (peer.dialing || peer.conn.as_ref().is_some_and(|c| c.dialed_by_us)) => Verdict::Nack,
+                Some(peer) => {
+                    let (conn, queues) = Conn::new(from, false, ends);
+                    // Queued before anyone else can see the connection: the first frame out.
+                    let _ = conn.ctrl.send(Outgoing::hello_ack(&self.name));
+                    let old = peer.conn.replace(Arc::clone(&conn));
+                    Verdict::Adopt(conn, queues, old)
+                }
+            }
+        };
+        self.changed.notify_waiters();
+        match verdict {
+            Verdict::Closed => {}
+            Verdict::Unknown => self.reject("unknown_agent"),
+            Verdict::Nack => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(&Outgoing::hello_nack().to_bytes())).await;
+            }
+            Verdict::Adopt(conn, queues, old) => {
+                Arc::clone(&self).spawn_conn(conn, queues, rd, wr);
+                if let Some(old) = old {
+                    self.close_conn(&old, true);
+                }
+            }
+        }
+    }
+
+    /// Makes sure a connection to the known `peer` exists: dials, or waits for the peer's
+    /// connection when one is held or the peer's dial wins.
+    async fn ensure_connected(self: &Arc<Self>, peer: &str) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.options.connect_timeout;
+        let stop = stopped(self.shutdown.subscribe());
+        tokio::pin!(stop);
+        let mut redial_at: Option<Instant> = None;
+        let mut last_error: Option<TransportError> = None;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let dial_to = {
+                let mut st = lock(&self.state);
+                if st.closed {
+                    return Err(TransportError::Disconnected(peer.to_owned()));
+                }
+                let held = st.held.contains_key(peer);
+                let Some(p) = st.peers.get_mut(peer) else { return Err(TransportError::UnknownPeer(peer.to_owned())) };
+                if p.conn.is_some() {
+                    return Ok(());
+                }
+                let backing_off = redial_at.is_some_and(|t| Instant::now() < t);
+                if p.dialing || held || backing_off {
+                    None
+                } else {
+                    p.dialing = true;
+                    Some(p.addr)
+                }
+            };
+            let Some(addr) = dial_to else {
+                let wake = redial_at.filter(|t| Instant::now() < *t).map_or(deadline, |t| t.min(deadline));
+                tokio::select! {
+                    _ = &mut stop => return Err(TransportError::Disconnected(peer.to_owned())),
+                    r = tokio::time::timeout_at(wake, notified) => {
+                        if r.is_err() && Instant::now() >= deadline {
+                            return Err(last_error.unwrap_or_else(|| TransportError::Io(format!(
+                                "no connection to {peer} within {:?}: has it added us?", self.options.connect_timeout
+                            ))));
+                        }
+                    }
+                }
+                continue;
+            };
+            let guard = DialGuard { inner: self, peer };
+            let outcome = tokio::select! {
+                _ = &mut stop => return Err(TransportError::Disconnected(peer.to_owned())),
+                r = tokio::time::timeout_at(deadline, self.dial(peer, addr)) => r.unwrap_or_else(|_| {
+                    Err(TransportError::Io(format!("handshake with {peer} at {addr} timed out: has it added us?")))
+                }),
+            };
+            drop(guard);
+            match outcome {
+                Ok(Dialed::Adopted) => return Ok(()),
+                // The peer keeps its own connection to us; it arrives shortly.
+                Ok(Dialed::Nacked) => redial_at = Some(Instant::now() + NACK_RETRY),
+                // It does not know us (yet), or it still sees an old connection of ours.
+                Ok(Dialed::Closed) => {
+                    last_error = Some(TransportError::Io(format!("{peer} at {addr} closed the handshake: it has not added us")));
+                    redial_at = Some(Instant::now() + NACK_RETRY);
+                }
+                // An inbound connection may have won meanwhile.
+                Err(_) if self.conn_to(peer).is_ok() => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Dials `peer` and says hello.
+    async fn dial(self: &Arc<Self>, peer: &str, addr: SocketAddr) -> Result<Dialed, TransportError> {
+        let io_err = |what: &str, e: &dyn std::fmt::Display| TransportError::Io(format!("{what} {peer} at {addr}: {e}"));
+        let stream = TcpStream::connect(addr).await.map_err(|e| io_err("cannot connect to", &e))?;
+        let _ = stream.set_nodelay(true);
+        let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
+        let (rd, mut wr) = stream.into_split();
+        let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
+        wr.write_all(&Outgoing::hello(&self.name, peer).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
+        match read_handshake_frame(&mut rd).await {
+            Ok((wire::HELLO_ACK, body)) if body == peer.as_bytes() => {}
+            Ok((wire::HELLO_NACK, _)) => return Ok(Dialed::Nacked),
+            Ok(_) => return Err(io_err("bad handshake reply from", &"not the agent we dialed, or not a kvlease agent")),
+            Err(_) => return Ok(Dialed::Closed),
+        }
+        let (conn, queues) = Conn::new(peer.to_owned(), true, ends);
+        let old = {
+            let mut st = lock(&self.state);
+            if st.closed {
+                return Err(TransportError::Disconnected(peer.to_owned()));
+            }
+            let Some(p) = st.peers.get_mut(peer) else { return Err(TransportError::UnknownPeer(peer.to_owned())) };
+            p.conn.replace(Arc::clone(&conn))
+        };
+        self.changed.notify_waiters();
+        Arc::clone(self).spawn_conn(conn, queues, rd, wr);
+        if let Some(old) = old {
+            self.close_conn(&old, true);
+        }
+        Ok(Dialed::Adopted)
+    }
+
+    fn spawn_conn(self: Arc<Self>, conn: Arc<Conn>, queues: ConnQueues, rd: BufReader<OwnedReadHalf>, wr: OwnedWriteHalf) {
+        let (inner, c) = (Arc::clone(&self), Arc::clone(&conn));
+        tokio::spawn(async move {
+            let end = tokio::select! {
+                _ = stopped(c.stop.subscribe()) => return,
+                end = inner.read_frames(&c, rd) => end,
+            };
+            if matches!(end, ConnEnd::Desync) {
+                inner.reject("oversized");
+            }
+            inner.close_conn(&c, true);
+        });
+        tokio::spawn(async move {
+            let result = tokio::select! {
+                _ = stopped(conn.stop.subscribe()) => return,
+                r = self.write_frames(queues, wr) => r,
+            };
+            if result.is_err() {
+                self.close_conn(&conn, true);
+            }
+        });
+    }
+
+    // ---- the two halves of a connection ----
+
+    async fn read_frames(&self, conn: &Conn, mut rd: BufReader<OwnedReadHalf>) -> ConnEnd {
+        match self.read_frames_inner(conn, &mut rd).await {
+            Ok(never) => match never {},
+            Err(end) => end,
+        }
+    }
+
+    async fn read_frames_inner(&self, conn: &Conn, rd: &mut BufReader<OwnedReadHalf>) -> Result<std::convert::Infallible, ConnEnd> {
+        loop {
+            let mut head = [0u8; wire::HEADER_LEN];
+            rd.read_exact(&mut head).await?;
+            let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+            let kind = head[4];
+            if len > DESYNC_LEN {
+                return Err(ConnEnd::Desync);
+            }
+            if kind == wire::READ_DATA && len >= 8 {
+                let mut id = [0u8; 8];
+                rd.read_exact(&mut id).await?;
+                self.on_read_data(conn, u64::from_le_bytes(id), len - 8, rd).await?;
+                continue;
+            }
+            if len > self.options.max_frame {
+                self.reject("oversized");
+                skip(rd, len).await?;
+                continue;
+            }
+            let mut body = vec![0u8; len];
+            rd.read_exact(&mut body).await?;
+            match kind {
+                wire::NOTIF => {
+                    let _ = self.events.send(AgentEvent::Notification { from: conn.peer.clone(), bytes: body });
+                }
+                wire::READ_REQ => match wire::decode_read_req(&body) {
+                    Some(req) => self.serve_read(conn, req),
+                    None => self.reject("malformed"),
+                },
+                wire::READ_ERR => match wire::decode_read_err(&body) {
+                    Some((req_id, code, message)) => conn.fail_read(req_id, code, message),
+                    None => self.reject("malformed"),
+                },
+                _ => self.reject("malformed"),
+            }
+        }
+    }
+
+    /// `len` bytes of the response to our read `req_id` follow on `rd`.
+    async fn on_read_data(&self, conn: &Conn, req_id: u64, len: usize, rd: &mut BufReader<OwnedReadHalf>) -> Result<(), ConnEnd> {
+        enum Route {
+            /// Land the bytes; the sender when they are the read's last.
+            Land(Arc<ReadSink>, Option<oneshot::Sender<Result<(), TransportError>>>),
+            Excess(oneshot::Sender<Result<(), TransportError>>),
+            Skip,
+        }
+        let route = {
+            let mut reads = lock(&conn.reads);
+            match reads.as_mut() {
+                None => Route::Skip,
+                Some(map) => match map.get_mut(&req_id) {
+                    // A read we no longer wait for (cancelled): drain its bytes.
+                    None => Route::Skip,
+                    Some(p) if len as u64 > p.remaining => Route::Excess(map.remove(&req_id).map(|p| p.done).expect("entry present")),
+                    Some(p) => {
+                        p.remaining -= len as u64;
+                        let sink = Arc::clone(&p.sink);
+                        let done = if p.remaining == 0 { map.remove(&req_id).map(|p| p.done) } else { None };
+                        Route::Land(sink, done)
+                    }
+                },
+            }
+        };
+        match route {
+            Route::Land(sink, done) => {
+                land(rd, &sink, len).await?;
+                if let Some(done) = done {
+                    let _ = done.send(Ok(()));
+                }
+            }
+            Route::Excess(done) => {
+                self.reject("malformed");
+                let _ = done.send(Err(TransportError::Io(format!("{} sent more bytes than the read asked for", conn.peer))));
+                skip(rd, len).await?;
+            }
+            Route::Skip => skip(rd, len).await?,
+        }
+        Ok(())
+    }
+
+    /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
+    fn serve_read(&self, conn: &Conn, req: wire::ReadReq) {
+        if let Some(s) = req.segments.iter().find(|s| !self.arena.contains(s.block, s.offset as usize, s.len as usize)) {
+            let msg = format!(
+                "block {} bytes {}..+{} is outside {}'s arena of {} blocks of {} bytes",
+                s.block,
+                s.offset,
+                s.len,
+                self.name,
+                self.arena.num_blocks(),
+                self.arena.block_bytes()
+            );
+            let _ = conn.ctrl.send(Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
+            return;
+        }
+        let mut blocks: Vec<u32> = req.segments.iter().map(|s| s.block).collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        match self.gate.begin_read(&conn.peer, req.lease_id, &blocks) {
+            None => {
+                let _ = conn.ctrl.send(Outgoing::read_err(req.req_id, wire::ERR_REFUSED, "lease lost"));
+            }
+            Some(permit) => {
+                let mut segments = req.segments;
+                segments.retain(|s| s.len > 0);
+                let _ = conn.bulk.send(ServeJob { req_id: req.req_id, segments, next: 0, offset: 0, _permit: permit });
+            }
+        }
+    }
+
+    async fn write_frames(&self, mut queues: ConnQueues, mut wr: OwnedWriteHalf) -> io::Result<()> {
+        let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
+        let mut job: Option<ServeJob> = None;
+        loop {
+            while batch.len() < MAX_BATCH {
+                match queues.ctrl.try_recv() {
+                    Ok(f) => batch.push(f),
+                    Err(_) => break,
+                }
+            }
+            if !batch.is_empty() {
+                let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|f| [IoSlice::new(f.head()), IoSlice::new(f.body())]).collect();
+                write_all_vectored(&mut wr, &mut slices).await?;
+                batch.clear();
+                continue;
+            }
+            if let Some(j) = job.as_mut() {
+                let (head, pieces, done) = next_chunk(&self.arena, j);
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
+                slices.push(IoSlice::new(&head));
+                slices.extend(pieces.iter().map(|p| IoSlice::new(p)));
+                write_all_vectored(&mut wr, &mut slices).await?;
+                if done {
+                    // The last byte has left the arena: end the read for the gate (SPEC P5).
+                    job = None;
+                }
+                continue;
+            }
+            if let Ok(j) = queues.bulk.try_recv() {
+                job = Some(j);
+                continue;
+            }
+            tokio::select! {
+                f = queues.ctrl.recv() => match f {
+                    Some(f) => batch.push(f),
+                    None => return Ok(()),
+                },
+                j = queues.bulk.recv() => match j {
+                    Some(j) => job = Some(j),
+                    None => return Ok(()),
+                },
+            }
+        }
+    }
+
+    // ---- reading ----
+
+    async fn read(&self, peer: &str, op: ReadOp) -> Result<(), TransportError> {
+        if let Some(s) = op.segments.iter().find(|s| !self.arena.contains(s.local_block, s.local_offset as usize, s.len as usize)) {
+            return Err(TransportError::OutOfRange(format!(
+                "local block {} bytes {}..+{} is outside our arena of {} blocks of {} bytes",
+                s.local_block,
+                s.local_offset,
+                s.len,
+                self.arena.num_blocks(),
+                self.arena.block_bytes()
+            )));
+        }
+        let max_segments = (self.options.max_frame.saturating_sub(wire::READ_REQ_FIXED)) / wire::READ_REQ_PER_SEGMENT;
+        if op.segments.len() > max_segments {
+            return Err(TransportError::Io(format!("a read of {} segments exceeds the limit of {max_segments}", op.segments.len())));
+        }
+        if let Some(n) = &op.notif {
+            self.check_notif_size(n.len())?;
+        }
+        let conn = self.conn_to(peer)?;
+        let disconnected = || TransportError::Disconnected(peer.to_owned());
+        let total: u64 = op.segments.iter().map(|s| u64::from(s.len)).sum();
+        let req_id = conn.next_req.fetch_add(1, Ordering::Relaxed);
+        let (done, landed) = oneshot::channel();
+        let sink = Arc::new(ReadSink { arena: Arc::clone(&self.arena), segments: op.segments, cursor: Mutex::default() });
+        match lock(&conn.reads).as_mut() {
+            Some(map) => map.insert(req_id, PendingRead { lease_id: op.lease_id, remaining: total, sink: Arc::clone(&sink), done }),
+            None => return Err(disconnected()),
+        };
+        let _pending = PendingGuard { conn: &conn, req_id, sink: &sink };
+        conn.ctrl.send(Outgoing::read_req(req_id, op.lease_id, &sink.segments)).map_err(|_| disconnected())?;
+        landed.await.unwrap_or_else(|_| Err(disconnected()))?;
+        // Only now that every byte landed may the peer learn the read is done (ReadDone, P8).
+        if let Some(n) = op.notif {
+            conn.ctrl.send(Outgoing::notif(n)).map_err(|_| disconnected())?;
+        }
+        Ok(())
+    }
+}
+
+/// How a dial ended, short of an error.
+enum Dialed {
+    /// The peer adopted our connection.
+    Adopted,
+    /// The peer keeps the connection it dialed to us instead.
+    Nacked,
+    /// The peer closed the connection during the handshake.
+    Closed,
+}
+
+/// The queues a connection's writer drains.
+struct ConnQueues {
+    ctrl: mpsc::UnboundedReceiver<Outgoing>,
+    bulk: mpsc::UnboundedReceiver<ServeJob>,
+}
+
+impl Conn {
+    fn new(peer: String, dialed_by_us: bool, ends: Option<(SocketAddr, SocketAddr)>) -> (Arc<Conn>, ConnQueues) {
+        let (ctrl, ctrl_rx) = mpsc::unbounded_channel();
+        let (bulk, bulk_rx) = mpsc::unbounded_channel();
+        let conn = Conn {
+            peer,
+            dialed_by_us,
+            ends,
+            ctrl,
+            bulk,
+            reads: Mutex::new(Some(HashMap::new())),
+            next_req: AtomicU64::new(1),
+            stop: watch::Sender::new(false),
+        };
+        (Arc::new(conn), ConnQueues { ctrl: ctrl_rx, bulk: bulk_rx })
+    }
+
+    /// The peer answered our read `req_id` with an error.
+    fn fail_read(&self, req_id: u64, code: u8, message: String) {
+        let Some(p) = lock(&self.reads).as_mut().and_then(|m| m.remove(&req_id)) else { return };
+        let e = match code {
+            wire::ERR_REFUSED => TransportError::Refused { lease_id: p.lease_id },
+            wire::ERR_OUT_OF_RANGE => TransportError::OutOfRange(message),
+            _ => TransportError::Io(format!("{} failed the read: {message}", self.peer)),
+        };
+        let _ = p.done.send(Err(e));
+    }
+}
+
+/// Ends a read when its future ends, also when it is dropped half-way: after this, the
+/// connection writes none of its blocks.
+struct PendingGuard<'a> {
+    conn: &'a Conn,
+    req_id: u64,
+    sink: &'a ReadSink,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        // Waits for a fill in progress (one non-blocking socket read) to finish.
+        lock(&self.sink.cursor).cancelled = true;
+        if let Some(map) = lock(&self.conn.reads).as_mut() {
+            map.remove(&self.req_id);
+        }
+    }
+}
+
+/// Clears a peer's `dialing` mark when a dial ends, also when `add_peer` is dropped.
+struct DialGuard<'a> {
+    inner: &'a Inner,
+    peer: &'a str,
+}
+
+impl Drop for DialGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = lock(&self.inner.state).peers.get_mut(self.peer) {
+            p.dialing = false;
+        }
+        self.inner.changed.notify_waiters();
+    }
+}
+
+impl ReadSink {
+    /// Offers the arena slices for the next (at most) `max` bytes of the read to `f`, which
+    /// returns how many it filled; `None` once the read was cancelled.
+    fn fill(&self, max: usize, f: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<usize>) -> Option<io::Result<usize>> {
+        let mut cur = lock(&self.cursor);
+        if cur.cancelled {
+            return None;
+        }
+        let base = self.arena.as_ptr().cast_mut();
+        let bb = self.arena.block_bytes();
+        let mut slices = Vec::new();
+        let (mut next, mut offset, mut total) = (cur.next, cur.offset, 0);
+        while total < max && slices.len() < MAX_IOV {
+            let Some(s) = self.segments.get(next) else { break };
+            let take = (s.len as usize - offset).min(max - total);
+            if take > 0 {
+                let start = s.local_block as usize * bb + s.local_offset as usize + offset;
+                // SAFETY: every local segment passed `contains` before the read was sent; the
+                // read's caller owns these blocks until its future ends, and the future cancels
+                // (under this lock) before it ends, so nobody else touches them now.
+                slices.push(IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(base.add(start), take) }));
+            }
+            total += take;
+            offset += take;
+            if offset == s.len as usize {
+                next += 1;
+                offset = 0;
+            }
+        }
+        let result = f(&mut slices);
+        if let Ok(mut n) = result {
+            // Advance by what was filled.
+            while n > 0 {
+                let Some(s) = self.segments.get(cur.next) else { break };
+                let take = (s.len as usize - cur.offset).min(n);
+                n -= take;
+                cur.offset += take;
+                if cur.offset == s.len as usize {
+                    cur.next += 1;
+                    cur.offset = 0;
+                }
+            }
+        }
+        Some(result)
+    }
+}
+
+/// Moves `len` bytes of a read's response from `rd` into its sink: what the reader buffered is
+/// copied, the rest read from the socket straight into the arena; dropped if cancelled.
+async fn land(rd: &mut BufReader<OwnedReadHalf>, sink: &ReadSink, mut len: usize) -> io::Result<()> {
+    while len > 0 {
+        let buffered = rd.buffer();
+        if !buffered.is_empty() {
+            let k = buffered.len().min(len);
+            let data = &buffered[..k];
+            let _ = sink.fill(k, |slices| {
+                let mut at = 0;
+                for s in slices.iter_mut() {
+                    let n = s.len();
+                    s.copy_from_slice(&data[at..at + n]);
+                    at += n;
+                }
+                Ok(at)
+            });
+            rd.consume(k);
+            len -= k;
+            continue;
+        }
+        let socket = rd.get_mut();
+        socket.readable().await?;
+        match sink.fill(len, |slices| socket.try_read_vectored(slices)) {
+            None => return skip(rd, len).await,
+            Some(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Some(Ok(n)) => len -= n,
+            Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Some(Err(e)) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The next `ReadData` frame of a served read: its header, the arena slices to send, and
+/// whether it is the last.
+fn next_chunk<'a>(arena: &'a BlockArena, job: &mut ServeJob) -> ([u8; wire::HEADER_LEN + 8], Vec<&'a [u8]>, bool) {
+    let mut pieces = Vec::new();
+    let mut payload = 0usize;
+    while payload < CHUNK && pieces.len() < MAX_IOV {
+        let Some(s) = job.segments.get(job.next) else { break };
+        let take = (s.len as usize - job.offset).min(CHUNK - payload);
+        let start = s.block as usize * arena.block_bytes() + s.offset as usize + job.offset;
+        // SAFETY: the segment passed `contains` before the job was queued, so the range is
+        // inside the arena, which outlives the slice; the job's permit keeps the lease's blocks
+        // from being reused or written (SPEC P5) until the job is dropped, after this write.
+        pieces.push(unsafe { std::slice::from_raw_parts(arena.as_ptr().add(start), take) });
+        payload += take;
+        job.offset += take;
+        if job.offset == s.len as usize {
+            job.next += 1;
+            job.offset = 0;
+        }
+    }
+    (wire::read_data_header(job.req_id, payload), pieces, job.next >= job.segments.len())
+}
+
+async fn write_all_vectored(wr: &mut OwnedWriteHalf, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        let n = wr.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+async fn skip(rd: &mut BufReader<OwnedReadHalf>, len: usize) -> io::Result<()> {
+    let copied = tokio::io::copy(&mut (&mut *rd).take(len as u64), &mut tokio::io::sink()).await?;
+    if copied < len as u64 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+enum HandshakeError {
+    /// Closed before sending a byte.
+    Closed,
+    /// Not a handshake frame, or the connection broke inside one.
+    Broken,
+}
+
+/// One small frame of the handshake: `(kind, body)`.
+async fn read_handshake_frame(rd: &mut BufReader<OwnedReadHalf>) -> Result<(u8, Vec<u8>), HandshakeError> {
+    match rd.fill_buf().await {
+        Ok([]) => return Err(HandshakeError::Closed),
+        Ok(_) => {}
+        Err(_) => return Err(HandshakeError::Broken),
+    }
+    let mut head = [0u8; wire::HEADER_LEN];
+    rd.read_exact(&mut head).await.map_err(|_| HandshakeError::Broken)?;
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    if len > wire::MAX_HELLO {
+        return Err(HandshakeError::Broken);
+    }
+    let mut body = vec![0u8; len];
+    rd.read_exact(&mut body).await.map_err(|_| HandshakeError::Broken)?;
+    Ok((head[4], body))
+}
+
+#[cfg(test)]
+mod tests;

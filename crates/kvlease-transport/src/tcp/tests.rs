@@ -1,0 +1,451 @@
+//! The tcp backend over real loopback sockets: the shared scenarios, and what only a socket
+//! brings: strangers, malformed frames, peers dying mid-read, dial races, shutdown.
+
+use super::wire::{self, Outgoing};
+use super::*;
+use crate::testing::*;
+use crate::OpenGate;
+use std::collections::BTreeMap;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Short hold, so tests about strangers do not wait 5 s; a 2 MiB frame limit.
+fn quick() -> TcpOptions {
+    TcpOptions { hold_unknown: Duration::from_millis(300), connect_timeout: Duration::from_secs(10), max_frame: 2 * 1024 * 1024 }
+}
+
+async fn agent(name: &str, blocks: u32, block_bytes: usize, gate: Arc<dyn ReadGate>, options: TcpOptions) -> (Arc<TcpAgent>, Events) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let a = TcpAgent::start_with(name.to_owned(), "127.0.0.1", BlockArena::new(blocks, block_bytes), gate, tx, options)
+        .await
+        .expect("agent starts");
+    (a, rx)
+}
+
+/// Both sides add each other at once; asserts they share one socket.
+async fn connect(a: &TcpAgent, b: &TcpAgent) {
+    let (a_md, b_md) = (a.metadata(), b.metadata());
+    let (ra, rb) = within("add_peer both ways", async { tokio::join!(a.add_peer(&b_md), b.add_peer(&a_md)) }).await;
+    assert_eq!(ra.expect("a adds b"), b.name());
+    assert_eq!(rb.expect("b adds a"), a.name());
+    assert_one_connection(a, b);
+}
+
+fn assert_one_connection(a: &TcpAgent, b: &TcpAgent) {
+    let (ea, eb) = (a.conn_ends(b.name()).expect("a has a connection"), b.conn_ends(a.name()).expect("b has a connection"));
+    assert_eq!(ea, (eb.1, eb.0), "both agents use the same single connection");
+}
+
+impl TcpAgent {
+    fn conn_ends(&self, peer: &str) -> Option<(SocketAddr, SocketAddr)> {
+        lock(&self.inner.state).peers.get(peer)?.conn.as_ref()?.ends
+    }
+
+    fn holds(&self, name: &str) -> bool {
+        lock(&self.inner.state).held.contains_key(name)
+    }
+}
+
+async fn pair_with(blocks: u32, block_bytes: usize, options: TcpOptions) -> Pair {
+    let gate = TestGate::new();
+    let (p, p_events) = agent("p", blocks, block_bytes, Arc::new(gate.clone()), options.clone()).await;
+    let (d, d_events) = agent("d", blocks, block_bytes, Arc::new(OpenGate), options).await;
+    connect(&p, &d).await;
+    let p_arena = Arc::clone(&p.inner.arena);
+    Pair { p, p_events, d, d_events, gate, p_arena }
+}
+
+async fn pair(blocks: u32, block_bytes: usize) -> Pair {
+    pair_with(blocks, block_bytes, TcpOptions::default()).await
+}
+
+async fn send(s: &mut TcpStream, f: &Outgoing) {
+    s.write_all(&f.to_bytes()).await.expect("raw write");
+}
+
+/// The next frame from an agent, or `None` once it closed the connection.
+async fn recv(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    within("a frame or the close", async {
+        let mut head = [0u8; wire::HEADER_LEN];
+        s.read_exact(&mut head).await.ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize];
+        s.read_exact(&mut body).await.ok()?;
+        Some((head[4], body))
+    })
+    .await
+}
+
+/// Waits until the agent closes the connection.
+async fn closed(s: &mut TcpStream) {
+    within("the agent to close the connection", async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = s.read(&mut buf).await {
+            let _ = n;
+        }
+    })
+    .await
+}
+
+/// A raw client that completes the handshake as the known peer `name` of `agent`.
+async fn raw_known_peer(agent: &TcpAgent, name: &str) -> TcpStream {
+    let mut s = TcpStream::connect(agent.local_addr()).await.expect("connect");
+    send(&mut s, &Outgoing::hello(name, agent.name())).await;
+    eventually("the agent to hold the stranger", || agent.holds(name)).await;
+    let md = wire::encode_metadata(name, "127.0.0.1:9".parse().unwrap());
+    assert_eq!(within("add_peer", agent.add_peer(&md)).await.expect("adopts the held connection"), name);
+    assert_eq!(recv(&mut s).await, Some((wire::HELLO_ACK, agent.name().as_bytes().to_vec())));
+    s
+}
+
+/// Events until `n` of them are `Rejected`, tallied by reason, plus the notifications seen.
+async fn rejections(rx: &mut Events, n: usize) -> (BTreeMap<&'static str, usize>, Vec<AgentEvent>) {
+    let (mut tally, mut others) = (BTreeMap::new(), Vec::new());
+    while tally.values().sum::<usize>() < n {
+        match next_event(rx).await {
+            AgentEvent::Rejected { reason } => *tally.entry(reason).or_default() += 1,
+            e => others.push(e),
+        }
+    }
+    (tally, others)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_round_trip_lands_byte_identical_then_notifies_p() {
+    scenario_read_round_trip(pair(16, 1024 * 1024).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_read_of_64_mib_in_1_mib_segments_lands_intact() {
+    scenario_large_read(pair(64, 1024 * 1024).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_read_fails_with_refused_and_copies_nothing_p5() {
+    scenario_refused_read_copies_nothing(pair(8, 4096).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permit_is_held_while_bytes_leave_the_arena_and_dropped_after_p5() {
+    // 32 × 64 KiB: several response chunks, so the permit must outlive more than one write.
+    scenario_permit_held_during_copy(pair(32, 64 * 1024).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_flow_both_ways_in_order_with_binary_payloads() {
+    scenario_notifications_in_order(pair(8, 4096).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_range_segments_fail_with_out_of_range_without_panic() {
+    scenario_out_of_range(pair(8, 4096).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_peer_fails_at_once() {
+    scenario_unknown_peer(pair(8, 4096).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_are_dropped_and_counted_while_known_peers_are_served_s2_p7() {
+    let mut pr = pair_with(8, 4096, quick()).await;
+    let p_addr = wire::decode_metadata(&pr.p.metadata()).unwrap().1;
+    let stranger = move |bytes: Vec<u8>| async move {
+        let mut s = TcpStream::connect(p_addr).await.expect("connect");
+        s.write_all(&bytes).await.expect("write");
+        closed(&mut s).await;
+    };
+    let strangers = tokio::spawn(async move {
+        tokio::join!(
+            stranger(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),    // garbage
+            stranger(Outgoing::hello("mallory", "p").to_bytes()),       // unknown name, held then dropped
+            stranger(Outgoing::hello("d2", "someone-else").to_bytes()), // meant for another agent
+            stranger(Outgoing::raw(wire::HELLO, b"KVLT\x01\xff\xff".to_vec()).to_bytes()), // broken hello
+            stranger(Vec::new()),                                       // never says hello
+        )
+    });
+    // While strangers are held, the known peer is served.
+    fill_block(&pr.p_arena, 0, 1);
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"served".to_vec()) };
+    within("a read during the hold", pr.d.read("p", op)).await.expect("known peer served");
+    assert!(block(pr.d.arena(), 0) == block(&pr.p_arena, 0));
+    within("strangers dropped", strangers).await.expect("stranger tasks");
+
+    let (tally, others) = rejections(&mut pr.p_events, 5).await;
+    assert_eq!(tally, BTreeMap::from([("malformed", 2), ("unknown_agent", 3)]));
+    assert_eq!(others, vec![AgentEvent::Notification { from: "d".into(), bytes: b"served".to_vec() }]);
+    check_both_directions(&*pr.p, &mut pr.p_events, &*pr.d, &mut pr.d_events).await;
+    assert!(pr.p_events.try_recv().is_err(), "nothing else was reported");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_frames_from_a_known_peer_are_dropped_and_counted_p7() {
+    let gate = TestGate::new();
+    let (p, mut p_events) = agent("p", 8, 4096, Arc::new(gate.clone()), quick()).await;
+    let (d, mut d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    let mut raw = raw_known_peer(&p, "raw").await;
+
+    send(&mut raw, &Outgoing::raw(99, b"what".to_vec())).await; // unknown kind
+    send(&mut raw, &Outgoing::raw(wire::READ_REQ, vec![1, 2, 3])).await; // short request
+    send(&mut raw, &Outgoing::hello("raw", "p")).await; // hello after the handshake
+    send(&mut raw, &Outgoing::raw(wire::READ_ERR, vec![0; 3])).await; // short error
+    send(&mut raw, &Outgoing::raw(wire::READ_DATA, vec![0; 5])).await; // data shorter than its id
+    send(&mut raw, &Outgoing::notif(vec![7; 3 * 1024 * 1024])).await; // over the 2 MiB limit
+    send(&mut raw, &Outgoing::notif(b"still here".to_vec())).await;
+    let (tally, others) = rejections(&mut p_events, 6).await;
+    assert_eq!(tally, BTreeMap::from([("malformed", 5), ("oversized", 1)]));
+    let still = match others.as_slice() {
+        [] => next_event(&mut p_events).await,
+        [e] => e.clone(),
+        more => panic!("unexpected events {more:?}"),
+    };
+    assert_eq!(still, AgentEvent::Notification { from: "raw".into(), bytes: b"still here".to_vec() }, "the stream stayed in step");
+
+    // Well-formed requests from this peer are served; this also pins the wire format.
+    fill_block(p.arena(), 2, 5);
+    let req = Outgoing::read_req(77, 1, &[seg(2, 100, 0, 0, 16)]);
+    send(&mut raw, &req).await;
+    let (kind, body) = recv(&mut raw).await.expect("a response");
+    assert_eq!(kind, wire::READ_DATA);
+    assert_eq!(body[..8], 77u64.to_le_bytes());
+    assert_eq!(body[8..], block(p.arena(), 2)[100..116]);
+    assert_eq!(gate.calls(), vec![("raw".to_owned(), 1, vec![2])]);
+
+    // A length no frame can have: the stream is out of step, the connection goes.
+    raw.write_all(&[0xff, 0xff, 0xff, 0xff, wire::NOTIF]).await.unwrap();
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "oversized" });
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Disconnected { peer: "raw".into() });
+    closed(&mut raw).await;
+    check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+}
+
+/// A fake P agent behind `listener` that accepts `d`'s dial and says hello back.
+async fn fake_p_handshake(d: &TcpAgent, listener: &TcpListener) -> TcpStream {
+    let md = wire::encode_metadata("fake-p", listener.local_addr().unwrap());
+    let fake = async {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let (kind, body) = recv(&mut s).await.expect("hello");
+        assert_eq!((kind, wire::decode_hello(&body)), (wire::HELLO, Some(wire::Hello { from: "d".into(), to: "fake-p".into() })));
+        send(&mut s, &Outgoing::hello_ack("fake-p")).await;
+        s
+    };
+    let (added, s) = within("handshake with the fake", async { tokio::join!(d.add_peer(&md), fake) }).await;
+    assert_eq!(added.expect("added"), "fake-p");
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_read_fails_with_disconnected_when_the_peer_dies_others_unaffected() {
+    let (d, mut d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    let (q, mut q_events) = agent("q", 8, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&d, &q).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+
+    // The fake dies with the read pending (silent), then, reconnected, half-way through the data.
+    for half_way in [false, true] {
+        let mut s = fake_p_handshake(&d, &listener).await;
+        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"done".to_vec()) };
+        let d2 = Arc::clone(&d);
+        let read = tokio::spawn(async move { d2.read("fake-p", op).await });
+        let (kind, body) = recv(&mut s).await.expect("the read request");
+        assert_eq!(kind, wire::READ_REQ, "the read is pending at the fake");
+        if half_way {
+            let req_id = u64::from_le_bytes(body[..8].try_into().unwrap());
+            s.write_all(&wire::read_data_header(req_id, 4096)).await.unwrap();
+            s.write_all(&[1u8; 2048]).await.unwrap();
+        }
+        drop(s);
+        assert_eq!(within("the read", read).await.unwrap(), Err(TransportError::Disconnected("fake-p".into())));
+        assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "fake-p".into() });
+        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+        assert_eq!(d.read("fake-p", op).await, Err(TransportError::Disconnected("fake-p".into())), "the next read fails too");
+        assert_eq!(d.send_notif("fake-p", vec![1]), Err(TransportError::Disconnected("fake-p".into())));
+    }
+    check_both_directions(&*d, &mut d_events, &*q, &mut q_events).await;
+    assert!(d_events.try_recv().is_err(), "each death was reported once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_peer_agent_fails_reads_with_disconnected_and_reports_it_once() {
+    let (p, _p_events) = agent("p", 8, 4096, Arc::new(OpenGate), quick()).await;
+    let (d, mut d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    let (q, mut q_events) = agent("q", 8, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    connect(&q, &d).await;
+    drop(p);
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    assert_eq!(d.read("p", op).await, Err(TransportError::Disconnected("p".into())));
+    check_both_directions(&*d, &mut d_events, &*q, &mut q_events).await;
+    assert!(d_events.try_recv().is_err(), "Disconnected was reported once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_peer_works_in_either_order_and_when_both_dial_at_once() {
+    // One side first: its dial is held by the other until that one adds it back. Both name
+    // orders, so the held dialer is once the smaller and once the larger name.
+    for (first, second) in [("a", "b"), ("y", "x")] {
+        let (f, mut f_events) = agent(first, 4, 4096, Arc::new(OpenGate), quick()).await;
+        let (s, mut s_events) = agent(second, 4, 4096, Arc::new(OpenGate), quick()).await;
+        let (f2, s_md) = (Arc::clone(&f), s.metadata());
+        let first_add = tokio::spawn(async move { f2.add_peer(&s_md).await });
+        eventually("the dial to be held", || s.holds(first)).await;
+        assert_eq!(within("second add_peer", s.add_peer(&f.metadata())).await.expect("second adds first"), first);
+        assert_eq!(within("first add_peer", first_add).await.unwrap().expect("first adds second"), second);
+        assert_one_connection(&f, &s);
+        check_both_directions(&*f, &mut f_events, &*s, &mut s_events).await;
+        // Adding again is a no-op on the same connection.
+        let before = f.conn_ends(second);
+        within("re-add", f.add_peer(&s.metadata())).await.expect("idempotent");
+        assert_eq!(f.conn_ends(second), before);
+    }
+    // Both at once, many times, to meet the races.
+    for round in 0..20 {
+        let (a, mut a_events) = agent(&format!("a{round}"), 2, 4096, Arc::new(OpenGate), quick()).await;
+        let (b, mut b_events) = agent(&format!("b{round}"), 2, 4096, Arc::new(OpenGate), quick()).await;
+        connect(&a, &b).await;
+        a.send_notif(b.name(), vec![round]).unwrap();
+        b.send_notif(a.name(), vec![round]).unwrap();
+        assert_eq!(next_notif(&mut b_events).await, (a.name().to_owned(), vec![round]));
+        assert_eq!(next_notif(&mut a_events).await, (b.name().to_owned(), vec![round]));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_peer_closes_the_connection_and_refuses_the_peer_afterwards() {
+    let options = TcpOptions { connect_timeout: Duration::from_millis(1500), ..quick() };
+    let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), options.clone()).await;
+    let (d, mut d_events) = agent("d", 4, 4096, Arc::new(OpenGate), options).await;
+    connect(&p, &d).await;
+    p.remove_peer("d");
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
+    assert_eq!(p.send_notif("d", vec![1]), Err(TransportError::UnknownPeer("d".into())));
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    assert_eq!(d.read("p", op).await, Err(TransportError::Disconnected("p".into())));
+    // d tries to come back: p no longer knows it and refuses.
+    assert!(matches!(within("a refused add_peer", d.add_peer(&p.metadata())).await, Err(TransportError::Io(_))));
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "unknown_agent" });
+    // Until p adds it again.
+    connect(&p, &d).await;
+    while let Ok(e) = p_events.try_recv() {
+        assert_eq!(e, AgentEvent::Rejected { reason: "unknown_agent" }, "only the refused redials were reported");
+    }
+    check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_and_dropping_the_agent_close_listener_and_connections_and_end_tasks() {
+    let (p, _p_events) = agent("p", 4, 4096, Arc::new(OpenGate), quick()).await;
+    let (d, mut d_events) = agent("d", 4, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    let p_addr = p.local_addr();
+    p.shutdown();
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    assert_eq!(p.read("d", op).await, Err(TransportError::Disconnected("d".into())));
+    assert!(p.add_peer(&d.metadata()).await.is_err());
+    within("p's listener to close", async {
+        while TcpStream::connect(p_addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+
+    // Dropping the last Arc ends every task: nothing keeps the agent's state alive.
+    let weak_p = Arc::downgrade(&p.inner);
+    let weak_d = Arc::downgrade(&d.inner);
+    drop(p);
+    drop(d);
+    eventually("all tasks to end", || weak_p.strong_count() == 0 && weak_d.strong_count() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_read_never_writes_its_blocks_afterwards() {
+    let (d, _d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut fake = fake_p_handshake(&d, &listener).await;
+    let d2 = Arc::clone(&d);
+    let read = tokio::spawn(async move {
+        d2.read("fake-p", ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096), seg(1, 0, 1, 0, 4096)], notif: None }).await
+    });
+    let (_, req) = recv(&mut fake).await.expect("request");
+    let req_id = u64::from_le_bytes(req[..8].try_into().unwrap());
+    // Half the response lands...
+    fake.write_all(&wire::read_data_header(req_id, 8192)).await.unwrap();
+    fake.write_all(&[0xAB; 4096]).await.unwrap();
+    eventually("the first half to land", || block(d.arena(), 0).iter().all(|&b| b == 0xAB)).await;
+    // ...then the reader gives up on it, and the blocks are its own again.
+    read.abort();
+    assert!(within("the aborted read", read).await.unwrap_err().is_cancelled());
+    let zeros = vec![0u8; 4096];
+    for b in 0..2 {
+        // SAFETY: the read is gone; these blocks are ours.
+        unsafe { d.arena().copy_in(b, 0, &zeros) };
+    }
+    fake.write_all(&[0xCD; 4096]).await.unwrap();
+    // A later read is answered after the rest of the dropped one: once it is done, the rest
+    // was drained.
+    let d2 = Arc::clone(&d);
+    let later =
+        tokio::spawn(async move { d2.read("fake-p", ReadOp { lease_id: 1, segments: vec![seg(0, 0, 4, 0, 16)], notif: None }).await });
+    let (_, req) = recv(&mut fake).await.expect("request");
+    fake.write_all(&wire::read_data_header(u64::from_le_bytes(req[..8].try_into().unwrap()), 16)).await.unwrap();
+    fake.write_all(&[0xEF; 16]).await.unwrap();
+    within("the later read", later).await.unwrap().expect("read ok");
+    assert!(block(d.arena(), 4)[..16].iter().all(|&b| b == 0xEF));
+    assert!(block(d.arena(), 0) == zeros && block(d.arena(), 1) == zeros, "nothing landed after the read was dropped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_reads_leave_the_connection_usable() {
+    const BB: usize = 128 * 1024;
+    let pr = pair(64, BB).await;
+    for b in 0..64 {
+        fill_block(&pr.p_arena, b, u64::from(b) + 1);
+    }
+    let span = |lease_id, blocks: std::ops::Range<u32>| ReadOp {
+        lease_id,
+        segments: blocks.map(|b| seg(b, 0, b, 0, BB as u32)).collect(),
+        notif: Some(b"done".to_vec()),
+    };
+    let (d_arena, zeros) = (pr.d.arena(), vec![0u8; BB]);
+    for round in 0..5 {
+        // Dropped mid-flight (or just done): from now on blocks 0..32 are ours again.
+        let _ = tokio::time::timeout(Duration::from_micros(50 * round), pr.d.read("p", span(1, 0..32))).await;
+        for b in 0..32 {
+            // SAFETY: the read was dropped; nobody may write these blocks any more.
+            unsafe { d_arena.copy_in(b, 0, &zeros) };
+        }
+        // Responses come in order: once this read is done, the dropped one was drained.
+        within("a later read", pr.d.read("p", span(2, 32..64))).await.expect("read ok");
+        for b in 0..32 {
+            assert!(block(d_arena, b) == zeros, "round {round}: block {b} was written after its read was dropped");
+        }
+        for b in 32..64 {
+            assert!(block(d_arena, b) == block(&pr.p_arena, b), "round {round}: block {b}");
+        }
+    }
+    let gate = pr.gate.clone();
+    eventually("every permit to be dropped", move || gate.live() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notification_overtakes_a_large_response_in_flight() {
+    let (p, _p_events) = agent("p", 64, 1024 * 1024, Arc::new(OpenGate), quick()).await;
+    let mut raw = raw_known_peer(&p, "raw").await;
+    // 64 MiB asked, nothing read yet: the response fills the socket and the writer waits.
+    let segments: Vec<Segment> = (0..64).map(|b| seg(b, 0, 0, 0, 1024 * 1024)).collect();
+    send(&mut raw, &Outgoing::read_req(1, 1, &segments)).await;
+    p.send_notif("raw", b"heartbeat".to_vec()).unwrap();
+    let mut data_before = 0usize;
+    loop {
+        match recv(&mut raw).await.expect("frames") {
+            (wire::READ_DATA, body) => data_before += body.len() - 8,
+            (wire::NOTIF, body) => {
+                assert_eq!(body, b"heartbeat");
+                break;
+            }
+            (kind, _) => panic!("unexpected frame kind {kind}"),
+        }
+    }
+    assert!(data_before < 32 * 1024 * 1024, "the notification waited for {data_before} bytes of a 64 MiB response");
+}

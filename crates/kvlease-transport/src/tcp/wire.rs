@@ -1,0 +1,346 @@
+//! The tcp backend's bytes: agent metadata and the frames on a connection.
+//!
+//! Pure functions of bytes, so decoding is total: any input decodes or yields `None` /
+//! `BadMetadata`, never a panic. Integers are little-endian.
+//!
+//! Metadata: `KVLT` · version u8 · name (u16 length + UTF-8) · address (u16 length + UTF-8 `ip:port`).
+//!
+//! Frame: body length u32 · kind u8 · body.
+//!
+//! | kind | body |
+//! |---|---|
+//! | Hello | `KVLT` · version · from (u16 + UTF-8) · to (u16 + UTF-8): the dialer's first frame |
+//! | HelloAck | the acceptor's name: the connection is adopted |
+//! | HelloNack | empty: the acceptor keeps the connection it dialed itself (simultaneous dials) |
+//! | Notif | the payload |
+//! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) |
+//! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
+//! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
+
+use crate::{Segment, TransportError};
+use std::net::SocketAddr;
+
+pub(super) const MAGIC: [u8; 4] = *b"KVLT";
+pub(super) const VERSION: u8 = 1;
+/// Longest agent name, in bytes.
+pub(super) const MAX_NAME: usize = 1024;
+/// Length prefix and kind.
+pub(super) const HEADER_LEN: usize = 5;
+/// The largest handshake frame body.
+pub(super) const MAX_HELLO: usize = 4 + 1 + 2 + MAX_NAME + 2 + MAX_NAME;
+/// Bytes of a `ReadReq` body before the segments, and per segment.
+pub(super) const READ_REQ_FIXED: usize = 8 + 8 + 4;
+pub(super) const READ_REQ_PER_SEGMENT: usize = 12;
+
+pub(super) const HELLO: u8 = 1;
+pub(super) const HELLO_ACK: u8 = 2;
+pub(super) const HELLO_NACK: u8 = 3;
+pub(super) const NOTIF: u8 = 4;
+pub(super) const READ_REQ: u8 = 5;
+pub(super) const READ_DATA: u8 = 6;
+pub(super) const READ_ERR: u8 = 7;
+
+pub(super) const ERR_REFUSED: u8 = 1;
+pub(super) const ERR_OUT_OF_RANGE: u8 = 2;
+
+/// A cursor over untrusted bytes; every accessor is bounds-checked.
+struct Bytes<'a>(&'a [u8]);
+
+impl<'a> Bytes<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.take(N).and_then(|b| b.try_into().ok())
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        self.array::<1>().map(|[b]| b)
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.array().map(u64::from_le_bytes)
+    }
+
+    /// A u16-length-prefixed UTF-8 string.
+    fn str16(&mut self) -> Option<&'a str> {
+        let n = self.u16()? as usize;
+        std::str::from_utf8(self.take(n)?).ok()
+    }
+
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.0)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+fn put_str16(out: &mut Vec<u8>, s: &str) {
+    // Names are checked against MAX_NAME and addresses are short, so the length fits.
+    let n = u16::try_from(s.len()).unwrap_or(u16::MAX);
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(&s.as_bytes()[..n as usize]);
+}
+
+/// Whether `name` can name an agent on the wire.
+pub(super) fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= MAX_NAME
+}
+
+pub(super) fn encode_metadata(name: &str, addr: SocketAddr) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + 1 + 2 + name.len() + 2 + 48);
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    put_str16(&mut out, name);
+    put_str16(&mut out, &addr.to_string());
+    out
+}
+
+pub(super) fn decode_metadata(md: &[u8]) -> Result<(String, SocketAddr), TransportError> {
+    let bad = |why: &str| TransportError::BadMetadata(format!("{why} (tcp agent metadata, {} bytes)", md.len()));
+    let mut b = Bytes(md);
+    if b.array::<4>() != Some(MAGIC) {
+        return Err(bad("no KVLT magic: not the metadata of a tcp agent"));
+    }
+    match b.u8() {
+        Some(VERSION) => {}
+        Some(v) => return Err(bad(&format!("version {v}, this agent speaks {VERSION}"))),
+        None => return Err(bad("truncated")),
+    }
+    let name = b.str16().ok_or_else(|| bad("truncated or non-UTF-8 name"))?;
+    if !valid_name(name) {
+        return Err(bad(&format!("agent names are 1 to {MAX_NAME} bytes")));
+    }
+    let addr = b.str16().ok_or_else(|| bad("truncated or non-UTF-8 address"))?;
+    let addr: SocketAddr = addr.parse().map_err(|_| bad(&format!("{addr:?} is not an ip:port address")))?;
+    if !b.is_empty() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok((name.to_owned(), addr))
+}
+
+/// The first frame of a connection: who dials, and whom it means to reach.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Hello {
+    pub from: String,
+    pub to: String,
+}
+
+pub(super) fn decode_hello(body: &[u8]) -> Option<Hello> {
+    let mut b = Bytes(body);
+    if b.array::<4>()? != MAGIC || b.u8()? != VERSION {
+        return None;
+    }
+    let from = b.str16()?;
+    let to = b.str16()?;
+    (valid_name(from) && valid_name(to) && b.is_empty()).then(|| Hello { from: from.to_owned(), to: to.to_owned() })
+}
+
+/// A remote piece of a read, as the serving side sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RemoteSegment {
+    pub block: u32,
+    pub offset: u32,
+    pub len: u32,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct ReadReq {
+    pub req_id: u64,
+    pub lease_id: u64,
+    pub segments: Vec<RemoteSegment>,
+}
+
+pub(super) fn decode_read_req(body: &[u8]) -> Option<ReadReq> {
+    let mut b = Bytes(body);
+    let req_id = b.u64()?;
+    let lease_id = b.u64()?;
+    let count = b.u32()? as usize;
+    // Checked before allocating, so a lying count cannot make us reserve memory.
+    if b.0.len() != count.checked_mul(READ_REQ_PER_SEGMENT)? {
+        return None;
+    }
+    let mut segments = Vec::with_capacity(count);
+    for _ in 0..count {
+        segments.push(RemoteSegment { block: b.u32()?, offset: b.u32()?, len: b.u32()? });
+    }
+    Some(ReadReq { req_id, lease_id, segments })
+}
+
+/// `(req_id, code, message)`.
+pub(super) fn decode_read_err(body: &[u8]) -> Option<(u64, u8, String)> {
+    let mut b = Bytes(body);
+    let req_id = b.u64()?;
+    let code = b.u8()?;
+    Some((req_id, code, String::from_utf8_lossy(b.rest()).into_owned()))
+}
+
+/// The header of a `ReadData` frame carrying `payload` bytes.
+pub(super) fn read_data_header(req_id: u64, payload: usize) -> [u8; HEADER_LEN + 8] {
+    let mut h = [0u8; HEADER_LEN + 8];
+    // A data frame carries at most one chunk, far below 4 GiB.
+    h[..4].copy_from_slice(&((payload + 8) as u32).to_le_bytes());
+    h[4] = READ_DATA;
+    h[5..].copy_from_slice(&req_id.to_le_bytes());
+    h
+}
+
+/// A frame queued for a connection's writer: a small header and an owned body, written together
+/// with one vectored write so a notification's payload is never copied again.
+#[derive(Debug)]
+pub(super) struct Outgoing {
+    head: [u8; HEADER_LEN],
+    body: Vec<u8>,
+}
+
+impl Outgoing {
+    fn new(kind: u8, body: Vec<u8>) -> Outgoing {
+        let mut head = [0u8; HEADER_LEN];
+        // Bodies are bounded by the frame limit (checked by the callers), far below 4 GiB.
+        head[..4].copy_from_slice(&(body.len() as u32).to_le_bytes());
+        head[4] = kind;
+        Outgoing { head, body }
+    }
+
+    pub fn head(&self) -> &[u8] {
+        &self.head
+    }
+
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// The whole frame in one buffer (handshake frames, tests).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        [&self.head[..], &self.body].concat()
+    }
+
+    pub fn hello(from: &str, to: &str) -> Outgoing {
+        let mut body = Vec::with_capacity(4 + 1 + 4 + from.len() + to.len());
+        body.extend_from_slice(&MAGIC);
+        body.push(VERSION);
+        put_str16(&mut body, from);
+        put_str16(&mut body, to);
+        Outgoing::new(HELLO, body)
+    }
+
+    pub fn hello_ack(name: &str) -> Outgoing {
+        Outgoing::new(HELLO_ACK, name.as_bytes().to_vec())
+    }
+
+    pub fn hello_nack() -> Outgoing {
+        Outgoing::new(HELLO_NACK, Vec::new())
+    }
+
+    pub fn notif(bytes: Vec<u8>) -> Outgoing {
+        Outgoing::new(NOTIF, bytes)
+    }
+
+    pub fn read_req(req_id: u64, lease_id: u64, segments: &[Segment]) -> Outgoing {
+        let mut body = Vec::with_capacity(READ_REQ_FIXED + READ_REQ_PER_SEGMENT * segments.len());
+        body.extend_from_slice(&req_id.to_le_bytes());
+        body.extend_from_slice(&lease_id.to_le_bytes());
+        body.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+        for s in segments {
+            body.extend_from_slice(&s.remote_block.to_le_bytes());
+            body.extend_from_slice(&s.remote_offset.to_le_bytes());
+            body.extend_from_slice(&s.len.to_le_bytes());
+        }
+        Outgoing::new(READ_REQ, body)
+    }
+
+    pub fn read_err(req_id: u64, code: u8, message: &str) -> Outgoing {
+        let mut body = Vec::with_capacity(9 + message.len());
+        body.extend_from_slice(&req_id.to_le_bytes());
+        body.push(code);
+        body.extend_from_slice(message.as_bytes());
+        Outgoing::new(READ_ERR, body)
+    }
+
+    /// Any kind and body, for tests that speak the protocol badly on purpose.
+    #[cfg(test)]
+    pub fn raw(kind: u8, body: Vec<u8>) -> Outgoing {
+        Outgoing::new(kind, body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips() {
+        let addr: SocketAddr = "127.0.0.1:4242".parse().unwrap();
+        let md = encode_metadata("engine/7/0", addr);
+        assert_eq!(decode_metadata(&md).unwrap(), ("engine/7/0".to_owned(), addr));
+        let v6: SocketAddr = "[::1]:9".parse().unwrap();
+        assert_eq!(decode_metadata(&encode_metadata("x", v6)).unwrap().1, v6);
+    }
+
+    #[test]
+    fn metadata_decoding_is_total_every_truncation_and_flip_is_bad_metadata_not_a_panic() {
+        let md = encode_metadata("engine/7/0", "127.0.0.1:4242".parse().unwrap());
+        for n in 0..md.len() {
+            assert!(matches!(decode_metadata(&md[..n]), Err(TransportError::BadMetadata(_))), "truncated to {n}");
+        }
+        let mut extended = md.clone();
+        extended.push(0);
+        assert!(matches!(decode_metadata(&extended), Err(TransportError::BadMetadata(_))));
+        // Every single-byte change either still decodes or is refused; none panics.
+        for i in 0..md.len() {
+            for v in [0u8, 1, 0x7f, 0x80, 0xff] {
+                let mut m = md.clone();
+                m[i] = v;
+                let _ = decode_metadata(&m);
+            }
+        }
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..512 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            assert!(decode_metadata(&junk).is_err());
+        }
+        assert!(decode_metadata(&encode_metadata("", "127.0.0.1:1".parse().unwrap())).is_err(), "empty name");
+    }
+
+    #[test]
+    fn hello_and_read_req_round_trip_and_reject_lies() {
+        let h = Outgoing::hello("a", "b");
+        assert_eq!(decode_hello(h.body()), Some(Hello { from: "a".into(), to: "b".into() }));
+        assert_eq!(decode_hello(&h.body()[..h.body().len() - 1]), None);
+        let segs = [Segment { remote_block: 3, remote_offset: 16, local_block: 9, local_offset: 0, len: 100 }];
+        let r = Outgoing::read_req(5, 77, &segs);
+        assert_eq!(
+            decode_read_req(r.body()),
+            Some(ReadReq { req_id: 5, lease_id: 77, segments: vec![RemoteSegment { block: 3, offset: 16, len: 100 }] })
+        );
+        let mut lying = r.body().to_vec();
+        lying[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_read_req(&lying), None, "a count that does not match the body is refused");
+        assert_eq!(decode_read_req(&[1, 2, 3]), None);
+        assert_eq!(decode_read_err(Outgoing::read_err(4, ERR_REFUSED, "no").body()), Some((4, ERR_REFUSED, "no".into())));
+        assert_eq!(decode_read_err(&[0; 8]), None);
+    }
+}
