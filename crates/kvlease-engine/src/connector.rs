@@ -42,8 +42,11 @@ pub(crate) enum PullOutcome {
     Lost(String),
 }
 
-/// How long D waits for an acknowledgement that makes a read safe before giving up on the lease.
-const ACK_WAIT: Duration = Duration::from_secs(10);
+/// How long D waits for P's answer (a heartbeat or read-completion acknowledgement) before
+/// giving up on the lease: the extension E, since a lease unrenewed for E may be gone anyway.
+fn ack_wait(inner: &Inner) -> Duration {
+    inner.cfg.transfer.lease.extension.max(Duration::from_secs(1))
+}
 
 pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
     let cfg = &inner.cfg;
@@ -484,7 +487,8 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let budget = inner.cfg.transfer.lease.extension / 4;
     // 1. Wait until an acknowledged heartbeat covers the read.
     let mut news = inner.news.subscribe();
-    let give_up = tokio::time::Instant::now() + ACK_WAIT;
+    let wait = ack_wait(inner);
+    let give_up = tokio::time::Instant::now() + wait;
     loop {
         news.borrow_and_update();
         match lock(&inner.renewer).read_check(internal, budget, inner.now()) {
@@ -493,7 +497,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
             ReadCheck::RenewFirst => inner.renewer_wake.notify_one(),
         }
         if tokio::time::timeout_at(give_up, news.changed()).await.is_err() {
-            return PullOutcome::Lost(format!("no heartbeat acknowledgement from {} within {ACK_WAIT:?}", rk.engine_id));
+            return PullOutcome::Lost(format!("no heartbeat acknowledgement from {} within {wait:?}", rk.engine_id));
         }
     }
     let Some(peer) = lock(&inner.peers).get(&rk.engine_id).cloned() else {
@@ -562,7 +566,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         return PullOutcome::Lost(why);
     }
     for rx in acks {
-        match tokio::time::timeout(ACK_WAIT, rx).await {
+        match tokio::time::timeout(wait, rx).await {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) => return PullOutcome::Lost("the lease ended before the read completed".into()),
             _ => {

@@ -1,0 +1,170 @@
+//! Real processes for the end-to-end and fault tests: `kvlease serve` and `kvlease proxy` started
+//! from the built binary on loopback ports, killed when the test ends, with an HTTP client and
+//! condition waits with deadlines.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+pub const SECRET: &str = "e2e-cluster-secret";
+
+/// A child process that is killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub url: String,
+    pub name: String,
+}
+
+impl Proc {
+    /// `kvlease serve` with these extra flags; waits for its start-up line.
+    pub fn serve(name: &str, extra: &[&str]) -> Proc {
+        let mut args = vec!["serve", "--port", "0", "--engine-id", name, "--log-level", "warn"];
+        args.extend_from_slice(extra);
+        Proc::start(name, &args, "kvlease serve listening on ")
+    }
+
+    pub fn proxy(prefillers: &[&Proc], decoders: &[&Proc]) -> Proc {
+        let hp = |ps: &[&Proc]| -> (Vec<String>, Vec<String>) {
+            ps.iter()
+                .map(|p| {
+                    let (h, port) = p.url.trim_start_matches("http://").rsplit_once(':').expect("host:port");
+                    (h.to_string(), port.to_string())
+                })
+                .unzip()
+        };
+        let (ph, pp) = hp(prefillers);
+        let (dh, dp) = hp(decoders);
+        let mut args: Vec<String> =
+            ["proxy", "--host", "127.0.0.1", "--port", "0", "--log-level", "warn", "--prefiller-hosts"].map(String::from).to_vec();
+        args.extend(ph);
+        args.push("--prefiller-ports".into());
+        args.extend(pp);
+        args.push("--decoder-hosts".into());
+        args.extend(dh);
+        args.push("--decoder-ports".into());
+        args.extend(dp);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::start("proxy", &refs, "kvlease proxy listening on ")
+    }
+
+    fn start(name: &str, args: &[&str], banner: &str) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+            .args(args)
+            .env("KVLEASE_TRANSFER_SECRET", SECRET)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvlease");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut line = String::new();
+            let _ = reader.read_line(&mut line);
+            let _ = tx.send(line);
+            // Keep draining so the child never blocks on a full pipe.
+            let mut sink = String::new();
+            while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+                sink.clear();
+            }
+        });
+        let line = match rx.recv_timeout(DEADLINE) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("{name}: no start-up line within {DEADLINE:?}");
+            }
+        };
+        let rest = line.strip_prefix(banner).unwrap_or_else(|| panic!("{name}: unexpected start-up line {line:?}"));
+        let url = rest.split_whitespace().next().expect("url").to_string();
+        Proc { child, url, name: name.to_string() }
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").args([&format!("-{sig}"), &self.pid()]).status().expect("kill").success();
+        assert!(ok, "kill -{sig} {}", self.name);
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().timeout(DEADLINE).build().expect("client")
+}
+
+/// POSTs JSON; returns (status, body).
+pub async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = client().post(url).json(body).send().await.expect("send");
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("body");
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}")))
+}
+
+/// POSTs a streaming request; returns the concatenated text of the SSE chunks.
+pub async fn post_stream(url: &str, body: &Value, chat: bool) -> String {
+    let r = client().post(url).json(body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.text().await.expect("body");
+    let mut out = String::new();
+    let mut done = false;
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
+        assert!(v.get("error").is_none(), "stream failed: {v}");
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let piece = if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() };
+            out.push_str(piece.unwrap_or(""));
+        }
+    }
+    assert!(done, "stream ended without [DONE]");
+    out
+}
+
+/// The text of a non-streaming completion or chat completion.
+pub fn text_of(body: &Value, chat: bool) -> String {
+    let c = &body["choices"][0];
+    let t = if chat { c["message"]["content"].as_str() } else { c["text"].as_str() };
+    t.unwrap_or_else(|| panic!("no text in {body}")).to_string()
+}
+
+/// One sample of a Prometheus metric (with labels as written, e.g. `x{reason="expired"}`).
+pub async fn metric(base: &str, name: &str) -> f64 {
+    let text = client().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().expect("number")))
+        .unwrap_or_else(|| panic!("metric {name} not found"))
+}
+
+/// Waits until `f` is true, polling, failing after `limit`.
+pub async fn until<F, Fut>(what: &str, limit: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t0 = tokio::time::Instant::now();
+    while !f().await {
+        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// kv-transfer-config with a lease of `secs`.
+pub fn lease_config(secs: f64) -> String {
+    format!(r#"{{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{secs}}}}}"#)
+}

@@ -1,0 +1,110 @@
+//! End to end over real processes and sockets: P, D and the proxy as separate `kvlease`
+//! processes, a real HTTP client, KV pulled by one-sided reads over the TCP transport.
+
+mod common;
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+/// SPEC D7, P3, S1, §10: 50 completions through the proxy — plain and chat, streaming and not —
+/// each equal to the same request run locally on a single engine; afterwards P holds no lease
+/// and every lease was released as `transferred`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_requests_through_the_proxy_match_local_and_release_every_lease() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve("e2e-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("e2e-d", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("e2e-local", &[]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "renewal"];
+    let mut jobs = Vec::new();
+    for i in 0..50usize {
+        let chat = i % 5 == 4;
+        let stream = i % 3 == 0;
+        let prompt: String = (0..(3 + i % 17)).map(|j| words[(i * 7 + j * 3) % words.len()]).collect::<Vec<_>>().join(" ");
+        let max_tokens = 4 + (i % 13) as u64;
+        let (path, body) = if chat {
+            (
+                "/v1/chat/completions",
+                json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "ignore_eos": true}),
+            )
+        } else {
+            ("/v1/completions", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true}))
+        };
+        let (proxy_url, local_url) = (format!("{}{path}", proxy.url), format!("{}{path}", local.url));
+        jobs.push(tokio::spawn(async move {
+            let (status, want) = post(&local_url, &body).await;
+            assert_eq!(status, 200, "{want}");
+            let want = text_of(&want, chat);
+            let got = if stream {
+                let mut b = body.clone();
+                b["stream"] = json!(true);
+                post_stream(&proxy_url, &b, chat).await
+            } else {
+                let (status, got) = post(&proxy_url, &body).await;
+                assert_eq!(status, 200, "{got}");
+                text_of(&got, chat)
+            };
+            assert!(!want.is_empty());
+            assert_eq!(got, want, "request {i} (chat {chat}, stream {stream})");
+        }));
+        if jobs.len() == 8 {
+            for j in jobs.drain(..) {
+                j.await.expect("request task");
+            }
+        }
+    }
+    for j in jobs {
+        j.await.expect("request task");
+    }
+    until("P holds no lease", Duration::from_secs(10), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    assert_eq!(metric(&p.url, "kvlease_leases_granted_total").await, 50.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 50.0);
+    for reason in ["released", "expired", "shutdown"] {
+        assert_eq!(metric(&p.url, &format!("kvlease_leases_released_total{{reason=\"{reason}\"}}")).await, 0.0, "{reason}");
+    }
+    assert_eq!(metric(&p.url, "kvlease_leased_blocks").await, 0.0);
+    assert_eq!(metric(&p.url, "kvlease_kv_blocks_free").await, metric(&p.url, "kvlease_kv_blocks_total").await);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 0.0);
+    assert_eq!(metric(&d.url, "kvlease_lease_lost_total").await, 0.0);
+}
+
+/// SPEC S1: with a secret configured on both, D refuses altered or unsigned params with a 400
+/// naming kv_transfer_params, and nothing is read: P's lease stays untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
+    let p = Proc::serve("s1-p", &[]);
+    let d = Proc::serve("s1-d", &[]);
+    let prompt = "the lease is signed by the prefill engine";
+    let leg = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+    let (status, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
+    assert_eq!(status, 200, "{body}");
+    let params = body["kv_transfer_params"].clone();
+    assert!(params["kvlease_signature"].is_string(), "{params}");
+    let mut altered = params.clone();
+    altered["remote_lease_id"] = json!(params["remote_lease_id"].as_u64().unwrap_or(0) + 1);
+    let mut unsigned = params.clone();
+    unsigned.as_object_mut().expect("object").remove("kvlease_signature");
+    let mut other_prompt =
+        json!({"model": "kvlease-synthetic", "prompt": "another prompt of mine", "max_tokens": 4, "kv_transfer_params": params.clone()});
+    for (what, body) in [
+        ("altered", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": altered})),
+        ("unsigned", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": unsigned})),
+        ("another prompt", other_prompt.take()),
+    ] {
+        let (status, err) = post(&format!("{}/v1/completions", d.url), &body).await;
+        assert_eq!(status, 400, "{what}: {err}");
+        assert_eq!(err["error"]["param"], "kv_transfer_params", "{what}: {err}");
+    }
+    assert_eq!(metric(&p.url, "kvlease_heartbeats_received_total").await, 0.0, "D never contacted P");
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
+    // The genuine params still pull.
+    let good = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params});
+    let (status, body) = post(&format!("{}/v1/completions", d.url), &good).await;
+    assert_eq!(status, 200, "{body}");
+    until("transferred", Duration::from_secs(10), || async {
+        metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
+    })
+    .await;
+}

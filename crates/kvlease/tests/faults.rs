@@ -1,0 +1,132 @@
+//! Faults on real processes: a decoder killed (SIGKILL) or hung (SIGSTOP) while its requests
+//! wait, a prefill engine killed under a waiting decoder. P must reclaim within seconds; D must
+//! never serve garbage; nothing is lost.
+
+mod common;
+use common::*;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// The P leg by hand: prefill `prompt` on P, return its kv_transfer_params.
+async fn prefill(p: &Proc, prompt: &str) -> serde_json::Value {
+    let leg = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+    let (status, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
+    assert_eq!(status, 200, "{body}");
+    body["kv_transfer_params"].clone()
+}
+
+/// A decoder whose only slot is busy for a long time, so requests wait in its queue.
+fn busy_decoder(name: &str, lease: f64) -> Proc {
+    Proc::serve(name, &["--kv-transfer-config", &lease_config(lease), "--max-num-seqs", "1", "--decode-ms-per-token", "200"])
+}
+
+async fn occupy(d: &Proc, tokens: u64) -> tokio::task::JoinHandle<()> {
+    let url = format!("{}/v1/completions", d.url);
+    let h = tokio::spawn(async move {
+        let _ = client()
+            .post(url)
+            .json(&json!({"model": "kvlease-synthetic", "prompt": "busy", "max_tokens": tokens, "ignore_eos": true}))
+            .send()
+            .await;
+    });
+    let base = d.url.clone();
+    until("decoder busy", DEADLINE, || {
+        let base = base.clone();
+        async move { metric(&base, "kvlease_requests_running").await >= 1.0 }
+    })
+    .await;
+    h
+}
+
+/// The mission's first promise: when D dies, P reclaims within seconds — here within the
+/// extension E after the last heartbeat (L = 1.2 s, E = 0.8 s), not vLLM's 480 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_decoder_leases_are_reclaimed_within_seconds() {
+    let p = Proc::serve("kill-p", &["--kv-transfer-config", &lease_config(1.2)]);
+    let d = busy_decoder("kill-d", 1.2);
+    let _busy = occupy(&d, 100).await;
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        let prompt = format!("request number {i} waits in a busy decoder's queue");
+        let params = prefill(&p, &prompt).await;
+        let url = format!("{}/v1/completions", d.url);
+        waiting.push(tokio::spawn(async move {
+            let _ = client()
+                .post(url)
+                .json(&json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}))
+                .send()
+                .await;
+        }));
+    }
+    // Heartbeats keep the leases alive well past L while D is healthy.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 3.0, "a healthy, busy D keeps its leases");
+    assert!(metric(&p.url, "kvlease_heartbeats_received_total").await >= 5.0);
+    d.signal("KILL");
+    let t0 = Instant::now();
+    until("P reclaims", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(1500), "reclaimed after {took:?}; E is 0.8 s");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await, 3.0);
+    assert_eq!(metric(&p.url, "kvlease_kv_blocks_free").await, metric(&p.url, "kvlease_kv_blocks_total").await);
+    for w in waiting {
+        w.abort();
+    }
+}
+
+/// A hung D (SIGSTOP) stops renewing: P reclaims. When D resumes it learns the lease is lost
+/// (SPEC P6, D6) and recomputes: the answer is still the right one (D7), never garbage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_decoder_resumes_and_recomputes_the_right_answer() {
+    let p = Proc::serve("stop-p", &["--kv-transfer-config", &lease_config(1.2)]);
+    let d = busy_decoder("stop-d", 1.2);
+    let local = Proc::serve("stop-local", &[]);
+    let prompt = "a decoder that hangs must not read freed blocks";
+    let body = |params: serde_json::Value| json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 6, "ignore_eos": true, "kv_transfer_params": params});
+    let (_, want) = post(&format!("{}/v1/completions", local.url), &body(serde_json::Value::Null)).await;
+    let _busy = occupy(&d, 15).await; // about 3 s of decode steps
+    let params = prefill(&p, prompt).await;
+    let url = format!("{}/v1/completions", d.url);
+    let req = tokio::spawn({
+        let b = body(params);
+        async move { post(&url, &b).await }
+    });
+    until("heartbeats", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 }).await;
+    d.signal("STOP");
+    until("P reclaims from the hung D", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    // Overwrite the freed blocks with another prompt's KV before D wakes up.
+    prefill(&p, "another prompt reuses the freed blocks of the hung decoder").await;
+    d.signal("CONT");
+    let (status, got) = tokio::time::timeout(DEADLINE, req).await.expect("answer in time").expect("task");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), text_of(&want, false));
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert!(metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await >= 1.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 0.0, "the hung D's lease was never read");
+}
+
+/// P killed while D waits to read: D's pull fails cleanly and it recomputes; the request
+/// still gets the right answer and D keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_prefill_engine_costs_a_recompute_not_an_error() {
+    let p = Proc::serve("pkill-p", &["--kv-transfer-config", &lease_config(1.2)]);
+    let d = busy_decoder("pkill-d", 1.2);
+    let local = Proc::serve("pkill-local", &[]);
+    let prompt = "the prefill engine dies before the decoder reads";
+    let body = |params: serde_json::Value| json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 5, "ignore_eos": true, "kv_transfer_params": params});
+    let (_, want) = post(&format!("{}/v1/completions", local.url), &body(serde_json::Value::Null)).await;
+    let _busy = occupy(&d, 8).await;
+    let params = prefill(&p, prompt).await;
+    let url = format!("{}/v1/completions", d.url);
+    let req = tokio::spawn({
+        let b = body(params);
+        async move { post(&url, &b).await }
+    });
+    until("heartbeats", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 }).await;
+    p.signal("KILL");
+    let (status, got) = tokio::time::timeout(DEADLINE, req).await.expect("answer in time").expect("task");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), text_of(&want, false));
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+}
