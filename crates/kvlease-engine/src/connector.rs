@@ -16,7 +16,7 @@ use crate::pool::Blocks;
 use crate::scheduler::{PrefillDone, Seq};
 use crate::side_channel::{self, read_frame, write_frame};
 use crate::{FinishReason, GenerateEvent, StartError};
-use kvlease_core::lease_table::{Completion, ReadTicket, Released};
+use kvlease_core::lease_table::{Completion, ReadTicket, ReleaseReason, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment};
@@ -151,7 +151,35 @@ fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     inner.metrics.leases_active.store(table.live() as i64, Relaxed);
     inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
     drop(table);
-    drop(released);
+    for r in released {
+        match r.payload {
+            // SPEC P5 where P cannot refuse a read (NIXL): a lease that ended other than by its
+            // reads completing may still have a READ on the way; its blocks wait it out.
+            Some(lease) if r.reason != ReleaseReason::Transferred && !reads_are_fenced(inner) => quarantine(inner, lease.blocks),
+            _ => {}
+        }
+    }
+}
+
+/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
+/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
+pub(crate) fn reads_are_fenced(inner: &Inner) -> bool {
+    inner.ranks().iter().all(|r| r.agent.can_refuse_reads())
+}
+
+/// How long a pull's reads may take before D gives up on them.
+pub(crate) fn read_timeout(inner: &Inner) -> Duration {
+    (inner.cfg.transfer.lease.extension / 4).max(Duration::from_secs(1)) * 2
+}
+
+/// Keeps blocks out of the pool until no read that could have been posted for them can still
+/// land: the longest a reader waits for its reads, plus a margin.
+pub(crate) fn quarantine(inner: &Inner, blocks: Blocks) {
+    let hold = read_timeout(inner) + Duration::from_secs(1);
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        drop(blocks);
+    });
 }
 
 /// SPEC P4: tick the lease table every half granularity, busy or idle.
@@ -500,6 +528,10 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
             return PullOutcome::Lost(format!("no heartbeat acknowledgement from {} within {wait:?}", rk.engine_id));
         }
     }
+    if let Some(delay) = inner.cfg.debug_read_delay {
+        // Test hook: widen the window between the liveness check and the read.
+        tokio::time::sleep(delay).await;
+    }
     let Some(peer) = lock(&inner.peers).get(&rk.engine_id).cloned() else {
         return PullOutcome::Lost("no connection to the prefill engine".into());
     };
@@ -557,7 +589,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         }
         failure
     };
-    let failure = match tokio::time::timeout(budget.max(Duration::from_secs(1)) * 2, all).await {
+    let failure = match tokio::time::timeout(read_timeout(inner), all).await {
         Err(_) => Some("the read timed out".to_string()),
         Ok(f) => f,
     };

@@ -53,6 +53,9 @@ pub struct EngineConfig {
     pub transport: TransportKind,
     /// SPEC S1: the cluster's shared secret for signing `kv_transfer_params`.
     pub secret: Option<Vec<u8>>,
+    /// Test hook: D waits this long between finding its lease safe to read and reading, so
+    /// tests can make a lease end under a read. Never set in production.
+    pub debug_read_delay: Option<std::time::Duration>,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +71,7 @@ impl Default for EngineConfig {
             model: ModelConfig::default(),
             transport: TransportKind::Tcp,
             secret: None,
+            debug_read_delay: None,
         }
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct Seq {
     digest: u64,
     last_token: u32,
     generated: u32,
+    /// The remote KV was lost: compute the prompt here instead of pulling it.
+    recompute: bool,
 }
 
 impl Seq {
@@ -81,6 +83,7 @@ impl Seq {
             digest: 0,
             last_token: 0,
             generated: 0,
+            recompute: false,
         }
     }
 
@@ -126,7 +129,7 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Sched
                         continue;
                     }
                     if let Some(seq) = loading.remove(&id) {
-                        finish_load(&inner, seq, blocks, outcome, &mut running);
+                        finish_load(&inner, seq, blocks, outcome, &mut running, &mut waiting);
                     }
                 }
                 SchedMsg::Shutdown => {
@@ -179,7 +182,7 @@ fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>
         let Some(blocks) = inner.pool.alloc(need) else { return };
         let Some(mut seq) = waiting.pop_front() else { return };
         match &seq.role {
-            KvRole::DecodeRemote(rk) => {
+            KvRole::DecodeRemote(rk) if !seq.recompute => {
                 let (inner2, rk, internal, id) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id);
                 tokio::spawn(async move {
                     let outcome = connector::pull(&inner2, &internal, &rk, blocks.ids()).await;
@@ -197,7 +200,14 @@ fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>
 }
 
 /// The pull finished: decode from the pulled KV, or apply the load failure policy (SPEC D6).
-fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, outcome: PullOutcome, running: &mut Vec<Seq>) {
+fn finish_load(
+    inner: &Arc<Inner>,
+    mut seq: Seq,
+    blocks: Blocks,
+    outcome: PullOutcome,
+    running: &mut Vec<Seq>,
+    waiting: &mut VecDeque<Seq>,
+) {
     seq.blocks = Some(blocks);
     match outcome {
         PullOutcome::Pulled => {
@@ -215,8 +225,18 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, outcome: PullOu
                 LoadFailurePolicy::Recompute => {
                     tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
                     inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
-                    seq.state = State::Prefill;
-                    running.push(seq);
+                    seq.recompute = true;
+                    if connector::reads_are_fenced(inner) {
+                        seq.state = State::Prefill;
+                        running.push(seq);
+                    } else {
+                        // A READ that failed or timed out may still land in these blocks: they
+                        // sit out in quarantine; the prompt is computed into fresh ones.
+                        if let Some(b) = seq.blocks.take() {
+                            connector::quarantine(inner, b);
+                        }
+                        waiting.push_front(seq);
+                    }
                 }
                 LoadFailurePolicy::Fail => {
                     tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");

@@ -234,3 +234,32 @@ async fn p3_shutdown_releases_leases() {
     assert_eq!(p.metrics().leases_active.load(Relaxed), 0);
     assert!(run(&p, PROMPT, 1, None).await.unwrap_err().status == 503);
 }
+
+/// SPEC P5, D6, D7: the lease ends while D is about to read (capped by kv_lease_max_lifetime
+/// while D waits between its liveness check and its read) and P reuses the blocks for another
+/// prompt; D never uses what it could read, recomputes, and the answer is still the local one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d6_lease_ending_under_a_read_never_yields_stale_bytes() {
+    let mut pcfg = config(0.6, 1);
+    pcfg.transfer.lease.max_lifetime = Some(Duration::from_secs(1));
+    let p = engine(pcfg).await;
+    let mut dcfg = config(0.6, 1);
+    dcfg.debug_read_delay = Some(Duration::from_millis(1500));
+    let d = engine(dcfg).await;
+    let local = engine(config(30.0, 1)).await;
+    let (want, _) = run(&local, PROMPT, 8, None).await.unwrap();
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let pull = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, PROMPT, 8, params).await })
+    };
+    until("the lease expires at its lifetime cap", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    // The same number of blocks: the pool hands the freed ones out again.
+    let other: String = PROMPT.chars().rev().collect();
+    run(&p, &other, 1, prefill_params()).await.unwrap();
+    let (got, _) = pull.await.unwrap().unwrap();
+    assert_eq!(got, want);
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 0);
+}
