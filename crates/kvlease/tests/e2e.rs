@@ -108,3 +108,39 @@ async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     })
     .await;
 }
+
+/// SPEC P7: junk on P's handshake side channel — a wrong message, an oversized frame, garbage —
+/// is dropped and counted, and P goes on serving disaggregated requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p7_junk_on_the_side_channel_is_counted_and_harmless() {
+    use tokio::io::AsyncWriteExt;
+    let p = Proc::serve("p7-p", &[]);
+    let d = Proc::serve("p7-d", &[]);
+    let leg = json!({"model": "kvlease-synthetic", "prompt": "junk first", "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+    let (_, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
+    let params = body["kv_transfer_params"].clone();
+    let side = format!("{}:{}", params["remote_host"].as_str().expect("host"), params["remote_port"]);
+    let junk: [&[u8]; 3] = [
+        &[0xff, 0xff, 0xff, 0xff, 1, 2, 3],                            // a length far over the limit
+        &[0, 0, 0, 6, b'K', b'L', 1, 5, 0, 0],                         // a well-framed LeaseLost: not a Hello
+        &[0, 0, 0, 8, b'H', b'B', b':', b'1', b',', b'2', b',', b'3'], // vLLM's text heartbeat
+    ];
+    for bytes in junk {
+        let mut s = tokio::net::TcpStream::connect(&side).await.expect("connect side channel");
+        s.write_all(bytes).await.expect("write");
+        let _ = s.shutdown().await;
+    }
+    until("junk counted", Duration::from_secs(10), || async {
+        metric(&p.url, "kvlease_messages_rejected_total{reason=\"oversized\"}").await >= 1.0
+            && metric(&p.url, "kvlease_messages_rejected_total{reason=\"malformed\"}").await >= 2.0
+    })
+    .await;
+    let good = json!({"model": "kvlease-synthetic", "prompt": "junk first", "max_tokens": 3, "kv_transfer_params": params});
+    let (status, body) = post(&format!("{}/v1/completions", d.url), &good).await;
+    assert_eq!(status, 200, "{body}");
+    until("transferred", Duration::from_secs(10), || async {
+        metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
+    })
+    .await;
+}

@@ -75,6 +75,36 @@ async fn killed_decoder_leases_are_reclaimed_within_seconds() {
     }
 }
 
+/// A waiting disaggregated request: the local answer for `prompt`, and the D request, queued
+/// behind `busy_steps` slow decode steps, with P already receiving its heartbeats.
+struct Waiting {
+    want: String,
+    req: tokio::task::JoinHandle<(u16, serde_json::Value)>,
+    _busy: tokio::task::JoinHandle<()>,
+}
+
+async fn waiting_request(p: &Proc, d: &Proc, local: &Proc, prompt: &str, busy_steps: u64) -> Waiting {
+    let body = |params: serde_json::Value| json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 6, "ignore_eos": true, "kv_transfer_params": params});
+    let (_, want) = post(&format!("{}/v1/completions", local.url), &body(serde_json::Value::Null)).await;
+    let busy = occupy(d, busy_steps).await;
+    let params = prefill(p, prompt).await;
+    let url = format!("{}/v1/completions", d.url);
+    let req = tokio::spawn({
+        let b = body(params);
+        async move { post(&url, &b).await }
+    });
+    until("heartbeats", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 }).await;
+    Waiting { want: text_of(&want, false), req, _busy: busy }
+}
+
+/// The waiting request's answer must be the local one, recomputed on D.
+async fn assert_recomputed_right(w: Waiting, d: &Proc) {
+    let (status, got) = tokio::time::timeout(DEADLINE, w.req).await.expect("answer in time").expect("task");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), w.want);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+}
+
 /// A hung D (SIGSTOP) stops renewing: P reclaims. When D resumes it learns the lease is lost
 /// (SPEC P6, D6) and recomputes: the answer is still the right one (D7), never garbage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,26 +112,13 @@ async fn hung_decoder_resumes_and_recomputes_the_right_answer() {
     let p = Proc::serve("stop-p", &["--kv-transfer-config", &lease_config(1.2)]);
     let d = busy_decoder("stop-d", 1.2);
     let local = Proc::serve("stop-local", &[]);
-    let prompt = "a decoder that hangs must not read freed blocks";
-    let body = |params: serde_json::Value| json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 6, "ignore_eos": true, "kv_transfer_params": params});
-    let (_, want) = post(&format!("{}/v1/completions", local.url), &body(serde_json::Value::Null)).await;
-    let _busy = occupy(&d, 15).await; // about 3 s of decode steps
-    let params = prefill(&p, prompt).await;
-    let url = format!("{}/v1/completions", d.url);
-    let req = tokio::spawn({
-        let b = body(params);
-        async move { post(&url, &b).await }
-    });
-    until("heartbeats", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 }).await;
+    let w = waiting_request(&p, &d, &local, "a decoder that hangs must not read freed blocks", 15).await;
     d.signal("STOP");
     until("P reclaims from the hung D", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
     // Overwrite the freed blocks with another prompt's KV before D wakes up.
     prefill(&p, "another prompt reuses the freed blocks of the hung decoder").await;
     d.signal("CONT");
-    let (status, got) = tokio::time::timeout(DEADLINE, req).await.expect("answer in time").expect("task");
-    assert_eq!(status, 200, "{got}");
-    assert_eq!(text_of(&got, false), text_of(&want, false));
-    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert_recomputed_right(w, &d).await;
     assert!(metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await >= 1.0);
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 0.0, "the hung D's lease was never read");
 }
@@ -113,20 +130,7 @@ async fn killed_prefill_engine_costs_a_recompute_not_an_error() {
     let p = Proc::serve("pkill-p", &["--kv-transfer-config", &lease_config(1.2)]);
     let d = busy_decoder("pkill-d", 1.2);
     let local = Proc::serve("pkill-local", &[]);
-    let prompt = "the prefill engine dies before the decoder reads";
-    let body = |params: serde_json::Value| json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 5, "ignore_eos": true, "kv_transfer_params": params});
-    let (_, want) = post(&format!("{}/v1/completions", local.url), &body(serde_json::Value::Null)).await;
-    let _busy = occupy(&d, 8).await;
-    let params = prefill(&p, prompt).await;
-    let url = format!("{}/v1/completions", d.url);
-    let req = tokio::spawn({
-        let b = body(params);
-        async move { post(&url, &b).await }
-    });
-    until("heartbeats", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 }).await;
+    let w = waiting_request(&p, &d, &local, "the prefill engine dies before the decoder reads", 8).await;
     p.signal("KILL");
-    let (status, got) = tokio::time::timeout(DEADLINE, req).await.expect("answer in time").expect("task");
-    assert_eq!(status, 200, "{got}");
-    assert_eq!(text_of(&got, false), text_of(&want, false));
-    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert_recomputed_right(w, &d).await;
 }
