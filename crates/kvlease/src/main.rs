@@ -1,9 +1,12 @@
 //! The `kvlease` binary: `kvlease serve` runs one engine behind the OpenAI API, `kvlease proxy`
-//! routes requests through a prefill and a decode engine as vLLM's toy proxy does.
+//! routes requests through a prefill and a decode engine as vLLM's toy proxy does, `kvlease load`
+//! drives either with closed-loop HTTP load ([`load`]).
 //!
 //! This file only turns flags into configuration, sets up logging and signals, and prints the
 //! one start-up line that scripts and tests wait for; the work is in kvlease-server and
 //! kvlease-engine.
+
+mod load;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -38,6 +41,8 @@ enum Command {
     Serve(ServeArgs),
     /// Route requests through a prefill engine then a decode engine (vLLM toy-proxy flags).
     Proxy(ProxyArgs),
+    /// Send closed-loop load to /v1/completions and print requests/s and latency percentiles.
+    Load(load::LoadArgs),
 }
 
 #[derive(Args, Debug)]
@@ -148,6 +153,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => serve(args).await,
             Command::Proxy(args) => proxy(args).await,
+            Command::Load(args) => load::run(args).await,
         }
     });
     match result {

@@ -1,0 +1,51 @@
+//! `kvlease load` against a real `kvlease serve`: 20 requests at concurrency 4 all succeed, the
+//! summary line has every field, and an unreachable server makes the run fail with exit code 1.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn load(url: &str, extra: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args(["load", "--url", url, "--requests", "20", "--concurrency", "4", "--timeout-secs", "20", "--json"])
+        .args(extra)
+        .output()
+        .expect("run kvlease load");
+    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The numeric value of `key=` in the summary line.
+fn field(line: &str, key: &str) -> f64 {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+        .parse()
+        .unwrap_or_else(|e| panic!("{key} in {line:?}: {e}"))
+}
+
+#[test]
+fn load_sends_all_requests_to_a_real_server_and_prints_the_summary() {
+    let engine = Proc::serve("load-engine", &[]);
+    for extra in [&[][..], &["--stream"][..]] {
+        let (code, stdout, stderr) = load(&engine.url, extra);
+        assert_eq!(code, Some(0), "{extra:?}: stdout {stdout:?} stderr {stderr:?}");
+        let mut lines = stdout.lines();
+        let summary = lines.next().expect("summary line");
+        assert!(summary.starts_with("requests=20 ok=20 failed=0 seconds="), "{summary:?}");
+        assert!(field(summary, "rps") > 0.0, "{summary:?}");
+        let (p50, p99) = (field(summary, "p50_ms"), field(summary, "p99_ms"));
+        assert!(p50 > 0.0 && p99 >= p50, "{summary:?}");
+        let json: serde_json::Value = serde_json::from_str(lines.next().expect("JSON line")).expect("JSON");
+        assert_eq!((json["requests"].as_u64(), json["ok"].as_u64(), json["failed"].as_u64()), (Some(20), Some(20), Some(0)));
+    }
+}
+
+#[test]
+fn load_fails_with_exit_1_when_requests_fail() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let (code, stdout, stderr) = load(&format!("http://127.0.0.1:{port}"), &[]);
+    assert_eq!(code, Some(1), "stdout {stdout:?} stderr {stderr:?}");
+    assert!(stdout.starts_with("requests=20 ok=0 failed=20 "), "{stdout:?}");
+    assert!(stderr.contains("failures: connect=20"), "{stderr:?}");
+}

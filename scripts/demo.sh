@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The kvlease demo: a prefill engine P, a decode engine D and the proxy on loopback, a few
+# requests through them, P's leases as they are granted, transferred and — when no decoder
+# comes for the KV blocks — expired. About 20 seconds after the build; stops everything on exit.
+#
+#   bash scripts/demo.sh
+#   P_PORT=9100 D_PORT=9200 PROXY_PORT=9000 bash scripts/demo.sh   # other ports
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+P_PORT=${P_PORT:-8100}
+D_PORT=${D_PORT:-8200}
+PROXY_PORT=${PROXY_PORT:-8000}
+LEASE_SECS=6
+MODEL=kvlease-synthetic
+
+if [[ -t 1 ]]; then
+  say() { printf '\n\033[1m## %s\033[0m\n' "$*"; }
+else
+  say() { printf '\n## %s\n' "$*"; }
+fi
+run() { printf '$ %s\n' "$*"; }
+die() { echo "error: $*" >&2; exit 1; }
+
+if ! command -v curl >/dev/null; then
+  if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
+    echo "curl is missing: installing it with apt-get"
+    apt-get update -qq && apt-get install -y -qq curl >/dev/null
+  else
+    die "this demo needs curl (e.g. sudo apt-get install -y curl)"
+  fi
+fi
+command -v cargo >/dev/null || die "this demo needs cargo (https://rustup.rs)"
+
+for port in "$P_PORT" "$D_PORT" "$PROXY_PORT"; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    die "port $port on 127.0.0.1 is taken; choose others, e.g. P_PORT=9100 D_PORT=9200 PROXY_PORT=9000 bash scripts/demo.sh"
+  fi
+done
+
+say "Building kvlease (cargo build --release -p kvlease)"
+cargo build --release -p kvlease
+BIN=${CARGO_TARGET_DIR:-target}/release/kvlease
+
+WORK=$(mktemp -d)
+declare -A PID=()
+cleanup() {
+  for name in "${!PID[@]}"; do kill "${PID[$name]}" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+  if ((${#PID[@]})); then echo; echo "Stopped P, D and the proxy."; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# P and D share a secret: P signs the kv_transfer_params it hands out, D refuses altered ones.
+export KVLEASE_TRANSFER_SECRET="demo-secret-$$-$RANDOM$RANDOM"
+CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{"kv_lease_duration":'$LEASE_SECS'}}'
+
+# start NAME BANNER ARGS...: runs `kvlease ARGS...` in the background and waits for its start-up line.
+start() {
+  local name=$1 banner=$2 line
+  shift 2
+  "$BIN" "$@" --log-level warn >"$WORK/$name.out" 2>"$WORK/$name.err" &
+  PID[$name]=$!
+  for _ in $(seq 200); do
+    line=$(head -n 1 "$WORK/$name.out" 2>/dev/null || true)
+    if [[ $line == "$banner"* ]]; then
+      echo "  $line"
+      return 0
+    fi
+    kill -0 "${PID[$name]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "error: $name did not start:" >&2
+  cat "$WORK/$name.err" >&2
+  exit 1
+}
+
+P=http://127.0.0.1:$P_PORT
+D=http://127.0.0.1:$D_PORT
+PROXY=http://127.0.0.1:$PROXY_PORT
+
+say "Starting P (prefill, :$P_PORT), D (decode, :$D_PORT) and the proxy (:$PROXY_PORT)"
+echo "  kv-transfer-config: $CONFIG"
+start P "kvlease serve listening on " serve --port "$P_PORT" --engine-id demo-prefill --kv-transfer-config "$CONFIG"
+start D "kvlease serve listening on " serve --port "$D_PORT" --engine-id demo-decode --kv-transfer-config "$CONFIG"
+start proxy "kvlease proxy listening on " proxy --host 127.0.0.1 --port "$PROXY_PORT" \
+  --prefiller-hosts 127.0.0.1 --prefiller-ports "$P_PORT" --decoder-hosts 127.0.0.1 --decoder-ports "$D_PORT"
+
+# post URL JSON: POSTs the JSON body, prints the answer; fails on an HTTP error.
+post() { curl -sS --noproxy '*' --max-time 30 --fail-with-body -H 'Content-Type: application/json' -d "$2" "$1"; }
+# field NAME: the first string value of NAME in the JSON on stdin (values without quotes only).
+field() { grep -o "\"$1\":\"[^\"]*\"" | head -n 1 | sed "s/^\"$1\":\"//; s/\"\$//"; }
+# metrics: P's lease metrics.
+metrics() {
+  curl -sS --noproxy '*' --max-time 5 "$P/metrics" |
+    grep -E '^kvlease_(leases_active|leased_blocks|leases_granted_total|leases_released_total)' | sed 's/^/  /'
+}
+metric() { curl -sS --noproxy '*' --max-time 5 "$P/metrics" | awk -v n="$1" '$1 == n { print $2 }'; }
+
+say "1. A completion through the proxy: P prefills, D pulls the KV blocks and decodes"
+BODY='{"model":"'$MODEL'","prompt":"Why do prefill engines lease their KV cache?","max_tokens":12,"ignore_eos":true}'
+run "curl $PROXY/v1/completions -d '$BODY'"
+ANSWER=$(post "$PROXY/v1/completions" "$BODY")
+echo "  text: \"$(field text <<<"$ANSWER")\""
+echo "  (the model is synthetic: deterministic words, no GPU needed)"
+
+say "2. A streamed chat through the proxy"
+BODY='{"model":"'$MODEL'","messages":[{"role":"user","content":"Tell me about leases."}],"max_tokens":8,"stream":true}'
+run "curl -N $PROXY/v1/chat/completions -d '$BODY'"
+STREAM=$(post "$PROXY/v1/chat/completions" "$BODY")
+echo "  $(grep -c '^data: ' <<<"$STREAM") SSE events, the last one: $(grep '^data: ' <<<"$STREAM" | tail -n 1)"
+CONTENT=$(grep -o '"content":"[^"]*"' <<<"$STREAM" | sed 's/^"content":"//; s/"$//' | tr -d '\n')
+echo "  assembled content: \"$CONTENT\""
+
+say "3. P's leases so far: one granted per request, released as soon as D had read the blocks"
+metrics
+
+say "4. The proxy's first leg by hand: ask P to prefill for a remote decoder"
+BODY='{"model":"'$MODEL'","prompt":"A prompt whose KV cache waits for a decoder","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}'
+run "curl $P/v1/completions -d '$BODY'"
+LEG=$(post "$P/v1/completions" "$BODY")
+PARAMS=$(grep -o '"kv_transfer_params":{[^}]*}' <<<"$LEG" | sed 's/^"kv_transfer_params"://')
+echo "  P answers with the kv_transfer_params a decoder needs to pull the blocks (signed):"
+sed 's/,"/,\n    "/g; s/^{/  {\n    /; s/}$/\n  }/' <<<"$PARAMS"
+echo "  P now pins those blocks under lease $(grep -o '"remote_lease_id":[0-9]*' <<<"$PARAMS" | cut -d: -f2) for $LEASE_SECS s:"
+metrics
+
+say "5. The second leg by hand: give those kv_transfer_params to D, as the proxy would"
+BODY='{"model":"'$MODEL'","prompt":"A prompt whose KV cache waits for a decoder","max_tokens":8,"ignore_eos":true,"kv_transfer_params":'$PARAMS'}'
+run "curl $D/v1/completions -d '{..., \"kv_transfer_params\": <P's answer>}'"
+echo "  text: \"$(post "$D/v1/completions" "$BODY" | field text)\""
+echo "  D read the blocks, so P released the lease at once (transferred):"
+metrics
+
+say "6. The fault story: P grants a lease, and no decoder ever comes (D crashed, request lost...)"
+BODY='{"model":"'$MODEL'","prompt":"This KV cache is never read","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}'
+run "curl $P/v1/completions -d '$BODY'"
+LEASE=$(post "$P/v1/completions" "$BODY" | grep -o '"remote_lease_id":[0-9]*' | cut -d: -f2)
+echo "  lease $LEASE granted; nobody heartbeats it:"
+metrics
+EXPIRED_BEFORE=$(metric 'kvlease_leases_released_total{reason="expired"}')
+printf '  waiting for the %s s lease to run out:' "$LEASE_SECS"
+for i in $(seq "$((LEASE_SECS + 1))"); do
+  sleep 1
+  printf ' %s' "$i"
+done
+echo
+for _ in $(seq 50); do
+  [[ $(metric kvlease_leases_active) == 0 ]] && break
+  sleep 0.1
+done
+echo "  P took its blocks back by itself (expired):"
+metrics
+EXPIRED=$(metric 'kvlease_leases_released_total{reason="expired"}')
+if [[ $(metric kvlease_leases_active) != 0 || $EXPIRED != $((EXPIRED_BEFORE + 1)) ]]; then
+  die "the lease did not expire as it should"
+fi
+
+say "Done"
+echo "  A decoder that is alive but slow keeps its leases by heartbeating (every L/6, +2L/3 each);"
+echo "  when a decoder dies, P gets the blocks back at most L seconds after its last heartbeat."
+echo "  More: README.md, and the contract SPEC.md."
