@@ -14,6 +14,8 @@
 
 mod arena;
 pub mod mem;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod tcp;
 #[cfg(test)]
 mod testing;
