@@ -15,7 +15,7 @@ use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::scheduler::{PrefillDone, Seq};
 use crate::side_channel::{self, read_frame, write_frame};
-use crate::{FinishReason, GenerateEvent, StartError};
+use crate::{FinishReason, GenerateEvent, StartError, TransportKind};
 use kvlease_core::lease_table::{Completion, ReadTicket, ReleaseReason, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
@@ -58,7 +58,15 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let name = format!("{}/{:x}/{r}", cfg.engine_id, inner.incarnation);
         let gate: Arc<dyn ReadGate> = Arc::new(Gate { inner: Arc::downgrade(inner) });
-        let agent: Arc<dyn Agent> = TcpAgent::start(name, &cfg.host, arena.clone(), gate, tx).await?;
+        let agent: Arc<dyn Agent> = match cfg.transport {
+            TransportKind::Tcp => TcpAgent::start(name, &cfg.host, arena.clone(), gate, tx).await?,
+            #[cfg(feature = "nixl")]
+            TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx).await?,
+            #[cfg(not(feature = "nixl"))]
+            TransportKind::Nixl => {
+                return Err(StartError::Config("this kvlease was built without NIXL support: build it with `--features nixl`".into()))
+            }
+        };
         tokio::spawn(agent_events(Arc::downgrade(inner), r as usize, rx));
         ranks.push(Rank { heads: r * hpr..(r + 1) * hpr, arena, agent });
     }
@@ -70,9 +78,6 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
     tokio::spawn(side_channel_server(Arc::downgrade(inner), listener));
     tokio::spawn(reaper(Arc::downgrade(inner)));
     tokio::spawn(renewer_task(Arc::downgrade(inner)));
-    if inner.cfg.secret.is_none() {
-        tracing::warn!("no --kv-transfer-secret-file or KVLEASE_TRANSFER_SECRET: kv_transfer_params are neither signed nor checked");
-    }
     Ok(())
 }
 

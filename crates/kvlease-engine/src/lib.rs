@@ -33,7 +33,10 @@ use thiserror::Error;
 /// Which transfer agent the engine's ranks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportKind {
+    /// kvlease's own agent over TCP: refuses reads of dead leases itself.
     Tcp,
+    /// NIXL over UCX (needs the `nixl` feature and libnixl_capi.so at run time).
+    Nixl,
 }
 
 /// Everything `kvlease serve` configures.

@@ -118,7 +118,7 @@ fn op(segments: Vec<Segment>, notif: Option<&[u8]>) -> ReadOp {
 }
 
 #[tokio::test]
-async fn start_fails_cleanly_without_the_library() {
+async fn nixl_start_fails_cleanly_without_the_library() {
     if nixl::available() {
         eprintln!("(start_fails_cleanly_without_the_library: NIXL is installed, nothing to check)");
         return;
@@ -129,7 +129,7 @@ async fn start_fails_cleanly_without_the_library() {
 }
 
 #[tokio::test]
-async fn read_round_trip_with_partial_segments() {
+async fn nixl_read_round_trip_with_partial_segments() {
     if !nixl_ready("read_round_trip_with_partial_segments") {
         return;
     }
@@ -173,7 +173,7 @@ async fn read_round_trip_with_partial_segments() {
 }
 
 #[tokio::test]
-async fn notifications_both_ways_with_binary_payloads() {
+async fn nixl_notifications_both_ways_with_binary_payloads() {
     if !nixl_ready("notifications_both_ways_with_binary_payloads") {
         return;
     }
@@ -197,7 +197,7 @@ async fn notifications_both_ways_with_binary_payloads() {
 }
 
 #[tokio::test]
-async fn read_notification_reaches_p_after_the_data() {
+async fn nixl_read_notification_reaches_p_after_the_data() {
     if !nixl_ready("read_notification_reaches_p_after_the_data") {
         return;
     }
@@ -247,7 +247,7 @@ fn nixl_part(env: &[u8]) -> Vec<u8> {
 }
 
 #[tokio::test]
-async fn out_of_range_unknown_peer_and_bad_metadata_are_refused() {
+async fn nixl_out_of_range_unknown_peer_and_bad_metadata_are_refused() {
     if !nixl_ready("out_of_range_unknown_peer_and_bad_metadata_are_refused") {
         return;
     }
@@ -298,7 +298,7 @@ async fn out_of_range_unknown_peer_and_bad_metadata_are_refused() {
 }
 
 #[tokio::test]
-async fn notifications_from_unknown_agents_are_rejected() {
+async fn nixl_notifications_from_unknown_agents_are_rejected() {
     if !nixl_ready("notifications_from_unknown_agents_are_rejected") {
         return;
     }
@@ -333,7 +333,7 @@ async fn notifications_from_unknown_agents_are_rejected() {
 }
 
 #[tokio::test]
-async fn a_dropped_peer_fails_reads_with_disconnected() {
+async fn nixl_a_dropped_peer_fails_reads_with_disconnected() {
     if !nixl_ready("a_dropped_peer_fails_reads_with_disconnected") {
         return;
     }
@@ -364,7 +364,7 @@ async fn a_dropped_peer_fails_reads_with_disconnected() {
 }
 
 #[tokio::test]
-async fn a_removed_peer_is_unknown_until_added_again() {
+async fn nixl_a_removed_peer_is_unknown_until_added_again() {
     if !nixl_ready("a_removed_peer_is_unknown_until_added_again") {
         return;
     }
@@ -383,7 +383,7 @@ async fn a_removed_peer_is_unknown_until_added_again() {
 }
 
 #[tokio::test]
-async fn concurrent_reads_each_notify_once() {
+async fn nixl_concurrent_reads_each_notify_once() {
     if !nixl_ready("concurrent_reads_each_notify_once") {
         return;
     }
@@ -425,7 +425,7 @@ where
 }
 
 #[tokio::test]
-async fn removing_a_peer_under_a_read_waits_for_it() {
+async fn nixl_removing_a_peer_under_a_read_waits_for_it() {
     if !nixl_ready("removing_a_peer_under_a_read_waits_for_it") {
         return;
     }

@@ -99,21 +99,26 @@ struct ServeArgs {
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Transport {
-    /// One-sided reads over TCP (tokio).
+    /// One-sided reads over TCP (tokio): kvlease's own agent, the default.
     Tcp,
+    /// NIXL over UCX, as vLLM, SGLang, TensorRT-LLM and Dynamo use (needs libnixl_capi.so:
+    /// scripts/install-nixl.sh, then LD_LIBRARY_PATH).
+    Nixl,
 }
 
 impl From<Transport> for TransportKind {
     fn from(t: Transport) -> TransportKind {
         match t {
             Transport::Tcp => TransportKind::Tcp,
+            Transport::Nixl => TransportKind::Nixl,
         }
     }
 }
 
 #[derive(Args, Debug)]
 struct ProxyArgs {
-    #[arg(long, default_value = "localhost")]
+    /// SPEC S3: loopback unless told otherwise.
+    #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,

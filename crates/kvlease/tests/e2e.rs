@@ -11,9 +11,51 @@ use std::time::Duration;
 /// and every lease was released as `transferred`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_requests_through_the_proxy_match_local_and_release_every_lease() {
+    fifty_requests_through_the_proxy("tcp").await;
+}
+
+/// The same over NIXL (UCX over TCP): `--transport nixl` on P and D, nothing else changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_fifty_requests_through_the_proxy_match_local_and_release_every_lease() {
+    if nixl_or_skip() {
+        fifty_requests_through_the_proxy("nixl").await;
+    }
+}
+
+/// Without libnixl_capi.so, `serve --transport nixl` stops at start-up saying how to get it:
+/// no silent fallback to tcp, no abort from inside the library.
+#[test]
+fn nixl_missing_library_is_a_clear_start_up_error() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args(["serve", "--port", "0", "--transport", "nixl"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("run kvlease");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert_ne!(out.status.code(), None, "killed by a signal (an abort inside NIXL?): {stderr}");
+    assert!(stderr.contains("install-nixl.sh"), "{stderr}");
+}
+
+/// False (after saying why) when the NIXL library is not on LD_LIBRARY_PATH and not required.
+fn nixl_or_skip() -> bool {
+    if std::env::var("KVLEASE_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+        return true;
+    }
+    let found = std::env::var("LD_LIBRARY_PATH")
+        .unwrap_or_default()
+        .split(':')
+        .any(|d| !d.is_empty() && std::path::Path::new(d).join("libnixl_capi.so").exists());
+    if !found {
+        eprintln!("!!!!!!!! SKIPPED: libnixl_capi.so is not on LD_LIBRARY_PATH (scripts/install-nixl.sh) !!!!!!!!");
+    }
+    found
+}
+
+async fn fifty_requests_through_the_proxy(transport: &str) {
     let cfg = lease_config(30.0);
-    let p = Proc::serve("e2e-p", &["--kv-transfer-config", &cfg]);
-    let d = Proc::serve("e2e-d", &["--kv-transfer-config", &cfg]);
+    let p = Proc::serve("e2e-p", &["--kv-transfer-config", &cfg, "--transport", transport]);
+    let d = Proc::serve("e2e-d", &["--kv-transfer-config", &cfg, "--transport", transport]);
     let local = Proc::serve("e2e-local", &[]);
     let proxy = Proc::proxy(&[&p], &[&d]);
     let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "renewal"];
