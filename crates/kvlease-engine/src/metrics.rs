@@ -14,37 +14,56 @@ pub const REJECT_REASONS: [&str; 3] = ["malformed", "unknown_agent", "oversized"
 #[derive(Debug)]
 pub struct Histogram {
     bounds: &'static [f64],
-    inner: Mutex<(Vec<u64>, f64, u64)>,
+    inner: Mutex<HistogramState>,
+}
+
+#[derive(Debug)]
+struct HistogramState {
+    /// Cumulative counts per bound, as Prometheus buckets are.
+    buckets: Vec<u64>,
+    sum: f64,
+    count: u64,
+    max: f64,
 }
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram { bounds, inner: Mutex::new((vec![0; bounds.len()], 0.0, 0)) }
+        Histogram { bounds, inner: Mutex::new(HistogramState { buckets: vec![0; bounds.len()], sum: 0.0, count: 0, max: 0.0 }) }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, HistogramState> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn observe(&self, v: f64) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.state();
         for (i, b) in self.bounds.iter().enumerate() {
             if v <= *b {
-                g.0[i] += 1;
+                g.buckets[i] += 1;
             }
         }
-        g.1 += v;
-        g.2 += 1;
+        g.sum += v;
+        g.count += 1;
+        g.max = g.max.max(v);
     }
 
     /// Observations so far.
     pub fn count(&self) -> u64 {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).2
+        self.state().count
+    }
+
+    /// The largest observation so far (0 when none).
+    pub fn max(&self) -> f64 {
+        self.state().max
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let g = self.state();
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (b, c) in self.bounds.iter().zip(&g.0) {
+        for (b, c) in self.bounds.iter().zip(&g.buckets) {
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", g.2, g.1, g.2);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", g.count, g.sum, g.count);
     }
 }
 

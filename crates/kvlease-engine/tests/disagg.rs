@@ -175,3 +175,29 @@ async fn p3_shutdown_releases_leases() {
     assert_eq!(p.metrics().leases_active.load(Relaxed), 0);
     assert!(run(&p, PROMPT, 1, None).await.unwrap_err().status == 503);
 }
+
+/// SPEC D3: a long forward step (here a 2 s prefill on D) delays no heartbeat by more than
+/// I/10: heartbeats have a timer of their own, not the forward loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_a_long_forward_step_delays_no_heartbeat() {
+    let p = engine(config(3.0, 1)).await; // I = 0.5 s: I/10 = 50 ms
+    let mut dcfg = config(3.0, 1);
+    dcfg.model.prefill_ms_per_token = 40.0; // a 50-token prompt: a 2 s forward step
+    let d = engine(dcfg).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    // The request waits behind a long local prefill, then pulls; D heartbeats all the while.
+    let long = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, "a prompt of fifty tokens or so, to keep D busy for two s", 1, None).await })
+    };
+    until("D is in its long step", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    let remote = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, PROMPT, 2, params).await })
+    };
+    long.await.unwrap().unwrap();
+    remote.await.unwrap().unwrap();
+    let h = &d.metrics().heartbeat_lateness;
+    assert!(h.count() >= 3, "heartbeats were sent during the step: {}", h.count());
+    assert!(h.max() <= 0.05, "a heartbeat was {:.3} s late (I/10 = 0.05 s)", h.max());
+}
