@@ -66,6 +66,15 @@ impl BlockArena {
         block < self.num_blocks && offset.checked_add(len).is_some_and(|end| end <= self.block_bytes)
     }
 
+    /// `Ok` if `len` bytes at `offset` in `block` lie inside the arena; otherwise a message that
+    /// says so, naming the arena as `whose` ("our", or a peer's name).
+    pub fn check(&self, block: u32, offset: u32, len: u32, whose: &str) -> Result<(), String> {
+        if self.contains(block, offset as usize, len as usize) {
+            return Ok(());
+        }
+        Err(out_of_range(block, offset, len, whose, self.num_blocks, self.block_bytes))
+    }
+
     /// Copies `dst.len()` bytes from `offset` in `block` into `dst`.
     ///
     /// # Safety
@@ -85,6 +94,12 @@ impl BlockArena {
         let dst = self.ptr.add(block as usize * self.block_bytes + offset);
         std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
     }
+}
+
+/// The message for a segment outside an arena of `num_blocks` blocks of `block_bytes` bytes.
+pub(crate) fn out_of_range(block: u32, offset: u32, len: u32, whose: &str, num_blocks: u32, block_bytes: usize) -> String {
+    let arena = if whose == "our" { "our arena".to_string() } else { format!("{whose}'s arena") };
+    format!("block {block} bytes {offset}..+{len} is outside {arena} of {num_blocks} blocks of {block_bytes} bytes")
 }
 
 impl Drop for BlockArena {

@@ -162,26 +162,8 @@ impl MemAgent {
             LinkDown::Gone | LinkDown::Cut => TransportError::Disconnected(peer.to_owned()),
         })?;
         for s in &op.segments {
-            if !other.arena.contains(s.remote_block, s.remote_offset as usize, s.len as usize) {
-                return Err(TransportError::OutOfRange(format!(
-                    "block {} bytes {}..+{} is outside {peer}'s arena of {} blocks of {} bytes",
-                    s.remote_block,
-                    s.remote_offset,
-                    s.len,
-                    other.arena.num_blocks(),
-                    other.arena.block_bytes()
-                )));
-            }
-            if !self.arena.contains(s.local_block, s.local_offset as usize, s.len as usize) {
-                return Err(TransportError::OutOfRange(format!(
-                    "local block {} bytes {}..+{} is outside our arena of {} blocks of {} bytes",
-                    s.local_block,
-                    s.local_offset,
-                    s.len,
-                    self.arena.num_blocks(),
-                    self.arena.block_bytes()
-                )));
-            }
+            other.arena.check(s.remote_block, s.remote_offset, s.len, peer).map_err(TransportError::OutOfRange)?;
+            self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
         }
         let mut blocks: Vec<u32> = op.segments.iter().map(|s| s.remote_block).collect();
         blocks.sort_unstable();

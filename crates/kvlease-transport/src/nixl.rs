@@ -230,20 +230,15 @@ impl NixlAgent {
         let base = arena.as_ptr() as usize;
         let mut descs = Vec::with_capacity(op.segments.len());
         for s in &op.segments {
-            if !arena.contains(s.local_block, s.local_offset as usize, s.len as usize) {
-                return Err(TransportError::OutOfRange(format!(
-                    "local block {} bytes {}..+{} is outside our arena of {} blocks of {} bytes",
-                    s.local_block,
-                    s.local_offset,
-                    s.len,
-                    arena.num_blocks(),
-                    arena.block_bytes()
-                )));
-            }
+            arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
             let Some(remote) = peer.addr(s.remote_block, s.remote_offset, s.len).and_then(|a| usize::try_from(a).ok()) else {
-                return Err(TransportError::OutOfRange(format!(
-                    "block {} bytes {}..+{} is outside {}'s arena of {} blocks of {} bytes",
-                    s.remote_block, s.remote_offset, s.len, peer.name, peer.num_blocks, peer.block_bytes
+                return Err(TransportError::OutOfRange(crate::arena::out_of_range(
+                    s.remote_block,
+                    s.remote_offset,
+                    s.len,
+                    &peer.name,
+                    peer.num_blocks,
+                    peer.block_bytes as usize,
                 )));
             };
             if s.len > 0 {

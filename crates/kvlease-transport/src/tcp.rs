@@ -674,16 +674,7 @@ impl Inner {
 
     /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
     fn serve_read(&self, conn: &Conn, req: wire::ReadReq) {
-        if let Some(s) = req.segments.iter().find(|s| !self.arena.contains(s.block, s.offset as usize, s.len as usize)) {
-            let msg = format!(
-                "block {} bytes {}..+{} is outside {}'s arena of {} blocks of {} bytes",
-                s.block,
-                s.offset,
-                s.len,
-                self.name,
-                self.arena.num_blocks(),
-                self.arena.block_bytes()
-            );
+        if let Some(Err(msg)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
             let _ = conn.ctrl.send(Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
             return;
         }
@@ -750,15 +741,8 @@ impl Inner {
     // ---- reading ----
 
     async fn read(&self, peer: &str, op: ReadOp) -> Result<(), TransportError> {
-        if let Some(s) = op.segments.iter().find(|s| !self.arena.contains(s.local_block, s.local_offset as usize, s.len as usize)) {
-            return Err(TransportError::OutOfRange(format!(
-                "local block {} bytes {}..+{} is outside our arena of {} blocks of {} bytes",
-                s.local_block,
-                s.local_offset,
-                s.len,
-                self.arena.num_blocks(),
-                self.arena.block_bytes()
-            )));
+        for s in &op.segments {
+            self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
         }
         let max_segments = (self.options.max_frame.saturating_sub(wire::READ_REQ_FIXED)) / wire::READ_REQ_PER_SEGMENT;
         if op.segments.len() > max_segments {
