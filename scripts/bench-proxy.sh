@@ -21,58 +21,30 @@ WARMUP=${WARMUP:-200}
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
 
 echo "== cargo build --release -p kvlease"
-cargo build --release -p kvlease --quiet
-BIN=${CARGO_TARGET_DIR:-target}/release/kvlease
-
-WORK=$(mktemp -d)
-declare -A PID=()
-cleanup() {
-  for name in "${!PID[@]}"; do kill "${PID[$name]}" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+source scripts/lib/procs.sh
+build_kvlease --quiet
 
 # A shared secret, so kv_transfer_params are signed and checked as in a real cluster.
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
 
-# start NAME ARGS...: runs `kvlease ARGS...` in the background, output in $WORK/NAME.{out,err}.
-start() {
-  local name=$1
-  shift
-  "$BIN" "$@" --log-level warn >"$WORK/$name.out" 2>"$WORK/$name.err" &
-  PID[$name]=$!
-}
-
-# url_of NAME BANNER: waits (10 s at most) for the start-up line and prints the URL in it.
+# url_of NAME BANNER: the URL in NAME's start-up line.
 url_of() {
-  local name=$1 banner=$2 line
-  for _ in $(seq 200); do
-    line=$(head -n 1 "$WORK/$name.out" 2>/dev/null || true)
-    if [[ $line == "$banner"* ]]; then
-      line=${line#"$banner"}
-      echo "${line%% *}"
-      return 0
-    fi
-    if ! kill -0 "${PID[$name]}" 2>/dev/null; then break; fi
-    sleep 0.05
-  done
-  echo "error: $name did not start:" >&2
-  cat "$WORK/$name.err" >&2
-  return 1
+  local line
+  line=$(started_line "$1" "$2") || exit 1
+  line=${line#"$2"}
+  echo "${line%% *}"
 }
 
 ENGINE=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token 0 --decode-ms-per-token 0)
-start single "${ENGINE[@]}" --engine-id bench-single
-start p "${ENGINE[@]}" --engine-id bench-p
-start d "${ENGINE[@]}" --engine-id bench-d
+launch single "${ENGINE[@]}" --engine-id bench-single
+launch p "${ENGINE[@]}" --engine-id bench-p
+launch d "${ENGINE[@]}" --engine-id bench-d
 SINGLE=$(url_of single "kvlease serve listening on ")
 P=$(url_of p "kvlease serve listening on ")
 D=$(url_of d "kvlease serve listening on ")
 p_hp=${P#http://}
 d_hp=${D#http://}
-start proxy proxy --host 127.0.0.1 --port 0 \
+launch proxy proxy --host 127.0.0.1 --port 0 \
   --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
   --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}"
 PROXY=$(url_of proxy "kvlease proxy listening on ")

@@ -39,19 +39,9 @@ for port in "$P_PORT" "$D_PORT" "$PROXY_PORT"; do
 done
 
 say "Building kvlease (cargo build --release -p kvlease)"
-cargo build --release -p kvlease
-BIN=${CARGO_TARGET_DIR:-target}/release/kvlease
-
-WORK=$(mktemp -d)
-declare -A PID=()
-cleanup() {
-  for name in "${!PID[@]}"; do kill "${PID[$name]}" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-  if ((${#PID[@]})); then echo; echo "Stopped P, D and the proxy."; fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+ON_STOP='echo; echo "Stopped P, D and the proxy."'
+source scripts/lib/procs.sh
+build_kvlease
 
 # P and D share a secret: P signs the kv_transfer_params it hands out, D refuses altered ones.
 export KVLEASE_TRANSFER_SECRET="demo-secret-$$-$RANDOM$RANDOM"
@@ -61,20 +51,9 @@ CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_
 start() {
   local name=$1 banner=$2 line
   shift 2
-  "$BIN" "$@" --log-level warn >"$WORK/$name.out" 2>"$WORK/$name.err" &
-  PID[$name]=$!
-  for _ in $(seq 200); do
-    line=$(head -n 1 "$WORK/$name.out" 2>/dev/null || true)
-    if [[ $line == "$banner"* ]]; then
-      echo "  $line"
-      return 0
-    fi
-    kill -0 "${PID[$name]}" 2>/dev/null || break
-    sleep 0.05
-  done
-  echo "error: $name did not start:" >&2
-  cat "$WORK/$name.err" >&2
-  exit 1
+  launch "$name" "$@"
+  line=$(started_line "$name" "$banner") || exit 1
+  echo "  $line"
 }
 
 P=http://127.0.0.1:$P_PORT

@@ -1,0 +1,47 @@
+# Sourced by scripts/demo.sh and scripts/bench-proxy.sh: build the kvlease binary, run
+# `kvlease` processes in the background, wait for their start-up lines, stop them all on exit.
+#
+#   build_kvlease               # sets BIN
+#   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}
+#   started_line NAME BANNER    # waits (10 s at most) for the start-up line; prints it, or fails
+#   ON_STOP='echo stopped'      # optional: run after everything was stopped
+
+build_kvlease() {
+  cargo build --release -p kvlease "$@"
+  BIN=${CARGO_TARGET_DIR:-target}/release/kvlease
+}
+
+WORK=$(mktemp -d)
+declare -A PID=()
+ON_STOP=${ON_STOP:-}
+stop_all() {
+  for name in "${!PID[@]}"; do kill "${PID[$name]}" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+  if ((${#PID[@]})) && [[ -n $ON_STOP ]]; then eval "$ON_STOP"; fi
+}
+trap stop_all EXIT
+trap 'exit 130' INT TERM
+
+launch() {
+  local name=$1
+  shift
+  "$BIN" "$@" --log-level warn >"$WORK/$name.out" 2>"$WORK/$name.err" &
+  PID[$name]=$!
+}
+
+started_line() {
+  local name=$1 banner=$2 line
+  for _ in $(seq 200); do
+    line=$(head -n 1 "$WORK/$name.out" 2>/dev/null || true)
+    if [[ $line == "$banner"* ]]; then
+      echo "$line"
+      return 0
+    fi
+    kill -0 "${PID[$name]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "error: $name did not start:" >&2
+  cat "$WORK/$name.err" >&2
+  return 1
+}
