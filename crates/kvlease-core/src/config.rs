@@ -50,6 +50,33 @@ impl LeaseConfig {
         (self.heartbeat_interval / 10).min(Duration::from_millis(100))
     }
 
+    /// SPEC D6: D reads only while an acknowledged heartbeat covers at least this much more:
+    /// E/4 (5 s by default), never less than 1 s.
+    pub fn read_budget(&self) -> Duration {
+        (self.extension / 4).max(Duration::from_secs(1))
+    }
+
+    /// How long D lets a pull's reads run before abandoning them: the read budget. A read that
+    /// takes longer may outlive what the acknowledgement covered; its bytes are then only as good
+    /// as P's `ReadDoneAck`, and D stops waiting.
+    pub fn read_timeout(&self) -> Duration {
+        self.read_budget()
+    }
+
+    /// How long D waits for P's answer to a renewal or a read completion before giving up on the
+    /// lease: E, since a lease nobody renewed for E may be gone anyway (never less than 1 s).
+    pub fn ack_wait(&self) -> Duration {
+        self.extension.max(Duration::from_secs(1))
+    }
+
+    /// SPEC P5 where the transport cannot fence reads (NIXL): how long blocks that a READ may
+    /// still target are kept out of use after their lease ended, or after D gave up on a pull.
+    /// A READ is posted only within the read budget of an acknowledged deadline and abandoned
+    /// after the read timeout; this outlasts both with a margin.
+    pub fn quarantine(&self) -> Duration {
+        self.read_budget() + self.read_timeout() + Duration::from_secs(1)
+    }
+
     /// The lease parameters for a lease duration of `secs`, everything else at its default.
     pub fn with_lease_secs(secs: f64) -> Result<LeaseConfig, ConfigError> {
         let mut extra = Map::new();
@@ -237,6 +264,10 @@ fn number(v: &Value) -> Option<f64> {
     }
 }
 
+/// The longest duration any key accepts: enough for any lease, small enough that deadlines
+/// computed from it never overflow a clock.
+const MAX_SECS: f64 = 1e6;
+
 fn secs_key(extra: &Map<String, Value>, key: &'static str, default: f64) -> Result<Duration, ConfigError> {
     let secs = match extra.get(key) {
         None => default,
@@ -244,6 +275,9 @@ fn secs_key(extra: &Map<String, Value>, key: &'static str, default: f64) -> Resu
     };
     if !secs.is_finite() || secs <= 0.0 {
         return Err(ConfigError::Invalid { key, why: format!("{secs} must be a positive, finite number of seconds") });
+    }
+    if secs > MAX_SECS {
+        return Err(ConfigError::Invalid { key, why: format!("{secs} s is more than {MAX_SECS} s (about 11 days)") });
     }
     Duration::try_from_secs_f64(secs).map_err(|e| ConfigError::Invalid { key, why: format!("{secs} s: {e}") })
 }
@@ -311,6 +345,7 @@ mod tests {
             (r#"{"kv_connector_extra_config":{"kv_lease_duration":"NaN"}}"#, "kv_lease_duration"),
             (r#"{"kv_connector_extra_config":{"kv_lease_duration":"soon"}}"#, "kv_lease_duration"),
             (r#"{"kv_connector_extra_config":{"kv_lease_duration":0.001}}"#, "kv_lease_duration"),
+            (r#"{"kv_connector_extra_config":{"kv_lease_duration":1e19}}"#, "kv_lease_duration"),
             (r#"{"kv_connector_extra_config":{"decoder_kv_blocks_ttl":[]}}"#, "decoder_kv_blocks_ttl"),
             (r#"{"kv_connector_extra_config":{"kv_load_failure_policy":"retry"}}"#, "kv_load_failure_policy"),
             (r#"{"kv_connector_extra_config":{"max_notif_bytes":16}}"#, "max_notif_bytes"),

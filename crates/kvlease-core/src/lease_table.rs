@@ -14,6 +14,7 @@
 //! the last reader ends, so no block is reused under a reader.
 
 use crate::config::LeaseConfig;
+use crate::wire::Message;
 use crate::{LeaseId, Nanos};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -53,6 +54,14 @@ pub struct Released<T> {
     pub blocks: u32,
     /// Grant to release (`kvlease_lease_hold_seconds`).
     pub held: Duration,
+}
+
+/// What [`LeaseTable::on_message`] did: the answer for the sender, and how many leases a
+/// heartbeat renewed (`kvlease_lease_renewals_total`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub reply: Option<Message>,
+    pub renewed: usize,
 }
 
 /// What a read completion did (SPEC P8).
@@ -182,7 +191,9 @@ impl<T> LeaseTable<T> {
 
     /// SPEC P2, P6: renew each live id to `max(deadline, now + E)` (capped by P9). Ids that are
     /// unknown, released or past their deadline go to `lost`; the latter are released as
-    /// `expired` into `released` right here. Returns how many leases were renewed.
+    /// `expired` into `released` right here. A lease that P9 keeps from being renewed for a full
+    /// E goes to `lost` too, though it stays live until its cap: D must not count on it and
+    /// should recompute rather than race the cap (SPEC D6). Returns how many leases were renewed.
     pub fn renew(&mut self, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) -> usize {
         let target = now.0.saturating_add(self.extension);
         let mut renewed = 0;
@@ -200,10 +211,42 @@ impl<T> LeaseTable<T> {
             if want > slot.deadline {
                 slot.deadline = want;
             }
+            if want < target {
+                lost.push(id);
+                continue;
+            }
             renewed += 1;
         }
         self.stats.renewals += renewed as u64;
         renewed
+    }
+
+    /// Everything P does with a message from D (SPEC P2, P3, P6, P8, B2): applies it and returns
+    /// the answer to send back to the sender, if any. `HeartbeatAck.lost_ids` is the `LeaseLost`
+    /// answer to a heartbeat and `ReadDoneAck{live: false}` the one to a completion, so D learns
+    /// in the same round trip; a release naming dead leases is answered with `LeaseLost`.
+    pub fn on_message(&mut self, msg: &Message, now: Nanos, released: &mut Vec<Released<T>>) -> Answer {
+        match msg {
+            Message::Heartbeat { seq, lease_ids } => {
+                let mut lost = Vec::new();
+                let renewed = self.renew(lease_ids, now, &mut lost, released);
+                lost.sort_unstable();
+                Answer { reply: Some(Message::HeartbeatAck { seq: *seq, lost_ids: lost }), renewed }
+            }
+            Message::Release { lease_ids } => {
+                let mut lost = Vec::new();
+                self.release(lease_ids, now, &mut lost, released);
+                Answer { reply: (!lost.is_empty()).then_some(Message::LeaseLost { lease_ids: lost }), renewed: 0 }
+            }
+            Message::ReadDone { lease_id, consumer_rank, n } => {
+                let c = self.complete(*lease_id, *consumer_rank, *n, now, released);
+                Answer { reply: Some(Message::ReadDoneAck { lease_id: *lease_id, live: c != Completion::Lost }), renewed: 0 }
+            }
+            Message::ClockPing { seq, t0 } => {
+                Answer { reply: Some(Message::ClockPong { seq: *seq, t0: *t0, t1: now.0, t2: now.0 }), renewed: 0 }
+            }
+            _ => Answer { reply: None, renewed: 0 },
+        }
     }
 
     /// SPEC D4, P6: D will not read these leases; release the live ones as `released`.

@@ -10,12 +10,14 @@
 //! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
 //! * [`wire`] — the notification codec (SPEC §9).
 //! * [`clock`] — clock-offset estimation for bidirectional transfer (SPEC B2).
+//! * [`tp`] — which ranks read which heads under heterogeneous tensor parallelism (SPEC T1, T2).
 
 pub mod clock;
 pub mod config;
 pub mod lease_table;
 pub mod renewer;
 mod time;
+pub mod tp;
 pub mod wire;
 
 pub use time::Nanos;

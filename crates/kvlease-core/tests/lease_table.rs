@@ -324,3 +324,43 @@ fn p4_sparse_ticks_with_renewals() {
         }
     }
 }
+
+/// SPEC P9 × D6: a renewal the lifetime cap keeps from reaching now + E is reported lost to D
+/// (it must not count on it), while P keeps the lease until the cap.
+#[test]
+fn p9_capped_renewal_is_reported_lost_but_lease_lives_to_its_cap() {
+    let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(40)), ..LeaseConfig::default() };
+    let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+    let a = t.grant(secs(0.0), 1, ());
+    let (mut lost, mut rel) = (Vec::new(), Vec::new());
+    assert_eq!(t.renew(&[a], secs(15.0), &mut lost, &mut rel), 1, "15 + 20 ≤ 40: a full renewal");
+    assert!(lost.is_empty());
+    assert_eq!(t.renew(&[a], secs(25.0), &mut lost, &mut rel), 0, "25 + 20 > 40: capped");
+    assert_eq!(lost, vec![a]);
+    assert_eq!(t.deadline(a), Some(secs(40.0)));
+    t.tick(secs(39.9), &mut rel);
+    assert!(rel.is_empty(), "still live until the cap");
+}
+
+/// SPEC P2, P3, P6, P8: P's answer to each message from D, in one place.
+#[test]
+fn p6_every_message_gets_its_answer() {
+    use kvlease_core::wire::Message;
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, "a");
+    let b = t.grant(secs(0.0), 1, "b");
+    let mut rel = Vec::new();
+    let hb = t.on_message(&Message::Heartbeat { seq: 9, lease_ids: vec![a, 77] }, secs(15.0), &mut rel);
+    assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 9, lost_ids: vec![77] }));
+    assert_eq!(hb.renewed, 1);
+    let r = t.on_message(&Message::Release { lease_ids: vec![b, 78] }, secs(15.0), &mut rel);
+    assert_eq!(r.reply, Some(Message::LeaseLost { lease_ids: vec![78] }));
+    let d = t.on_message(&Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1 }, secs(16.0), &mut rel);
+    assert_eq!(d.reply, Some(Message::ReadDoneAck { lease_id: a, live: true }));
+    let again = t.on_message(&Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1 }, secs(16.0), &mut rel);
+    assert_eq!(again.reply, Some(Message::ReadDoneAck { lease_id: a, live: false }), "a late duplicate is told lost");
+    assert_eq!(reasons(&rel), vec![(b, ReleaseReason::Released), (a, ReleaseReason::Transferred)]);
+    let ping = t.on_message(&Message::ClockPing { seq: 1, t0: 5 }, secs(17.0), &mut rel);
+    assert!(matches!(ping.reply, Some(Message::ClockPong { seq: 1, t0: 5, .. })));
+    assert_eq!(t.on_message(&Message::LeaseLost { lease_ids: vec![1] }, secs(17.0), &mut rel).reply, None, "not for P");
+}
