@@ -11,10 +11,16 @@
 //! The writer sends control frames (notifications, requests, errors) before the next chunk of a
 //! read response, so heartbeats are not stuck behind a 64 MiB transfer, and writes response
 //! bytes straight from the arena with vectored writes while it holds the read's permit
-//! (SPEC P5). The reading side receives response bytes straight into its arena with vectored
-//! non-blocking reads, each done under the read's lock; a read future that is dropped takes that
-//! lock to cancel, so once it is gone nothing writes its blocks any more. Neither side copies the
-//! bulk bytes itself: the kernel's two copies are all.
+//! (SPEC P5). A peer that stops reading (stopped, partitioned) must not pin those permits, nor
+//! grow our memory: a socket write that makes no progress for [`TcpOptions::write_stall`], or
+//! more than [`TcpOptions::max_queued_bytes`] waiting to be sent, closes the connection as
+//! stalled (SPEC §1): its queued responses are dropped with their permits, its pending reads fail
+//! with `Disconnected`, and `Disconnected` is reported.
+//!
+//! The reading side receives response bytes straight into its arena with vectored non-blocking
+//! reads, each done under the read's lock; a read future that is dropped takes that lock to
+//! cancel, so once it is gone nothing writes its blocks any more. Neither side copies the bulk
+//! bytes itself: the kernel's two copies are all.
 
 mod wire;
 
@@ -22,7 +28,7 @@ use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPerm
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -58,11 +64,26 @@ pub struct TcpOptions {
     /// The largest notification (and control frame) accepted; larger frames from a peer are
     /// dropped as `oversized` and larger `send_notif`s refused.
     pub max_frame: usize,
+    /// How long one socket write may make no progress before the connection is closed as
+    /// stalled: the peer stopped reading (stopped process, partition). Its queued and in-flight
+    /// responses are dropped, releasing their read permits, so a dead peer pins no blocks for
+    /// longer than this (SPEC §1).
+    pub write_stall: Duration,
+    /// The most bytes a connection may have waiting to be sent: control frames in full, read
+    /// responses by their request only (their payload streams from the arena). Queueing beyond
+    /// it closes the connection as stalled. Keep it well above `max_frame`.
+    pub max_queued_bytes: usize,
 }
 
 impl Default for TcpOptions {
     fn default() -> Self {
-        TcpOptions { hold_unknown: Duration::from_secs(5), connect_timeout: Duration::from_secs(10), max_frame: 16 * 1024 * 1024 }
+        TcpOptions {
+            hold_unknown: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(10),
+            max_frame: 16 * 1024 * 1024,
+            write_stall: Duration::from_secs(10),
+            max_queued_bytes: 64 * 1024 * 1024,
+        }
     }
 }
 
@@ -115,6 +136,8 @@ struct Conn {
     ends: Option<(SocketAddr, SocketAddr)>,
     ctrl: mpsc::UnboundedSender<Outgoing>,
     bulk: mpsc::UnboundedSender<ServeJob>,
+    /// Bytes queued on `ctrl` and `bulk` and not yet written (see [`ServeJob::cost`]).
+    queued: AtomicUsize,
     /// Our reads waiting for data, by request id; `None` once the connection is closed.
     reads: Mutex<Option<HashMap<u64, PendingRead>>>,
     next_req: AtomicU64,
@@ -152,6 +175,14 @@ struct ServeJob {
     next: usize,
     offset: usize,
     _permit: ReadPermit,
+}
+
+impl ServeJob {
+    /// What a queued job costs against [`TcpOptions::max_queued_bytes`]: its own memory, not
+    /// the payload it will send from the arena.
+    fn cost(&self) -> usize {
+        std::mem::size_of::<ServeJob>() + self.segments.len() * std::mem::size_of::<wire::RemoteSegment>()
+    }
 }
 
 /// Why a connection's reader stopped.
@@ -277,7 +308,7 @@ impl Agent for TcpAgent {
     fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError> {
         self.inner.check_notif_size(bytes.len())?;
         let conn = self.inner.conn_to(peer)?;
-        conn.ctrl.send(Outgoing::notif(bytes)).map_err(|_| TransportError::Disconnected(peer.to_owned()))
+        self.inner.send_ctrl(&conn, Outgoing::notif(bytes))
     }
 
     fn can_refuse_reads(&self) -> bool {
@@ -324,6 +355,24 @@ impl Inner {
             None => Err(TransportError::UnknownPeer(peer.to_owned())),
             Some(p) => p.conn.clone().ok_or_else(|| TransportError::Disconnected(peer.to_owned())),
         }
+    }
+
+    /// Counts `cost` more bytes queued on `conn`; past [`TcpOptions::max_queued_bytes`] the
+    /// peer is not keeping up (or not reading at all), and the connection is closed as stalled.
+    fn admit(&self, conn: &Arc<Conn>, cost: usize) -> Result<(), TransportError> {
+        let queued = conn.queued.fetch_add(cost, Ordering::Relaxed) + cost;
+        if queued > self.options.max_queued_bytes {
+            conn.queued.fetch_sub(cost, Ordering::Relaxed);
+            self.close_conn(conn, true);
+            return Err(TransportError::Disconnected(conn.peer.clone()));
+        }
+        Ok(())
+    }
+
+    /// Queues a control frame for `conn`'s writer.
+    fn send_ctrl(&self, conn: &Arc<Conn>, frame: Outgoing) -> Result<(), TransportError> {
+        self.admit(conn, frame.len())?;
+        conn.ctrl.send(frame).map_err(|_| TransportError::Disconnected(conn.peer.clone()))
     }
 
     /// Ends a connection once: fails its pending reads, stops its tasks, forgets it, and
@@ -437,7 +486,10 @@ impl Inner {
                 Some(peer) => {
                     let (conn, queues) = Conn::new(from, false, ends);
                     // Queued before anyone else can see the connection: the first frame out.
-                    let _ = conn.ctrl.send(Outgoing::hello_ack(&self.name));
+                    // (Not through `send_ctrl`: closing needs the state lock we hold.)
+                    let ack = Outgoing::hello_ack(&self.name);
+                    conn.queued.fetch_add(ack.len(), Ordering::Relaxed);
+                    let _ = conn.ctrl.send(ack);
                     let old = peer.conn.replace(Arc::clone(&conn));
                     Verdict::Adopt(conn, queues, old)
                 }
@@ -574,7 +626,7 @@ impl Inner {
         tokio::spawn(async move {
             let result = tokio::select! {
                 _ = stopped(conn.stop.subscribe()) => return,
-                r = self.write_frames(queues, wr) => r,
+                r = self.write_frames(&conn, queues, wr) => r,
             };
             if result.is_err() {
                 self.close_conn(&conn, true);
@@ -584,15 +636,20 @@ impl Inner {
 
     // ---- the two halves of a connection ----
 
-    async fn read_frames(&self, conn: &Conn, mut rd: BufReader<OwnedReadHalf>) -> ConnEnd {
+    async fn read_frames(&self, conn: &Arc<Conn>, mut rd: BufReader<OwnedReadHalf>) -> ConnEnd {
         match self.read_frames_inner(conn, &mut rd).await {
             Ok(never) => match never {},
             Err(end) => end,
         }
     }
 
-    async fn read_frames_inner(&self, conn: &Conn, rd: &mut BufReader<OwnedReadHalf>) -> Result<std::convert::Infallible, ConnEnd> {
+    async fn read_frames_inner(&self, conn: &Arc<Conn>, rd: &mut BufReader<OwnedReadHalf>) -> Result<std::convert::Infallible, ConnEnd> {
         loop {
+            if *conn.stop.borrow() {
+                // Closed meanwhile (say, as stalled while serving a request): frames still
+                // buffered are not served.
+                return Err(ConnEnd::Io);
+            }
             let mut head = [0u8; wire::HEADER_LEN];
             rd.read_exact(&mut head).await?;
             let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
@@ -673,9 +730,9 @@ impl Inner {
     }
 
     /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
-    fn serve_read(&self, conn: &Conn, req: wire::ReadReq) {
+    fn serve_read(&self, conn: &Arc<Conn>, req: wire::ReadReq) {
         if let Some(Err(msg)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
-            let _ = conn.ctrl.send(Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
+            let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
             return;
         }
         let mut blocks: Vec<u32> = req.segments.iter().map(|s| s.block).collect();
@@ -683,17 +740,24 @@ impl Inner {
         blocks.dedup();
         match self.gate.begin_read(&conn.peer, req.lease_id, &blocks) {
             None => {
-                let _ = conn.ctrl.send(Outgoing::read_err(req.req_id, wire::ERR_REFUSED, "lease lost"));
+                let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_REFUSED, "lease lost"));
             }
             Some(permit) => {
                 let mut segments = req.segments;
                 segments.retain(|s| s.len > 0);
-                let _ = conn.bulk.send(ServeJob { req_id: req.req_id, segments, next: 0, offset: 0, _permit: permit });
+                let job = ServeJob { req_id: req.req_id, segments, next: 0, offset: 0, _permit: permit };
+                // Refused (connection closed or over its cap): the job drops here, and its permit.
+                if self.admit(conn, job.cost()).is_ok() {
+                    let _ = conn.bulk.send(job);
+                }
             }
         }
     }
 
-    async fn write_frames(&self, mut queues: ConnQueues, mut wr: OwnedWriteHalf) -> io::Result<()> {
+    /// Drains `conn`'s queues into the socket. Returns an error if the socket broke or a write
+    /// stalled; the queued jobs, and the job in flight, drop with the future (and their permits).
+    async fn write_frames(&self, conn: &Conn, mut queues: ConnQueues, mut wr: OwnedWriteHalf) -> io::Result<()> {
+        let stall = self.options.write_stall;
         let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
         let mut job: Option<ServeJob> = None;
         loop {
@@ -705,7 +769,8 @@ impl Inner {
             }
             if !batch.is_empty() {
                 let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|f| [IoSlice::new(f.head()), IoSlice::new(f.body())]).collect();
-                write_all_vectored(&mut wr, &mut slices).await?;
+                write_all_vectored(&mut wr, &mut slices, stall).await?;
+                conn.queued.fetch_sub(batch.iter().map(Outgoing::len).sum(), Ordering::Relaxed);
                 batch.clear();
                 continue;
             }
@@ -714,9 +779,10 @@ impl Inner {
                 let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
                 slices.push(IoSlice::new(&head));
                 slices.extend(pieces.iter().map(|p| IoSlice::new(p)));
-                write_all_vectored(&mut wr, &mut slices).await?;
+                write_all_vectored(&mut wr, &mut slices, stall).await?;
                 if done {
                     // The last byte has left the arena: end the read for the gate (SPEC P5).
+                    conn.queued.fetch_sub(j.cost(), Ordering::Relaxed);
                     job = None;
                 }
                 continue;
@@ -762,11 +828,11 @@ impl Inner {
             None => return Err(disconnected()),
         };
         let _pending = PendingGuard { conn: &conn, req_id, sink: &sink };
-        conn.ctrl.send(Outgoing::read_req(req_id, op.lease_id, &sink.segments)).map_err(|_| disconnected())?;
+        self.send_ctrl(&conn, Outgoing::read_req(req_id, op.lease_id, &sink.segments))?;
         landed.await.unwrap_or_else(|_| Err(disconnected()))?;
         // Only now that every byte landed may the peer learn the read is done (ReadDone, P8).
         if let Some(n) = op.notif {
-            conn.ctrl.send(Outgoing::notif(n)).map_err(|_| disconnected())?;
+            self.send_ctrl(&conn, Outgoing::notif(n))?;
         }
         Ok(())
     }
@@ -798,6 +864,7 @@ impl Conn {
             ends,
             ctrl,
             bulk,
+            queued: AtomicUsize::new(0),
             reads: Mutex::new(Some(HashMap::new())),
             next_req: AtomicU64::new(1),
             stop: watch::Sender::new(false),
@@ -954,10 +1021,14 @@ fn next_chunk<'a>(arena: &'a BlockArena, job: &mut ServeJob) -> ([u8; wire::HEAD
     (wire::read_data_header(job.req_id, payload), pieces, job.next >= job.segments.len())
 }
 
-async fn write_all_vectored(wr: &mut OwnedWriteHalf, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+/// Writes all of `slices`, failing with `TimedOut` once a single write makes no progress for
+/// `stall`: the peer stopped reading.
+async fn write_all_vectored(wr: &mut OwnedWriteHalf, mut slices: &mut [IoSlice<'_>], stall: Duration) -> io::Result<()> {
     IoSlice::advance_slices(&mut slices, 0);
     while !slices.is_empty() {
-        let n = wr.write_vectored(slices).await?;
+        let n = tokio::time::timeout(stall, wr.write_vectored(slices))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, format!("the peer read nothing for {stall:?}")))??;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Short hold, so tests about strangers do not wait 5 s; a 2 MiB frame limit.
 fn quick() -> TcpOptions {
-    TcpOptions { hold_unknown: Duration::from_millis(300), connect_timeout: Duration::from_secs(10), max_frame: 2 * 1024 * 1024 }
+    TcpOptions { hold_unknown: Duration::from_millis(300), max_frame: 2 * 1024 * 1024, ..TcpOptions::default() }
 }
 
 async fn agent(name: &str, blocks: u32, block_bytes: usize, gate: Arc<dyn ReadGate>, options: TcpOptions) -> (Arc<TcpAgent>, Events) {
@@ -42,6 +42,11 @@ impl TcpAgent {
 
     fn holds(&self, name: &str) -> bool {
         lock(&self.inner.state).held.contains_key(name)
+    }
+
+    /// Bytes waiting in the connection's queues, as counted against `max_queued_bytes`.
+    fn queued_bytes(&self, peer: &str) -> Option<usize> {
+        Some(lock(&self.inner.state).peers.get(peer)?.conn.as_ref()?.queued.load(Ordering::Relaxed))
     }
 }
 
@@ -448,4 +453,86 @@ async fn notification_overtakes_a_large_response_in_flight() {
         }
     }
     assert!(data_before < 32 * 1024 * 1024, "the notification waited for {data_before} bytes of a 64 MiB response");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reader_that_stops_reading_mid_response_is_cut_off_after_write_stall_releasing_its_permit() {
+    const STALL: Duration = Duration::from_millis(500);
+    /// For the socket buffers to fill before the stall starts, and for a loaded machine.
+    const MARGIN: Duration = Duration::from_secs(2);
+    const MIB: usize = 1024 * 1024;
+    let gate = TestGate::new();
+    let (p, mut p_events) = agent("p", 64, MIB, Arc::new(gate.clone()), TcpOptions { write_stall: STALL, ..quick() }).await;
+    let (d, mut d_events) = agent("d", 64, MIB, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    let mut raw = raw_known_peer(&p, "raw").await;
+    // A read of p's own waits on that connection too: it must fail, not hang.
+    let p2 = Arc::clone(&p);
+    let ours =
+        tokio::spawn(async move { p2.read("raw", ReadOp { lease_id: 9, segments: vec![seg(0, 0, 0, 0, 4096)], notif: None }).await });
+
+    // raw asks for 64 MiB and reads nothing from now on: like a D that was SIGSTOPped or
+    // partitioned mid-transfer. The response fills the socket buffers and p's writer waits.
+    let segments: Vec<Segment> = (0..64).map(|b| seg(b, 0, 0, 0, MIB as u32)).collect();
+    send(&mut raw, &Outgoing::read_req(1, 1, &segments)).await;
+    eventually("raw's read to be granted", || gate.calls().iter().any(|(peer, _, _)| peer == "raw")).await;
+    let granted = Instant::now();
+
+    // Meanwhile p serves d.
+    fill_block(p.arena(), 3, 3);
+    let op = ReadOp { lease_id: 2, segments: vec![seg(3, 0, 3, 0, MIB as u32)], notif: None };
+    within("d's read while raw is stalled", d.read("p", op)).await.expect("d is served");
+    assert!(block(d.arena(), 3) == block(p.arena(), 3));
+
+    // The stalled response is dropped with its permit: the lease's blocks are free again.
+    let released = tokio::time::timeout_at(granted + STALL + MARGIN, async {
+        while gate.live() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert!(released.is_ok(), "raw's permit still held {:?} after it was granted (write_stall {STALL:?})", granted.elapsed());
+    assert_eq!(within("p's read over the stalled connection", ours).await.unwrap(), Err(TransportError::Disconnected("raw".into())));
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Disconnected { peer: "raw".into() });
+    assert_eq!(p.send_notif("raw", vec![1]), Err(TransportError::Disconnected("raw".into())));
+    closed(&mut raw).await;
+
+    // p keeps serving d, and reported raw's end once.
+    check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+    assert!(p_events.try_recv().is_err(), "Disconnected was reported once");
+    assert_eq!(gate.live(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_to_a_peer_that_never_reads_close_the_connection_at_the_queue_cap() {
+    const CAP: usize = 1024 * 1024;
+    const NOTIF: usize = 64 * 1024;
+    /// Far more than the cap and any loopback socket buffers: without a cap, the queue would
+    /// take all of it.
+    const FLOOD: usize = 64 * 1024 * 1024;
+    // A long write stall, so that it is the cap that ends the connection.
+    let options = TcpOptions { max_queued_bytes: CAP, write_stall: Duration::from_secs(60), ..quick() };
+    let (p, mut p_events) = agent("p", 8, 4096, Arc::new(OpenGate), options).await;
+    let (d, mut d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    let mut raw = raw_known_peer(&p, "raw").await; // and never read from now on
+
+    let mut sent = 0;
+    let refused = loop {
+        match p.send_notif("raw", vec![0x5A; NOTIF]) {
+            Ok(()) => sent += NOTIF,
+            Err(e) => break e,
+        }
+        let queued = p.queued_bytes("raw").unwrap_or(0);
+        assert!(queued <= CAP, "{queued} bytes queued for raw, over the cap of {CAP}");
+        assert!(sent < FLOOD, "{sent} bytes of notifications accepted for a peer that reads nothing");
+    };
+    assert_eq!(refused, TransportError::Disconnected("raw".into()));
+    assert_eq!(p.queued_bytes("raw"), None, "the connection is gone");
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Disconnected { peer: "raw".into() });
+    assert_eq!(p.send_notif("raw", vec![1]), Err(TransportError::Disconnected("raw".into())));
+    closed(&mut raw).await;
+
+    check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+    assert!(p_events.try_recv().is_err(), "Disconnected was reported once");
 }

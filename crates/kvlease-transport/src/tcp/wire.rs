@@ -226,6 +226,11 @@ impl Outgoing {
         &self.body
     }
 
+    /// The frame's length on the wire.
+    pub fn len(&self) -> usize {
+        HEADER_LEN + self.body.len()
+    }
+
     /// The whole frame in one buffer (handshake frames, tests).
     pub fn to_bytes(&self) -> Vec<u8> {
         [&self.head[..], &self.body].concat()
