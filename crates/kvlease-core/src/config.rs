@@ -51,9 +51,9 @@ impl LeaseConfig {
     }
 
     /// SPEC D6: D reads only while an acknowledged heartbeat covers at least this much more:
-    /// E/4 (5 s by default), never less than 1 s.
+    /// E/4 (5 s by default).
     pub fn read_budget(&self) -> Duration {
-        (self.extension / 4).max(Duration::from_secs(1))
+        self.extension / 4
     }
 
     /// How long D lets a pull's reads run before abandoning them: the read budget. A read that

@@ -35,6 +35,9 @@ pub enum Action {
     /// The lease of this request is gone: never use its data; apply the load failure policy
     /// (SPEC D6). Tracking has stopped.
     Lost { request_id: String, lease_id: LeaseId },
+    /// Nothing has been tracked toward this P engine for a long while: forget it and close its
+    /// connections (a new request naming it handshakes again).
+    Forget { engine_id: String },
 }
 
 /// What a [`Action::Send`] carries, for metrics.
@@ -97,11 +100,17 @@ struct RemoteEngine {
     seq: u64,
     /// Heartbeats awaiting acknowledgement: (seq, sent at, ids).
     inflight: VecDeque<(u64, Nanos, Vec<LeaseId>)>,
-    to_release: BTreeSet<LeaseId>,
+    /// Leases to release, with the incarnation that granted them: a release is never sent to
+    /// another incarnation, where the same id names someone else's lease.
+    to_release: BTreeMap<LeaseId, u64>,
     renew_for_read: BTreeSet<LeaseId>,
+    /// Since when nothing is tracked or to be sent toward this engine.
+    idle_since: Option<Nanos>,
 }
 
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
+/// An engine nothing was tracked toward for max(12 I, this) is forgotten.
+const FORGET_AFTER_MIN: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// D's lease renewer for one engine: all remote P engines, all tracked requests.
@@ -142,8 +151,9 @@ impl Renewer {
             next_due: now,
             seq: 0,
             inflight: VecDeque::new(),
-            to_release: BTreeSet::new(),
+            to_release: BTreeMap::new(),
             renew_for_read: BTreeSet::new(),
+            idle_since: None,
         });
         let moved = engine.host != remote.host || engine.port != remote.port;
         let reborn = matches!(engine.link, Link::Ready { incarnation } if remote.incarnation != 0 && incarnation != remote.incarnation);
@@ -174,10 +184,10 @@ impl Renewer {
     pub fn untrack(&mut self, request_id: &str, how: Untrack) {
         let Some((engine_id, lease_id)) = self.requests.remove(request_id) else { return };
         let Some(engine) = self.engines.get_mut(&engine_id) else { return };
-        engine.leases.remove(&lease_id);
+        let Some(t) = engine.leases.remove(&lease_id) else { return };
         engine.renew_for_read.remove(&lease_id);
         if how == Untrack::Abandoned {
-            engine.to_release.insert(lease_id);
+            engine.to_release.insert(lease_id, t.incarnation);
         }
     }
 
@@ -280,9 +290,13 @@ impl Renewer {
                     engine.link = Link::Pending;
                     out.push(Action::Handshake { engine_id: engine_id.clone(), host: engine.host.clone(), port: engine.port });
                 }
-                Link::Ready { .. } => {
-                    if !engine.to_release.is_empty() {
-                        let lease_ids: Vec<LeaseId> = std::mem::take(&mut engine.to_release).into_iter().collect();
+                Link::Ready { incarnation } => {
+                    let lease_ids: Vec<LeaseId> = std::mem::take(&mut engine.to_release)
+                        .into_iter()
+                        .filter(|(_, granted_by)| *granted_by == 0 || *granted_by == incarnation)
+                        .map(|(id, _)| id)
+                        .collect();
+                    if !lease_ids.is_empty() {
                         out.push(Action::Send {
                             engine_id: engine_id.clone(),
                             bytes: Message::Release { lease_ids }.encode(),
@@ -302,6 +316,19 @@ impl Renewer {
                 }
                 _ => {}
             }
+            let idle = engine.leases.is_empty() && engine.to_release.is_empty() && engine.link != Link::Pending;
+            engine.idle_since = if idle { engine.idle_since.or(Some(now)) } else { None };
+        }
+        let forget_after = (self.interval * 12).max(FORGET_AFTER_MIN);
+        let stale: Vec<String> = self
+            .engines
+            .iter()
+            .filter(|(_, e)| e.idle_since.is_some_and(|t| now.since(t) >= forget_after))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for engine_id in stale {
+            self.engines.remove(&engine_id);
+            out.push(Action::Forget { engine_id });
         }
     }
 

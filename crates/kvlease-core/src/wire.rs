@@ -58,6 +58,8 @@ pub struct Hello {
     pub t_send: u64,
     /// On a reply: (request's t_send, reply's receive time of the request); zero on a request.
     pub echo: (u64, u64),
+    /// A MAC over the rest, under the cluster's secret (SPEC S1, S2); empty without one.
+    pub auth: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -163,6 +165,7 @@ impl Message {
                 put_varint(out, h.t_send);
                 put_varint(out, h.echo.0);
                 put_varint(out, h.echo.1);
+                put_bytes(out, &h.auth);
             }
         }
     }
@@ -207,7 +210,8 @@ impl Message {
                     agents.push(r.bytes(MAX_BLOB)?.to_vec());
                 }
                 let info = r.bytes(MAX_BLOB)?.to_vec();
-                Message::Hello(Hello { engine_id, incarnation, agents, info, t_send: r.varint()?, echo: (r.varint()?, r.varint()?) })
+                let (t_send, echo) = (r.varint()?, (r.varint()?, r.varint()?));
+                Message::Hello(Hello { engine_id, incarnation, agents, info, t_send, echo, auth: r.bytes(MAX_STRING)?.to_vec() })
             }
             t => return Err(WireError::UnknownType(t)),
         };
@@ -371,6 +375,7 @@ mod tests {
             info: b"{}".to_vec(),
             t_send: 7,
             echo: (1, 2),
+            auth: vec![9; 32],
         }
     }
 

@@ -201,3 +201,35 @@ fn d6_stale_acknowledgements_are_ignored() {
     r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] });
     assert_eq!(r.read_check("a", Duration::ZERO, at(20_001)), ReadCheck::RenewFirst);
 }
+
+/// SPEC D4 × §3: a release queued for one incarnation of P is never sent to the next one, where
+/// the same lease id names another request's blocks.
+#[test]
+fn d4_release_never_reaches_another_incarnation() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("old", &p("P"), 1, at(0));
+    ready(&mut r, "P", at(0));
+    poll(&mut r, at(0));
+    r.disconnected("P"); // P restarts
+    r.untrack("old", Untrack::Abandoned);
+    r.track("new", &Remote { incarnation: 12, ..p("P") }, 5, at(10));
+    assert!(matches!(&poll(&mut r, at(10))[..], [Action::Handshake { .. }]));
+    r.handshake_done("P", Ok(12), at(11));
+    let acts = poll(&mut r, at(11));
+    assert!(sent(&acts, "P").iter().all(|m| !matches!(m, Message::Release { .. })), "{acts:?}");
+    assert_eq!(heartbeat_ids(&acts, "P"), vec![5]);
+}
+
+/// An engine nothing is tracked toward is forgotten after a while (no map grows forever).
+#[test]
+fn idle_engines_are_forgotten() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    ready(&mut r, "P", at(0));
+    poll(&mut r, at(0));
+    r.untrack("a", Untrack::Transferred);
+    assert!(poll(&mut r, at(1_000)).is_empty());
+    assert!(poll(&mut r, at(60_999)).is_empty());
+    assert_eq!(poll(&mut r, at(61_000)), vec![Action::Forget { engine_id: "P".into() }]);
+    assert!(!r.is_ready("P"));
+}

@@ -1,14 +1,17 @@
 //! The connector: where the engine meets kvlease-core and the transport.
 //!
 //! P side: grants a lease when a `do_remote_decode` prefill finishes (SPEC P1), serves reads only
-//! of live leases through the agents' [`ReadGate`] (P5), applies heartbeats, releases and read
-//! completions from D and answers each (P2, P3, P6, P8), and reaps expired leases from a task of
-//! its own that ticks while idle (P4).
+//! of live leases through the agents' [`ReadGate`] (P5), hands every message from D to the lease
+//! table and sends back its answer (P2, P3, P6, P8), and reaps expired leases from a task of its
+//! own that ticks while idle (P4).
 //!
 //! D side: drives the [`Renewer`](kvlease_core::renewer::Renewer) from a timer task that never
 //! waits on the forward loop (D2, D3), runs handshakes in the background (D5), and pulls a
 //! request's KV only while its lease is acknowledged live, using the bytes only once P confirms
-//! the lease was live when the read completed (D6).
+//! the lease was live when each read completed (D6).
+//!
+//! Both: the handshake side channel, authenticated with the cluster secret when there is one
+//! (SPEC S1, S2).
 
 use crate::engine::{lock, Inner, Peer, Rank};
 use crate::kv_params::RemoteKv;
@@ -16,21 +19,25 @@ use crate::pool::Blocks;
 use crate::scheduler::{PrefillDone, Seq};
 use crate::side_channel::{self, read_frame, write_frame};
 use crate::{FinishReason, GenerateEvent, StartError, TransportKind};
-use kvlease_core::lease_table::{Completion, ReadTicket, ReleaseReason, Released};
+use hmac::{Hmac, Mac};
+use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment};
 use serde_json::json;
+use sha2::Sha256;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-/// What P keeps under a lease: the blocks, returned to the pool when the lease ends.
+/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, and their
+/// ids sorted, to check a read's blocks against quickly.
 #[derive(Debug)]
 pub(crate) struct Lease {
     blocks: Blocks,
+    sorted: Vec<u32>,
 }
 
 /// How a pull ended.
@@ -40,12 +47,6 @@ pub(crate) enum PullOutcome {
     Pulled,
     /// The lease is gone or the transfer failed: the bytes must not be used.
     Lost(String),
-}
-
-/// How long D waits for P's answer (a heartbeat or read-completion acknowledgement) before
-/// giving up on the lease: the extension E, since a lease unrenewed for E may be gone anyway.
-fn ack_wait(inner: &Inner) -> Duration {
-    inner.cfg.transfer.lease.extension.max(Duration::from_secs(1))
 }
 
 pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
@@ -91,6 +92,25 @@ pub(crate) async fn shutdown(inner: &Arc<Inner>) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
+/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
+/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
+pub(crate) fn reads_are_fenced(inner: &Inner) -> bool {
+    inner.ranks().iter().all(|r| r.agent.can_refuse_reads())
+}
+
+/// Gives blocks back to the pool — at once where reads are fenced, else only after a quarantine
+/// long enough that no READ posted for them can still land (SPEC P5, D6).
+pub(crate) fn free_after_reads(inner: &Inner, blocks: Blocks) {
+    if reads_are_fenced(inner) {
+        return drop(blocks);
+    }
+    let hold = inner.cfg.transfer.lease.quarantine();
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        drop(blocks);
+    });
+}
+
 // ---------------------------------------------------------------- P side
 
 /// SPEC P1: the prefill finished normally; grant the lease and answer with signed params.
@@ -102,10 +122,12 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
         return;
     }
     let block_ids = blocks.ids().to_vec();
+    let mut sorted = block_ids.clone();
+    sorted.sort_unstable();
     let n = block_ids.len() as u32;
     let lease_id = {
         let mut table = lock(&inner.leases);
-        let id = table.grant(inner.now(), n, Lease { blocks });
+        let id = table.grant(inner.now(), n, Lease { blocks, sorted });
         inner.metrics.leases_active.store(table.live() as i64, Relaxed);
         inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
         id
@@ -143,7 +165,7 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
     }
 }
 
-/// Counts released leases and frees their blocks (by dropping them).
+/// Counts released leases and frees their blocks.
 fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     if released.is_empty() {
         return;
@@ -158,33 +180,14 @@ fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     drop(table);
     for r in released {
         match r.payload {
-            // SPEC P5 where P cannot refuse a read (NIXL): a lease that ended other than by its
-            // reads completing may still have a READ on the way; its blocks wait it out.
-            Some(lease) if r.reason != ReleaseReason::Transferred && !reads_are_fenced(inner) => quarantine(inner, lease.blocks),
-            _ => {}
+            // All reads completed: nothing can be in flight.
+            Some(lease) if r.reason == ReleaseReason::Transferred => drop(lease),
+            // Expired, released or shut down: a READ the transport cannot fence may be on its way.
+            Some(lease) => free_after_reads(inner, lease.blocks),
+            // A reader holds them; they come back when it ends.
+            None => {}
         }
     }
-}
-
-/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
-/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
-pub(crate) fn reads_are_fenced(inner: &Inner) -> bool {
-    inner.ranks().iter().all(|r| r.agent.can_refuse_reads())
-}
-
-/// How long a pull's reads may take before D gives up on them.
-pub(crate) fn read_timeout(inner: &Inner) -> Duration {
-    (inner.cfg.transfer.lease.extension / 4).max(Duration::from_secs(1)) * 2
-}
-
-/// Keeps blocks out of the pool until no read that could have been posted for them can still
-/// land: the longest a reader waits for its reads, plus a margin.
-pub(crate) fn quarantine(inner: &Inner, blocks: Blocks) {
-    let hold = read_timeout(inner) + Duration::from_secs(1);
-    tokio::spawn(async move {
-        tokio::time::sleep(hold).await;
-        drop(blocks);
-    });
 }
 
 /// SPEC P4: tick the lease table every half granularity, busy or idle.
@@ -221,7 +224,7 @@ impl ReadGate for Gate {
         let mut released = Vec::new();
         let ticket = {
             let mut table = lock(&inner.leases);
-            let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.blocks.ids().contains(b)));
+            let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.sorted.binary_search(b).is_ok()));
             if owned {
                 table.begin_read(lease_id, inner.now(), &mut released)
             } else {
@@ -229,7 +232,10 @@ impl ReadGate for Gate {
             }
         };
         settle(&inner, released);
-        let ticket = ticket?;
+        let Some(ticket) = ticket else {
+            inner.metrics.reads_refused.fetch_add(1, Relaxed);
+            return None;
+        };
         Some(Box::new(Permit { inner: Arc::downgrade(&inner), ticket: Some(ticket) }))
     }
 }
@@ -243,7 +249,7 @@ impl Drop for Permit {
     }
 }
 
-/// Every notification any rank's agent receives.
+/// Every event any rank's agent reports.
 async fn agent_events(inner: Weak<Inner>, rank: usize, mut rx: mpsc::UnboundedReceiver<AgentEvent>) {
     while let Some(ev) = rx.recv().await {
         let Some(inner) = inner.upgrade() else { return };
@@ -251,12 +257,19 @@ async fn agent_events(inner: Weak<Inner>, rank: usize, mut rx: mpsc::UnboundedRe
             AgentEvent::Notification { from, bytes } => on_notification(&inner, rank, &from, &bytes),
             AgentEvent::Rejected { reason } => inner.metrics.rejected(reason),
             AgentEvent::Disconnected { peer } => {
-                let engine = lock(&inner.agent_engines).get(&peer).cloned();
+                // The peer's agent is gone (or its connection): forget it on every rank; a
+                // P engine it belonged to is handshaken again before the next heartbeat.
+                for r in inner.ranks() {
+                    r.agent.remove_peer(&peer);
+                }
+                let engine = lock(&inner.agent_engines).remove(&peer);
                 if let Some(engine) = engine {
-                    tracing::info!(peer = %peer, "transfer agent disconnected; handshake again before the next heartbeat");
-                    lock(&inner.peers).remove(&engine);
-                    lock(&inner.renewer).disconnected(&engine);
-                    inner.renewer_wake.notify_one();
+                    if lock(&inner.peers).get(&engine).is_some_and(|p| p.agents.contains(&peer)) {
+                        tracing::info!(peer = %peer, "transfer agent disconnected; handshake again before the next heartbeat");
+                        forget_peer(&inner, &engine);
+                        lock(&inner.renewer).disconnected(&engine);
+                        inner.renewer_wake.notify_one();
+                    }
                 }
             }
         }
@@ -271,39 +284,8 @@ fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
             return;
         }
     };
-    let reply = |m: Message| {
-        if let Some(r) = inner.ranks().get(rank) {
-            if let Err(e) = r.agent.send_notif(from, m.encode()) {
-                tracing::debug!("cannot answer {from}: {e}");
-            }
-        }
-    };
-    let now = inner.now();
     match msg {
-        Message::Heartbeat { seq, lease_ids } => {
-            inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
-            let (mut lost, mut released) = (Vec::new(), Vec::new());
-            let n = lock(&inner.leases).renew(&lease_ids, now, &mut lost, &mut released);
-            inner.metrics.lease_renewals.fetch_add(n as u64, Relaxed);
-            settle(inner, released);
-            lost.sort_unstable();
-            reply(Message::HeartbeatAck { seq, lost_ids: lost });
-        }
-        Message::Release { lease_ids } => {
-            let (mut lost, mut released) = (Vec::new(), Vec::new());
-            lock(&inner.leases).release(&lease_ids, now, &mut lost, &mut released);
-            settle(inner, released);
-            if !lost.is_empty() {
-                reply(Message::LeaseLost { lease_ids: lost });
-            }
-        }
-        Message::ReadDone { lease_id, consumer_rank, n } => {
-            let mut released = Vec::new();
-            let c = lock(&inner.leases).complete(lease_id, consumer_rank, n, now, &mut released);
-            settle(inner, released);
-            reply(Message::ReadDoneAck { lease_id, live: c != Completion::Lost });
-        }
-        Message::ClockPing { seq, t0 } => reply(Message::ClockPong { seq, t0, t1: now.0, t2: inner.now().0 }),
+        // For D, from a P engine: the renewer's business.
         Message::HeartbeatAck { .. } | Message::LeaseLost { .. } => {
             let engine = lock(&inner.agent_engines).get(from).cloned();
             let Some(engine) = engine else { return };
@@ -318,13 +300,41 @@ fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
         }
         Message::ClockPong { .. } => {}
         Message::Hello(_) => inner.metrics.rejected("malformed"),
+        // For P, from a D engine: the lease table's business; it says what to answer.
+        Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {
+            if matches!(msg, Message::Heartbeat { .. }) {
+                inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
+            }
+            let mut released = Vec::new();
+            let answer = lock(&inner.leases).on_message(&msg, inner.now(), &mut released);
+            settle(inner, released);
+            // D sends each heartbeat to every P rank (SPEC D2); all ranks share this table, so
+            // only rank 0's copy counts as renewals (one per lease per heartbeat).
+            if rank == 0 {
+                inner.metrics.lease_renewals.fetch_add(answer.renewed as u64, Relaxed);
+            }
+            if let (Some(reply), Some(r)) = (answer.reply, inner.ranks().get(rank)) {
+                if let Err(e) = r.agent.send_notif(from, reply.encode()) {
+                    tracing::debug!("cannot answer {from}: {e}");
+                }
+            }
+        }
     }
 }
 
-/// Answers handshakes: introduces the peer's agents to ours, replies with our Hello.
+/// Answers handshakes: checks the peer (its geometry; its signature when the cluster has a
+/// secret), replies with our Hello, and introduces its agents to ours.
 async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let mut stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!("side channel accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
             stream.set_nodelay(true).ok();
@@ -337,6 +347,10 @@ async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
                 Ok(Err(e)) => return e.reason().into_iter().for_each(|r| inner.metrics.rejected(r)),
                 Err(_) => return,
             };
+            if !authentic(&inner, &hello) {
+                tracing::warn!(peer = %hello.engine_id, "handshake refused: not signed with this cluster's secret");
+                return inner.metrics.rejected("unknown_agent");
+            }
             if let Err(e) = check_geometry(&inner, &hello) {
                 tracing::warn!(peer = %hello.engine_id, "handshake refused: {e}");
                 return;
@@ -351,6 +365,7 @@ async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
             });
             let mut ours = our_hello(&inner);
             ours.echo = (hello.t_send, t_recv);
+            sign(&inner, &mut ours);
             let _ = write_frame(&mut stream, &Message::Hello(ours)).await;
         });
     }
@@ -362,14 +377,40 @@ fn our_hello(inner: &Inner) -> Hello {
         "tp_size": inner.cfg.tp_size, "num_layers": m.num_layers, "num_kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim, "dtype_bytes": m.dtype_bytes, "block_size": m.block_size,
     });
-    Hello {
+    let mut hello = Hello {
         engine_id: inner.cfg.engine_id.clone(),
         incarnation: inner.incarnation,
         agents: inner.ranks().iter().map(|r| r.agent.metadata()).collect(),
         info: info.to_string().into_bytes(),
         t_send: inner.now().0,
         echo: (0, 0),
+        auth: Vec::new(),
+    };
+    sign(inner, &mut hello);
+    hello
+}
+
+/// SPEC S1, S2: with a cluster secret, every Hello carries an HMAC of everything else in it, so
+/// only engines of the cluster can introduce transfer agents (and so read or release leases).
+fn sign(inner: &Inner, hello: &mut Hello) {
+    hello.auth.clear();
+    if let Some(secret) = &inner.cfg.secret {
+        hello.auth = hello_mac(secret, hello).finalize().into_bytes().to_vec();
     }
+}
+
+fn authentic(inner: &Inner, hello: &Hello) -> bool {
+    let Some(secret) = &inner.cfg.secret else { return true };
+    let mut unsigned = hello.clone();
+    unsigned.auth.clear();
+    hello_mac(secret, &unsigned).verify_slice(&hello.auth).is_ok()
+}
+
+fn hello_mac(secret: &[u8], hello: &Hello) -> Hmac<Sha256> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"kvlease-hello-v1\n");
+    mac.update(&Message::Hello(hello.clone()).encode());
+    mac
 }
 
 /// Checks that a peer serves the same model geometry (its TP may differ).
@@ -419,6 +460,21 @@ async fn introduce(inner: &Arc<Inner>, hello: &Hello) -> Result<Vec<String>, Str
         engines.insert(n.clone(), hello.engine_id.clone());
     }
     Ok(names)
+}
+
+/// Drops what we know of a P engine's agents, and their connections.
+fn forget_peer(inner: &Inner, engine_id: &str) {
+    let Some(peer) = lock(&inner.peers).remove(engine_id) else { return };
+    let mut engines = lock(&inner.agent_engines);
+    for agent in &peer.agents {
+        engines.remove(agent);
+    }
+    drop(engines);
+    for r in inner.ranks() {
+        for agent in &peer.agents {
+            r.agent.remove_peer(agent);
+        }
+    }
 }
 
 // ---------------------------------------------------------------- D side
@@ -472,7 +528,7 @@ fn drive_renewer(inner: &Arc<Inner>) -> Option<kvlease_core::Nanos> {
                     SendKind::Release => {}
                 }
                 if !ok {
-                    lock(&inner.peers).remove(&engine_id);
+                    forget_peer(inner, &engine_id);
                     lock(&inner.renewer).disconnected(&engine_id);
                 }
             }
@@ -480,6 +536,7 @@ fn drive_renewer(inner: &Arc<Inner>) -> Option<kvlease_core::Nanos> {
                 tracing::info!(request = %request_id, lease_id, "lease lost on the prefill engine");
                 inner.bump_news();
             }
+            Action::Forget { engine_id } => forget_peer(inner, &engine_id),
         }
     }
     next
@@ -491,9 +548,14 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
     let ours = our_hello(&inner);
     let result = async {
         let theirs = side_channel::exchange(&addr, &ours).await?;
+        if !authentic(&inner, &theirs) {
+            return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
+        }
         if theirs.engine_id != engine_id {
             return Err(format!("the engine at {addr} is {:?}, not {engine_id:?}", theirs.engine_id));
         }
+        // A previous incarnation's agents are of no more use.
+        forget_peer(&inner, &engine_id);
         let agents = introduce(&inner, &theirs).await?;
         Ok((theirs.incarnation, agents))
     }
@@ -501,7 +563,7 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
     let now = inner.now();
     match result {
         Ok((incarnation, agents)) => {
-            lock(&inner.peers).insert(engine_id.clone(), Peer { incarnation, agents });
+            lock(&inner.peers).insert(engine_id.clone(), Peer { agents });
             lock(&inner.renewer).handshake_done(&engine_id, Ok(incarnation), now);
         }
         Err(e) => {
@@ -517,14 +579,14 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
 /// P rank whose heads overlap its own, under the lease; `Pulled` only when P confirmed each
 /// completion while the lease was live.
 pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, local: &[u32]) -> PullOutcome {
-    let budget = inner.cfg.transfer.lease.extension / 4;
+    let lease = &inner.cfg.transfer.lease;
     // 1. Wait until an acknowledged heartbeat covers the read.
     let mut news = inner.news.subscribe();
-    let wait = ack_wait(inner);
+    let wait = lease.ack_wait();
     let give_up = tokio::time::Instant::now() + wait;
     loop {
         news.borrow_and_update();
-        match lock(&inner.renewer).read_check(internal, budget, inner.now()) {
+        match lock(&inner.renewer).read_check(internal, lease.read_budget(), inner.now()) {
             ReadCheck::Safe => break,
             ReadCheck::Untracked => return PullOutcome::Lost("the prefill engine reported the lease lost".into()),
             ReadCheck::RenewFirst => inner.renewer_wake.notify_one(),
@@ -540,77 +602,78 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let Some(peer) = lock(&inner.peers).get(&rk.engine_id).cloned() else {
         return PullOutcome::Lost("no connection to the prefill engine".into());
     };
-    if rk.incarnation != 0 && peer.incarnation != rk.incarnation {
-        return PullOutcome::Lost("the prefill engine restarted since it granted the lease".into());
-    }
-    // 2. Plan: one read per (D rank, P rank) pair whose heads overlap.
+    // 2. Plan: one read per (D rank, P rank) pair whose heads overlap (SPEC T1, T2).
     let m = &inner.cfg.model;
+    let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, peer.agents.len() as u32, inner.cfg.tp_size) else {
+        return PullOutcome::Lost(format!("a prefill engine of {} ranks cannot serve {} heads", peer.agents.len(), m.num_kv_heads));
+    };
     let hbb = m.head_block_bytes() as u32;
-    let p_tp = peer.agents.len() as u32;
-    let p_heads = m.num_kv_heads / p_tp.max(1);
-    let mut plan = Vec::new();
-    for (d, rank) in inner.ranks().iter().enumerate() {
-        for p in 0..p_tp {
-            let (lo, hi) = (rank.heads.start.max(p * p_heads), rank.heads.end.min((p + 1) * p_heads));
-            if lo >= hi {
-                continue;
-            }
-            let segments: Vec<Segment> = rk
-                .block_ids
-                .iter()
-                .zip(local)
-                .map(|(&remote_block, &local_block)| Segment {
-                    remote_block,
-                    remote_offset: (lo - p * p_heads) * hbb,
-                    local_block,
-                    local_offset: (lo - rank.heads.start) * hbb,
-                    len: (hi - lo) * hbb,
-                })
-                .collect();
-            plan.push((d, peer.agents[p as usize].clone(), segments));
-        }
-    }
     let n = plan.len() as u32;
-    // 3. Read, each with its ReadDone attached; collect P's answers.
-    let mut acks = Vec::new();
+    // 3. Read, each with its ReadDone attached; P answers each ReadDone.
+    let mut acks = AckWaiters { inner, lease_id: rk.lease_id, keys: Vec::new(), rx: Vec::new() };
     let mut reads = Vec::new();
-    for (consumer, (d, p_agent, segments)) in plan.into_iter().enumerate() {
-        let (tx, rx) = oneshot::channel();
-        lock(&inner.read_acks).insert((d, p_agent.clone(), rk.lease_id), tx);
-        acks.push(rx);
+    for (consumer, pair) in plan.iter().enumerate() {
+        let p_agent = peer.agents[pair.p_rank as usize].clone();
+        let segments: Vec<Segment> = rk
+            .block_ids
+            .iter()
+            .zip(local)
+            .map(|(&remote_block, &local_block)| Segment {
+                remote_block,
+                remote_offset: pair.p_head_offset * hbb,
+                local_block,
+                local_offset: pair.d_head_offset * hbb,
+                len: (pair.heads.end - pair.heads.start) * hbb,
+            })
+            .collect();
+        acks.expect(pair.d_rank as usize, &p_agent);
         let notif = Message::ReadDone { lease_id: rk.lease_id, consumer_rank: consumer as u32, n }.encode();
-        let agent = inner.ranks()[d].agent.clone();
+        let agent = inner.ranks()[pair.d_rank as usize].agent.clone();
         let op = ReadOp { lease_id: rk.lease_id, segments, notif: Some(notif) };
-        reads.push(tokio::spawn(async move { agent.read(&p_agent, op).await }));
+        reads.push(async move { agent.read(&p_agent, op).await });
     }
-    let all = async {
-        let mut failure = None;
-        for r in reads {
-            match r.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => failure = failure.or(Some(e.to_string())),
-                Err(e) => failure = failure.or(Some(format!("read task failed: {e}"))),
-            }
-        }
-        failure
-    };
-    let failure = match tokio::time::timeout(read_timeout(inner), all).await {
-        Err(_) => Some("the read timed out".to_string()),
-        Ok(f) => f,
-    };
-    if let Some(why) = failure {
-        lock(&inner.read_acks).retain(|(_, _, l), _| *l != rk.lease_id);
-        return PullOutcome::Lost(why);
-    }
-    for rx in acks {
-        match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => return PullOutcome::Lost("the lease ended before the read completed".into()),
-            _ => {
-                lock(&inner.read_acks).retain(|(_, _, l), _| *l != rk.lease_id);
-                return PullOutcome::Lost("no read-completion acknowledgement from the prefill engine".into());
+    // Awaited here, not spawned: on timeout they are dropped, which cancels them (a fenced
+    // transport then writes nothing more into our blocks).
+    match tokio::time::timeout(lease.read_timeout(), futures_util::future::join_all(reads)).await {
+        Err(_) => return PullOutcome::Lost("the read timed out".into()),
+        Ok(results) => {
+            if let Some(e) = results.into_iter().find_map(Result::err) {
+                return PullOutcome::Lost(e.to_string());
             }
         }
     }
-    PullOutcome::Pulled
+    // 4. Every completion must have been confirmed while the lease was live.
+    let confirmed = tokio::time::timeout(wait, futures_util::future::join_all(acks.rx.drain(..))).await;
+    match confirmed {
+        Err(_) => PullOutcome::Lost("no read-completion acknowledgement from the prefill engine".into()),
+        Ok(answers) if answers.iter().all(|a| matches!(a, Ok(true))) => PullOutcome::Pulled,
+        Ok(_) => PullOutcome::Lost("the lease ended before the read completed".into()),
+    }
+}
+
+/// The `ReadDoneAck`s a pull waits for; whatever is left when the pull ends is unregistered.
+struct AckWaiters<'a> {
+    inner: &'a Inner,
+    lease_id: u64,
+    keys: Vec<(usize, String, u64)>,
+    rx: Vec<oneshot::Receiver<bool>>,
+}
+
+impl AckWaiters<'_> {
+    fn expect(&mut self, d_rank: usize, p_agent: &str) {
+        let (tx, rx) = oneshot::channel();
+        let key = (d_rank, p_agent.to_string(), self.lease_id);
+        lock(&self.inner.read_acks).insert(key.clone(), tx);
+        self.keys.push(key);
+        self.rx.push(rx);
+    }
+}
+
+impl Drop for AckWaiters<'_> {
+    fn drop(&mut self) {
+        let mut acks = lock(&self.inner.read_acks);
+        for key in &self.keys {
+            acks.remove(key);
+        }
+    }
 }

@@ -35,7 +35,6 @@ pub(crate) struct Rank {
 /// A P engine this engine has handshaken with (D side).
 #[derive(Debug, Clone)]
 pub(crate) struct Peer {
-    pub incarnation: u64,
     /// Agent names, one per P rank, in rank order.
     pub agents: Vec<String>,
 }
@@ -98,6 +97,11 @@ impl EngineHandle {
         cfg.model.validate(cfg.tp_size).map_err(StartError::Config)?;
         if cfg.num_gpu_blocks == 0 {
             return Err(StartError::Config("--num-gpu-blocks must be at least 1".into()));
+        }
+        if cfg.transfer.lease.bidirectional {
+            return Err(StartError::Config(
+                "kv_connector_extra_config.bidirectional_kv_xfer: bidirectional (multi-turn) KV transfer is not implemented yet; remove it or set it to false".into(),
+            ));
         }
         if cfg.max_num_seqs == 0 {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));

@@ -85,10 +85,11 @@ impl KvRole {
                     num_tokens: u32::try_from(uint(obj, "remote_num_tokens")?)
                         .map_err(|_| ParamError("remote_num_tokens is too large".into()))?,
                     lease_id: uint(obj, "remote_lease_id")?,
+                    // Required: lease ids restart with each incarnation of P, so a lease id
+                    // without one could name another request's blocks after a restart.
                     incarnation: match obj.get("remote_incarnation") {
-                        None | Some(Value::Null) => 0,
                         Some(Value::String(s)) => s.parse().map_err(|_| ParamError("remote_incarnation must be a number".into()))?,
-                        Some(_) => uint(obj, "remote_incarnation")?,
+                        _ => uint(obj, "remote_incarnation")?,
                     },
                     signature: match obj.get("kvlease_signature") {
                         None | Some(Value::Null) => None,
@@ -251,6 +252,7 @@ mod tests {
             ("remote_block_ids", json!([-1]), "remote_block_ids"),
             ("remote_port", json!(70000), "remote_port"),
             ("remote_lease_id", Value::Null, "remote_lease_id"),
+            ("remote_incarnation", Value::Null, "remote_incarnation"),
             ("remote_engine_id", json!(""), "remote_engine_id"),
             ("tp_size", json!(0), "tp_size"),
             ("do_remote_decode", json!(true), "both"),

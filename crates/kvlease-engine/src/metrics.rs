@@ -86,6 +86,8 @@ pub struct Metrics {
     pub requests_waiting: AtomicI64,
     pub requests_running: AtomicI64,
     pub recomputed_requests: AtomicU64,
+    /// P: reads the transfer agent refused because the lease was not live (SPEC P5).
+    pub reads_refused: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -107,6 +109,7 @@ impl Default for Metrics {
             requests_waiting: AtomicI64::new(0),
             requests_running: AtomicI64::new(0),
             recomputed_requests: AtomicU64::new(0),
+            reads_refused: AtomicU64::new(0),
         }
     }
 }

@@ -171,8 +171,13 @@ impl ModelConfig {
         if !(self.decode_ms_per_token >= 0.0 && self.decode_ms_per_token.is_finite()) {
             return Err("--decode-ms-per-token must be a finite number ≥ 0".into());
         }
-        if self.block_bytes(self.num_kv_heads / tp_size) > 64 << 20 {
-            return Err("a KV block would exceed 64 MiB: reduce the geometry".into());
+        // Checked here so that the unchecked arithmetic everywhere else cannot overflow.
+        let block = [self.num_kv_heads / tp_size, self.num_layers, 2, self.block_size, self.head_dim, self.dtype_bytes]
+            .iter()
+            .try_fold(1u64, |acc, &x| acc.checked_mul(u64::from(x)))
+            .filter(|b| *b <= 64 << 20);
+        if block.is_none() {
+            return Err("a KV block (heads per rank × layers × 2 × --block-size × --head-dim × --dtype-bytes) would exceed 64 MiB: reduce the geometry".into());
         }
         Ok(())
     }
@@ -293,6 +298,8 @@ mod tests {
         assert!(m.validate(1).is_ok() && m.validate(4).is_ok());
         assert!(m.validate(3).unwrap_err().contains("--tp-size"));
         assert!(ModelConfig { block_size: 0, ..m.clone() }.validate(1).unwrap_err().contains("--block-size"));
-        assert!(ModelConfig { decode_ms_per_token: f64::NAN, ..m }.validate(1).unwrap_err().contains("--decode-ms"));
+        assert!(ModelConfig { decode_ms_per_token: f64::NAN, ..m.clone() }.validate(1).unwrap_err().contains("--decode-ms"));
+        assert!(ModelConfig { head_dim: 65536, dtype_bytes: 65536, ..m.clone() }.validate(1).unwrap_err().contains("64 MiB"));
+        assert!(ModelConfig { num_layers: u32::MAX, block_size: u32::MAX, ..m }.validate(1).unwrap_err().contains("64 MiB"));
     }
 }

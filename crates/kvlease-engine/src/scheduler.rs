@@ -126,6 +126,11 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Sched
                 }
                 SchedMsg::Loaded { id, blocks, outcome } => {
                     if aborted_loads.remove(&id) {
+                        if matches!(outcome, PullOutcome::Pulled) {
+                            drop(blocks);
+                        } else {
+                            connector::free_after_reads(&inner, blocks);
+                        }
                         continue;
                     }
                     if let Some(seq) = loading.remove(&id) {
@@ -185,7 +190,14 @@ fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>
             KvRole::DecodeRemote(rk) if !seq.recompute => {
                 let (inner2, rk, internal, id) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id);
                 tokio::spawn(async move {
-                    let outcome = connector::pull(&inner2, &internal, &rk, blocks.ids()).await;
+                    let ids = blocks.ids().to_vec();
+                    let pulling = {
+                        let inner = inner2.clone();
+                        tokio::spawn(async move { connector::pull(&inner, &internal, &rk, &ids).await })
+                    };
+                    // Whatever happens to the pull, the scheduler hears back: a request is never
+                    // left loading forever.
+                    let outcome = pulling.await.unwrap_or_else(|e| PullOutcome::Lost(format!("the pull failed: {e}")));
                     let _ = inner2.sched.send(SchedMsg::Loaded { id, blocks, outcome });
                 });
                 loading.insert(seq.id, seq);
@@ -233,13 +245,16 @@ fn finish_load(
                         // A READ that failed or timed out may still land in these blocks: they
                         // sit out in quarantine; the prompt is computed into fresh ones.
                         if let Some(b) = seq.blocks.take() {
-                            connector::quarantine(inner, b);
+                            connector::free_after_reads(inner, b);
                         }
                         waiting.push_front(seq);
                     }
                 }
                 LoadFailurePolicy::Fail => {
                     tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+                    if let Some(b) = seq.blocks.take() {
+                        connector::free_after_reads(inner, b);
+                    }
                     seq.fail(RequestError {
                         status: 503,
                         code: "kv_load_failed",
@@ -362,8 +377,12 @@ impl From<Seq> for PrefillDone {
     }
 }
 
+/// The emulated compute of a step. With no compute time it still yields once: a step must
+/// never keep the runtime from heartbeats, the reaper and HTTP (SPEC D3, P4), even on one thread.
 async fn sleep(d: std::time::Duration) {
-    if !d.is_zero() {
+    if d.is_zero() {
+        tokio::task::yield_now().await;
+    } else {
         tokio::time::sleep(d).await;
     }
 }

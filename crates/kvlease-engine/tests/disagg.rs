@@ -52,6 +52,8 @@ async fn p4_unread_lease_expires_on_an_idle_engine() {
     until("expiry", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
     let took = t0.elapsed();
     assert!(took >= Duration::from_millis(600), "expired early: {took:?}");
+    // L + the reaper's granularity (10 ms), with room for a loaded machine.
+    assert!(took <= Duration::from_millis(600 + 300), "expired late: {took:?}");
     assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
     assert_eq!(p.metrics().kv_blocks_free.load(Relaxed), 256);
 }
@@ -64,7 +66,7 @@ async fn d3_overloaded_decoder_keeps_the_lease_alive() {
     let p = engine(config(0.6, 1)).await; // L = 0.6 s, I = 0.1 s, E = 0.4 s
     let mut dcfg = config(0.6, 1);
     dcfg.max_num_seqs = 1;
-    dcfg.model.decode_ms_per_token = 250.0; // each step blocks the loop for 250 ms
+    dcfg.model.decode_ms_per_token = 250.0; // each forward step takes 250 ms
     let d = engine(dcfg).await;
     let local = engine(config(0.6, 1)).await;
     let (want, _) = run(&local, "second", 4, None).await.unwrap();
@@ -200,4 +202,50 @@ async fn d3_a_long_forward_step_delays_no_heartbeat() {
     let h = &d.metrics().heartbeat_lateness;
     assert!(h.count() >= 3, "heartbeats were sent during the step: {}", h.count());
     assert!(h.max() <= 0.05, "a heartbeat was {:.3} s late (I/10 = 0.05 s)", h.max());
+}
+
+/// SPEC D3, P4 on a single-threaded runtime with zero compute time: a scheduler that is always
+/// busy still lets the heartbeats (and everything else) run, because every step yields.
+#[tokio::test(flavor = "current_thread")]
+async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
+    let p = engine(config(1.2, 1)).await; // I = 0.2 s: I/10 = 20 ms
+    let mut dcfg = config(1.2, 1);
+    dcfg.max_num_seqs = 32;
+    dcfg.num_gpu_blocks = 32 * 260;
+    let d = engine(dcfg).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let mut busy = Vec::new();
+    for i in 0..32 {
+        let d = d.clone();
+        busy.push(tokio::spawn(async move { run(&d, &format!("busy {i}"), 4000, None).await }));
+    }
+    until("D is full", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 32).await;
+    // Waits in the queue behind them, tracked (and heartbeating) from its arrival.
+    let remote = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, PROMPT, 2, params).await })
+    };
+    for b in busy {
+        b.await.unwrap().unwrap();
+    }
+    remote.await.unwrap().unwrap();
+    let h = &d.metrics().heartbeat_lateness;
+    assert!(h.count() >= 3, "heartbeats were sent while the scheduler was busy: {}", h.count());
+    assert!(h.max() <= 0.02, "a heartbeat was {:.3} s late (I/10 = 0.02 s)", h.max());
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
+}
+
+/// SPEC S1, S2: with a cluster secret, P answers only handshakes signed with it: an engine
+/// without the secret cannot introduce its agents, so cannot renew, read or release leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_handshake_needs_the_cluster_secret() {
+    let p = engine(EngineConfig { secret: Some(b"cluster-secret".to_vec()), ..config(30.0, 1) }).await;
+    let outsider = engine(config(30.0, 1)).await; // no secret: accepts unsigned params, signs nothing
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let (got, _) = run(&outsider, PROMPT, 4, params).await.unwrap();
+    assert!(!got.is_empty());
+    assert_eq!(outsider.metrics().recomputed_requests.load(Relaxed), 1, "it had to compute the prompt itself");
+    assert!(p.metrics().messages_rejected[1].load(Relaxed) >= 1, "the unsigned handshake was counted (unknown_agent)");
+    assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0);
+    assert_eq!(p.metrics().leases_active.load(Relaxed), 1, "the lease is untouched");
 }

@@ -111,6 +111,10 @@ pub async fn lease_ending_under_a_read(transport: TransportKind) {
     let (got, _) = pull.await.unwrap().unwrap();
     assert_eq!(got, want);
     assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
+    if transport == TransportKind::Tcp {
+        // The tcp agent asked P, which refused: the gate itself was exercised (SPEC P5).
+        assert!(p.metrics().reads_refused.load(Relaxed) >= 1);
+    }
     assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
     assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 0);
 }
