@@ -279,6 +279,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let engine_id = cfg.engine_id.clone();
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
+    let signal = shutdown_signal();
     announce(format!(
         "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
         host_port(&args.host, http.port()),
@@ -286,7 +287,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::serve(engine.clone(), listener, async move {
-        shutdown_signal().await;
+        signal.await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await?;
@@ -304,10 +305,11 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
     tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
+    let signal = shutdown_signal();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, async move {
-        shutdown_signal().await;
+        signal.await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await
@@ -333,29 +335,35 @@ async fn run_with_grace(
     }
 }
 
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// SIGINT or SIGTERM. The handlers are installed when this is called, not when the future is
+/// first polled: call it before printing the start-up line, so a signal sent right after that
+/// line is never missed (and never kills the process the default way).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    {
+    let signals = {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    };
+    async move {
+        #[cfg(unix)]
+        match signals {
+            (Ok(mut term), Ok(mut int)) => {
                 tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
                     _ = term.recv() => {}
+                    _ = int.recv() => {}
                 }
             }
-            Err(e) => {
-                tracing::warn!("cannot watch SIGTERM ({e}); stopping on SIGINT only");
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!("cannot watch SIGTERM/SIGINT ({e}); stopping on Ctrl-C only");
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        tracing::info!("shutdown signal received");
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-    tracing::info!("shutdown signal received");
 }
 
 #[cfg(test)]
