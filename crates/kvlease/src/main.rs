@@ -7,6 +7,7 @@
 //! kvlease-engine.
 
 mod load;
+mod sim;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -43,6 +44,8 @@ enum Command {
     Proxy(ProxyArgs),
     /// Send closed-loop load to /v1/completions and print requests/s and latency percentiles.
     Load(load::LoadArgs),
+    /// Simulate fixed timeouts and leases side by side on one seeded workload (virtual time).
+    Sim(sim::SimArgs),
 }
 
 #[derive(Args, Debug)]
@@ -164,6 +167,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args).await,
             Command::Proxy(args) => proxy(args).await,
             Command::Load(args) => load::run(args).await,
+            Command::Sim(args) => sim::run(args),
         }
     });
     match result {
