@@ -26,7 +26,8 @@ pub struct SimArgs {
 }
 
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
-    if !(a.rate > 0.0 && a.rate.is_finite()) || !(0.0..1.0).contains(&a.loss) || a.seconds == 0 {
+    let valid = a.rate > 0.0 && a.rate.is_finite() && (0.0..1.0).contains(&a.loss) && a.seconds > 0;
+    if !valid {
         anyhow::bail!("--rate must be > 0, --loss in [0, 1), --seconds ≥ 1");
     }
     let sc = Scenario {
