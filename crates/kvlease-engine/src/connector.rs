@@ -60,7 +60,10 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
         let name = format!("{}/{:x}/{r}", cfg.engine_id, inner.incarnation);
         let gate: Arc<dyn ReadGate> = Arc::new(Gate { inner: Arc::downgrade(inner) });
         let agent: Arc<dyn Agent> = match cfg.transport {
-            TransportKind::Tcp => TcpAgent::start(name, &cfg.host, arena.clone(), gate, tx).await?,
+            TransportKind::Tcp => {
+                let options = kvlease_transport::tcp::TcpOptions { advertise: cfg.advertise_host, ..Default::default() };
+                TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
+            }
             #[cfg(feature = "nixl")]
             TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx).await?,
             #[cfg(not(feature = "nixl"))]
@@ -138,7 +141,11 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
         engine_id: inner.cfg.engine_id.clone(),
         request_id: done.client_id.clone(),
         block_ids,
-        host: kv.map(|a| a.ip().to_string()).unwrap_or_else(|| inner.cfg.host.clone()),
+        host: match (inner.cfg.advertise_host, kv) {
+            (Some(ip), _) => ip.to_string(),
+            (None, Some(a)) => a.ip().to_string(),
+            (None, None) => inner.cfg.host.clone(),
+        },
         port: kv.map(|a| a.port()).unwrap_or(0),
         tp_size: inner.cfg.tp_size,
         num_tokens: done.prompt.len() as u32,

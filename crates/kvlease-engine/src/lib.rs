@@ -48,6 +48,9 @@ pub struct EngineConfig {
     pub host: String,
     /// Side-channel port; 0 picks a free one (it is advertised in `kv_transfer_params`).
     pub kv_port: u16,
+    /// The address other engines reach this one at (`remote_host` in `kv_transfer_params`, and
+    /// the transfer agents' address), when it is not `host`: e.g. `host` 0.0.0.0.
+    pub advertise_host: Option<std::net::IpAddr>,
     pub transfer: KvTransferConfig,
     pub tp_size: u32,
     pub num_gpu_blocks: u32,
@@ -67,6 +70,7 @@ impl Default for EngineConfig {
             engine_id: String::new(),
             host: "127.0.0.1".into(),
             kv_port: 0,
+            advertise_host: None,
             transfer: KvTransferConfig::default(),
             tp_size: 1,
             num_gpu_blocks: 1024,

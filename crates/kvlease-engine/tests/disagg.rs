@@ -249,3 +249,17 @@ async fn s2_handshake_needs_the_cluster_secret() {
     assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0);
     assert_eq!(p.metrics().leases_active.load(Relaxed), 1, "the lease is untouched");
 }
+
+/// An engine bound to every interface tells its peers the address they can reach it at
+/// (`--advertise-host`): in `remote_host`, and in its transfer agents' metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advertised_host_is_what_peers_dial() {
+    let ip: std::net::IpAddr = "127.0.0.3".parse().unwrap();
+    let p = engine(EngineConfig { host: "0.0.0.0".into(), advertise_host: Some(ip), ..config(30.0, 1) }).await;
+    let d = engine(config(30.0, 1)).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    assert_eq!(params.as_ref().unwrap()["remote_host"], "127.0.0.3");
+    let (got, _) = run(&d, PROMPT, 3, params).await.unwrap();
+    assert!(!got.is_empty());
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "pulled through the advertised address");
+}

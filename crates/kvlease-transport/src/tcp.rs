@@ -73,6 +73,9 @@ pub struct TcpOptions {
     /// responses by their request only (their payload streams from the arena). Queueing beyond
     /// it closes the connection as stalled. Keep it well above `max_frame`.
     pub max_queued_bytes: usize,
+    /// The address peers are told to dial (in [`Agent::metadata`]), when it is not the one the
+    /// agent listens on: a wildcard bind (`0.0.0.0`) behind an address other machines reach.
+    pub advertise: Option<std::net::IpAddr>,
 }
 
 impl Default for TcpOptions {
@@ -83,6 +86,7 @@ impl Default for TcpOptions {
             max_frame: 16 * 1024 * 1024,
             write_stall: Duration::from_secs(10),
             max_queued_bytes: 64 * 1024 * 1024,
+            advertise: None,
         }
     }
 }
@@ -231,7 +235,10 @@ impl TcpAgent {
             return Err(TransportError::BadMetadata(format!("agent names are 1 to {} bytes, got {}", wire::MAX_NAME, name.len())));
         }
         let listener = TcpListener::bind((host, 0)).await.map_err(|e| TransportError::Io(format!("cannot listen on {host}: {e}")))?;
-        let addr = listener.local_addr().map_err(|e| TransportError::Io(format!("listener address: {e}")))?;
+        let mut addr = listener.local_addr().map_err(|e| TransportError::Io(format!("listener address: {e}")))?;
+        if let Some(ip) = options.advertise {
+            addr.set_ip(ip);
+        }
         let inner = Arc::new(Inner {
             name,
             addr,
@@ -247,7 +254,7 @@ impl TcpAgent {
         Ok(Arc::new(TcpAgent { inner }))
     }
 
-    /// Where this agent listens.
+    /// Where peers reach this agent: where it listens, or its advertised address.
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.addr
     }

@@ -61,6 +61,10 @@ struct ServeArgs {
     /// Port of the KV handshake side channel (0: any free port; it is advertised in kv_transfer_params).
     #[arg(long, default_value_t = 0)]
     kv_port: u16,
+    /// The IP other engines reach this one at (remote_host in kv_transfer_params, and the
+    /// transfer agents' address), when --host is not it (e.g. --host 0.0.0.0).
+    #[arg(long, value_name = "IP")]
+    advertise_host: Option<std::net::IpAddr>,
     /// vLLM's --kv-transfer-config JSON.
     #[arg(long, value_name = "JSON")]
     kv_transfer_config: Option<String>,
@@ -235,6 +239,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         engine_id: args.engine_id.clone().unwrap_or_else(kvlease_server::ids::random_uuid),
         host: args.host.clone(),
         kv_port: args.kv_port,
+        advertise_host: args.advertise_host,
         transfer,
         tp_size: args.tp_size,
         num_gpu_blocks: args.num_gpu_blocks,
