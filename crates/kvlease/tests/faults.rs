@@ -134,3 +134,30 @@ async fn killed_prefill_engine_costs_a_recompute_not_an_error() {
     p.signal("KILL");
     assert_recomputed_right(w, &d).await;
 }
+
+/// Issue #3 "beyond the toy proxy", SPEC D4: a client that gives up while its request still
+/// waits on a busy D makes the proxy drop the D request; D releases P's lease at once
+/// (`released`), long before the lease would expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_leaving_the_proxy_releases_p_lease_at_once() {
+    let p = Proc::serve("leave-p", &["--kv-transfer-config", &lease_config(30.0)]);
+    let d = busy_decoder("leave-d", 30.0);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    let _busy = occupy(&d, 100).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let req = tokio::spawn(async move {
+        let _ = client()
+            .post(url)
+            .json(&json!({"model": "kvlease-synthetic", "prompt": "a client that gives up", "max_tokens": 5, "stream": true}))
+            .send()
+            .await;
+    });
+    until("the lease is granted and renewed", DEADLINE, || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0 })
+        .await;
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
+    req.abort(); // the client goes away
+    let t0 = Instant::now();
+    until("P releases", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    assert!(t0.elapsed() < Duration::from_secs(2), "released after {:?}, the lease had 30 s", t0.elapsed());
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 1.0);
+}
