@@ -21,18 +21,7 @@ async fn running(url: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_stream_aborts_the_request() {
     let s = TestServer::with_model(slow()).await;
-    let r = client()
-        .post(format!("{}/v1/completions", s.url))
-        .json(&json!({"prompt": "a long story", "max_tokens": 2000, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status(), 200);
-    let mut body = r.bytes_stream();
-    let first = tokio::time::timeout(DEADLINE, futures_util::StreamExt::next(&mut body)).await.expect("first chunk in time");
-    assert!(first.is_some_and(|c| c.is_ok()));
-    assert_eq!(running(&s.url).await, 1.0);
-    drop(body);
+    stream_then_leave(&s.url, &s.url).await;
     wait_until("the engine to abort the streamed request", || async { running(&s.url).await == 0.0 }).await;
     s.stop().await;
 }

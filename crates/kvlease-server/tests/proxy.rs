@@ -113,18 +113,7 @@ async fn client_leaving_the_proxy_aborts_the_decode_request() {
     let pf = TestServer::with_model(slow.clone()).await;
     let dc = TestServer::with_model(slow).await;
     let p = start_proxy(vec![upstream(pf.addr)], vec![upstream(dc.addr)]).await;
-    let r = client()
-        .post(format!("{}/v1/completions", p.url))
-        .json(&json!({"prompt": "a long story", "max_tokens": 2000, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status(), 200);
-    let mut body = r.bytes_stream();
-    let first = tokio::time::timeout(DEADLINE, futures_util::StreamExt::next(&mut body)).await.expect("first chunk in time");
-    assert!(first.is_some_and(|c| c.is_ok()));
-    assert_eq!(metric(&dc.url, "kvlease_requests_running").await, 1.0);
-    drop(body);
+    stream_then_leave(&p.url, &dc.url).await;
     wait_until("D to abort the request", || async { metric(&dc.url, "kvlease_requests_running").await == 0.0 }).await;
     pf.stop().await;
     dc.stop().await;

@@ -99,3 +99,20 @@ where
     };
     tokio::time::timeout(DEADLINE, polled).await.unwrap_or_else(|_| panic!("timed out waiting for {what}"));
 }
+
+/// Starts a long streamed completion at `url`, waits for its first chunk while `running_at`
+/// shows it running, then goes away (drops the body): the disconnect tests' client.
+pub async fn stream_then_leave(url: &str, running_at: &str) {
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({"prompt": "a long story", "max_tokens": 2000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    let first = tokio::time::timeout(DEADLINE, futures_util::StreamExt::next(&mut body)).await.expect("first chunk in time");
+    assert!(first.is_some_and(|c| c.is_ok()));
+    assert_eq!(metric(running_at, "kvlease_requests_running").await, 1.0);
+    drop(body);
+}
