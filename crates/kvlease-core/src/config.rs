@@ -56,11 +56,11 @@ impl LeaseConfig {
         self.extension / 4
     }
 
-    /// How long D lets a pull's reads run before abandoning them: the read budget. A read that
-    /// takes longer may outlive what the acknowledgement covered; its bytes are then only as good
-    /// as P's `ReadDoneAck`, and D stops waiting.
+    /// How long D lets a pull's reads run before abandoning them: the read budget, at least 1 s
+    /// (a large prompt on a busy machine needs it whatever the lease). A read that outlives the
+    /// acknowledged lease is caught by P's `ReadDoneAck`.
     pub fn read_timeout(&self) -> Duration {
-        self.read_budget()
+        self.read_budget().max(Duration::from_secs(1))
     }
 
     /// How long D waits for P's answer to a renewal or a read completion before giving up on the

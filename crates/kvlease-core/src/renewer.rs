@@ -100,9 +100,10 @@ struct RemoteEngine {
     seq: u64,
     /// Heartbeats awaiting acknowledgement: (seq, sent at, ids).
     inflight: VecDeque<(u64, Nanos, Vec<LeaseId>)>,
-    /// Leases to release, with the incarnation that granted them: a release is never sent to
-    /// another incarnation, where the same id names someone else's lease.
-    to_release: BTreeMap<LeaseId, u64>,
+    /// Leases to release, with the incarnation that granted them (a release is never sent to
+    /// another incarnation, where the same id names someone else's lease) and when the release
+    /// was first seen by `poll` (after E it is pointless: P has expired the lease itself).
+    to_release: BTreeMap<LeaseId, (u64, Option<Nanos>)>,
     renew_for_read: BTreeSet<LeaseId>,
     /// Since when nothing is tracked or to be sent toward this engine.
     idle_since: Option<Nanos>,
@@ -171,7 +172,7 @@ impl Renewer {
             engine.next_due = engine.next_due.min(now);
         }
         if stale {
-            self.lose(&remote.engine_id, lease_id);
+            self.lose(&remote.engine_id, lease_id, false);
         }
         let Some(engine) = self.engines.get_mut(&remote.engine_id) else { return };
         engine
@@ -187,16 +188,18 @@ impl Renewer {
         let Some(t) = engine.leases.remove(&lease_id) else { return };
         engine.renew_for_read.remove(&lease_id);
         if how == Untrack::Abandoned {
-            engine.to_release.insert(lease_id, t.incarnation);
+            engine.to_release.insert(lease_id, (t.incarnation, None));
         }
     }
 
     /// The background handshake with `engine_id` finished: `Ok(incarnation)` or failed.
-    /// Leases granted by another incarnation of that engine are lost (SPEC §3).
-    pub fn handshake_done(&mut self, engine_id: &str, result: Result<u64, ()>, now: Nanos) {
-        let Some(engine) = self.engines.get_mut(engine_id) else { return };
+    /// Leases granted by another incarnation of that engine are lost (SPEC §3). Returns whether
+    /// the result was taken: false for a handshake nobody waits for any more (the engine was
+    /// forgotten, or reconnected elsewhere meanwhile); its connections should be dropped.
+    pub fn handshake_done(&mut self, engine_id: &str, result: Result<u64, ()>, now: Nanos) -> bool {
+        let Some(engine) = self.engines.get_mut(engine_id) else { return false };
         if engine.link != Link::Pending {
-            return;
+            return false;
         }
         match result {
             Ok(incarnation) => {
@@ -206,7 +209,7 @@ impl Renewer {
                 let stale: Vec<LeaseId> =
                     engine.leases.iter().filter(|(_, t)| t.incarnation != 0 && t.incarnation != incarnation).map(|(id, _)| *id).collect();
                 for id in stale {
-                    self.lose(engine_id, id);
+                    self.lose(engine_id, id, false);
                 }
             }
             Err(()) => {
@@ -215,6 +218,7 @@ impl Renewer {
                 engine.link = Link::Failed { attempts: engine.failures, retry_at: now + backoff };
             }
         }
+        true
     }
 
     /// The connection to `engine_id` broke: handshake again before the next heartbeat.
@@ -246,12 +250,12 @@ impl Renewer {
                     // Ranks ack the same heartbeat each; keep it for the others until it ages out.
                 }
                 for id in lost_ids {
-                    self.lose(engine_id, *id);
+                    self.lose(engine_id, *id, true);
                 }
             }
             Message::LeaseLost { lease_ids } => {
                 for id in lease_ids {
-                    self.lose(engine_id, *id);
+                    self.lose(engine_id, *id, false);
                 }
             }
             _ => {}
@@ -281,19 +285,25 @@ impl Renewer {
             while engine.inflight.front().is_some_and(|(_, sent, _)| *sent + self.extension <= now) {
                 engine.inflight.pop_front();
             }
+            for (_, queued) in engine.to_release.values_mut() {
+                queued.get_or_insert(now);
+            }
+            engine.to_release.retain(|_, (_, queued)| queued.is_none_or(|t| now.since(t) < self.extension));
+            // Leases to renew, or releases to deliver, need a connection.
+            let wanted = !engine.leases.is_empty() || !engine.to_release.is_empty();
             match engine.link {
-                Link::Unknown if !engine.leases.is_empty() => {
+                Link::Unknown if wanted => {
                     engine.link = Link::Pending;
                     out.push(Action::Handshake { engine_id: engine_id.clone(), host: engine.host.clone(), port: engine.port });
                 }
-                Link::Failed { retry_at, .. } if !engine.leases.is_empty() && now >= retry_at => {
+                Link::Failed { retry_at, .. } if wanted && now >= retry_at => {
                     engine.link = Link::Pending;
                     out.push(Action::Handshake { engine_id: engine_id.clone(), host: engine.host.clone(), port: engine.port });
                 }
                 Link::Ready { incarnation } => {
                     let lease_ids: Vec<LeaseId> = std::mem::take(&mut engine.to_release)
                         .into_iter()
-                        .filter(|(_, granted_by)| *granted_by == 0 || *granted_by == incarnation)
+                        .filter(|(_, (granted_by, _))| *granted_by == 0 || *granted_by == incarnation)
                         .map(|(id, _)| id)
                         .collect();
                     if !lease_ids.is_empty() {
@@ -340,8 +350,8 @@ impl Renewer {
         self.engines
             .values()
             .filter_map(|e| match e.link {
-                Link::Unknown if !e.leases.is_empty() => Some(Nanos::ZERO),
-                Link::Failed { retry_at, .. } if !e.leases.is_empty() => Some(retry_at),
+                Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
+                Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
                 Link::Ready { .. } if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
                 Link::Ready { .. } if !e.leases.is_empty() => Some(e.next_due),
                 _ => None,
@@ -364,10 +374,15 @@ impl Renewer {
         matches!(self.engines.get(engine_id).map(|e| e.link), Some(Link::Ready { .. }))
     }
 
-    fn lose(&mut self, engine_id: &str, lease_id: LeaseId) {
+    /// Stops tracking a lost lease and reports it. `release`: P may still hold it (a renewal
+    /// capped by P9 is acknowledged as lost), so free it now; pointless when P said it is gone.
+    fn lose(&mut self, engine_id: &str, lease_id: LeaseId, release: bool) {
         let Some(engine) = self.engines.get_mut(engine_id) else { return };
         let Some(t) = engine.leases.remove(&lease_id) else { return };
         engine.renew_for_read.remove(&lease_id);
+        if release {
+            engine.to_release.insert(lease_id, (t.incarnation, None));
+        }
         self.requests.remove(&t.request_id);
         self.lost.push((t.request_id, lease_id));
     }

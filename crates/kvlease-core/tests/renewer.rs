@@ -233,3 +233,42 @@ fn idle_engines_are_forgotten() {
     assert_eq!(poll(&mut r, at(61_000)), vec![Action::Forget { engine_id: "P".into() }]);
     assert!(!r.is_ready("P"));
 }
+
+/// SPEC D4: an abort toward a P engine whose connection is down still gets its Release
+/// delivered (a handshake is started for it), and a release older than E is dropped: P has
+/// expired the lease by then anyway.
+#[test]
+fn d4_pending_releases_reconnect_then_age_out() {
+    let mut r = Renewer::new(&LeaseConfig::default()); // E = 20 s
+    r.track("a", &p("P"), 1, at(0));
+    ready(&mut r, "P", at(0));
+    poll(&mut r, at(0));
+    r.disconnected("P");
+    r.untrack("a", Untrack::Abandoned);
+    assert!(matches!(&poll(&mut r, at(10))[..], [Action::Handshake { .. }]), "a release alone is reason to reconnect");
+    r.handshake_done("P", Ok(11), at(20));
+    assert_eq!(sent(&poll(&mut r, at(20)), "P"), vec![Message::Release { lease_ids: vec![1] }]);
+    // Another abort while P is unreachable for longer than E: dropped, not sent forever.
+    r.track("b", &p("P"), 2, at(30));
+    poll(&mut r, at(30));
+    r.disconnected("P");
+    r.untrack("b", Untrack::Abandoned);
+    assert!(matches!(&poll(&mut r, at(40))[..], [Action::Handshake { .. }]));
+    r.handshake_done("P", Err(()), at(50));
+    assert!(poll(&mut r, at(20_041)).is_empty(), "aged out after E");
+}
+
+/// SPEC P9 × D6: a lease P acknowledges as lost (e.g. capped by its lifetime) stops being
+/// tracked and is released, so P frees it now instead of at its cap.
+#[test]
+fn d6_acknowledged_lost_leases_are_released() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 4, at(0));
+    ready(&mut r, "P", at(0));
+    let acts = poll(&mut r, at(0));
+    let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![4] });
+    let acts = poll(&mut r, at(1));
+    assert!(acts.iter().any(|a| matches!(a, Action::Lost { lease_id: 4, .. })));
+    assert_eq!(sent(&acts, "P"), vec![Message::Release { lease_ids: vec![4] }]);
+}

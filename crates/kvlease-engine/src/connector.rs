@@ -264,18 +264,21 @@ async fn agent_events(inner: Weak<Inner>, rank: usize, mut rx: mpsc::UnboundedRe
             AgentEvent::Notification { from, bytes } => on_notification(&inner, rank, &from, &bytes),
             AgentEvent::Rejected { reason } => inner.metrics.rejected(reason),
             AgentEvent::Disconnected { peer } => {
-                // The peer's agent is gone (or its connection): forget it on every rank; a
-                // P engine it belonged to is handshaken again before the next heartbeat.
-                for r in inner.ranks() {
-                    r.agent.remove_peer(&peer);
-                }
-                let engine = lock(&inner.agent_engines).remove(&peer);
-                if let Some(engine) = engine {
-                    if lock(&inner.peers).get(&engine).is_some_and(|p| p.agents.contains(&peer)) {
-                        tracing::info!(peer = %peer, "transfer agent disconnected; handshake again before the next heartbeat");
-                        forget_peer(&inner, &engine);
-                        lock(&inner.renewer).disconnected(&engine);
-                        inner.renewer_wake.notify_one();
+                let engine = lock(&inner.agent_engines).get(&peer).cloned();
+                let p_engine = engine.filter(|e| lock(&inner.peers).get(e).is_some_and(|p| p.agents.contains(&peer)));
+                if let Some(engine) = p_engine {
+                    // A P engine we renew leases with: forget its agents, handshake again
+                    // before the next heartbeat.
+                    tracing::info!(peer = %peer, "transfer agent disconnected; handshake again before the next heartbeat");
+                    forget_peer(&inner, &engine);
+                    lock(&inner.renewer).disconnected(&engine);
+                    inner.renewer_wake.notify_one();
+                } else {
+                    // A D engine's agent (or one we never knew): it handshakes again if it
+                    // comes back.
+                    lock(&inner.agent_engines).remove(&peer);
+                    for r in inner.ranks() {
+                        r.agent.remove_peer(&peer);
                     }
                 }
             }
@@ -558,11 +561,19 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
         if !authentic(&inner, &theirs) {
             return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
         }
+        if theirs.echo.0 != ours.t_send {
+            return Err(format!("the engine at {addr} answered another handshake (a replay?)"));
+        }
         if theirs.engine_id != engine_id {
             return Err(format!("the engine at {addr} is {:?}, not {engine_id:?}", theirs.engine_id));
         }
-        // A previous incarnation's agents are of no more use.
-        forget_peer(&inner, &engine_id);
+        // A previous incarnation's agents are of no more use. The same incarnation's stay: they
+        // are re-added as they are (dropping a live connection only to dial it again would make
+        // the other side wait for the old one to close).
+        let old = lock(&inner.peers).get(&engine_id).map(|p| p.incarnation);
+        if old.is_some_and(|i| i != theirs.incarnation) {
+            forget_peer(&inner, &engine_id);
+        }
         let agents = introduce(&inner, &theirs).await?;
         Ok((theirs.incarnation, agents))
     }
@@ -570,8 +581,24 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
     let now = inner.now();
     match result {
         Ok((incarnation, agents)) => {
-            lock(&inner.peers).insert(engine_id.clone(), Peer { agents });
-            lock(&inner.renewer).handshake_done(&engine_id, Ok(incarnation), now);
+            // Under the renewer's lock: no pull sees the engine Ready before its agents are
+            // known, and a result nobody waits for any more leaves nothing behind.
+            let mut renewer = lock(&inner.renewer);
+            if renewer.handshake_done(&engine_id, Ok(incarnation), now) {
+                lock(&inner.peers).insert(engine_id.clone(), Peer { incarnation, agents });
+            } else {
+                drop(renewer);
+                let mut engines = lock(&inner.agent_engines);
+                for agent in &agents {
+                    engines.remove(agent);
+                }
+                drop(engines);
+                for r in inner.ranks() {
+                    for agent in &agents {
+                        r.agent.remove_peer(agent);
+                    }
+                }
+            }
         }
         Err(e) => {
             tracing::warn!(engine = %engine_id, "handshake with {addr} failed: {e}; retrying with back-off");
@@ -609,6 +636,10 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let Some(peer) = lock(&inner.peers).get(&rk.engine_id).cloned() else {
         return PullOutcome::Lost("no connection to the prefill engine".into());
     };
+    if peer.incarnation != rk.incarnation {
+        // P restarted after granting: the same lease id may now name another request's blocks.
+        return PullOutcome::Lost("the prefill engine restarted since it granted the lease".into());
+    }
     // 2. Plan: one read per (D rank, P rank) pair whose heads overlap (SPEC T1, T2).
     let m = &inner.cfg.model;
     let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, peer.agents.len() as u32, inner.cfg.tp_size) else {

@@ -35,6 +35,8 @@ pub(crate) struct Rank {
 /// A P engine this engine has handshaken with (D side).
 #[derive(Debug, Clone)]
 pub(crate) struct Peer {
+    /// The incarnation these agents belong to: a lease of another is never read from them.
+    pub incarnation: u64,
     /// Agent names, one per P rank, in rank order.
     pub agents: Vec<String>,
 }

@@ -88,9 +88,10 @@ impl KvRole {
                     // Required: lease ids restart with each incarnation of P, so a lease id
                     // without one could name another request's blocks after a restart.
                     incarnation: match obj.get("remote_incarnation") {
-                        Some(Value::String(s)) => s.parse().map_err(|_| ParamError("remote_incarnation must be a number".into()))?,
-                        _ => uint(obj, "remote_incarnation")?,
-                    },
+                        Some(Value::String(s)) => s.parse().ok().filter(|i| *i != 0),
+                        _ => Some(uint(obj, "remote_incarnation")?).filter(|i| *i != 0),
+                    }
+                    .ok_or_else(|| ParamError("remote_incarnation must be a non-zero number".into()))?,
                     signature: match obj.get("kvlease_signature") {
                         None | Some(Value::Null) => None,
                         Some(Value::String(s)) => Some(s.clone()),
@@ -253,6 +254,7 @@ mod tests {
             ("remote_port", json!(70000), "remote_port"),
             ("remote_lease_id", Value::Null, "remote_lease_id"),
             ("remote_incarnation", Value::Null, "remote_incarnation"),
+            ("remote_incarnation", json!("0"), "remote_incarnation"),
             ("remote_engine_id", json!(""), "remote_engine_id"),
             ("tp_size", json!(0), "tp_size"),
             ("do_remote_decode", json!(true), "both"),

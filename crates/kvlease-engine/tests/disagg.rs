@@ -263,3 +263,33 @@ async fn advertised_host_is_what_peers_dial() {
     assert!(!got.is_empty());
     assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "pulled through the advertised address");
 }
+
+/// SPEC §3 (incarnation): a P engine restarted under the same engine id hands out lease ids and
+/// blocks again from the start. Params from the old incarnation that name a lease id now live on
+/// the new one (here forged by a client, no secret) are never read: D recomputes, and the new
+/// incarnation's lease is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incarnation_fences_lease_ids_across_a_restart() {
+    let old = engine(EngineConfig { engine_id: "p-restarts".into(), ..config(30.0, 1) }).await;
+    let new = engine(EngineConfig { engine_id: "p-restarts".into(), ..config(30.0, 1) }).await;
+    let d = engine(config(30.0, 1)).await;
+    let local = engine(config(30.0, 1)).await;
+    let (a, b) = ("prompt of the old incarnation's request", "prompt of the new incarnation's request");
+    assert_eq!(a.len(), b.len(), "same blocks");
+    let (_, old_params) = run(&old, a, 1, prefill_params()).await.unwrap();
+    let (_, new_params) = run(&new, b, 1, prefill_params()).await.unwrap();
+    let (old_params, new_params) = (old_params.unwrap(), new_params.unwrap());
+    assert_eq!(old_params["remote_lease_id"], new_params["remote_lease_id"]);
+    assert_eq!(old_params["remote_block_ids"], new_params["remote_block_ids"]);
+    // D first works with the new incarnation (handshake done, engine ready).
+    let (_, c) = run(&new, "a third prompt, read normally", 1, prefill_params()).await.unwrap();
+    run(&d, "a third prompt, read normally", 2, c).await.unwrap();
+    // Then gets the old incarnation's lease, pointed at the new engine.
+    let mut forged = new_params.clone();
+    forged["remote_incarnation"] = old_params["remote_incarnation"].clone();
+    let (want, _) = run(&local, a, 6, None).await.unwrap();
+    let (got, _) = run(&d, a, 6, Some(forged)).await.unwrap();
+    assert_eq!(got, want, "never the new incarnation's KV");
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
+    assert_eq!(new.metrics().leases_active.load(Relaxed), 1, "the new incarnation's lease is untouched");
+}

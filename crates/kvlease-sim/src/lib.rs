@@ -314,7 +314,9 @@ impl Sim {
                 self.renewer.poll(now, &mut actions);
                 for a in actions {
                     match a {
-                        Action::Handshake { engine_id, .. } => self.renewer.handshake_done(&engine_id, Ok(1), now),
+                        Action::Handshake { engine_id, .. } => {
+                            self.renewer.handshake_done(&engine_id, Ok(1), now);
+                        }
                         Action::Send { bytes, .. } => self.send(Event::ToP(bytes)),
                         Action::Lost { .. } | Action::Forget { .. } => {}
                     }

@@ -511,8 +511,10 @@ impl Inner {
             }
             Verdict::Adopt(conn, queues, old) => {
                 Arc::clone(&self).spawn_conn(conn, queues, rd, wr);
+                // Replaced, not lost: the peer is connected (its reads on the old connection
+                // still fail), so nobody is told it disconnected.
                 if let Some(old) = old {
-                    self.close_conn(&old, true);
+                    self.close_conn(&old, false);
                 }
             }
         }
@@ -613,7 +615,7 @@ impl Inner {
         self.changed.notify_waiters();
         Arc::clone(self).spawn_conn(conn, queues, rd, wr);
         if let Some(old) = old {
-            self.close_conn(&old, true);
+            self.close_conn(&old, false);
         }
         Ok(Dialed::Adopted)
     }
