@@ -32,6 +32,13 @@ impl ReleaseReason {
     pub const ALL: [ReleaseReason; 4] =
         [ReleaseReason::Transferred, ReleaseReason::Released, ReleaseReason::Expired, ReleaseReason::Shutdown];
 
+    /// SPEC P5 where the transport cannot fence reads (NIXL): whether a READ of the lease's
+    /// blocks may still be on its way. Only a lease whose every expected reader reported
+    /// completion is known to have none.
+    pub fn may_have_readers(self) -> bool {
+        self != ReleaseReason::Transferred
+    }
+
     /// The `reason` label of `kvlease_leases_released_total`.
     pub fn as_str(self) -> &'static str {
         match self {

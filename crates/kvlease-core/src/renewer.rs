@@ -70,6 +70,10 @@ pub enum ReadCheck {
     RenewFirst,
     /// Not tracked (lost, or never tracked).
     Untracked,
+    /// The last handshake with the lease's P engine failed: nothing can renew or read the lease
+    /// until one succeeds. Waiting is a bet on P coming back within the lease; recomputing now is
+    /// always right.
+    Unreachable,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,6 +274,9 @@ impl Renewer {
         let Some(t) = engine.leases.get(lease_id) else { return ReadCheck::Untracked };
         if t.acked_until > now + budget {
             return ReadCheck::Safe;
+        }
+        if matches!(engine.link, Link::Failed { .. }) {
+            return ReadCheck::Unreachable;
         }
         engine.renew_for_read.insert(*lease_id);
         ReadCheck::RenewFirst

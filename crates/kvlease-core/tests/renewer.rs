@@ -272,3 +272,15 @@ fn d6_acknowledged_lost_leases_are_released() {
     assert!(acts.iter().any(|a| matches!(a, Action::Lost { lease_id: 4, .. })));
     assert_eq!(sent(&acts, "P"), vec![Message::Release { lease_ids: vec![4] }]);
 }
+
+/// SPEC D5, D6: a read of a lease whose P engine cannot be reached (its last handshake failed)
+/// is not waited for: D recomputes at once instead of waiting out the lease.
+#[test]
+fn d6_unreachable_engine_is_not_waited_for() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
+    assert_eq!(r.read_check("a", Duration::from_secs(1), at(1)), ReadCheck::RenewFirst, "handshake still pending");
+    r.handshake_done("P", Err(()), at(2));
+    assert_eq!(r.read_check("a", Duration::from_secs(1), at(3)), ReadCheck::Unreachable);
+}

@@ -20,7 +20,7 @@ use crate::scheduler::{PrefillDone, Seq};
 use crate::side_channel::{self, read_frame, write_frame};
 use crate::{FinishReason, GenerateEvent, StartError, TransportKind};
 use hmac::{Hmac, Mac};
-use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released};
+use kvlease_core::lease_table::{ReadTicket, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment};
@@ -187,10 +187,10 @@ fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     drop(table);
     for r in released {
         match r.payload {
-            // All reads completed: nothing can be in flight.
-            Some(lease) if r.reason == ReleaseReason::Transferred => drop(lease),
             // Expired, released or shut down: a READ the transport cannot fence may be on its way.
-            Some(lease) => free_after_reads(inner, lease.blocks),
+            Some(lease) if r.reason.may_have_readers() => free_after_reads(inner, lease.blocks),
+            // All reads completed: nothing can be in flight.
+            Some(lease) => drop(lease),
             // A reader holds them; they come back when it ends.
             None => {}
         }
@@ -623,6 +623,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         match lock(&inner.renewer).read_check(internal, lease.read_budget(), inner.now()) {
             ReadCheck::Safe => break,
             ReadCheck::Untracked => return PullOutcome::Lost("the prefill engine reported the lease lost".into()),
+            ReadCheck::Unreachable => return PullOutcome::Lost(format!("no handshake with the prefill engine {}", rk.engine_id)),
             ReadCheck::RenewFirst => inner.renewer_wake.notify_one(),
         }
         if tokio::time::timeout_at(give_up, news.changed()).await.is_err() {

@@ -341,7 +341,7 @@ impl Sim {
                     ReadCheck::Safe => {}
                     // The renewal goes out on the next poll; the ack brings us back here.
                     ReadCheck::RenewFirst => return,
-                    ReadCheck::Untracked => {
+                    ReadCheck::Untracked | ReadCheck::Unreachable => {
                         self.d_waiting.pop_front();
                         self.report.recomputed += 1;
                         self.decode();
