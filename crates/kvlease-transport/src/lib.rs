@@ -7,7 +7,8 @@
 //! [`AgentEvent::Notification`]). It knows nothing of leases beyond the `lease_id` a read names:
 //! the serving side decides through its [`ReadGate`] whether a read may be served (SPEC P5, S2).
 //!
-//! Backends: `tcp` (tokio, the default), `mem` (in-process, for tests and simulation).
+//! Backends: `tcp` (tokio, the default), `mem` (in-process, for tests), `nixl` (feature `nixl`:
+//! NIXL over UCX, one OS thread per agent).
 //! A backend that cannot refuse reads (NIXL: the NIC reads P's memory without asking P) says so
 //! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
 //! alone (SPEC D6).

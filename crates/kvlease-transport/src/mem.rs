@@ -1,4 +1,5 @@
-//! The mem backend: agents in one process on a [`MemNetwork`], for unit tests and simulation.
+//! The mem backend: agents in one process on a [`MemNetwork`], for unit tests (the simulator
+//! drives the protocol core directly, without agents).
 //!
 //! Same contract and errors as the tcp backend, without sockets: metadata is the agent's name,
 //! a read asks the serving agent's [`ReadGate`] and copies arena to arena directly, a
