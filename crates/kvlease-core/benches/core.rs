@@ -6,7 +6,8 @@
 
 use divan::{black_box, Bencher};
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::lease_table::{LeaseTable, Released};
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::lease_table::{Holder, LeaseTable, Released};
 use kvlease_core::wire::{encode_heartbeat, Message};
 use kvlease_core::Nanos;
 use std::collections::HashMap;
@@ -17,12 +18,14 @@ fn main() {
 
 const K: usize = 1000;
 const SEC: u64 = 1_000_000_000;
+const D: Holder = Holder(std::num::NonZeroU32::MIN);
+const DIGEST: PromptDigest = PromptDigest([0; 16]);
 
 /// A table of `n` live leases granted at t = 0, and the encoded heartbeat for `K` of them
 /// granted in a row, from the middle.
 fn table(n: usize) -> (LeaseTable<u32>, Vec<u8>) {
     let mut t = LeaseTable::new(&LeaseConfig::default());
-    let ids: Vec<u64> = (0..n).map(|i| t.grant(Nanos(0), 1, i as u32)).collect();
+    let ids: Vec<u64> = (0..n).map(|i| t.grant(Nanos(0), 1, DIGEST, i as u32)).collect();
     let start = n / 2 - K.min(n) / 2;
     let mut hb = Vec::new();
     encode_heartbeat(1, &ids[start..start + K.min(n)], &mut hb);
@@ -39,7 +42,7 @@ fn renew_heartbeat_1000(bencher: Bencher, n: usize) {
         now += 1;
         let Ok(Message::Heartbeat { lease_ids, .. }) = Message::decode(black_box(&hb)) else { unreachable!() };
         lost.clear();
-        t.renew(&lease_ids, Nanos(now), &mut lost, &mut rel)
+        t.renew(D, &lease_ids, Nanos(now), &mut lost, &mut rel)
     });
 }
 
@@ -93,10 +96,10 @@ fn tick_expire_1000_of_1m(bencher: Bencher) {
         .with_inputs(|| {
             let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
             for i in 0..1_000u32 {
-                t.grant(Nanos(0), 1, i);
+                t.grant(Nanos(0), 1, DIGEST, i);
             }
             for i in 0..999_000u32 {
-                t.grant(Nanos(10 * SEC), 1, i);
+                t.grant(Nanos(10 * SEC), 1, DIGEST, i);
             }
             let mut rel = Vec::new();
             t.tick(Nanos(29 * SEC + 950_000_000), &mut rel);

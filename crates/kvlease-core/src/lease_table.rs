@@ -12,12 +12,26 @@
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
 //! the last reader ends, so no block is reused under a reader.
+//!
+//! Every lease belongs to one [`Holder`] (SPEC S5): the first engine, as the transport
+//! authenticated it, to renew, read, complete or release it. Messages about it from any other
+//! engine are answered as lost and change nothing, so an engine of the cluster cannot release,
+//! complete or keep alive another engine's leases by guessing their (sequential) ids. Each lease
+//! also keeps the digest of the prompt it was granted for (SPEC S4): a completion for another
+//! prompt is not confirmed.
 
 use crate::config::LeaseConfig;
+use crate::digest::PromptDigest;
 use crate::wire::Message;
 use crate::{LeaseId, Nanos};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::num::NonZeroU32;
 use std::time::Duration;
+
+/// An engine that holds leases on P (SPEC S5): one per authenticated engine id and incarnation,
+/// handed out by [`LeaseTable::holder`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Holder(pub NonZeroU32);
 
 /// Why a lease ended; each release is counted under exactly one (SPEC P3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -116,14 +130,25 @@ struct Slot {
     deadline: u64,
     /// SPEC P9: the latest deadline a renewal may set.
     cap: u64,
+    /// SPEC S5: who owns the lease; `None` until an engine first names it.
+    holder: Option<Holder>,
 }
 
-const VACANT: Slot = Slot { deadline: 0, cap: 0 };
+const VACANT: Slot = Slot { deadline: 0, cap: 0, holder: None };
+
+impl Slot {
+    /// SPEC S5: whether `holder` may act on this live lease; the first to ask owns it.
+    fn admit(&mut self, holder: Holder) -> bool {
+        *self.holder.get_or_insert(holder) == holder
+    }
+}
 
 #[derive(Debug)]
 struct Entry<T> {
     payload: T,
     granted: Nanos,
+    /// SPEC S4: the prompt the lease's KV belongs to.
+    digest: PromptDigest,
     blocks: u32,
     readers: u32,
     /// SPEC P8: consumers expected (0 until the first completion says) and those that reported.
@@ -153,6 +178,8 @@ pub struct LeaseTable<T> {
     wheel: Wheel,
     leased_blocks: u64,
     stats: LeaseStats,
+    /// SPEC S5: holders by authenticated engine name; ordered, so nothing depends on a hash seed.
+    holders: BTreeMap<String, Holder>,
 }
 
 impl<T> LeaseTable<T> {
@@ -174,12 +201,26 @@ impl<T> LeaseTable<T> {
             wheel: Wheel::new(width, horizon),
             leased_blocks: 0,
             stats: LeaseStats::default(),
+            holders: BTreeMap::new(),
         }
     }
 
-    /// SPEC P1: grant a lease of `L` from `now` over `blocks` blocks, owning `payload`.
-    /// The caller grants only for a request that finished prefill normally and holds ≥ 1 block.
-    pub fn grant(&mut self, now: Nanos, blocks: u32, payload: T) -> LeaseId {
+    /// SPEC S5: the holder for an engine as the transport authenticated it (engine id and
+    /// incarnation); the same name always gets the same holder.
+    pub fn holder(&mut self, engine: &str) -> Holder {
+        if let Some(h) = self.holders.get(engine) {
+            return *h;
+        }
+        let next = u32::try_from(self.holders.len() + 1).ok().and_then(NonZeroU32::new).unwrap_or(NonZeroU32::MAX);
+        let h = Holder(next);
+        self.holders.insert(engine.to_owned(), h);
+        h
+    }
+
+    /// SPEC P1: grant a lease of `L` from `now` over `blocks` blocks of the prompt whose digest is
+    /// `digest` (S4), owning `payload`. The caller grants only for a request that finished
+    /// prefill normally and holds ≥ 1 block.
+    pub fn grant(&mut self, now: Nanos, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
         let id = self.next_id;
         self.next_id += 1;
         let deadline = now.0.saturating_add(self.lease).max(1);
@@ -187,8 +228,8 @@ impl<T> LeaseTable<T> {
             Some(m) => now.0.saturating_add(m.max(self.lease)),
             None => u64::MAX,
         };
-        self.slots.push_back(Slot { deadline, cap });
-        self.entries.push_back(Some(Entry { payload, granted: now, blocks, readers: 0, expected: 0, done: Vec::new() }));
+        self.slots.push_back(Slot { deadline, cap, holder: None });
+        self.entries.push_back(Some(Entry { payload, granted: now, digest, blocks, readers: 0, expected: 0, done: Vec::new() }));
         self.window_live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
@@ -200,15 +241,24 @@ impl<T> LeaseTable<T> {
     /// unknown, released or past their deadline go to `lost`; the latter are released as
     /// `expired` into `released` right here. A lease that P9 keeps from being renewed for a full
     /// E goes to `lost` too, though it stays live until its cap: D must not count on it and
-    /// should recompute rather than race the cap (SPEC D6). Returns how many leases were renewed.
-    pub fn renew(&mut self, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) -> usize {
+    /// should recompute rather than race the cap (SPEC D6). A lease `holder` does not own goes to
+    /// `lost` unchanged (S5). Returns how many leases were renewed.
+    pub fn renew(
+        &mut self,
+        holder: Holder,
+        ids: &[LeaseId],
+        now: Nanos,
+        lost: &mut Vec<LeaseId>,
+        released: &mut Vec<Released<T>>,
+    ) -> usize {
         let target = now.0.saturating_add(self.extension);
         let mut renewed = 0;
         for &id in ids {
-            let Some(slot) = self.slot_mut(id) else {
+            let Some(slot) = self.slot_mut(id).filter(|s| s.holder.is_none_or(|h| h == holder)) else {
                 lost.push(id);
                 continue;
             };
+            slot.holder = Some(holder);
             if slot.deadline <= now.0 {
                 lost.push(id);
                 self.end(id, ReleaseReason::Expired, now, released);
@@ -232,21 +282,22 @@ impl<T> LeaseTable<T> {
     /// the answer to send back to the sender, if any. `HeartbeatAck.lost_ids` is the `LeaseLost`
     /// answer to a heartbeat and `ReadDoneAck{live: false}` the one to a completion, so D learns
     /// in the same round trip; a release naming dead leases is answered with `LeaseLost`.
-    pub fn on_message(&mut self, msg: &Message, now: Nanos, released: &mut Vec<Released<T>>) -> Answer {
+    /// `holder` is the engine that sent it, as the transport authenticated it (SPEC S5).
+    pub fn on_message(&mut self, holder: Holder, msg: &Message, now: Nanos, released: &mut Vec<Released<T>>) -> Answer {
         match msg {
             Message::Heartbeat { seq, lease_ids } => {
                 let mut lost = Vec::new();
-                let renewed = self.renew(lease_ids, now, &mut lost, released);
+                let renewed = self.renew(holder, lease_ids, now, &mut lost, released);
                 lost.sort_unstable();
                 Answer { reply: Some(Message::HeartbeatAck { seq: *seq, lost_ids: lost }), renewed }
             }
             Message::Release { lease_ids } => {
                 let mut lost = Vec::new();
-                self.release(lease_ids, now, &mut lost, released);
+                self.release(holder, lease_ids, now, &mut lost, released);
                 Answer { reply: (!lost.is_empty()).then_some(Message::LeaseLost { lease_ids: lost }), renewed: 0 }
             }
-            Message::ReadDone { lease_id, consumer_rank, n } => {
-                let c = self.complete(*lease_id, *consumer_rank, *n, now, released);
+            Message::ReadDone { lease_id, consumer_rank, n, digest } => {
+                let c = self.complete(holder, *lease_id, *consumer_rank, *n, *digest, now, released);
                 Answer { reply: Some(Message::ReadDoneAck { lease_id: *lease_id, live: c != Completion::Lost }), renewed: 0 }
             }
             Message::ClockPing { seq, t0 } => {
@@ -256,11 +307,13 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// SPEC D4, P6: D will not read these leases; release the live ones as `released`.
-    pub fn release(&mut self, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
+    /// SPEC D4, P6: D will not read these leases; release the live ones as `released`. Leases
+    /// another holder owns go to `lost` unchanged (S5).
+    pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         for &id in ids {
             match self.live_deadline(id) {
                 None => lost.push(id),
+                Some(_) if !self.admit(id, holder) => lost.push(id),
                 Some(d) if d <= now.0 => {
                     lost.push(id);
                     self.end(id, ReleaseReason::Expired, now, released);
@@ -270,10 +323,24 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// SPEC P8: consumer rank `consumer`, one of `n`, finished reading the lease.
-    pub fn complete(&mut self, id: LeaseId, consumer: u32, n: u32, now: Nanos, released: &mut Vec<Released<T>>) -> Completion {
+    /// SPEC P8: consumer rank `consumer`, one of `n`, finished reading the lease for the prompt
+    /// whose digest is `digest`. Not confirmed (`Lost`, nothing changes) when another holder owns
+    /// the lease (S5) or the digest is not the lease's prompt (S4).
+    #[allow(clippy::too_many_arguments)]
+    pub fn complete(
+        &mut self,
+        holder: Holder,
+        id: LeaseId,
+        consumer: u32,
+        n: u32,
+        digest: PromptDigest,
+        now: Nanos,
+        released: &mut Vec<Released<T>>,
+    ) -> Completion {
         match self.live_deadline(id) {
             None => return Completion::Lost,
+            Some(_) if self.entry_mut(id).is_some_and(|e| e.digest != digest) => return Completion::Lost,
+            Some(_) if !self.admit(id, holder) => return Completion::Lost,
             Some(d) if d <= now.0 => {
                 self.end(id, ReleaseReason::Expired, now, released);
                 return Completion::Lost;
@@ -293,10 +360,12 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live.
-    pub fn begin_read(&mut self, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> Option<ReadTicket> {
+    /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live, or
+    /// that another holder owns (S5).
+    pub fn begin_read(&mut self, holder: Holder, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> Option<ReadTicket> {
         match self.live_deadline(id) {
             None => None,
+            Some(_) if !self.admit(id, holder) => None,
             Some(d) if d <= now.0 => {
                 self.end(id, ReleaseReason::Expired, now, released);
                 None
@@ -398,6 +467,11 @@ impl<T> LeaseTable<T> {
         let d =
             if id >= self.base { self.slots.get(usize::try_from(id - self.base).ok()?)?.deadline } else { self.side.get(&id)?.0.deadline };
         (d != 0).then_some(d)
+    }
+
+    /// SPEC S5 for a live lease: see [`Slot::admit`].
+    fn admit(&mut self, id: LeaseId, holder: Holder) -> bool {
+        self.slot_mut(id).is_some_and(|s| s.admit(holder))
     }
 
     fn slot_mut(&mut self, id: LeaseId) -> Option<&mut Slot> {

@@ -6,6 +6,7 @@
 //! every rule of the protocol is written once, here, and tested here.
 //!
 //! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
+//! * [`digest`] — the prompt digest that binds a lease to its prompt (SPEC S4).
 //! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
 //! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
 //! * [`wire`] — the notification codec (SPEC §9).
@@ -14,6 +15,7 @@
 
 pub mod clock;
 pub mod config;
+pub mod digest;
 pub mod lease_table;
 pub mod renewer;
 mod time;

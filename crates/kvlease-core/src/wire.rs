@@ -6,11 +6,13 @@
 //! escaping. [`Message::decode`] is total: any byte string yields a message or a [`WireError`],
 //! never a panic, and never an allocation larger than the input justifies.
 
+use crate::digest::PromptDigest;
 use crate::LeaseId;
 use thiserror::Error;
 
 pub const MAGIC: [u8; 2] = *b"KL";
-pub const VERSION: u8 = 1;
+/// 2: `ReadDone` carries the reader's prompt digest (SPEC S4).
+pub const VERSION: u8 = 2;
 /// SPEC D2: the default largest notification we send.
 pub const DEFAULT_MAX_NOTIF_BYTES: usize = 64 * 1024;
 /// The smallest `max_notif_bytes` we accept: room for a header and a few ids (UCCL caps at 256).
@@ -31,8 +33,9 @@ pub enum Message {
     HeartbeatAck { seq: u64, lost_ids: Vec<LeaseId> },
     /// D → P: D will not read these leases; free them now (SPEC D4).
     Release { lease_ids: Vec<LeaseId> },
-    /// D → P: consumer rank `consumer_rank`, one of `n` expected, finished reading (SPEC P8).
-    ReadDone { lease_id: LeaseId, consumer_rank: u32, n: u32 },
+    /// D → P: consumer rank `consumer_rank`, one of `n` expected, finished reading (SPEC P8),
+    /// for a prompt whose digest is `digest` (SPEC S4: P confirms only a read for its own prompt).
+    ReadDone { lease_id: LeaseId, consumer_rank: u32, n: u32, digest: PromptDigest },
     /// P → D: answer to `ReadDone`: whether the lease was live when the completion arrived, i.e.
     /// whether the bytes read are valid (SPEC D6, for transports where P cannot refuse a read).
     ReadDoneAck { lease_id: LeaseId, live: bool },
@@ -127,11 +130,12 @@ impl Message {
                 out.push(tag::RELEASE);
                 put_ids(out, lease_ids);
             }
-            Message::ReadDone { lease_id, consumer_rank, n } => {
+            Message::ReadDone { lease_id, consumer_rank, n, digest } => {
                 out.push(tag::READ_DONE);
                 put_varint(out, *lease_id);
                 put_varint(out, u64::from(*consumer_rank));
                 put_varint(out, u64::from(*n));
+                out.extend_from_slice(&digest.0);
             }
             Message::ReadDoneAck { lease_id, live } => {
                 out.push(tag::READ_DONE_ACK);
@@ -189,7 +193,7 @@ impl Message {
             tag::HEARTBEAT => Message::Heartbeat { seq: r.varint()?, lease_ids: r.ids()? },
             tag::HEARTBEAT_ACK => Message::HeartbeatAck { seq: r.varint()?, lost_ids: r.ids()? },
             tag::RELEASE => Message::Release { lease_ids: r.ids()? },
-            tag::READ_DONE => Message::ReadDone { lease_id: r.varint()?, consumer_rank: r.u32()?, n: r.u32()? },
+            tag::READ_DONE => Message::ReadDone { lease_id: r.varint()?, consumer_rank: r.u32()?, n: r.u32()?, digest: r.digest()? },
             tag::READ_DONE_ACK => Message::ReadDoneAck {
                 lease_id: r.varint()?,
                 live: match r.byte()? {
@@ -322,6 +326,12 @@ impl Reader<'_> {
         Err(WireError::Varint)
     }
 
+    fn digest(&mut self) -> Result<PromptDigest, WireError> {
+        let (head, rest) = self.buf.split_first_chunk::<16>().ok_or(WireError::Truncated)?;
+        self.buf = rest;
+        Ok(PromptDigest(*head))
+    }
+
     fn u32(&mut self) -> Result<u32, WireError> {
         u32::try_from(self.varint()?).map_err(|_| WireError::Body("u32 out of range"))
     }
@@ -385,7 +395,7 @@ mod tests {
             Message::Heartbeat { seq: 1, lease_ids: vec![1, 2, 3, 1000, u64::MAX] },
             Message::HeartbeatAck { seq: u64::MAX, lost_ids: vec![] },
             Message::Release { lease_ids: vec![0] },
-            Message::ReadDone { lease_id: 5, consumer_rank: 3, n: 4 },
+            Message::ReadDone { lease_id: 5, consumer_rank: 3, n: 4, digest: crate::digest::PromptDigest::of(&[7, 8]) },
             Message::ReadDoneAck { lease_id: 5, live: true },
             Message::LeaseLost { lease_ids: vec![9, 10] },
             Message::ClockPing { seq: 3, t0: 4 },
@@ -413,13 +423,13 @@ mod tests {
     fn rejects_what_it_does_not_understand() {
         assert_eq!(Message::decode(b""), Err(WireError::Truncated));
         assert_eq!(Message::decode(b"HB:1,2"), Err(WireError::BadMagic));
-        assert_eq!(Message::decode(b"KL\x02\x01"), Err(WireError::Version(2)));
-        assert_eq!(Message::decode(b"KL\x01\xff"), Err(WireError::UnknownType(255)));
+        assert_eq!(Message::decode(b"KL\x01\x01"), Err(WireError::Version(1)), "version 1 had no digest in ReadDone");
+        assert_eq!(Message::decode(b"KL\x02\xff"), Err(WireError::UnknownType(255)));
         let mut m = Message::Release { lease_ids: vec![1] }.encode();
         m.push(0);
         assert_eq!(Message::decode(&m), Err(WireError::Body("trailing bytes")));
         // A count claiming more ids than bytes left must not allocate them.
-        assert!(Message::decode(&[b'K', b'L', 1, tag::RELEASE, 0xff, 0xff, 0xff, 0xff, 0x0f]).is_err());
+        assert!(Message::decode(&[b'K', b'L', VERSION, tag::RELEASE, 0xff, 0xff, 0xff, 0xff, 0x0f]).is_err());
         assert_eq!(Message::decode(&vec![0u8; MAX_MESSAGE_BYTES + 1]).map_err(|e| e.reason()), Err("oversized"));
     }
 

@@ -1,9 +1,17 @@
 //! P's lease table against SPEC §4, one test per invariant.
 
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::lease_table::{Completion, LeaseTable, ReleaseReason, Released};
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::lease_table::{Completion, Holder, LeaseTable, ReleaseReason, Released};
 use kvlease_core::Nanos;
+use std::num::NonZeroU32;
 use std::time::Duration;
+
+/// The decoder that holds the leases of most tests, and another engine of the cluster (SPEC S5).
+const D: Holder = Holder(NonZeroU32::MIN);
+const OTHER: Holder = Holder(NonZeroU32::MAX);
+/// The prompt most tests' leases belong to (SPEC S4).
+const DIGEST: PromptDigest = PromptDigest([7; 16]);
 
 fn table() -> LeaseTable<&'static str> {
     LeaseTable::new(&LeaseConfig::default()) // L = 30 s, E = 20 s, I = 5 s, granularity 100 ms
@@ -21,14 +29,14 @@ fn reasons<T>(r: &[Released<T>]) -> Vec<(u64, ReleaseReason)> {
 #[test]
 fn p1_grant_runs_for_l_and_ids_are_unique() {
     let mut t = table();
-    let a = t.grant(secs(1.0), 4, "a");
-    let b = t.grant(secs(1.0), 2, "b");
+    let a = t.grant(secs(1.0), 4, DIGEST, "a");
+    let b = t.grant(secs(1.0), 2, DIGEST, "b");
     assert_ne!(a, b);
     assert_eq!(t.deadline(a), Some(secs(31.0)));
     assert_eq!((t.live(), t.leased_blocks()), (2, 6));
     let mut rel = Vec::new();
-    t.release(&[a], secs(2.0), &mut Vec::new(), &mut rel);
-    let c = t.grant(secs(3.0), 1, "c");
+    t.release(D, &[a], secs(2.0), &mut Vec::new(), &mut rel);
+    let c = t.grant(secs(3.0), 1, DIGEST, "c");
     assert!(c != a && c != b, "a released id is never handed out again");
     assert_eq!(t.stats().granted, 3);
 }
@@ -37,16 +45,16 @@ fn p1_grant_runs_for_l_and_ids_are_unique() {
 #[test]
 fn p2_renewal_takes_the_max_and_never_shortens() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, "a");
+    let a = t.grant(secs(0.0), 1, DIGEST, "a");
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     // now + E = 21 s < 30 s: unchanged.
-    assert_eq!(t.renew(&[a], secs(1.0), &mut lost, &mut rel), 1);
+    assert_eq!(t.renew(D, &[a], secs(1.0), &mut lost, &mut rel), 1);
     assert_eq!(t.deadline(a), Some(secs(30.0)));
     // now + E = 35 s > 30 s: extended.
-    t.renew(&[a], secs(15.0), &mut lost, &mut rel);
+    t.renew(D, &[a], secs(15.0), &mut lost, &mut rel);
     assert_eq!(t.deadline(a), Some(secs(35.0)));
     // An older heartbeat processed late cannot pull it back.
-    t.renew(&[a], secs(14.0), &mut lost, &mut rel);
+    t.renew(D, &[a], secs(14.0), &mut lost, &mut rel);
     assert_eq!(t.deadline(a), Some(secs(35.0)));
     assert!(lost.is_empty() && rel.is_empty());
     assert_eq!(t.stats().renewals, 3);
@@ -57,10 +65,10 @@ fn p2_renewal_takes_the_max_and_never_shortens() {
 #[test]
 fn p3_release_happens_once_under_the_first_reason() {
     let mut t = table();
-    let ids: Vec<u64> = (0..4).map(|_| t.grant(secs(0.0), 1, "x")).collect();
+    let ids: Vec<u64> = (0..4).map(|_| t.grant(secs(0.0), 1, DIGEST, "x")).collect();
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
-    assert_eq!(t.complete(ids[0], 0, 1, secs(1.0), &mut rel), Completion::Transferred);
-    t.release(&[ids[1]], secs(1.0), &mut lost, &mut rel);
+    assert_eq!(t.complete(D, ids[0], 0, 1, DIGEST, secs(1.0), &mut rel), Completion::Transferred);
+    t.release(D, &[ids[1]], secs(1.0), &mut lost, &mut rel);
     t.tick(secs(40.0), &mut rel); // ids[2], ids[3] expire
     t.shutdown(secs(41.0), &mut rel); // nothing left
     assert_eq!(
@@ -75,9 +83,9 @@ fn p3_release_happens_once_under_the_first_reason() {
     assert!(rel.iter().all(|r| r.payload.is_some()));
     // Late messages for all of them: lost, and nothing released twice.
     let n = rel.len();
-    assert_eq!(t.renew(&ids, secs(42.0), &mut lost, &mut rel), 0);
-    t.release(&ids, secs(42.0), &mut lost, &mut rel);
-    assert_eq!(t.complete(ids[0], 1, 2, secs(42.0), &mut rel), Completion::Lost);
+    assert_eq!(t.renew(D, &ids, secs(42.0), &mut lost, &mut rel), 0);
+    t.release(D, &ids, secs(42.0), &mut lost, &mut rel);
+    assert_eq!(t.complete(D, ids[0], 1, 2, DIGEST, secs(42.0), &mut rel), Completion::Lost);
     assert_eq!(rel.len(), n);
     assert_eq!(lost.len(), 8);
     assert_eq!(t.stats().released, [1, 1, 2, 0]);
@@ -87,18 +95,18 @@ fn p3_release_happens_once_under_the_first_reason() {
 #[test]
 fn p3_shutdown_releases_everything_live() {
     let mut t = table();
-    let old = t.grant(secs(0.0), 1, "old");
+    let old = t.grant(secs(0.0), 1, DIGEST, "old");
     let mut rel = Vec::new();
     // Push `old` out of the dense window: many short-lived leases after it.
     for i in 0..5000 {
-        let id = t.grant(secs(0.0), 1, "tmp");
+        let id = t.grant(secs(0.0), 1, DIGEST, "tmp");
         if i % 2 == 0 {
-            t.release(&[id], secs(0.0), &mut Vec::new(), &mut rel);
+            t.release(D, &[id], secs(0.0), &mut Vec::new(), &mut rel);
         } else {
-            t.complete(id, 0, 1, secs(0.0), &mut rel);
+            t.complete(D, id, 0, 1, DIGEST, secs(0.0), &mut rel);
         }
     }
-    let young = t.grant(secs(1.0), 3, "young");
+    let young = t.grant(secs(1.0), 3, DIGEST, "young");
     rel.clear();
     t.shutdown(secs(2.0), &mut rel);
     let mut got = reasons(&rel);
@@ -113,11 +121,11 @@ fn p3_shutdown_releases_everything_live() {
 #[test]
 fn p4_expiry_is_in_deadline_order_not_insertion_order() {
     let mut t = table();
-    let first = t.grant(secs(0.0), 1, "renewed");
-    let later: Vec<u64> = (0..100).map(|_| t.grant(secs(1.0), 1, "stale")).collect();
+    let first = t.grant(secs(0.0), 1, DIGEST, "renewed");
+    let later: Vec<u64> = (0..100).map(|_| t.grant(secs(1.0), 1, DIGEST, "stale")).collect();
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     for s in [10.0, 20.0, 30.0] {
-        t.renew(&[first], secs(s), &mut lost, &mut rel);
+        t.renew(D, &[first], secs(s), &mut lost, &mut rel);
     }
     t.tick(secs(31.0), &mut rel);
     let expired: Vec<u64> = rel.iter().map(|r| r.lease_id).collect();
@@ -139,9 +147,9 @@ fn p4_every_tick_reaps_exactly_the_expired() {
     for i in 0..2000u64 {
         // Grants spread over 2 s, some renewed once.
         let now = Nanos(i * 1_000_000);
-        let id = t.grant(now, 1, ());
+        let id = t.grant(now, 1, DIGEST, ());
         if i % 3 == 0 {
-            t.renew(&[id], now + Duration::from_millis(500), &mut Vec::new(), &mut rel);
+            t.renew(D, &[id], now + Duration::from_millis(500), &mut Vec::new(), &mut rel);
         }
         ids.push(id);
     }
@@ -170,13 +178,13 @@ fn p4_long_gaps_and_far_deadlines() {
     let cfg = LeaseConfig { max_lifetime: None, ..LeaseConfig::with_lease_secs(0.06).unwrap() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
     let mut rel = Vec::new();
-    let a = t.grant(Nanos(0), 1, ());
-    let b = t.grant(Nanos(0), 1, ());
+    let a = t.grant(Nanos(0), 1, DIGEST, ());
+    let b = t.grant(Nanos(0), 1, DIGEST, ());
     // Keep `a` alive for 10 s with renewals every 10 ms while ticking.
     let mut now = Nanos(0);
     for _ in 0..1000 {
         now = now + Duration::from_millis(10);
-        t.renew(&[a], now, &mut Vec::new(), &mut rel);
+        t.renew(D, &[a], now, &mut Vec::new(), &mut rel);
         t.tick(now, &mut rel);
     }
     assert_eq!(reasons(&rel), vec![(b, ReleaseReason::Expired)]);
@@ -191,21 +199,21 @@ fn p4_long_gaps_and_far_deadlines() {
 #[test]
 fn p5_no_reuse_under_a_reader() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 2, "blocks");
+    let a = t.grant(secs(0.0), 2, DIGEST, "blocks");
     let mut rel = Vec::new();
-    let r1 = t.begin_read(a, secs(1.0), &mut rel).unwrap();
-    let r2 = t.begin_read(a, secs(1.0), &mut rel).unwrap();
+    let r1 = t.begin_read(D, a, secs(1.0), &mut rel).unwrap();
+    let r2 = t.begin_read(D, a, secs(1.0), &mut rel).unwrap();
     t.tick(secs(31.0), &mut rel);
     assert_eq!(rel.len(), 1);
     assert!(rel[0].payload.is_none(), "payload must stay parked while read");
     assert_eq!(t.parked(), 1);
-    assert!(t.begin_read(a, secs(31.0), &mut rel).is_none(), "no new read of a dead lease");
+    assert!(t.begin_read(D, a, secs(31.0), &mut rel).is_none(), "no new read of a dead lease");
     assert_eq!(t.end_read(r1), None);
     assert_eq!(t.end_read(r2), Some("blocks"));
     assert_eq!(t.parked(), 0);
     // A read that ends normally returns nothing; the lease stays live.
-    let b = t.grant(secs(40.0), 1, "b");
-    let r = t.begin_read(b, secs(40.0), &mut rel).unwrap();
+    let b = t.grant(secs(40.0), 1, DIGEST, "b");
+    let r = t.begin_read(D, b, secs(40.0), &mut rel).unwrap();
     assert_eq!(t.end_read(r), None);
     assert!(t.deadline(b).is_some());
 }
@@ -215,11 +223,11 @@ fn p5_no_reuse_under_a_reader() {
 #[test]
 fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
     let mut t = table();
-    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
+    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
-    assert!(t.begin_read(a, secs(30.0), &mut rel).is_none());
-    assert_eq!(t.renew(&[b], secs(30.0), &mut lost, &mut rel), 0);
-    assert_eq!(t.complete(c, 0, 1, secs(30.0), &mut rel), Completion::Lost);
+    assert!(t.begin_read(D, a, secs(30.0), &mut rel).is_none());
+    assert_eq!(t.renew(D, &[b], secs(30.0), &mut lost, &mut rel), 0);
+    assert_eq!(t.complete(D, c, 0, 1, DIGEST, secs(30.0), &mut rel), Completion::Lost);
     assert_eq!(lost, vec![b]);
     assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Expired), (b, ReleaseReason::Expired), (c, ReleaseReason::Expired)]);
 }
@@ -228,11 +236,11 @@ fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
 #[test]
 fn p6_unknown_ids_are_reported_lost() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, "a");
-    let b = t.grant(secs(0.0), 1, "b");
+    let a = t.grant(secs(0.0), 1, DIGEST, "a");
+    let b = t.grant(secs(0.0), 1, DIGEST, "b");
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
-    t.release(&[b], secs(1.0), &mut lost, &mut rel);
-    assert_eq!(t.renew(&[a, b, 999, 0, u64::MAX], secs(15.0), &mut lost, &mut rel), 1);
+    t.release(D, &[b], secs(1.0), &mut lost, &mut rel);
+    assert_eq!(t.renew(D, &[a, b, 999, 0, u64::MAX], secs(15.0), &mut lost, &mut rel), 1);
     assert_eq!(lost, vec![b, 999, 0, u64::MAX]);
     assert_eq!(t.deadline(a), Some(secs(35.0)));
 }
@@ -242,18 +250,18 @@ fn p6_unknown_ids_are_reported_lost() {
 #[test]
 fn p8_transferred_after_n_distinct_consumers() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, "a");
+    let a = t.grant(secs(0.0), 1, DIGEST, "a");
     let mut rel = Vec::new();
-    assert_eq!(t.complete(a, 0, 3, secs(1.0), &mut rel), Completion::Pending);
-    assert_eq!(t.complete(a, 0, 3, secs(1.0), &mut rel), Completion::Pending, "duplicate");
-    assert_eq!(t.complete(a, 2, 3, secs(1.0), &mut rel), Completion::Pending);
+    assert_eq!(t.complete(D, a, 0, 3, DIGEST, secs(1.0), &mut rel), Completion::Pending);
+    assert_eq!(t.complete(D, a, 0, 3, DIGEST, secs(1.0), &mut rel), Completion::Pending, "duplicate");
+    assert_eq!(t.complete(D, a, 2, 3, DIGEST, secs(1.0), &mut rel), Completion::Pending);
     assert!(rel.is_empty());
-    assert_eq!(t.complete(a, 1, 3, secs(1.0), &mut rel), Completion::Transferred);
+    assert_eq!(t.complete(D, a, 1, 3, DIGEST, secs(1.0), &mut rel), Completion::Transferred);
     assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Transferred)]);
     assert_eq!(rel[0].held, Duration::from_secs(1));
     // n = 0 is read as 1: a malformed count cannot pin a lease forever nor free it twice.
-    let b = t.grant(secs(0.0), 1, "b");
-    assert_eq!(t.complete(b, 7, 0, secs(1.0), &mut rel), Completion::Transferred);
+    let b = t.grant(secs(0.0), 1, DIGEST, "b");
+    assert_eq!(t.complete(D, b, 7, 0, DIGEST, secs(1.0), &mut rel), Completion::Transferred);
 }
 
 /// SPEC P9: with kv_lease_max_lifetime, renewals stop at grant + max_lifetime.
@@ -261,20 +269,20 @@ fn p8_transferred_after_n_distinct_consumers() {
 fn p9_max_lifetime_caps_renewals() {
     let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(60)), ..LeaseConfig::default() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
-    let a = t.grant(secs(10.0), 1, ());
+    let a = t.grant(secs(10.0), 1, DIGEST, ());
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     for s in (15..=120).step_by(5) {
-        t.renew(&[a], secs(s as f64), &mut lost, &mut rel);
+        t.renew(D, &[a], secs(s as f64), &mut lost, &mut rel);
         t.tick(secs(s as f64), &mut rel);
     }
     assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Expired)]);
     assert_eq!(rel[0].held, Duration::from_secs(60));
     // Off by default: the same renewals keep a lease forever.
     let mut t: LeaseTable<()> = LeaseTable::new(&LeaseConfig::default());
-    let b = t.grant(secs(10.0), 1, ());
+    let b = t.grant(secs(10.0), 1, DIGEST, ());
     rel.clear();
     for s in (15..=1000).step_by(5) {
-        t.renew(&[b], secs(s as f64), &mut lost, &mut rel);
+        t.renew(D, &[b], secs(s as f64), &mut lost, &mut rel);
         t.tick(secs(s as f64), &mut rel);
     }
     assert!(rel.is_empty());
@@ -285,16 +293,16 @@ fn p9_max_lifetime_caps_renewals() {
 #[test]
 fn window_stays_small_behind_a_long_lived_lease() {
     let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
-    let keep = t.grant(Nanos(0), 1, 0);
+    let keep = t.grant(Nanos(0), 1, DIGEST, 0);
     let mut rel = Vec::new();
     for i in 0..200_000u32 {
-        let id = t.grant(Nanos(0), 1, i);
-        t.complete(id, 0, 1, Nanos(0), &mut rel);
+        let id = t.grant(Nanos(0), 1, DIGEST, i);
+        t.complete(D, id, 0, 1, DIGEST, Nanos(0), &mut rel);
     }
     assert_eq!(t.live(), 1);
     assert_eq!(t.get(keep), Some(&0));
     let mut lost = Vec::new();
-    assert_eq!(t.renew(&[keep], secs(25.0), &mut lost, &mut rel), 1);
+    assert_eq!(t.renew(D, &[keep], secs(25.0), &mut lost, &mut rel), 1);
     assert_eq!(t.deadline(keep), Some(secs(45.0)));
     assert_eq!(*t.stats(), kvlease_core::lease_table::LeaseStats { granted: 200_001, renewals: 1, released: [200_000, 0, 0, 0] });
 }
@@ -307,14 +315,14 @@ fn p4_sparse_ticks_with_renewals() {
     for gaps in [[30u64, 50, 70, 130, 290], [290, 60, 13, 250, 80], [7, 290, 45, 1, 300]] {
         let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
         let mut rel = Vec::new();
-        let ids: Vec<u64> = (0..50).map(|i| t.grant(Nanos(i * 3_000_000), 1, ())).collect();
+        let ids: Vec<u64> = (0..50).map(|i| t.grant(Nanos(i * 3_000_000), 1, DIGEST, ())).collect();
         let mut now = Nanos(0);
         for round in 0..60u64 {
             let gap_ms = gaps[round as usize % gaps.len()];
             now = now + Duration::from_millis(gap_ms);
             // Keep renewing a shrinking subset, so deadlines move while the cursor lags.
             let keep = &ids[..ids.len().saturating_sub(round as usize)];
-            t.renew(keep, now, &mut Vec::new(), &mut rel);
+            t.renew(D, keep, now, &mut Vec::new(), &mut rel);
             t.tick(now, &mut rel);
             for &id in &ids {
                 if let Some(d) = t.deadline(id) {
@@ -331,11 +339,11 @@ fn p4_sparse_ticks_with_renewals() {
 fn p9_capped_renewal_is_reported_lost_but_lease_lives_to_its_cap() {
     let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(40)), ..LeaseConfig::default() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
-    let a = t.grant(secs(0.0), 1, ());
+    let a = t.grant(secs(0.0), 1, DIGEST, ());
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
-    assert_eq!(t.renew(&[a], secs(15.0), &mut lost, &mut rel), 1, "15 + 20 ≤ 40: a full renewal");
+    assert_eq!(t.renew(D, &[a], secs(15.0), &mut lost, &mut rel), 1, "15 + 20 ≤ 40: a full renewal");
     assert!(lost.is_empty());
-    assert_eq!(t.renew(&[a], secs(25.0), &mut lost, &mut rel), 0, "25 + 20 > 40: capped");
+    assert_eq!(t.renew(D, &[a], secs(25.0), &mut lost, &mut rel), 0, "25 + 20 > 40: capped");
     assert_eq!(lost, vec![a]);
     assert_eq!(t.deadline(a), Some(secs(40.0)));
     t.tick(secs(39.9), &mut rel);
@@ -347,20 +355,70 @@ fn p9_capped_renewal_is_reported_lost_but_lease_lives_to_its_cap() {
 fn p6_every_message_gets_its_answer() {
     use kvlease_core::wire::Message;
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, "a");
-    let b = t.grant(secs(0.0), 1, "b");
+    let a = t.grant(secs(0.0), 1, DIGEST, "a");
+    let b = t.grant(secs(0.0), 1, DIGEST, "b");
     let mut rel = Vec::new();
-    let hb = t.on_message(&Message::Heartbeat { seq: 9, lease_ids: vec![a, 77] }, secs(15.0), &mut rel);
+    let hb = t.on_message(D, &Message::Heartbeat { seq: 9, lease_ids: vec![a, 77] }, secs(15.0), &mut rel);
     assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 9, lost_ids: vec![77] }));
     assert_eq!(hb.renewed, 1);
-    let r = t.on_message(&Message::Release { lease_ids: vec![b, 78] }, secs(15.0), &mut rel);
+    let r = t.on_message(D, &Message::Release { lease_ids: vec![b, 78] }, secs(15.0), &mut rel);
     assert_eq!(r.reply, Some(Message::LeaseLost { lease_ids: vec![78] }));
-    let d = t.on_message(&Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1 }, secs(16.0), &mut rel);
+    let d = t.on_message(D, &Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1, digest: DIGEST }, secs(16.0), &mut rel);
     assert_eq!(d.reply, Some(Message::ReadDoneAck { lease_id: a, live: true }));
-    let again = t.on_message(&Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1 }, secs(16.0), &mut rel);
+    let again = t.on_message(D, &Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1, digest: DIGEST }, secs(16.0), &mut rel);
     assert_eq!(again.reply, Some(Message::ReadDoneAck { lease_id: a, live: false }), "a late duplicate is told lost");
     assert_eq!(reasons(&rel), vec![(b, ReleaseReason::Released), (a, ReleaseReason::Transferred)]);
-    let ping = t.on_message(&Message::ClockPing { seq: 1, t0: 5 }, secs(17.0), &mut rel);
+    let ping = t.on_message(D, &Message::ClockPing { seq: 1, t0: 5 }, secs(17.0), &mut rel);
     assert!(matches!(ping.reply, Some(Message::ClockPong { seq: 1, t0: 5, .. })));
-    assert_eq!(t.on_message(&Message::LeaseLost { lease_ids: vec![1] }, secs(17.0), &mut rel).reply, None, "not for P");
+    assert_eq!(t.on_message(D, &Message::LeaseLost { lease_ids: vec![1] }, secs(17.0), &mut rel).reply, None, "not for P");
+}
+
+/// SPEC S5: the first engine to name a lease owns it; another engine's heartbeat, release,
+/// completion or read of it is answered lost and changes nothing, and the holder's request goes
+/// on unaffected.
+#[test]
+fn s5_a_lease_belongs_to_its_first_holder() {
+    use kvlease_core::wire::Message;
+    let mut t = table();
+    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
+    let mut rel = Vec::new();
+    // D claims a and b with a heartbeat, c by reading it.
+    let hb = t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![a, b] }, secs(1.0), &mut rel);
+    assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 1, lost_ids: vec![] }));
+    let ticket = t.begin_read(D, c, secs(1.0), &mut rel).expect("D reads its own lease");
+    assert!(t.end_read(ticket).is_none());
+    // Another engine of the cluster, guessing the sequential ids, gets nowhere.
+    let r = t.on_message(OTHER, &Message::Release { lease_ids: vec![a, b, c] }, secs(2.0), &mut rel);
+    assert_eq!(r.reply, Some(Message::LeaseLost { lease_ids: vec![a, b, c] }));
+    let done = t.on_message(OTHER, &Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1, digest: DIGEST }, secs(2.0), &mut rel);
+    assert_eq!(done.reply, Some(Message::ReadDoneAck { lease_id: a, live: false }));
+    let hb = t.on_message(OTHER, &Message::Heartbeat { seq: 9, lease_ids: vec![a, b, c] }, secs(25.0), &mut rel);
+    assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 9, lost_ids: vec![a, b, c] }));
+    assert_eq!(hb.renewed, 0);
+    assert!(t.begin_read(OTHER, b, secs(2.0), &mut rel).is_none(), "no read of another engine's lease");
+    assert!(rel.is_empty(), "nothing released by the other engine");
+    assert_eq!(t.deadline(a), Some(secs(30.0)), "not kept alive by the other engine");
+    assert_eq!(t.live(), 3);
+    // The holder's own messages still work.
+    assert_eq!(t.complete(D, a, 0, 1, DIGEST, secs(3.0), &mut rel), Completion::Transferred);
+    t.release(D, &[b], secs(3.0), &mut Vec::new(), &mut rel);
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Transferred), (b, ReleaseReason::Released)]);
+    // Interned holders are stable per authenticated engine name.
+    let mut t2 = table();
+    let (h1, h2) = (t2.holder("D1/1f"), t2.holder("D1/2a"));
+    assert_ne!(h1, h2, "another incarnation is another holder");
+    assert_eq!(t2.holder("D1/1f"), h1);
+}
+
+/// SPEC S4: P confirms a read only for the prompt it granted the lease for; a completion naming
+/// another prompt's digest is answered lost and counts for nothing.
+#[test]
+fn s4_completion_for_another_prompt_is_not_confirmed() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, PromptDigest::of(&[1, 2, 3]), "a");
+    let mut rel = Vec::new();
+    assert_eq!(t.complete(D, a, 0, 1, PromptDigest::of(&[1, 2, 4]), secs(1.0), &mut rel), Completion::Lost);
+    assert!(rel.is_empty());
+    assert_eq!(t.live(), 1);
+    assert_eq!(t.complete(D, a, 0, 1, PromptDigest::of(&[1, 2, 3]), secs(1.0), &mut rel), Completion::Transferred);
 }

@@ -3,10 +3,15 @@
 //! its payload comes back exactly once, and no expired lease survives a tick.
 
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::lease_table::{Completion, LeaseTable, ReadTicket, ReleaseReason, Released};
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::lease_table::{Completion, Holder, LeaseTable, ReadTicket, ReleaseReason, Released};
 use kvlease_core::Nanos;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
+
+/// One decoder holds every lease here; holders are proven in tests/lease_table.rs (SPEC S5).
+const D: Holder = Holder(std::num::NonZeroU32::MIN);
+const DIGEST: PromptDigest = PromptDigest([0; 16]);
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -60,13 +65,13 @@ proptest! {
         // A few leases granted first, then enough short-lived ones after them that the dense
         // window compacts and moves the first ones to the side map: every path is exercised.
         for _ in 0..3 {
-            let id = t.grant(Nanos(now), 1, 0);
+            let id = t.grant(Nanos(now), 1, DIGEST, 0);
             issued.push(id);
             model.insert(id, ModelLease { deadline: now + l, expected: 0, done: BTreeSet::new() });
         }
         for _ in 0..1500 {
-            let id = t.grant(Nanos(now), 1, 0);
-            prop_assert_eq!(t.complete(id, 0, 1, Nanos(now), &mut rel), Completion::Transferred);
+            let id = t.grant(Nanos(now), 1, DIGEST, 0);
+            prop_assert_eq!(t.complete(D, id, 0, 1, DIGEST, Nanos(now), &mut rel), Completion::Transferred);
             issued.push(id);
             released_ids.insert(id);
             payloads_back.insert(id);
@@ -85,7 +90,7 @@ proptest! {
             match op {
                 Op::Advance(ms) => now += ms * 1_000_000,
                 Op::Grant(blocks) => {
-                    let id = t.grant(Nanos(now), blocks, 0);
+                    let id = t.grant(Nanos(now), blocks, DIGEST, 0);
                     prop_assert!(!issued.contains(&id), "id reused");
                     issued.push(id);
                     model.insert(id, ModelLease { deadline: now + l, expected: 0, done: BTreeSet::new() });
@@ -93,7 +98,7 @@ proptest! {
                 Op::Renew(picks) => {
                     let ids: Vec<u64> = picks.iter().map(|&i| pick(&issued, i)).collect();
                     let mut lost = Vec::new();
-                    let n = t.renew(&ids, Nanos(now), &mut lost, &mut rel);
+                    let n = t.renew(D, &ids, Nanos(now), &mut lost, &mut rel);
                     let mut want_lost = Vec::new();
                     let mut want_n = 0;
                     for id in &ids {
@@ -108,7 +113,7 @@ proptest! {
                 }
                 Op::Complete { pick: i, consumer, n } => {
                     let id = pick(&issued, i);
-                    let got = t.complete(id, consumer, n, Nanos(now), &mut rel);
+                    let got = t.complete(D, id, consumer, n, DIGEST, Nanos(now), &mut rel);
                     let want = match model.get_mut(&id) {
                         Some(m) if m.deadline > now => {
                             m.expected = m.expected.max(n.max(1));
@@ -123,7 +128,7 @@ proptest! {
                 Op::Release(picks) => {
                     let ids: Vec<u64> = picks.iter().map(|&i| pick(&issued, i)).collect();
                     let mut lost = Vec::new();
-                    t.release(&ids, Nanos(now), &mut lost, &mut rel);
+                    t.release(D, &ids, Nanos(now), &mut lost, &mut rel);
                     for id in &ids {
                         if model.remove(id).is_none() { prop_assert!(lost.contains(id)); }
                     }
@@ -131,7 +136,7 @@ proptest! {
                 Op::BeginRead(i) => {
                     let id = pick(&issued, i);
                     let live = model.get(&id).is_some_and(|m| m.deadline > now);
-                    let got = t.begin_read(id, Nanos(now), &mut rel);
+                    let got = t.begin_read(D, id, Nanos(now), &mut rel);
                     prop_assert_eq!(got.is_some(), live);
                     if !live { model.remove(&id); }
                     tickets.extend(got);

@@ -20,6 +20,7 @@ use crate::scheduler::{PrefillDone, Seq};
 use crate::side_channel::{self, read_frame, write_frame};
 use crate::{FinishReason, GenerateEvent, StartError, TransportKind};
 use hmac::{Hmac, Mac};
+use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{ReadTicket, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
@@ -57,7 +58,7 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
     for r in 0..cfg.tp_size {
         let arena = BlockArena::new(cfg.num_gpu_blocks, block_bytes);
         let (tx, rx) = mpsc::unbounded_channel();
-        let name = format!("{}/{:x}/{r}", cfg.engine_id, inner.incarnation);
+        let name = format!("{}/{r}", holder_name(&cfg.engine_id, inner.incarnation));
         let gate: Arc<dyn ReadGate> = Arc::new(Gate { inner: Arc::downgrade(inner) });
         let agent: Arc<dyn Agent> = match cfg.transport {
             TransportKind::Tcp => {
@@ -83,6 +84,17 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
     tokio::spawn(reaper(Arc::downgrade(inner)));
     tokio::spawn(renewer_task(Arc::downgrade(inner)));
     Ok(())
+}
+
+/// The name under which an engine holds leases (SPEC S5): its engine id and incarnation. Each
+/// rank's transfer agent is named `{holder}/{rank}`, and the transport authenticates that name.
+fn holder_name(engine_id: &str, incarnation: u64) -> String {
+    format!("{engine_id}/{incarnation:x}")
+}
+
+/// The holder an agent, named as in [`holder_name`], acts for: all ranks of one engine are one.
+fn agent_holder(agent: &str) -> &str {
+    agent.rsplit_once('/').map_or(agent, |(holder, _rank)| holder)
 }
 
 /// Releases every lease as `shutdown` and every renewed lease explicitly, then flushes.
@@ -128,9 +140,10 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
     let mut sorted = block_ids.clone();
     sorted.sort_unstable();
     let n = block_ids.len() as u32;
+    let prompt_digest = PromptDigest::of(&done.prompt);
     let lease_id = {
         let mut table = lock(&inner.leases);
-        let id = table.grant(inner.now(), n, Lease { blocks, sorted });
+        let id = table.grant(inner.now(), n, prompt_digest, Lease { blocks, sorted });
         inner.metrics.leases_active.store(table.live() as i64, Relaxed);
         inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
         id
@@ -151,6 +164,7 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
         num_tokens: done.prompt.len() as u32,
         lease_id,
         incarnation: inner.incarnation,
+        prompt_digest,
         signature: None,
     };
     let params = remote.to_json(inner.cfg.secret.as_deref(), &done.prompt);
@@ -167,7 +181,10 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
     if sent.is_err() {
         // The client left between the check and now: nobody will read; free at once.
         let (mut lost, mut released) = (Vec::new(), Vec::new());
-        lock(&inner.leases).release(&[lease_id], inner.now(), &mut lost, &mut released);
+        let mut table = lock(&inner.leases);
+        let us = table.holder(&holder_name(&inner.cfg.engine_id, inner.incarnation));
+        table.release(us, &[lease_id], inner.now(), &mut lost, &mut released);
+        drop(table);
         settle(inner, released);
     }
 }
@@ -226,14 +243,15 @@ struct Permit {
 }
 
 impl ReadGate for Gate {
-    fn begin_read(&self, _peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
         let inner = self.inner.upgrade()?;
         let mut released = Vec::new();
         let ticket = {
             let mut table = lock(&inner.leases);
             let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.sorted.binary_search(b).is_ok()));
             if owned {
-                table.begin_read(lease_id, inner.now(), &mut released)
+                let holder = table.holder(agent_holder(peer));
+                table.begin_read(holder, lease_id, inner.now(), &mut released)
             } else {
                 None
             }
@@ -316,7 +334,11 @@ fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
                 inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
             }
             let mut released = Vec::new();
-            let answer = lock(&inner.leases).on_message(&msg, inner.now(), &mut released);
+            let answer = {
+                let mut table = lock(&inner.leases);
+                let holder = table.holder(agent_holder(from));
+                table.on_message(holder, &msg, inner.now(), &mut released)
+            };
             settle(inner, released);
             // D sends each heartbeat to every P rank (SPEC D2); all ranks share this table, so
             // only rank 0's copy counts as renewals (one per lease per heartbeat).
@@ -666,7 +688,8 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
             })
             .collect();
         acks.expect(pair.d_rank as usize, &p_agent);
-        let notif = Message::ReadDone { lease_id: rk.lease_id, consumer_rank: consumer as u32, n }.encode();
+        // The digest D checked against its own prompt on arrival (SPEC S4); P checks it again.
+        let notif = Message::ReadDone { lease_id: rk.lease_id, consumer_rank: consumer as u32, n, digest: rk.prompt_digest }.encode();
         let agent = inner.ranks()[pair.d_rank as usize].agent.clone();
         let op = ReadOp { lease_id: rk.lease_id, segments, notif: Some(notif) };
         reads.push(async move { agent.read(&p_agent, op).await });

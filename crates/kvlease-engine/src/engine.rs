@@ -8,6 +8,7 @@ use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
 use crate::scheduler::{self, SchedMsg, Seq};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
+use kvlease_core::config::LoadFailurePolicy;
 use kvlease_core::lease_table::LeaseTable;
 use kvlease_core::renewer::{Remote, Renewer, Untrack};
 use kvlease_core::Nanos;
@@ -177,8 +178,25 @@ impl EngineHandle {
                 ),
             ));
         }
-        let role = KvRole::parse(req.kv_transfer_params.as_ref())
+        let mut role = KvRole::parse(req.kv_transfer_params.as_ref())
             .map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
+        if let KvRole::DecodeRemote(rk) = &role {
+            // SPEC S4: params of another prompt (a router that mixed requests up) are never read.
+            if !rk.describes(&prompt) {
+                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
+                    return Err(RequestError::bad_request(
+                        Some("kv_transfer_params"),
+                        "kv_transfer_params belong to another prompt (kvlease_prompt_digest does not match this prompt); not reading them (kv_load_failure_policy=fail)",
+                    ));
+                }
+                tracing::warn!(
+                    request = %req.request_id,
+                    "kv_transfer_params belong to another prompt (kvlease_prompt_digest does not match); computing this prompt locally"
+                );
+                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                role = KvRole::Local;
+            }
+        }
         let blocks_needed = scheduler::blocks_needed(&role, prompt.len(), req.max_tokens, m.block_size);
         if blocks_needed > inner.pool.total() as usize {
             return Err(RequestError::bad_request(

@@ -3,10 +3,12 @@
 //!
 //! P signs the fields D acts on — and the prompt they belong to — with HMAC-SHA256 under the
 //! cluster's secret, so a client cannot make D read another request's KV cache by crafting
-//! params. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
+//! params. With or without a secret, the params carry the digest of the prompt P prefilled
+//! (`kvlease_prompt_digest`, SPEC S4), which D compares with its own prompt before reading. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
 //! adds fields of its own).
 
 use hmac::{Hmac, Mac};
+use kvlease_core::digest::PromptDigest;
 use serde_json::{json, Map, Value};
 use sha2::Sha256;
 use thiserror::Error;
@@ -34,6 +36,8 @@ pub struct RemoteKv {
     pub num_tokens: u32,
     pub lease_id: u64,
     pub incarnation: u64,
+    /// SPEC S4: the digest of the token ids P prefilled.
+    pub prompt_digest: PromptDigest,
     pub signature: Option<String>,
 }
 
@@ -92,6 +96,12 @@ impl KvRole {
                         _ => Some(uint(obj, "remote_incarnation")?).filter(|i| *i != 0),
                     }
                     .ok_or_else(|| ParamError("remote_incarnation must be a non-zero number".into()))?,
+                    // Required: without it D could not tell another prompt's KV from its own.
+                    prompt_digest: match obj.get("kvlease_prompt_digest") {
+                        Some(Value::String(s)) => PromptDigest::from_hex(s),
+                        _ => None,
+                    }
+                    .ok_or_else(|| ParamError("kvlease_prompt_digest must be the 32 hex digits P sent".into()))?,
                     signature: match obj.get("kvlease_signature") {
                         None | Some(Value::Null) => None,
                         Some(Value::String(s)) => Some(s.clone()),
@@ -119,11 +129,18 @@ impl RemoteKv {
             "remote_num_tokens": self.num_tokens,
             "remote_lease_id": self.lease_id,
             "remote_incarnation": self.incarnation.to_string(),
+            "kvlease_prompt_digest": self.prompt_digest.to_hex(),
         });
         if let (Some(secret), Value::Object(o)) = (secret, &mut v) {
             o.insert("kvlease_signature".into(), Value::String(self.sign(secret, prompt)));
         }
         v
+    }
+
+    /// SPEC S4: whether these params describe `prompt`: the digest of its first
+    /// `remote_num_tokens` tokens is the one P prefilled.
+    pub fn describes(&self, prompt: &[u32]) -> bool {
+        prompt.get(..self.num_tokens as usize).is_some_and(|p| PromptDigest::of(p) == self.prompt_digest)
     }
 
     /// SPEC S1: D checks P's signature over the fields it acts on and its own prompt.
@@ -149,6 +166,7 @@ impl RemoteKv {
         );
         mac.update(&(fields.len() as u64).to_le_bytes());
         mac.update(fields.as_bytes());
+        mac.update(&self.prompt_digest.0);
         for b in &self.block_ids {
             mac.update(&b.to_le_bytes());
         }
@@ -207,6 +225,7 @@ mod tests {
             num_tokens: 20,
             lease_id: 9,
             incarnation: u64::MAX - 1,
+            prompt_digest: PromptDigest::of(&[1, 2, 3]),
             signature: None,
         }
     }
@@ -230,6 +249,7 @@ mod tests {
             ("remote_lease_id", json!(10)),
             ("remote_request_id", json!("r2")),
             ("remote_port", json!(5601)),
+            ("kvlease_prompt_digest", json!(PromptDigest::of(&[9]).to_hex())),
         ] {
             let mut w = v.clone();
             w[key] = val;
@@ -244,6 +264,19 @@ mod tests {
         assert!(r.verify(b"s3cret", &prompt).unwrap_err().0.contains("unsigned"));
     }
 
+    /// SPEC S4: params describe only the prompt P prefilled, whatever its length, with or
+    /// without a secret.
+    #[test]
+    fn s4_params_describe_only_their_prompt() {
+        let mut r = remote();
+        r.num_tokens = 3;
+        assert!(r.describes(&[1, 2, 3]));
+        assert!(!r.describes(&[1, 2, 4]), "same length, another prompt");
+        assert!(!r.describes(&[1, 2]), "shorter");
+        r.num_tokens = 2;
+        assert!(!r.describes(&[1, 2, 3]), "a prefix of another length");
+    }
+
     #[test]
     fn bad_params_name_the_field() {
         let v = remote().to_json(None, &[]);
@@ -255,6 +288,8 @@ mod tests {
             ("remote_lease_id", Value::Null, "remote_lease_id"),
             ("remote_incarnation", Value::Null, "remote_incarnation"),
             ("remote_incarnation", json!("0"), "remote_incarnation"),
+            ("kvlease_prompt_digest", Value::Null, "kvlease_prompt_digest"),
+            ("kvlease_prompt_digest", json!("abc"), "kvlease_prompt_digest"),
             ("remote_engine_id", json!(""), "remote_engine_id"),
             ("tp_size", json!(0), "tp_size"),
             ("do_remote_decode", json!(true), "both"),

@@ -13,6 +13,7 @@
 //! seed is a test that can be replayed forever.
 
 use kvlease_core::config::LeaseConfig;
+use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::LeaseTable;
 use kvlease_core::renewer::{Action, ReadCheck, Remote, Renewer, Untrack};
 use kvlease_core::wire::Message;
@@ -143,6 +144,10 @@ struct Sim {
 }
 
 const P: &str = "P";
+/// The decoder, as P's lease table knows it (SPEC S5).
+const D: &str = "D";
+/// Every simulated request has the same prompt: the simulator models time, not content.
+const PROMPT: PromptDigest = PromptDigest([0; 16]);
 
 impl Sim {
     fn new(sc: Scenario, policy: Policy) -> Sim {
@@ -247,7 +252,7 @@ impl Sim {
                 self.report.arrived += 1;
                 let req = self.next_req;
                 self.next_req += 1;
-                let lease = self.table.grant(now, self.sc.blocks, ());
+                let lease = self.table.grant(now, self.sc.blocks, PROMPT, ());
                 self.send(Event::Params { req, lease });
                 self.next_arrival();
             }
@@ -265,7 +270,8 @@ impl Sim {
             Event::ToP(bytes) => {
                 let Ok(msg) = Message::decode(&bytes) else { return };
                 let mut released = Vec::new();
-                let answer = self.table.on_message(&msg, now, &mut released);
+                let holder = self.table.holder(D);
+                let answer = self.table.on_message(holder, &msg, now, &mut released);
                 if let Some(reply) = answer.reply {
                     self.send(Event::ToD(reply.encode()));
                 }
@@ -352,7 +358,7 @@ impl Sim {
             self.d_waiting.pop_front();
             self.d_busy += 1;
             self.reading.insert(lease, req);
-            self.send(Event::ToP(Message::ReadDone { lease_id: lease, consumer_rank: 0, n: 1 }.encode()));
+            self.send(Event::ToP(Message::ReadDone { lease_id: lease, consumer_rank: 0, n: 1, digest: PROMPT }.encode()));
             self.at(self.sc.delay * 2 + Duration::from_secs(1), Event::ReadTimeout { lease });
         }
     }
