@@ -17,16 +17,14 @@ use crate::engine::{lock, Inner, Peer, Rank};
 use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::scheduler::{PrefillDone, Seq};
-use crate::side_channel::{self, read_frame, write_frame};
+use crate::side_channel::{self, write_frame, Side};
 use crate::{FinishReason, GenerateEvent, StartError, TransportKind};
-use hmac::{Hmac, Mac};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{ReadTicket, Released};
 use kvlease_core::renewer::{Action, ReadCheck, SendKind};
 use kvlease_core::wire::{Hello, Message};
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment};
 use serde_json::json;
-use sha2::Sha256;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -354,9 +352,10 @@ fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
     }
 }
 
-/// Answers handshakes: checks the peer (its geometry; its signature when the cluster has a
-/// secret), replies with our Hello, and introduces its agents to ours.
+/// Answers handshakes: checks the peer (its proof of the cluster secret and its signature, then
+/// its geometry), replies with our Hello, and introduces its agents to ours.
 async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
+    let pending = Arc::new(tokio::sync::Semaphore::new(side_channel::MAX_PENDING));
     loop {
         let mut stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -367,22 +366,30 @@ async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
                 continue;
             }
         };
+        let Some(strong) = inner.upgrade() else { return };
+        let Ok(slot) = Arc::clone(&pending).try_acquire_owned() else {
+            // A flood of handshakes: close at once rather than hold buffers for them all.
+            strong.metrics.rejected("overloaded");
+            continue;
+        };
+        let secret = strong.cfg.secret.clone();
+        drop(strong);
         let inner = inner.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             stream.set_nodelay(true).ok();
-            let got = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, read_frame(&mut stream)).await;
+            let got = side_channel::accept(&mut stream, secret.as_deref()).await;
             let Some(inner) = inner.upgrade() else { return };
             let t_recv = inner.now().0;
-            let hello = match got {
-                Ok(Ok(Message::Hello(h))) => h,
-                Ok(Ok(_)) => return inner.metrics.rejected("malformed"),
-                Ok(Err(e)) => return e.reason().into_iter().for_each(|r| inner.metrics.rejected(r)),
-                Err(_) => return,
+            let (hello, nonces) = match got {
+                Ok(h) => h,
+                Err(e) => {
+                    if matches!(e, side_channel::HandshakeError::Unauthenticated) {
+                        tracing::warn!("handshake refused: the peer does not hold this cluster's secret");
+                    }
+                    return e.reason().into_iter().for_each(|r| inner.metrics.rejected(r));
+                }
             };
-            if !authentic(&inner, &hello) {
-                tracing::warn!(peer = %hello.engine_id, "handshake refused: not signed with this cluster's secret");
-                return inner.metrics.rejected("unknown_agent");
-            }
             if let Err(e) = check_geometry(&inner, &hello) {
                 tracing::warn!(peer = %hello.engine_id, "handshake refused: {e}");
                 return;
@@ -397,7 +404,7 @@ async fn side_channel_server(inner: Weak<Inner>, listener: TcpListener) {
             });
             let mut ours = our_hello(&inner);
             ours.echo = (hello.t_send, t_recv);
-            sign(&inner, &mut ours);
+            side_channel::sign(secret.as_deref(), &nonces, Side::Server, &mut ours);
             let _ = write_frame(&mut stream, &Message::Hello(ours)).await;
         });
     }
@@ -409,40 +416,16 @@ fn our_hello(inner: &Inner) -> Hello {
         "tp_size": inner.cfg.tp_size, "num_layers": m.num_layers, "num_kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim, "dtype_bytes": m.dtype_bytes, "block_size": m.block_size,
     });
-    let mut hello = Hello {
+    Hello {
         engine_id: inner.cfg.engine_id.clone(),
         incarnation: inner.incarnation,
         agents: inner.ranks().iter().map(|r| r.agent.metadata()).collect(),
         info: info.to_string().into_bytes(),
         t_send: inner.now().0,
         echo: (0, 0),
+        // Signed per connection by the side channel (SPEC S1, S2).
         auth: Vec::new(),
-    };
-    sign(inner, &mut hello);
-    hello
-}
-
-/// SPEC S1, S2: with a cluster secret, every Hello carries an HMAC of everything else in it, so
-/// only engines of the cluster can introduce transfer agents (and so read or release leases).
-fn sign(inner: &Inner, hello: &mut Hello) {
-    hello.auth.clear();
-    if let Some(secret) = &inner.cfg.secret {
-        hello.auth = hello_mac(secret, hello).finalize().into_bytes().to_vec();
     }
-}
-
-fn authentic(inner: &Inner, hello: &Hello) -> bool {
-    let Some(secret) = &inner.cfg.secret else { return true };
-    let mut unsigned = hello.clone();
-    unsigned.auth.clear();
-    hello_mac(secret, &unsigned).verify_slice(&hello.auth).is_ok()
-}
-
-fn hello_mac(secret: &[u8], hello: &Hello) -> Hmac<Sha256> {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"kvlease-hello-v1\n");
-    mac.update(&Message::Hello(hello.clone()).encode());
-    mac
 }
 
 /// Checks that a peer serves the same model geometry (its TP may differ).
@@ -579,10 +562,7 @@ async fn handshake(inner: Arc<Inner>, engine_id: String, host: String, port: u16
     let addr = format!("{host}:{port}");
     let ours = our_hello(&inner);
     let result = async {
-        let theirs = side_channel::exchange(&addr, &ours).await?;
-        if !authentic(&inner, &theirs) {
-            return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
-        }
+        let theirs = side_channel::exchange(&addr, inner.cfg.secret.as_deref(), ours.clone()).await?;
         if theirs.echo.0 != ours.t_send {
             return Err(format!("the engine at {addr} answered another handshake (a replay?)"));
         }

@@ -8,8 +8,10 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
-/// The `reason` labels of `kvlease_messages_rejected_total`.
-pub const REJECT_REASONS: [&str; 3] = ["malformed", "unknown_agent", "oversized"];
+/// The `reason` labels of `kvlease_messages_rejected_total`: SPEC §11's three, plus
+/// `unauthenticated` (a peer that failed the proof of the cluster secret, SPEC S2) and
+/// `overloaded` (a handshake refused because too many were pending).
+pub const REJECT_REASONS: [&str; 5] = ["malformed", "unknown_agent", "oversized", "unauthenticated", "overloaded"];
 
 #[derive(Debug)]
 pub struct Histogram {
@@ -80,7 +82,7 @@ pub struct Metrics {
     pub heartbeats_received: AtomicU64,
     pub heartbeat_lateness: Histogram,
     pub lease_hold: Histogram,
-    pub messages_rejected: [AtomicU64; 3],
+    pub messages_rejected: [AtomicU64; REJECT_REASONS.len()],
     pub kv_blocks_free: AtomicI64,
     pub kv_blocks_total: AtomicI64,
     pub requests_waiting: AtomicI64,
@@ -120,9 +122,14 @@ impl Metrics {
     }
 
     pub fn rejected(&self, reason: &str) {
-        if let Some(i) = REJECT_REASONS.iter().position(|r| *r == reason) {
-            self.messages_rejected[i].fetch_add(1, Relaxed);
-        }
+        match REJECT_REASONS.iter().position(|r| *r == reason) {
+            Some(i) => self.messages_rejected[i].fetch_add(1, Relaxed),
+            None => {
+                debug_assert!(false, "unknown reject reason {reason:?}");
+                tracing::warn!("a message was rejected for an unlisted reason {reason:?}");
+                0
+            }
+        };
     }
 
     /// Prometheus text exposition format.

@@ -3,10 +3,21 @@
 //! geometry — and gets ours back. It is also where clock samples for SPEC B2 are taken: the
 //! reply echoes the request's send time and its own receive time.
 //!
+//! Trust (SPEC S1, S2): before either side reads anything larger than a few dozen bytes, the
+//! dialer proves it holds the cluster secret for this connection: the server opens with a fresh
+//! nonce, the dialer answers with its own nonce and an HMAC over both. Only then does the server
+//! read a Hello (up to [`MAX_FRAME`]), so an outsider can make it hold no more than a small fixed
+//! buffer per connection (and [`MAX_PENDING`] connections at once). Both Hellos carry an HMAC over
+//! their contents, both nonces and the direction, so a recorded Hello cannot be replayed on
+//! another connection or reflected back. Without a secret the same exchange runs under an empty
+//! key and proves nothing: such engines must stay on loopback (SPEC S3).
+//!
 //! Frames are a 4-byte big-endian length and a [`Message`]; anything malformed or oversized
 //! closes that connection and is counted, never more (SPEC P7).
 
+use hmac::{Hmac, Mac};
 use kvlease_core::wire::{Hello, Message};
+use sha2::Sha256;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -14,6 +25,120 @@ use tokio::net::TcpStream;
 /// Largest handshake frame: a Hello carries a few hundred bytes per rank.
 pub const MAX_FRAME: usize = 1 << 20;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Handshakes a server serves at once; more connections are closed at once and counted.
+pub const MAX_PENDING: usize = 64;
+/// Opens the server's challenge: the side channel's own magic and version.
+const CHALLENGE_MAGIC: [u8; 4] = *b"KLS2";
+const NONCE: usize = 16;
+const MAC: usize = 32;
+
+/// The two fresh nonces of one handshake connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nonces {
+    pub server: [u8; NONCE],
+    pub client: [u8; NONCE],
+}
+
+/// Which side signed a Hello: a Hello signed by one side never verifies as the other's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Dialer,
+    Server,
+}
+
+/// Why a handshake connection was closed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("the peer does not hold this cluster's secret (bad proof or bad Hello signature)")]
+    Unauthenticated,
+    #[error("expected a Hello")]
+    NotHello,
+    #[error("timed out")]
+    Timeout,
+}
+
+impl HandshakeError {
+    /// The `kvlease_messages_rejected_total` reason, if this counts as a rejected message.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            HandshakeError::Frame(e) => e.reason(),
+            HandshakeError::NotHello => Some("malformed"),
+            HandshakeError::Unauthenticated => Some("unauthenticated"),
+            HandshakeError::Timeout => None,
+        }
+    }
+}
+
+fn keyed(secret: Option<&[u8]>, label: &[u8]) -> Hmac<Sha256> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret.unwrap_or_default()).expect("HMAC takes keys of any length");
+    mac.update(label);
+    mac
+}
+
+/// The dialer's proof that it holds the secret, bound to this connection's nonces.
+fn proof(secret: Option<&[u8]>, n: &Nonces) -> Hmac<Sha256> {
+    let mut mac = keyed(secret, b"kvlease-side-channel-proof-v2\n");
+    mac.update(&n.server);
+    mac.update(&n.client);
+    mac
+}
+
+fn hello_mac(secret: Option<&[u8]>, n: &Nonces, side: Side, hello: &Hello) -> Hmac<Sha256> {
+    let mut mac = keyed(secret, b"kvlease-hello-v2\n");
+    mac.update(&n.server);
+    mac.update(&n.client);
+    mac.update(match side {
+        Side::Dialer => b"dialer",
+        Side::Server => b"server",
+    });
+    let mut unsigned = hello.clone();
+    unsigned.auth.clear();
+    mac.update(&Message::Hello(unsigned).encode());
+    mac
+}
+
+/// Signs `hello` for this connection (SPEC S1, S2).
+pub fn sign(secret: Option<&[u8]>, n: &Nonces, side: Side, hello: &mut Hello) {
+    hello.auth = hello_mac(secret, n, side, hello).finalize().into_bytes().to_vec();
+}
+
+/// Whether `hello` was signed by `side` of this connection with the secret.
+pub fn authentic(secret: Option<&[u8]>, n: &Nonces, side: Side, hello: &Hello) -> bool {
+    hello_mac(secret, n, side, hello).verify_slice(&hello.auth).is_ok()
+}
+
+fn nonce() -> [u8; NONCE] {
+    let mut n = [0u8; NONCE];
+    n[..8].copy_from_slice(&crate::engine::random_u64().to_le_bytes());
+    n[8..].copy_from_slice(&crate::engine::random_u64().to_le_bytes());
+    n
+}
+
+/// Server side, up to the dialer's Hello: challenge, check the proof with a fixed small buffer,
+/// then read and check the Hello. Returns it with the nonces to sign our reply with.
+pub async fn accept(stream: &mut TcpStream, secret: Option<&[u8]>) -> Result<(Hello, Nonces), HandshakeError> {
+    let run = async {
+        let server = nonce();
+        let mut challenge = [0u8; 4 + NONCE];
+        challenge[..4].copy_from_slice(&CHALLENGE_MAGIC);
+        challenge[4..].copy_from_slice(&server);
+        stream.write_all(&challenge).await.map_err(FrameError::Io)?;
+        let mut answer = [0u8; NONCE + MAC];
+        stream.read_exact(&mut answer).await.map_err(FrameError::Io)?;
+        let mut client = [0u8; NONCE];
+        client.copy_from_slice(&answer[..NONCE]);
+        let nonces = Nonces { server, client };
+        proof(secret, &nonces).verify_slice(&answer[NONCE..]).map_err(|_| HandshakeError::Unauthenticated)?;
+        let Message::Hello(hello) = read_frame(stream).await? else { return Err(HandshakeError::NotHello) };
+        if !authentic(secret, &nonces, Side::Dialer, &hello) {
+            return Err(HandshakeError::Unauthenticated);
+        }
+        Ok((hello, nonces))
+    };
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, run).await.map_err(|_| HandshakeError::Timeout)?
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -56,16 +181,105 @@ pub async fn read_frame(stream: &mut TcpStream) -> Result<Message, FrameError> {
     Ok(Message::decode(&buf)?)
 }
 
-/// D's side: send our Hello to `addr`, return P's, within [`HANDSHAKE_TIMEOUT`].
-pub async fn exchange(addr: &str, ours: &Hello) -> Result<Hello, String> {
+/// D's side: answer the challenge, send our Hello to `addr`, return P's once it proves it was
+/// signed with the secret for this connection, within [`HANDSHAKE_TIMEOUT`].
+pub async fn exchange(addr: &str, secret: Option<&[u8]>, mut ours: Hello) -> Result<Hello, String> {
     let run = async {
         let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
         stream.set_nodelay(true).ok();
-        write_frame(&mut stream, &Message::Hello(ours.clone())).await.map_err(|e| e.to_string())?;
-        match read_frame(&mut stream).await.map_err(|e| e.to_string())? {
-            Message::Hello(h) => Ok(h),
-            other => Err(format!("expected a Hello from {addr}, got {other:?}")),
+        let mut challenge = [0u8; 4 + NONCE];
+        stream.read_exact(&mut challenge).await.map_err(|e| format!("no challenge from {addr}: {e}"))?;
+        if challenge[..4] != CHALLENGE_MAGIC {
+            return Err(format!("{addr} is not a kvlease side channel of this version"));
         }
+        let mut nonces = Nonces { server: [0; NONCE], client: nonce() };
+        nonces.server.copy_from_slice(&challenge[4..]);
+        let mut answer = [0u8; NONCE + MAC];
+        answer[..NONCE].copy_from_slice(&nonces.client);
+        answer[NONCE..].copy_from_slice(&proof(secret, &nonces).finalize().into_bytes());
+        stream.write_all(&answer).await.map_err(|e| format!("send proof to {addr}: {e}"))?;
+        sign(secret, &nonces, Side::Dialer, &mut ours);
+        write_frame(&mut stream, &Message::Hello(ours)).await.map_err(|e| e.to_string())?;
+        let theirs = match read_frame(&mut stream).await {
+            Ok(Message::Hello(h)) => h,
+            Ok(other) => return Err(format!("expected a Hello from {addr}, got {other:?}")),
+            // A server closes without a word on a bad proof or signature.
+            Err(e) => return Err(format!("{addr} refused the handshake ({e}): does it hold this cluster's secret?")),
+        };
+        if !authentic(secret, &nonces, Side::Server, &theirs) {
+            return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
+        }
+        Ok(theirs)
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, run).await.map_err(|_| format!("handshake with {addr} timed out"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    fn hello(engine_id: &str) -> Hello {
+        Hello { engine_id: engine_id.into(), incarnation: 1, agents: vec![], info: b"{}".to_vec(), t_send: 1, echo: (0, 0), auth: vec![] }
+    }
+
+    /// Runs `accept` once on a fresh listener; returns its address and the verdict.
+    async fn server(secret: &'static [u8]) -> (String, tokio::task::JoinHandle<Result<(Hello, Nonces), HandshakeError>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let task = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let got = accept(&mut s, Some(secret)).await;
+            if let Ok((_, n)) = &got {
+                let mut ours = hello("P");
+                sign(Some(secret), n, Side::Server, &mut ours);
+                write_frame(&mut s, &Message::Hello(ours)).await.unwrap();
+            }
+            got
+        });
+        (addr, task)
+    }
+
+    /// SPEC S2: engines holding the same secret complete the handshake both ways.
+    #[tokio::test]
+    async fn s2_same_secret_handshakes() {
+        let (addr, task) = server(b"k").await;
+        let theirs = exchange(&addr, Some(b"k"), hello("D")).await.unwrap();
+        assert_eq!(theirs.engine_id, "P");
+        assert_eq!(task.await.unwrap().unwrap().0.engine_id, "D");
+    }
+
+    /// SPEC S2: a dialer without the secret is refused on its proof, before the server reads
+    /// (or allocates for) anything it sends after: here a frame header announcing 1 MiB.
+    #[tokio::test]
+    async fn s2_wrong_secret_is_refused_before_the_hello_is_read() {
+        let (addr, task) = server(b"k").await;
+        let err = exchange(&addr, Some(b"not-k"), hello("D")).await.unwrap_err();
+        assert!(err.contains("secret"), "{err}");
+        assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
+
+        let (addr, task) = server(b"k").await;
+        let mut raw = TcpStream::connect(&addr).await.unwrap();
+        let mut challenge = [0u8; 4 + NONCE];
+        raw.read_exact(&mut challenge).await.unwrap();
+        raw.write_all(&[0u8; NONCE + MAC]).await.unwrap();
+        let _ = raw.write_all(&(MAX_FRAME as u32).to_be_bytes()).await;
+        assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
+    }
+
+    /// SPEC S2: a Hello recorded on one connection does not verify on another (fresh nonces), nor
+    /// as the other side's (direction).
+    #[test]
+    fn s2_hellos_do_not_replay_or_reflect() {
+        let (a, b) = (Nonces { server: [1; NONCE], client: [2; NONCE] }, Nonces { server: [3; NONCE], client: [2; NONCE] });
+        let mut h = hello("D");
+        sign(Some(b"k"), &a, Side::Dialer, &mut h);
+        assert!(authentic(Some(b"k"), &a, Side::Dialer, &h));
+        assert!(!authentic(Some(b"k"), &b, Side::Dialer, &h), "replayed on another connection");
+        assert!(!authentic(Some(b"k"), &a, Side::Server, &h), "reflected");
+        assert!(!authentic(Some(b"other"), &a, Side::Dialer, &h), "another secret");
+        let mut altered = h.clone();
+        altered.incarnation = 2;
+        assert!(!authentic(Some(b"k"), &a, Side::Dialer, &altered), "altered");
+    }
 }

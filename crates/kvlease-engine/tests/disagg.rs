@@ -235,8 +235,9 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
     assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
 }
 
-/// SPEC S1, S2: with a cluster secret, P answers only handshakes signed with it: an engine
-/// without the secret cannot introduce its agents, so cannot renew, read or release leases.
+/// SPEC S1, S2: with a cluster secret, P answers only handshakes that prove it: an engine
+/// without the secret cannot introduce its agents, so cannot renew, read or release leases; it
+/// is refused before P reads its Hello, and counted as `unauthenticated`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s2_handshake_needs_the_cluster_secret() {
     let p = engine(EngineConfig { secret: Some(b"cluster-secret".to_vec()), ..config(30.0, 1) }).await;
@@ -245,7 +246,8 @@ async fn s2_handshake_needs_the_cluster_secret() {
     let (got, _) = run(&outsider, PROMPT, 4, params).await.unwrap();
     assert!(!got.is_empty());
     assert_eq!(outsider.metrics().recomputed_requests.load(Relaxed), 1, "it had to compute the prompt itself");
-    assert!(p.metrics().messages_rejected[1].load(Relaxed) >= 1, "the unsigned handshake was counted (unknown_agent)");
+    let unauthenticated = kvlease_engine::metrics::REJECT_REASONS.iter().position(|r| *r == "unauthenticated").unwrap();
+    assert!(p.metrics().messages_rejected[unauthenticated].load(Relaxed) >= 1, "the unproven handshake was counted");
     assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0);
     assert_eq!(p.metrics().leases_active.load(Relaxed), 1, "the lease is untouched");
 }
