@@ -167,8 +167,14 @@ impl Metrics {
         one(
             "kvlease_recomputed_requests_total",
             "counter",
-            "Requests whose KV was recomputed locally after a lost lease (D).",
+            "Requests whose KV was recomputed locally after a lost lease or params of another prompt (D).",
             self.recomputed_requests.load(Relaxed).to_string(),
+        );
+        one(
+            "kvlease_reads_refused_total",
+            "counter",
+            "Reads the transfer agent refused: the lease was not live, not the reader's, or not of those blocks (P).",
+            self.reads_refused.load(Relaxed).to_string(),
         );
         let _ =
             writeln!(out, "# HELP kvlease_leases_released_total Leases released, by reason.\n# TYPE kvlease_leases_released_total counter");
@@ -222,6 +228,9 @@ mod tests {
             "kvlease_requests_waiting ",
             "kvlease_requests_running ",
             "kvlease_recomputed_requests_total ",
+            "kvlease_reads_refused_total ",
+            "kvlease_messages_rejected_total{reason=\"unauthenticated\"} 0",
+            "kvlease_messages_rejected_total{reason=\"overloaded\"} 0",
         ] {
             assert!(text.contains(name), "missing {name}");
         }

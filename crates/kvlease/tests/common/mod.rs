@@ -19,11 +19,17 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// `kvlease serve` with these extra flags; waits for its start-up line.
+    /// `kvlease serve` with these extra flags and the cluster secret [`SECRET`]; waits for its
+    /// start-up line.
     pub fn serve(name: &str, extra: &[&str]) -> Proc {
+        Proc::serve_with_secret(name, extra, Some(SECRET))
+    }
+
+    /// `kvlease serve` with this cluster secret, or none (then it warns and checks nothing).
+    pub fn serve_with_secret(name: &str, extra: &[&str], secret: Option<&str>) -> Proc {
         let mut args = vec!["serve", "--port", "0", "--engine-id", name, "--log-level", "warn"];
         args.extend_from_slice(extra);
-        Proc::start(name, &args, "kvlease serve listening on ")
+        Proc::start_with_secret(name, &args, "kvlease serve listening on ", secret)
     }
 
     pub fn proxy(prefillers: &[&Proc], decoders: &[&Proc]) -> Proc {
@@ -51,13 +57,16 @@ impl Proc {
     }
 
     fn start(name: &str, args: &[&str], banner: &str) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvlease"))
-            .args(args)
-            .env("KVLEASE_TRANSFER_SECRET", SECRET)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvlease");
+        Proc::start_with_secret(name, args, banner, Some(SECRET))
+    }
+
+    fn start_with_secret(name: &str, args: &[&str], banner: &str, secret: Option<&str>) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlease"));
+        cmd.args(args).env_remove("KVLEASE_TRANSFER_SECRET");
+        if let Some(secret) = secret {
+            cmd.env("KVLEASE_TRANSFER_SECRET", secret);
+        }
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn kvlease");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

@@ -1,0 +1,114 @@
+//! Trust on the wire (SPEC §8), attacked for real: real `kvlease` processes on loopback, params
+//! moved between prompts and engines the way a buggy router or a hostile engine would.
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+
+/// Two prompts of the same length in tokens (bytes), so only their content tells them apart.
+const PROMPT_A: &str = "alpha beta gamma delta";
+const PROMPT_B: &str = "delta gamma beta alpha";
+
+fn completion(prompt: &str, max_tokens: u32, params: Option<&Value>) -> Value {
+    let mut body = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true});
+    if let Some(p) = params {
+        body["kv_transfer_params"] = p.clone();
+    }
+    body
+}
+
+/// The prefill leg, as vLLM's proxy sends it: P's `kv_transfer_params` for `prompt`.
+async fn prefill(p: &Proc, prompt: &str) -> Value {
+    let (status, body) = post(&format!("{}/v1/completions", p.url), &completion(prompt, 1, Some(&json!({"do_remote_decode": true})))).await;
+    assert_eq!(status, 200, "{body}");
+    body["kv_transfer_params"].clone()
+}
+
+async fn text(url: &str, body: &Value) -> String {
+    let (status, got) = post(&format!("{url}/v1/completions"), body).await;
+    assert_eq!(status, 200, "{got}");
+    text_of(&got, false)
+}
+
+/// SPEC S4, D7 (vLLM #52234): without a cluster secret, a router hands D prompt A with the params
+/// P returned for prompt B (same length). D must not read B's KV: it computes A itself and answers
+/// A's right output; B's lease is untouched and still serves B afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_params_of_another_prompt_are_recomputed_not_read() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve_with_secret("s4-p", &["--kv-transfer-config", &cfg], None);
+    let d = Proc::serve_with_secret("s4-d", &["--kv-transfer-config", &cfg], None);
+    let local = Proc::serve_with_secret("s4-local", &[], None);
+    let want_a = text(&local.url, &completion(PROMPT_A, 8, None)).await;
+    let want_b = text(&local.url, &completion(PROMPT_B, 8, None)).await;
+    assert_ne!(want_a, want_b, "the prompts must differ in output for the test to mean anything");
+
+    let params_a = prefill(&p, PROMPT_A).await;
+    let params_b = prefill(&p, PROMPT_B).await;
+    assert!(params_b["kvlease_prompt_digest"].is_string(), "{params_b}");
+
+    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_b))).await, want_a, "A with B's params");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 2.0, "B's lease was not read, completed or released");
+    assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 0.0, "D did not even try to read");
+
+    assert_eq!(text(&d.url, &completion(PROMPT_B, 8, Some(&params_b))).await, want_b, "B still pulls its own KV");
+    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_a))).await, want_a);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0, "both pulled");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 2.0);
+}
+
+/// SPEC S4 under `kv_load_failure_policy: fail`: params of another prompt are a clear 400 naming
+/// `kv_transfer_params`, never a read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_params_of_another_prompt_fail_clearly_under_fail_policy() {
+    let fail = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"fail"}"#;
+    let p = Proc::serve_with_secret("s4f-p", &[], None);
+    let d = Proc::serve_with_secret("s4f-d", &["--kv-transfer-config", fail], None);
+    let params_b = prefill(&p, PROMPT_B).await;
+    let (status, body) = post(&format!("{}/v1/completions", d.url), &completion(PROMPT_A, 8, Some(&params_b))).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "kv_transfer_params", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap_or("").contains("another prompt"), "{body}");
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
+}
+
+/// SPEC S5: a lease belongs to the first engine that renews it. D1 holds a request queued behind
+/// a long one, heartbeating its lease; a second engine of the cluster (same secret) is handed the
+/// same params. Its heartbeats, its read and its release are all refused — it recomputes the
+/// right answer — and D1's request then pulls its KV untouched: no recompute on D1, the lease
+/// released once, as `transferred`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_another_decoder_cannot_renew_read_or_release_a_held_lease() {
+    let cfg = lease_config(3.0); // I = 0.5 s: D1 claims the lease within a second of arrival
+    let p = Proc::serve("s5-p", &["--kv-transfer-config", &cfg]);
+    let d1 = Proc::serve("s5-d1", &["--kv-transfer-config", &cfg, "--max-num-seqs", "1", "--decode-ms-per-token", "100"]);
+    let d2 = Proc::serve("s5-d2", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("s5-local", &[]);
+    let want = text(&local.url, &completion(PROMPT_A, 4, None)).await;
+    let params = prefill(&p, PROMPT_A).await;
+
+    // D1 is busy for ~3 s; the request waits in its queue, renewing.
+    let busy = tokio::spawn({
+        let url = d1.url.clone();
+        async move { text(&url, &completion(PROMPT_B, 30, None)).await }
+    });
+    until("D1 to run its long request", DEADLINE, || async { metric(&d1.url, "kvlease_requests_running").await == 1.0 }).await;
+    let held = tokio::spawn({
+        let (url, body) = (d1.url.clone(), completion(PROMPT_A, 4, Some(&params)));
+        async move { text(&url, &body).await }
+    });
+    until("D1 to renew the lease", DEADLINE, || async { metric(&p.url, "kvlease_lease_renewals_total").await >= 1.0 }).await;
+
+    // The second decoder: it handshakes (it holds the secret), heartbeats, reads, releases.
+    assert_eq!(text(&d2.url, &completion(PROMPT_A, 4, Some(&params))).await, want);
+    assert_eq!(metric(&d2.url, "kvlease_recomputed_requests_total").await, 1.0, "D2 could not use D1's lease");
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0, "D2 neither completed nor released it");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 0.0);
+
+    assert_eq!(held.await.expect("D1's request"), want);
+    busy.await.expect("the long request");
+    assert_eq!(metric(&d1.url, "kvlease_recomputed_requests_total").await, 0.0, "D1 pulled its KV");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 0.0);
+}
