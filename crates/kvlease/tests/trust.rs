@@ -75,9 +75,10 @@ async fn s4_params_of_another_prompt_fail_clearly_under_fail_policy() {
 
 /// SPEC S5: a lease belongs to the first engine that renews it. D1 holds a request queued behind
 /// a long one, heartbeating its lease; a second engine of the cluster (same secret) is handed the
-/// same params. Its heartbeats, its read and its release are all refused — it recomputes the
-/// right answer — and D1's request then pulls its KV untouched: no recompute on D1, the lease
-/// released once, as `transferred`.
+/// same params. Its heartbeats are answered lost, so it never reads, and its release changes
+/// nothing; it recomputes the right answer. D1's request then pulls its KV untouched: no
+/// recompute on D1, the lease released once, as `transferred`. (Reads and completions by a
+/// non-holder are refused in the core: `s5_a_lease_belongs_to_its_first_holder`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s5_another_decoder_cannot_renew_read_or_release_a_held_lease() {
     let cfg = lease_config(3.0); // I = 0.5 s: D1 claims the lease within a second of arrival
