@@ -60,7 +60,8 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
         let gate: Arc<dyn ReadGate> = Arc::new(Gate { inner: Arc::downgrade(inner) });
         let agent: Arc<dyn Agent> = match cfg.transport {
             TransportKind::Tcp => {
-                let options = kvlease_transport::tcp::TcpOptions { advertise: cfg.advertise_host, ..Default::default() };
+                let options =
+                    kvlease_transport::tcp::TcpOptions { advertise: cfg.advertise_host, secret: cfg.secret.clone(), ..Default::default() };
                 TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
             }
             #[cfg(feature = "nixl")]

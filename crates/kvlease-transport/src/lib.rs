@@ -12,8 +12,11 @@
 //! A backend that cannot refuse reads (NIXL: the NIC reads P's memory without asking P) says so
 //! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
 //! alone (SPEC D6).
+//! The `tcp` backend takes the cluster secret and accepts a peer's name only with proof that it
+//! holds the secret, per connection (SPEC S2).
 
 mod arena;
+mod auth;
 pub mod mem;
 #[cfg(feature = "nixl")]
 pub mod nixl;
@@ -55,10 +58,12 @@ pub struct ReadOp {
 /// What an agent reports, on the channel given at its start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AgentEvent {
-    /// A notification from a peer that completed a handshake.
+    /// A notification from a peer that completed a handshake and proved it holds the cluster
+    /// secret (SPEC S2).
     Notification { from: String, bytes: Vec<u8> },
-    /// A message dropped before it reached the engine (SPEC P7): `reason` is `unknown_agent`,
-    /// `malformed` or `oversized` (`kvlease_messages_rejected_total{reason}`).
+    /// A message or connection dropped before it reached the engine (SPEC P7, S2): `reason` is
+    /// `unknown_agent`, `malformed`, `oversized` or `unauthenticated` (no proof of the cluster
+    /// secret: see the tcp and nixl module docs) (`kvlease_messages_rejected_total{reason}`).
     Rejected { reason: &'static str },
     /// The connection to a peer broke; its in-flight reads failed with `Disconnected`.
     Disconnected { peer: String },

@@ -1,10 +1,49 @@
 //! The tcp backend: one TCP connection per pair of agents, carrying one-sided reads and
 //! notifications both ways (the wire format is in [`wire`]).
 //!
-//! Who talks to us: only agents introduced by [`Agent::add_peer`] (SPEC S2, P7). An inbound
-//! connection names its dialer in a `Hello`; one from an agent not (yet) added is held for
-//! [`TcpOptions::hold_unknown`] waiting for the engine's `add_peer`, then dropped and counted as
-//! `unknown_agent`. When both sides dial at once, the connection dialed by the smaller name wins.
+//! Who talks to us (SPEC S2, P7): only agents introduced by [`Agent::add_peer`] that prove they
+//! hold the cluster secret ([`TcpOptions::secret`]). A name proves nothing by itself: agent names
+//! (`{engine_id}/{incarnation}/{rank}`) are public, any HTTP client can learn them. So every
+//! connection is mutually authenticated before either side adopts it (`K` the secret):
+//!
+//! ```text
+//! dialer D                                          acceptor P
+//!   Hello{from D, to P, nonce_d}                 →
+//!                                                ←  HelloChallenge{nonce_p, HMAC(K, "accept" · D · P · nonce_d · nonce_p)}
+//!   HelloProof{HMAC(K, "dial" · D · P · nonce_d · nonce_p)} →
+//!                                                ←  HelloAck (adopted) or HelloNack (P keeps its own dial)
+//! ```
+//!
+//! Why this shape: each side proves the secret on a nonce the other chose just now, so nothing
+//! recorded from an earlier connection can be replayed; both names (with their incarnations) and
+//! a label per direction are in every proof, so a proof is worth nothing for another pair, for
+//! the other direction, or reflected back (an acceptor cannot be used as an oracle for the
+//! dialer's proof); the acceptor proves itself first, so a dialer learns at once that it reached
+//! an agent with another secret, and says so in `add_peer`'s error. It costs one round trip per
+//! connection more than an unauthenticated hello, and nothing per frame. (The labels and the
+//! encoding are in the crate's `auth` module.)
+//!
+//! The acceptor checks the proof *before* it looks at its peers: the hold for `add_peer`, the
+//! tie-break between simultaneous dials and the replacement of an older connection act only on
+//! proven connections. A connection that does not prove itself (a wrong proof, anything else, or
+//! nothing within [`TcpOptions::hold_unknown`]) is closed and counted as `unauthenticated`, and
+//! never touches the connection of the agent it claimed to be. Notifications and reads travel
+//! only on adopted connections, so they are authenticated by construction.
+//!
+//! What it does not do: authenticate each frame. An attacker on the path, who can inject into or
+//! take over an established TCP connection, is out of scope (that needs TLS or IPsec). Without a
+//! secret the exchange runs under the empty key and proves nothing: the agents must then listen
+//! on loopback only (SPEC S3; the binary enforces it).
+//!
+//! What a stranger can cost us: a handshake frame's length is checked (at most `MAX_HELLO`, about
+//! 2 KiB) before its body is read, the handshake buffers nothing else, it must be proven within
+//! `hold_unknown`, and at most [`TcpOptions::max_handshakes`] inbound connections are in their
+//! handshake (or waiting for `add_peer`) at once: beyond, new ones are closed at once and
+//! counted as `unauthenticated`.
+//!
+//! A proven connection from an agent not (yet) added is held for `hold_unknown` waiting for the
+//! engine's `add_peer`, then dropped and counted as `unknown_agent`. When both sides dial at
+//! once, the connection dialed by the smaller name wins.
 //!
 //! Per connection, a reader task parses frames (serving read requests through the [`ReadGate`],
 //! handing read data and notifications on) and a writer task owns the socket's write half.
@@ -24,8 +63,10 @@
 
 mod wire;
 
+use crate::auth::{self, ClusterKey};
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
 use std::collections::HashMap;
+use std::future::Future;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -54,11 +95,20 @@ const DESYNC_LEN: usize = 256 * 1024 * 1024;
 const NACK_RETRY: Duration = Duration::from_millis(500);
 
 /// Tunables of a [`TcpAgent`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TcpOptions {
-    /// How long an inbound connection from an agent not yet added waits for `add_peer`
-    /// before it is dropped as `unknown_agent`; also the limit for a dialer to say hello.
+    /// The cluster secret (`--kv-transfer-secret-file`): every connection proves it both ways
+    /// (SPEC S2; see the module doc). `None`: the handshake runs under the empty key and proves
+    /// nothing, so listen on loopback only (SPEC S3).
+    pub secret: Option<Vec<u8>>,
+    /// How long a dialer has to say hello and prove the secret before its connection is dropped
+    /// (as `unknown_agent` without a hello, `unauthenticated` without the proof); then how long a
+    /// proven connection from an agent not yet added waits for `add_peer` before it is dropped
+    /// as `unknown_agent`.
     pub hold_unknown: Duration,
+    /// The most inbound connections in their handshake or waiting for `add_peer` at once; more
+    /// are closed at once and counted as `unauthenticated`. Bounds what strangers can hold.
+    pub max_handshakes: usize,
     /// How long `add_peer` tries to get a connection up.
     pub connect_timeout: Duration,
     /// The largest notification (and control frame) accepted; larger frames from a peer are
@@ -78,10 +128,27 @@ pub struct TcpOptions {
     pub advertise: Option<std::net::IpAddr>,
 }
 
+impl std::fmt::Debug for TcpOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpOptions")
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("hold_unknown", &self.hold_unknown)
+            .field("max_handshakes", &self.max_handshakes)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_frame", &self.max_frame)
+            .field("write_stall", &self.write_stall)
+            .field("max_queued_bytes", &self.max_queued_bytes)
+            .field("advertise", &self.advertise)
+            .finish()
+    }
+}
+
 impl Default for TcpOptions {
     fn default() -> Self {
         TcpOptions {
+            secret: None,
             hold_unknown: Duration::from_secs(5),
+            max_handshakes: 256,
             connect_timeout: Duration::from_secs(10),
             max_frame: 16 * 1024 * 1024,
             write_stall: Duration::from_secs(10),
@@ -110,6 +177,10 @@ struct Inner {
     gate: Arc<dyn ReadGate>,
     events: mpsc::UnboundedSender<AgentEvent>,
     options: TcpOptions,
+    /// The key of every handshake proof, from `options.secret`.
+    key: ClusterKey,
+    /// Inbound connections not yet adopted nor closed (see [`TcpOptions::max_handshakes`]).
+    handshakes: AtomicUsize,
     state: Mutex<State>,
     /// Signalled whenever `state` changes in a way a waiter may care about.
     changed: Notify,
@@ -119,7 +190,7 @@ struct Inner {
 #[derive(Default)]
 struct State {
     peers: HashMap<String, Peer>,
-    /// Inbound connections that said hello and wait for `add_peer`, by claimed name.
+    /// Inbound connections that proved who they are and wait for `add_peer`, by name.
     held: HashMap<String, usize>,
     closed: bool,
 }
@@ -239,6 +310,7 @@ impl TcpAgent {
         if let Some(ip) = options.advertise {
             addr.set_ip(ip);
         }
+        let key = ClusterKey::new(options.secret.as_deref());
         let inner = Arc::new(Inner {
             name,
             addr,
@@ -246,6 +318,8 @@ impl TcpAgent {
             gate,
             events,
             options,
+            key,
+            handshakes: AtomicUsize::new(0),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             shutdown: watch::Sender::new(false),
@@ -413,9 +487,13 @@ impl Inner {
             tokio::select! {
                 _ = &mut stop => return,
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
-                        tokio::spawn(Arc::clone(&self).accept_inbound(stream));
-                    }
+                    Ok((stream, _)) => match HandshakeSlot::take(&self) {
+                        Some(slot) => {
+                            tokio::spawn(Arc::clone(&self).accept_inbound(stream, slot));
+                        }
+                        // Too many connections in their handshake: this one costs nothing more.
+                        None => self.reject("unauthenticated"),
+                    },
                     // Out of descriptors or similar: back off instead of spinning.
                     Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                 },
@@ -423,33 +501,24 @@ impl Inner {
         }
     }
 
-    /// Handshake of a connection someone dialed to us.
-    async fn accept_inbound(self: Arc<Self>, stream: TcpStream) {
-        let deadline = Instant::now() + self.options.hold_unknown;
+    /// `f`, unless the agent shuts down first (`None`) or `deadline` passes (`Some(Err(_))`).
+    async fn bounded<T>(&self, deadline: Instant, f: impl Future<Output = T>) -> Option<Result<T, tokio::time::error::Elapsed>> {
+        tokio::select! {
+            _ = stopped(self.shutdown.subscribe()) => None,
+            r = tokio::time::timeout_at(deadline, f) => Some(r),
+        }
+    }
+
+    /// Handshake of a connection someone dialed to us: the dialer proves who it is, waits for
+    /// `add_peer` if need be, and is adopted (or told to wait for our own dial).
+    async fn accept_inbound(self: Arc<Self>, stream: TcpStream, slot: HandshakeSlot) {
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
-        let (rd, mut wr) = stream.into_split();
-        let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
-        let hello = tokio::select! {
-            _ = stopped(self.shutdown.subscribe()) => return,
-            r = tokio::time::timeout_at(deadline, read_handshake_frame(&mut rd)) => r,
-        };
-        let hello = match hello {
-            Err(_) => return self.reject("unknown_agent"), // never said who it is
-            Ok(Err(HandshakeError::Closed)) => return,
-            Ok(Err(HandshakeError::Broken)) => return self.reject("malformed"),
-            Ok(Ok((wire::HELLO, body))) => match wire::decode_hello(&body) {
-                Some(h) => h,
-                None => return self.reject("malformed"),
-            },
-            Ok(Ok(_)) => return self.reject("malformed"),
-        };
-        if hello.to != self.name || hello.from == self.name {
-            return self.reject("unknown_agent");
-        }
-        let from = hello.from;
+        let (mut rd, mut wr) = stream.into_split();
+        let Some(from) = self.prove_inbound(&mut rd, &mut wr).await else { return };
 
         // Hold the connection until the engine adds the peer (SPEC S2), or give up.
+        let deadline = Instant::now() + self.options.hold_unknown;
         *lock(&self.state).held.entry(from.clone()).or_default() += 1;
         self.changed.notify_waiters();
         let stop = stopped(self.shutdown.subscribe());
@@ -477,6 +546,8 @@ impl Inner {
             Nack,
             Adopt(Arc<Conn>, ConnQueues, Option<Arc<Conn>>),
         }
+        // Only a proven connection gets here: the tie-break and the replacement of an older
+        // connection never act for a stranger that merely claims a peer's name.
         let verdict = {
             let mut st = lock(&self.state);
             if let Some(n) = st.held.get_mut(&from) {
@@ -494,7 +565,7 @@ impl Inner {
                     let (conn, queues) = Conn::new(from, false, ends);
                     // Queued before anyone else can see the connection: the first frame out.
                     // (Not through `send_ctrl`: closing needs the state lock we hold.)
-                    let ack = Outgoing::hello_ack(&self.name);
+                    let ack = Outgoing::hello_ack();
                     conn.queued.fetch_add(ack.len(), Ordering::Relaxed);
                     let _ = conn.ctrl.send(ack);
                     let old = peer.conn.replace(Arc::clone(&conn));
@@ -503,6 +574,7 @@ impl Inner {
             }
         };
         self.changed.notify_waiters();
+        drop(slot);
         match verdict {
             Verdict::Closed => {}
             Verdict::Unknown => self.reject("unknown_agent"),
@@ -510,6 +582,7 @@ impl Inner {
                 let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(&Outgoing::hello_nack().to_bytes())).await;
             }
             Verdict::Adopt(conn, queues, old) => {
+                let rd = BufReader::with_capacity(READ_BUFFER, rd);
                 Arc::clone(&self).spawn_conn(conn, queues, rd, wr);
                 // Replaced, not lost: the peer is connected (its reads on the old connection
                 // still fail), so nobody is told it disconnected.
@@ -518,6 +591,48 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// The unauthenticated part of an inbound connection, all within `hold_unknown`: the
+    /// dialer's `Hello`, our proof, its proof (SPEC S2; see the module doc). Returns the proven
+    /// dialer's name; otherwise the refusal is counted and the connection is to be closed.
+    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Option<String> {
+        let deadline = Instant::now() + self.options.hold_unknown;
+        let hello = match self.bounded(deadline, read_handshake_frame(rd)).await? {
+            Err(_) => return self.refuse("unknown_agent"), // never said who it is
+            Ok(Err(HandshakeError::Closed)) => return None,
+            Ok(Err(HandshakeError::Broken)) => return self.refuse("malformed"),
+            Ok(Ok((wire::HELLO, body))) => match wire::decode_hello(&body) {
+                Some(h) => h,
+                None => return self.refuse("malformed"),
+            },
+            Ok(Ok(_)) => return self.refuse("malformed"),
+        };
+        if hello.to != self.name || hello.from == self.name {
+            return self.refuse("unknown_agent");
+        }
+        let nonce = auth::nonce().ok()?;
+        let ours = self.key.accept_tag(&hello.from, &self.name, &hello.nonce, &nonce);
+        let challenge = Outgoing::hello_challenge(&nonce, &ours).to_bytes();
+        let answer = self
+            .bounded(deadline, async {
+                wr.write_all(&challenge).await.map_err(|_| HandshakeError::Closed)?;
+                read_handshake_frame(rd).await
+            })
+            .await?;
+        // Anything but a valid proof in time (a wrong one, another frame, silence, a close)
+        // is a failed proof.
+        match answer {
+            Ok(Ok((wire::HELLO_PROOF, proof))) if self.key.verify_dial(&hello.from, &self.name, &hello.nonce, &nonce, &proof) => {
+                Some(hello.from)
+            }
+            _ => self.refuse("unauthenticated"),
+        }
+    }
+
+    fn refuse<T>(&self, reason: &'static str) -> Option<T> {
+        self.reject(reason);
+        None
     }
 
     /// Makes sure a connection to the known `peer` exists: dials, or waits for the peer's
@@ -578,7 +693,9 @@ impl Inner {
                 Ok(Dialed::Nacked) => redial_at = Some(Instant::now() + NACK_RETRY),
                 // It does not know us (yet), or it still sees an old connection of ours.
                 Ok(Dialed::Closed) => {
-                    last_error = Some(TransportError::Io(format!("{peer} at {addr} closed the handshake: it has not added us")));
+                    last_error = Some(TransportError::Io(format!(
+                        "{peer} at {addr} closed the handshake: it has not added us (or takes no more handshakes now)"
+                    )));
                     redial_at = Some(Instant::now() + NACK_RETRY);
                 }
                 // An inbound connection may have won meanwhile.
@@ -588,21 +705,39 @@ impl Inner {
         }
     }
 
-    /// Dials `peer` and says hello.
+    /// Dials `peer`; each side proves the cluster secret to the other (see the module doc).
     async fn dial(self: &Arc<Self>, peer: &str, addr: SocketAddr) -> Result<Dialed, TransportError> {
         let io_err = |what: &str, e: &dyn std::fmt::Display| TransportError::Io(format!("{what} {peer} at {addr}: {e}"));
+        let bad_reply = || io_err("bad handshake reply from", &"not a kvlease agent of this version");
         let stream = TcpStream::connect(addr).await.map_err(|e| io_err("cannot connect to", &e))?;
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
-        let (rd, mut wr) = stream.into_split();
-        let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
-        wr.write_all(&Outgoing::hello(&self.name, peer).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
+        let (mut rd, mut wr) = stream.into_split();
+        let nonce = auth::nonce()?;
+        wr.write_all(&Outgoing::hello(&self.name, peer, &nonce).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
+        let (their_nonce, their_proof) = match read_handshake_frame(&mut rd).await {
+            Ok((wire::HELLO_CHALLENGE, body)) => wire::decode_challenge(&body).ok_or_else(bad_reply)?,
+            Ok(_) => return Err(bad_reply()),
+            // Refused before any proof: not the agent we mean, or too many handshakes there.
+            Err(_) => return Ok(Dialed::Closed),
+        };
+        if !self.key.verify_accept(&self.name, peer, &nonce, &their_nonce, &their_proof) {
+            self.reject("unauthenticated");
+            return Err(io_err(
+                "refusing",
+                &"it did not prove it holds the cluster secret (check --kv-transfer-secret-file on both engines)",
+            ));
+        }
+        let ours = self.key.dial_tag(&self.name, peer, &nonce, &their_nonce);
+        wr.write_all(&Outgoing::hello_proof(&ours).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
         match read_handshake_frame(&mut rd).await {
-            Ok((wire::HELLO_ACK, body)) if body == peer.as_bytes() => {}
+            Ok((wire::HELLO_ACK, body)) if body.is_empty() => {}
             Ok((wire::HELLO_NACK, _)) => return Ok(Dialed::Nacked),
-            Ok(_) => return Err(io_err("bad handshake reply from", &"not the agent we dialed, or not a kvlease agent")),
+            Ok(_) => return Err(bad_reply()),
             Err(_) => return Ok(Dialed::Closed),
         }
+        // The handshake read exactly its frames: whatever follows is the connection's.
+        let rd = BufReader::with_capacity(READ_BUFFER, rd);
         let (conn, queues) = Conn::new(peer.to_owned(), true, ends);
         let old = {
             let mut st = lock(&self.state);
@@ -853,7 +988,8 @@ enum Dialed {
     Adopted,
     /// The peer keeps the connection it dialed to us instead.
     Nacked,
-    /// The peer closed the connection during the handshake.
+    /// The peer closed the connection during the handshake: it did not add us in time, or
+    /// refused the connection before any proof.
     Closed,
 }
 
@@ -908,6 +1044,26 @@ impl Drop for PendingGuard<'_> {
         if let Some(map) = lock(&self.conn.reads).as_mut() {
             map.remove(&self.req_id);
         }
+    }
+}
+
+/// One of the [`TcpOptions::max_handshakes`] places for an inbound connection not yet adopted;
+/// given back when dropped.
+struct HandshakeSlot(Arc<Inner>);
+
+impl HandshakeSlot {
+    fn take(inner: &Arc<Inner>) -> Option<HandshakeSlot> {
+        if inner.handshakes.fetch_add(1, Ordering::AcqRel) >= inner.options.max_handshakes {
+            inner.handshakes.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(HandshakeSlot(Arc::clone(inner)))
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.0.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1061,15 +1217,15 @@ enum HandshakeError {
     Broken,
 }
 
-/// One small frame of the handshake: `(kind, body)`.
-async fn read_handshake_frame(rd: &mut BufReader<OwnedReadHalf>) -> Result<(u8, Vec<u8>), HandshakeError> {
-    match rd.fill_buf().await {
-        Ok([]) => return Err(HandshakeError::Closed),
-        Ok(_) => {}
-        Err(_) => return Err(HandshakeError::Broken),
-    }
+/// One small frame of the handshake: `(kind, body)`. Reads exactly the frame (nothing is
+/// buffered past it), and refuses a length over `MAX_HELLO` before allocating anything.
+async fn read_handshake_frame(rd: &mut OwnedReadHalf) -> Result<(u8, Vec<u8>), HandshakeError> {
     let mut head = [0u8; wire::HEADER_LEN];
-    rd.read_exact(&mut head).await.map_err(|_| HandshakeError::Broken)?;
+    match rd.read(&mut head).await {
+        Ok(0) => return Err(HandshakeError::Closed),
+        Ok(n) => rd.read_exact(&mut head[n..]).await.map_err(|_| HandshakeError::Broken)?,
+        Err(_) => return Err(HandshakeError::Broken),
+    };
     let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
     if len > wire::MAX_HELLO {
         return Err(HandshakeError::Broken);

@@ -1,8 +1,9 @@
 //! The tcp backend over real loopback sockets: the shared scenarios, and what only a socket
-//! brings: strangers, malformed frames, peers dying mid-read, dial races, shutdown.
+//! brings: strangers and impostors, malformed frames, peers dying mid-read, dial races, shutdown.
 
 use super::wire::{self, Outgoing};
 use super::*;
+use crate::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use crate::testing::*;
 use crate::OpenGate;
 use std::collections::BTreeMap;
@@ -11,6 +12,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Short hold, so tests about strangers do not wait 5 s; a 2 MiB frame limit.
 fn quick() -> TcpOptions {
     TcpOptions { hold_unknown: Duration::from_millis(300), max_frame: 2 * 1024 * 1024, ..TcpOptions::default() }
+}
+
+const SECRET: &[u8] = b"the cluster's secret";
+
+/// [`quick`], with the cluster secret `secret`.
+fn secured(secret: &[u8]) -> TcpOptions {
+    TcpOptions { secret: Some(secret.to_vec()), ..quick() }
 }
 
 async fn agent(name: &str, blocks: u32, block_bytes: usize, gate: Arc<dyn ReadGate>, options: TcpOptions) -> (Arc<TcpAgent>, Events) {
@@ -90,14 +98,28 @@ async fn closed(s: &mut TcpStream) {
     .await
 }
 
-/// A raw client that completes the handshake as the known peer `name` of `agent`.
+/// A raw client's side of the handshake, as `from` to the agent `to` at `addr`, with the key
+/// `key`: says hello, checks the agent's proof, and proves itself. This pins the wire format.
+async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let nonce: Nonce = [0x11; NONCE_LEN];
+    send(&mut s, &Outgoing::hello(from, to, &nonce)).await;
+    let (kind, body) = recv(&mut s).await.expect("a challenge");
+    assert_eq!(kind, wire::HELLO_CHALLENGE);
+    let (theirs, proof) = wire::decode_challenge(&body).expect("a well-formed challenge");
+    assert!(key.verify_accept(from, to, &nonce, &theirs, &proof), "the agent proves the secret first");
+    send(&mut s, &Outgoing::hello_proof(&key.dial_tag(from, to, &nonce, &theirs))).await;
+    s
+}
+
+/// A raw client that completes the handshake as the known peer `name` of `agent` (which has
+/// no secret).
 async fn raw_known_peer(agent: &TcpAgent, name: &str) -> TcpStream {
-    let mut s = TcpStream::connect(agent.local_addr()).await.expect("connect");
-    send(&mut s, &Outgoing::hello(name, agent.name())).await;
-    eventually("the agent to hold the stranger", || agent.holds(name)).await;
+    let mut s = raw_handshake(agent.local_addr(), name, agent.name(), &ClusterKey::new(None)).await;
+    eventually("the agent to hold the proven stranger", || agent.holds(name)).await;
     let md = wire::encode_metadata(name, "127.0.0.1:9".parse().unwrap());
     assert_eq!(within("add_peer", agent.add_peer(&md)).await.expect("adopts the held connection"), name);
-    assert_eq!(recv(&mut s).await, Some((wire::HELLO_ACK, agent.name().as_bytes().to_vec())));
+    assert_eq!(recv(&mut s).await, Some((wire::HELLO_ACK, Vec::new())));
     s
 }
 
@@ -158,13 +180,19 @@ async fn strangers_are_dropped_and_counted_while_known_peers_are_served_s2_p7() 
         s.write_all(&bytes).await.expect("write");
         closed(&mut s).await;
     };
+    let nonce = [0u8; NONCE_LEN];
+    let mut v1_hello = Outgoing::hello("d", "p", &nonce).body()[..].to_vec();
+    v1_hello.truncate(v1_hello.len() - NONCE_LEN);
+    v1_hello[4] = 1;
     let strangers = tokio::spawn(async move {
         tokio::join!(
-            stranger(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),    // garbage
-            stranger(Outgoing::hello("mallory", "p").to_bytes()),       // unknown name, held then dropped
-            stranger(Outgoing::hello("d2", "someone-else").to_bytes()), // meant for another agent
-            stranger(Outgoing::raw(wire::HELLO, b"KVLT\x01\xff\xff".to_vec()).to_bytes()), // broken hello
-            stranger(Vec::new()),                                       // never says hello
+            stranger(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),            // garbage
+            stranger(Outgoing::hello("mallory", "p", &nonce).to_bytes()),       // never proves itself
+            stranger(Outgoing::hello("d2", "someone-else", &nonce).to_bytes()), // meant for another agent
+            stranger(Outgoing::raw(wire::HELLO, b"KVLT\x02\xff\xff".to_vec()).to_bytes()), // broken hello
+            stranger(Outgoing::raw(wire::HELLO, v1_hello).to_bytes()),          // the old, unproven hello
+            stranger([&(100u32 << 20).to_le_bytes()[..], &[wire::HELLO]].concat()), // a 100 MiB "hello"
+            stranger(Vec::new()),                                               // never says hello
         )
     });
     // While strangers are held, the known peer is served.
@@ -174,8 +202,8 @@ async fn strangers_are_dropped_and_counted_while_known_peers_are_served_s2_p7() 
     assert!(block(pr.d.arena(), 0) == block(&pr.p_arena, 0));
     within("strangers dropped", strangers).await.expect("stranger tasks");
 
-    let (tally, others) = rejections(&mut pr.p_events, 5).await;
-    assert_eq!(tally, BTreeMap::from([("malformed", 2), ("unknown_agent", 3)]));
+    let (tally, others) = rejections(&mut pr.p_events, 7).await;
+    assert_eq!(tally, BTreeMap::from([("malformed", 4), ("unauthenticated", 1), ("unknown_agent", 2)]));
     assert_eq!(others, vec![AgentEvent::Notification { from: "d".into(), bytes: b"served".to_vec() }]);
     check_both_directions(&*pr.p, &mut pr.p_events, &*pr.d, &mut pr.d_events).await;
     assert!(pr.p_events.try_recv().is_err(), "nothing else was reported");
@@ -191,7 +219,7 @@ async fn malformed_and_oversized_frames_from_a_known_peer_are_dropped_and_counte
 
     send(&mut raw, &Outgoing::raw(99, b"what".to_vec())).await; // unknown kind
     send(&mut raw, &Outgoing::raw(wire::READ_REQ, vec![1, 2, 3])).await; // short request
-    send(&mut raw, &Outgoing::hello("raw", "p")).await; // hello after the handshake
+    send(&mut raw, &Outgoing::hello("raw", "p", &[0; NONCE_LEN])).await; // hello after the handshake
     send(&mut raw, &Outgoing::raw(wire::READ_ERR, vec![0; 3])).await; // short error
     send(&mut raw, &Outgoing::raw(wire::READ_DATA, vec![0; 5])).await; // data shorter than its id
     send(&mut raw, &Outgoing::notif(vec![7; 3 * 1024 * 1024])).await; // over the 2 MiB limit
@@ -229,8 +257,15 @@ async fn fake_p_handshake(d: &TcpAgent, listener: &TcpListener) -> TcpStream {
     let fake = async {
         let (mut s, _) = listener.accept().await.unwrap();
         let (kind, body) = recv(&mut s).await.expect("hello");
-        assert_eq!((kind, wire::decode_hello(&body)), (wire::HELLO, Some(wire::Hello { from: "d".into(), to: "fake-p".into() })));
-        send(&mut s, &Outgoing::hello_ack("fake-p")).await;
+        assert_eq!(kind, wire::HELLO);
+        let hello = wire::decode_hello(&body).expect("a well-formed hello");
+        assert_eq!((hello.from.as_str(), hello.to.as_str()), ("d", "fake-p"));
+        let (key, nonce) = (ClusterKey::new(None), [0x22; NONCE_LEN]);
+        send(&mut s, &Outgoing::hello_challenge(&nonce, &key.accept_tag("d", "fake-p", &hello.nonce, &nonce))).await;
+        let (kind, proof) = recv(&mut s).await.expect("d's proof");
+        assert_eq!(kind, wire::HELLO_PROOF);
+        assert!(key.verify_dial("d", "fake-p", &hello.nonce, &nonce, &proof), "d proves itself");
+        send(&mut s, &Outgoing::hello_ack()).await;
         s
     };
     let (added, s) = within("handshake with the fake", async { tokio::join!(d.add_peer(&md), fake) }).await;
@@ -286,11 +321,23 @@ async fn dropping_the_peer_agent_fails_reads_with_disconnected_and_reports_it_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn add_peer_works_in_either_order_and_when_both_dial_at_once() {
+    connect_in_every_order(quick()).await;
+}
+
+/// SPEC S2: agents that share the cluster secret prove it to each other on every connection
+/// and connect as before, whoever adds whom first, and when both dial at once (the tie-break
+/// acts on proven connections only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_sharing_a_secret_connect_in_either_order_and_when_both_dial_at_once_s2() {
+    connect_in_every_order(secured(SECRET)).await;
+}
+
+async fn connect_in_every_order(options: TcpOptions) {
     // One side first: its dial is held by the other until that one adds it back. Both name
     // orders, so the held dialer is once the smaller and once the larger name.
     for (first, second) in [("a", "b"), ("y", "x")] {
-        let (f, mut f_events) = agent(first, 4, 4096, Arc::new(OpenGate), quick()).await;
-        let (s, mut s_events) = agent(second, 4, 4096, Arc::new(OpenGate), quick()).await;
+        let (f, mut f_events) = agent(first, 4, 4096, Arc::new(OpenGate), options.clone()).await;
+        let (s, mut s_events) = agent(second, 4, 4096, Arc::new(OpenGate), options.clone()).await;
         let (f2, s_md) = (Arc::clone(&f), s.metadata());
         let first_add = tokio::spawn(async move { f2.add_peer(&s_md).await });
         eventually("the dial to be held", || s.holds(first)).await;
@@ -305,8 +352,8 @@ async fn add_peer_works_in_either_order_and_when_both_dial_at_once() {
     }
     // Both at once, many times, to meet the races.
     for round in 0..20 {
-        let (a, mut a_events) = agent(&format!("a{round}"), 2, 4096, Arc::new(OpenGate), quick()).await;
-        let (b, mut b_events) = agent(&format!("b{round}"), 2, 4096, Arc::new(OpenGate), quick()).await;
+        let (a, mut a_events) = agent(&format!("a{round}"), 2, 4096, Arc::new(OpenGate), options.clone()).await;
+        let (b, mut b_events) = agent(&format!("b{round}"), 2, 4096, Arc::new(OpenGate), options.clone()).await;
         connect(&a, &b).await;
         a.send_notif(b.name(), vec![round]).unwrap();
         b.send_notif(a.name(), vec![round]).unwrap();
@@ -535,4 +582,135 @@ async fn notifications_to_a_peer_that_never_reads_close_the_connection_at_the_qu
 
     check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
     assert!(p_events.try_recv().is_err(), "Disconnected was reported once");
+}
+
+/// P and D, which share the cluster secret and are connected; P's gate records the reads it
+/// is asked for.
+struct SecuredPair {
+    p: Arc<TcpAgent>,
+    p_events: Events,
+    d: Arc<TcpAgent>,
+    d_events: Events,
+    gate: TestGate,
+}
+
+async fn secured_pair() -> SecuredPair {
+    let gate = TestGate::new();
+    let (p, p_events) = agent("p", 8, 4096, Arc::new(gate.clone()), secured(SECRET)).await;
+    let (d, d_events) = agent("d", 8, 4096, Arc::new(OpenGate), secured(SECRET)).await;
+    connect(&p, &d).await;
+    SecuredPair { p, p_events, d, d_events, gate }
+}
+
+/// The real P and D still talk over the very connection they had: a read with its
+/// notification, and a notification each way; nothing else reached either engine.
+async fn real_connection_unharmed(pr: &mut SecuredPair, ends: (SocketAddr, SocketAddr)) {
+    assert_eq!(pr.d.conn_ends("p"), Some(ends), "d's connection to p was neither replaced nor closed");
+    assert_one_connection(&pr.p, &pr.d);
+    check_both_directions(&*pr.p, &mut pr.p_events, &*pr.d, &mut pr.d_events).await;
+    assert!(pr.p_events.try_recv().is_err(), "p: nothing else was reported");
+    assert!(pr.d_events.try_recv().is_err(), "d: nothing else was reported");
+}
+
+/// The lease id the impostors read under, so the gate shows whether it was ever asked.
+const STOLEN_LEASE: u64 = 666;
+
+/// SPEC S2, "Trust on the wire" (a): an outsider knows P's agent name (names are public) but not
+/// the cluster secret, and dials D's agent as P, to answer D's heartbeats and acknowledge D's
+/// reads as live (wrong answers with HTTP 200). D proves the secret, the impostor cannot check
+/// the proof nor give its own: the connection is refused and counted as `unauthenticated` on
+/// both sides, its notifications never reach D, and P's connection to D is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impostor_with_a_wrong_secret_dialing_d_as_p_is_refused_and_p_keeps_its_connection_s2() {
+    let mut pr = secured_pair().await;
+    let ends = pr.d.conn_ends("p").expect("connected");
+    let (impostor, mut impostor_events) = agent("p", 8, 4096, Arc::new(OpenGate), secured(b"a guess")).await;
+    let refused = within("the impostor's add_peer", impostor.add_peer(&pr.d.metadata())).await;
+    match refused {
+        Err(TransportError::Io(why)) => assert!(why.contains("did not prove it holds the cluster secret"), "{why}"),
+        other => panic!("the impostor's dial was not refused: {other:?}"),
+    }
+    assert_eq!(next_event(&mut impostor_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+    assert_eq!(next_event(&mut pr.d_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+    // It has no connection to send on: no forged LeaseLost or ReadDoneAck reaches D.
+    assert!(impostor.send_notif("d", b"ReadDoneAck live".to_vec()).is_err());
+    real_connection_unharmed(&mut pr, ends).await;
+}
+
+/// SPEC S2, "Trust on the wire" (b): an outsider dials P's agent as D, to read another request's
+/// KV cache and release every lease. Its dial is refused before anything else: its read never
+/// reaches P's gate, let alone P's memory, and the real D keeps reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impostor_with_a_wrong_secret_dialing_p_as_d_reads_nothing_s2() {
+    let mut pr = secured_pair().await;
+    let ends = pr.d.conn_ends("p").expect("connected");
+    let (impostor, mut impostor_events) = agent("d", 8, 4096, Arc::new(OpenGate), secured(b"a guess")).await;
+    assert!(within("the impostor's add_peer", impostor.add_peer(&pr.p.metadata())).await.is_err(), "refused");
+    assert_eq!(next_event(&mut impostor_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+    assert_eq!(next_event(&mut pr.p_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+    fill_block(pr.p.arena(), 0, 42);
+    let op = ReadOp { lease_id: STOLEN_LEASE, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"Release all".to_vec()) };
+    assert!(within("the impostor's read", impostor.read("p", op)).await.is_err(), "not served");
+    assert!(block(impostor.arena(), 0) != block(pr.p.arena(), 0), "no byte of p's block reached the impostor");
+    assert_eq!(pr.gate.calls(), Vec::new(), "p's gate was never asked");
+    real_connection_unharmed(&mut pr, ends).await;
+}
+
+/// SPEC S2: what the old attack did, against either side. A raw client says `Hello` with the
+/// right names (D's agent to P, P's agent to D), cannot answer the challenge, and sends a forged
+/// proof followed by a read request and a notification. It gets the challenge and then nothing:
+/// no ack, no data, no delivery; the gate is never asked. A client that never answers the
+/// challenge is dropped after `hold_unknown`. Each is counted as `unauthenticated`, and P and D
+/// keep their connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_hello_with_the_right_names_gets_nothing_s2() {
+    let mut pr = secured_pair().await;
+    let ends = pr.d.conn_ends("p").expect("connected");
+    fill_block(pr.p.arena(), 0, 7);
+    for (target, claimed) in [(pr.p.local_addr(), "d"), (pr.d.local_addr(), "p")] {
+        let to = if claimed == "d" { "p" } else { "d" };
+        for proof in [Some([0u8; TAG_LEN]), None] {
+            let mut s = TcpStream::connect(target).await.expect("connect");
+            send(&mut s, &Outgoing::hello(claimed, to, &[0x33; NONCE_LEN])).await;
+            let (kind, _) = recv(&mut s).await.expect("the challenge");
+            assert_eq!(kind, wire::HELLO_CHALLENGE);
+            if let Some(proof) = proof {
+                send(&mut s, &Outgoing::hello_proof(&proof)).await;
+                send(&mut s, &Outgoing::read_req(1, STOLEN_LEASE, &[seg(0, 0, 0, 0, 4096)])).await;
+                send(&mut s, &Outgoing::notif(b"LeaseLost".to_vec())).await;
+            }
+            assert_eq!(recv(&mut s).await, None, "closed, having sent nothing after the challenge");
+            let events = if claimed == "d" { &mut pr.p_events } else { &mut pr.d_events };
+            assert_eq!(next_event(events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+        }
+    }
+    assert_eq!(pr.gate.calls(), Vec::new(), "p's gate was never asked");
+    real_connection_unharmed(&mut pr, ends).await;
+}
+
+/// SPEC S2: strangers cannot hold unbounded resources. With `max_handshakes` connections in
+/// their handshake, the next is closed at once (long before `hold_unknown`) and counted; once
+/// they go, peers connect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_handshakes_beyond_the_cap_are_closed_at_once_and_counted_s2() {
+    let capped = TcpOptions { max_handshakes: 3, hold_unknown: Duration::from_secs(60), ..secured(SECRET) };
+    let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), capped).await;
+    let (d, mut d_events) = agent("d", 4, 4096, Arc::new(OpenGate), secured(SECRET)).await;
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(TcpStream::connect(p.local_addr()).await.expect("connect"));
+    }
+    eventually("the silent ones to take every place", || p.inner.handshakes.load(Ordering::Relaxed) == 3).await;
+    for _ in 0..2 {
+        let mut over = TcpStream::connect(p.local_addr()).await.expect("connect");
+        send(&mut over, &Outgoing::hello("d", "p", &[0; NONCE_LEN])).await;
+        assert_eq!(recv(&mut over).await, None, "closed at once, unanswered");
+        assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+    }
+    drop(silent);
+    eventually("the places to be given back", || p.inner.handshakes.load(Ordering::Relaxed) == 0).await;
+    connect(&p, &d).await;
+    assert_eq!(p.inner.handshakes.load(Ordering::Relaxed), 0, "an adopted connection holds no place");
+    check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+    assert!(p_events.try_recv().is_err(), "the silent ones that left were not counted");
 }

@@ -9,25 +9,32 @@
 //!
 //! | kind | body |
 //! |---|---|
-//! | Hello | `KVLT` · version · from (u16 + UTF-8) · to (u16 + UTF-8): the dialer's first frame |
-//! | HelloAck | the acceptor's name: the connection is adopted |
+//! | Hello | `KVLT` · version 2 · from (u16 + UTF-8) · to (u16 + UTF-8) · nonce (32): the dialer's first frame |
+//! | HelloChallenge | the acceptor's nonce (32) · its proof (32) |
+//! | HelloProof | the dialer's proof (32) |
+//! | HelloAck | empty: the connection is adopted |
 //! | HelloNack | empty: the acceptor keeps the connection it dialed itself (simultaneous dials) |
 //! | Notif | the payload |
 //! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) |
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
 //! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
 
+use crate::auth::{Nonce, Tag, NONCE_LEN};
 use crate::{Segment, TransportError};
 use std::net::SocketAddr;
 
 pub(super) const MAGIC: [u8; 4] = *b"KVLT";
+/// Of the metadata.
 pub(super) const VERSION: u8 = 1;
+/// Of the handshake: 2 added the nonces and proofs (SPEC S2), so a version-1 dialer is refused.
+pub(super) const HELLO_VERSION: u8 = 2;
 /// Longest agent name, in bytes.
 pub(super) const MAX_NAME: usize = 1024;
 /// Length prefix and kind.
 pub(super) const HEADER_LEN: usize = 5;
-/// The largest handshake frame body.
-pub(super) const MAX_HELLO: usize = 4 + 1 + 2 + MAX_NAME + 2 + MAX_NAME;
+/// The largest handshake frame body (a `Hello` with the longest names): checked before the
+/// body is read, so a stranger costs at most this much memory.
+pub(super) const MAX_HELLO: usize = 4 + 1 + 2 + MAX_NAME + 2 + MAX_NAME + NONCE_LEN;
 /// Bytes of a `ReadReq` body before the segments, and per segment.
 pub(super) const READ_REQ_FIXED: usize = 8 + 8 + 4;
 pub(super) const READ_REQ_PER_SEGMENT: usize = 12;
@@ -39,6 +46,8 @@ pub(super) const NOTIF: u8 = 4;
 pub(super) const READ_REQ: u8 = 5;
 pub(super) const READ_DATA: u8 = 6;
 pub(super) const READ_ERR: u8 = 7;
+pub(super) const HELLO_CHALLENGE: u8 = 8;
+pub(super) const HELLO_PROOF: u8 = 9;
 
 pub(super) const ERR_REFUSED: u8 = 1;
 pub(super) const ERR_OUT_OF_RANGE: u8 = 2;
@@ -135,21 +144,32 @@ pub(super) fn decode_metadata(md: &[u8]) -> Result<(String, SocketAddr), Transpo
     Ok((name.to_owned(), addr))
 }
 
-/// The first frame of a connection: who dials, and whom it means to reach.
+/// The first frame of a connection: who dials, whom it means to reach, and the challenge the
+/// acceptor's proof must answer.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Hello {
     pub from: String,
     pub to: String,
+    pub nonce: Nonce,
 }
 
 pub(super) fn decode_hello(body: &[u8]) -> Option<Hello> {
     let mut b = Bytes(body);
-    if b.array::<4>()? != MAGIC || b.u8()? != VERSION {
+    if b.array::<4>()? != MAGIC || b.u8()? != HELLO_VERSION {
         return None;
     }
     let from = b.str16()?;
     let to = b.str16()?;
-    (valid_name(from) && valid_name(to) && b.is_empty()).then(|| Hello { from: from.to_owned(), to: to.to_owned() })
+    let nonce = b.array()?;
+    (valid_name(from) && valid_name(to) && b.is_empty()).then(|| Hello { from: from.to_owned(), to: to.to_owned(), nonce })
+}
+
+/// `(the acceptor's nonce, its proof)`.
+pub(super) fn decode_challenge(body: &[u8]) -> Option<(Nonce, Tag)> {
+    let mut b = Bytes(body);
+    let nonce = b.array()?;
+    let tag = b.array()?;
+    b.is_empty().then_some((nonce, tag))
 }
 
 /// A remote piece of a read, as the serving side sees it.
@@ -236,17 +256,26 @@ impl Outgoing {
         [&self.head[..], &self.body].concat()
     }
 
-    pub fn hello(from: &str, to: &str) -> Outgoing {
-        let mut body = Vec::with_capacity(4 + 1 + 4 + from.len() + to.len());
+    pub fn hello(from: &str, to: &str, nonce: &Nonce) -> Outgoing {
+        let mut body = Vec::with_capacity(4 + 1 + 4 + from.len() + to.len() + NONCE_LEN);
         body.extend_from_slice(&MAGIC);
-        body.push(VERSION);
+        body.push(HELLO_VERSION);
         put_str16(&mut body, from);
         put_str16(&mut body, to);
+        body.extend_from_slice(nonce);
         Outgoing::new(HELLO, body)
     }
 
-    pub fn hello_ack(name: &str) -> Outgoing {
-        Outgoing::new(HELLO_ACK, name.as_bytes().to_vec())
+    pub fn hello_challenge(nonce: &Nonce, proof: &Tag) -> Outgoing {
+        Outgoing::new(HELLO_CHALLENGE, [&nonce[..], &proof[..]].concat())
+    }
+
+    pub fn hello_proof(proof: &Tag) -> Outgoing {
+        Outgoing::new(HELLO_PROOF, proof.to_vec())
+    }
+
+    pub fn hello_ack() -> Outgoing {
+        Outgoing::new(HELLO_ACK, Vec::new())
     }
 
     pub fn hello_nack() -> Outgoing {
@@ -288,6 +317,7 @@ impl Outgoing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::TAG_LEN;
 
     #[test]
     fn metadata_round_trips() {
@@ -332,9 +362,19 @@ mod tests {
 
     #[test]
     fn hello_and_read_req_round_trip_and_reject_lies() {
-        let h = Outgoing::hello("a", "b");
-        assert_eq!(decode_hello(h.body()), Some(Hello { from: "a".into(), to: "b".into() }));
+        let h = Outgoing::hello("a", "b", &[7; NONCE_LEN]);
+        assert_eq!(decode_hello(h.body()), Some(Hello { from: "a".into(), to: "b".into(), nonce: [7; NONCE_LEN] }));
         assert_eq!(decode_hello(&h.body()[..h.body().len() - 1]), None);
+        assert_eq!(decode_hello(&[h.body(), &[0]].concat()), None);
+        let mut v1 = h.body()[..h.body().len() - NONCE_LEN].to_vec();
+        v1[4] = 1;
+        assert_eq!(decode_hello(&v1), None, "a version-1 hello (no nonce) is refused");
+        let longest = Outgoing::hello(&"x".repeat(MAX_NAME), &"y".repeat(MAX_NAME), &[0; NONCE_LEN]);
+        assert_eq!(longest.body().len(), MAX_HELLO);
+        let c = Outgoing::hello_challenge(&[1; NONCE_LEN], &[2; TAG_LEN]);
+        assert_eq!(decode_challenge(c.body()), Some(([1; NONCE_LEN], [2; TAG_LEN])));
+        assert_eq!(decode_challenge(&c.body()[1..]), None);
+        assert_eq!(Outgoing::hello_proof(&[3; TAG_LEN]).body(), &[3; TAG_LEN]);
         let segs = [Segment { remote_block: 3, remote_offset: 16, local_block: 9, local_offset: 0, len: 100 }];
         let r = Outgoing::read_req(5, 77, &segs);
         assert_eq!(
