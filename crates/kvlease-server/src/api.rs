@@ -1,5 +1,5 @@
 //! `kvlease serve`'s HTTP API: the OpenAI endpoints in front of one [`EngineHandle`], plus
-//! `/v1/models`, `/health` and `/metrics` (SPEC §10, §11).
+//! `/v1/models`, `/health` and `/metrics` (SPEC §10, §11), served within [`HttpLimits`].
 //!
 //! A request's [`RequestStream`] is owned by the handler future (non-streaming) or by the
 //! response body (streaming). When the client goes away hyper drops both, the stream is dropped
@@ -8,9 +8,11 @@
 use crate::body;
 use crate::error::ApiError;
 use crate::openai::{self, Completion, Endpoint, ResponseMeta, Usage};
+use crate::server::{self, HttpLimits};
 use crate::sse;
 use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,15 +27,25 @@ pub const REQUEST_ID: &str = "x-request-id";
 /// Longest `X-Request-Id` accepted.
 const MAX_REQUEST_ID_LEN: usize = 512;
 
+/// How `kvlease serve` exposes its engine over HTTP.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    pub http: HttpLimits,
+    /// The engine listens beyond loopback without a cluster secret (`--insecure`, SPEC S3):
+    /// `/health` says so.
+    pub insecure: bool,
+}
+
 #[derive(Clone)]
 struct AppState {
     engine: EngineHandle,
     started: u64,
+    insecure: bool,
 }
 
 /// The router of `kvlease serve`, for tests that want to mount it themselves.
-pub fn router(engine: EngineHandle) -> Router {
-    let state = AppState { engine, started: crate::ids::unix_now() };
+pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
+    let state = AppState { engine, started: crate::ids::unix_now(), insecure: options.insecure };
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -51,16 +63,16 @@ pub fn router(engine: EngineHandle) -> Router {
 pub async fn serve(
     engine: EngineHandle,
     listener: tokio::net::TcpListener,
+    options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(engine.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: aborting in-flight requests");
-            engine.shutdown().await;
-        })
-        .await
+    let app = router(engine.clone(), &options);
+    server::run(listener, app, options.http, async move {
+        shutdown.await;
+        tracing::info!("shutting down: aborting in-flight requests");
+        engine.shutdown().await;
+    })
+    .await
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -106,10 +118,10 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
         Ok(rid) => rid,
         Err(e) => return e.into_response(),
     };
-    let resp = match run(&st.engine, &rid, &parts.headers, body, endpoint).await {
+    let resp = match run(&st.engine, &rid, &parts, body, endpoint).await {
         Ok(resp) => resp,
         Err(e) => {
-            if e.status.is_server_error() {
+            if e.is_server_fault() {
                 tracing::warn!(request_id = %rid, status = %e.status, "{}", e.message);
             } else {
                 tracing::debug!(request_id = %rid, status = %e.status, "refused: {}", e.message);
@@ -120,8 +132,8 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
     with_request_id(resp, &rid)
 }
 
-async fn run(engine: &EngineHandle, rid: &str, headers: &HeaderMap, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
-    let fields = body::json_object(headers, body).await?;
+async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
+    let fields = body::json_object(parts, body).await?;
     let c: Completion = match endpoint {
         Endpoint::Completions => openai::parse_completion(&fields)?,
         Endpoint::Chat => openai::parse_chat(&fields)?,
@@ -189,9 +201,15 @@ async fn models(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
+/// 200 with an empty body, as vLLM answers; while the engine listens beyond loopback without a
+/// secret, 200 with `{"status":"ok","insecure":true}`, so a probe can tell (SPEC S3).
 async fn health(State(st): State<AppState>) -> Response {
     if st.engine.is_healthy() {
-        StatusCode::OK.into_response()
+        if st.insecure {
+            axum::Json(json!({"status": "ok", "insecure": true})).into_response()
+        } else {
+            StatusCode::OK.into_response()
+        }
     } else {
         ApiError::unavailable("engine is not healthy").into_response()
     }

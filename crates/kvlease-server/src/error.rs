@@ -44,6 +44,16 @@ impl ApiError {
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Some("request_too_large"), None, format!("request body exceeds {limit} bytes"))
     }
 
+    /// 408: the request body did not arrive within `timeout` of its head.
+    pub fn request_timeout(timeout: std::time::Duration) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            Some("request_timeout"),
+            None,
+            format!("the request body did not arrive within {:.3} s of its head", timeout.as_secs_f64()),
+        )
+    }
+
     pub fn unsupported_media_type(got: &str) -> ApiError {
         ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -63,6 +73,17 @@ impl ApiError {
 
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Some("service_unavailable"), None, message)
+    }
+
+    /// 503 shedding load the server was told to bound (connections, buffered bodies): expected
+    /// under attack or overload, so not worth a warning per request.
+    pub fn overloaded(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Some("overloaded"), None, message)
+    }
+
+    /// Whether this is worth a warning in the log: a server error that is not load shedding.
+    pub fn is_server_fault(&self) -> bool {
+        self.status.is_server_error() && self.code.as_deref() != Some("overloaded")
     }
 
     /// 502: the proxy could not get an answer from an upstream engine.

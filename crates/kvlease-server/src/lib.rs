@@ -4,6 +4,9 @@
 //!   `/health`, `/metrics`) in front of one engine, with vLLM's `kv_transfer_params` (SPEC §10).
 //! * [`proxy`]: the P/D routing proxy, flag- and behaviour-compatible with vLLM's toy proxy.
 //!
+//! Both run on [`server`]'s accept loop, which bounds what a client can hold ([`HttpLimits`]):
+//! header, body and idle timeouts, a connection cap, a budget for bodies still arriving.
+//!
 //! Bad input always gets a 4xx in the OpenAI error shape ([`ApiError`]), never a 5xx or a panic.
 
 mod api;
@@ -12,10 +15,12 @@ mod error;
 pub mod ids;
 mod openai;
 mod proxy;
+mod server;
 mod sse;
 
-pub use api::{router, serve, REQUEST_ID};
-pub use body::MAX_BODY_BYTES;
+pub use api::{router, serve, ServeOptions, REQUEST_ID};
+pub use body::{MAX_BODY_BYTES, UNCOUNTED_BODY_BYTES};
 pub use error::ApiError;
 pub use openai::DEFAULT_MAX_TOKENS;
 pub use proxy::{proxy, router as proxy_router, ProxyConfig, ProxyError, Upstream};
+pub use server::HttpLimits;

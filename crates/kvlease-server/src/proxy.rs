@@ -7,13 +7,18 @@
 //! is streamed back as it comes. Beyond the toy: a client that disconnects drops the upstream
 //! request and its body stream, so P or D sees the connection close and aborts (SPEC D4), and an
 //! unreachable upstream is a 502 in the OpenAI error shape.
+//!
+//! The D leg carries P's `kv_transfer_params` or none, never the client's: the proxy is the
+//! cluster's front door, and a client must not steer D's reads through it (SPEC S1, S3).
 
 use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
 use crate::error::ApiError;
+use crate::server::{self, HttpLimits};
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -130,14 +135,15 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
         .with_state(proxy))
 }
 
-/// Runs the proxy on `listener` until `shutdown` resolves.
+/// Runs the proxy on `listener` within `limits` until `shutdown` resolves.
 pub async fn proxy(
     cfg: ProxyConfig,
     listener: tokio::net::TcpListener,
+    limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = router(cfg).map_err(std::io::Error::other)?;
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    server::run(listener, app, limits, shutdown).await
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
@@ -146,19 +152,24 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
         Ok(rid) => rid,
         Err(e) => return e.into_response(),
     };
-    let resp = match route(&p, &rid, parts.uri.path(), &parts.headers, body).await {
+    let resp = match route(&p, &rid, &parts, body).await {
         Ok(r) => r,
         Err(e) => {
-            tracing::warn!(request_id = %rid, status = %e.status, "{}", e.message);
+            if e.is_server_fault() {
+                tracing::warn!(request_id = %rid, status = %e.status, "{}", e.message);
+            } else {
+                tracing::debug!(request_id = %rid, status = %e.status, "refused: {}", e.message);
+            }
             e.into_response()
         }
     };
     with_request_id(resp, &rid)
 }
 
-async fn route(p: &Proxy, rid: &str, path: &str, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let request = body::json_object(headers, body).await?;
-    let auth = headers.get(header::AUTHORIZATION);
+async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body) -> Result<Response, ApiError> {
+    let request = body::json_object(parts, body).await?;
+    let auth = parts.headers.get(header::AUTHORIZATION);
+    let path = parts.uri.path();
 
     let prefiller = p.prefill.pick();
     let p_resp = send(p, prefiller, path, rid, auth, &prefill_leg(&request)).await?;
@@ -168,10 +179,7 @@ async fn route(p: &Proxy, rid: &str, path: &str, headers: &HeaderMap, body: Body
     let p_json: Value =
         p_resp.json().await.map_err(|e| ApiError::bad_gateway(format!("prefiller {prefiller} answered with invalid JSON: {e}")))?;
 
-    let mut d_request = request;
-    if let Some(params) = p_json.get("kv_transfer_params").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) {
-        d_request.insert("kv_transfer_params".into(), params.clone());
-    }
+    let d_request = decode_leg(request, &p_json);
     let decoder = p.decode.pick();
     let d_resp = send(p, decoder, path, rid, auth, &d_request).await?;
     Ok(relay_stream(d_resp))
@@ -198,6 +206,16 @@ fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
     }
     r.remove("stream_options");
     r
+}
+
+/// The D leg: the client's request with P's `kv_transfer_params` (none if P gave none: D then
+/// runs the request itself).
+fn decode_leg(mut request: Map<String, Value>, p_response: &Value) -> Map<String, Value> {
+    match p_response.get("kv_transfer_params").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) {
+        Some(params) => request.insert("kv_transfer_params".into(), params.clone()),
+        None => request.remove("kv_transfer_params"),
+    };
+    request
 }
 
 async fn send(
@@ -256,6 +274,21 @@ mod tests {
         assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
         let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
         assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
+    }
+
+    /// SPEC S1 through the proxy: D gets P's params or none, never what the client sent.
+    #[test]
+    fn decode_leg_carries_p_params_never_the_clients() {
+        let Value::Object(req) = json!({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [7]}}) else {
+            unreachable!()
+        };
+        let p = json!({"kv_transfer_params": {"remote_lease_id": 3}});
+        assert_eq!(decode_leg(req.clone(), &p)["kv_transfer_params"], json!({"remote_lease_id": 3}));
+        for p in [json!({}), json!({"kv_transfer_params": null}), json!({"kv_transfer_params": {}})] {
+            let leg = decode_leg(req.clone(), &p);
+            assert!(!leg.contains_key("kv_transfer_params"), "{p}: {leg:?}");
+            assert_eq!(leg["prompt"], "x");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvlease_core::config::KvTransferConfig;
 use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
-use kvlease_server::{ProxyConfig, Upstream};
+use kvlease_server::{HttpLimits, ProxyConfig, ServeOptions, Upstream};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,6 +25,11 @@ const SECRET_ENV: &str = "KVLEASE_TRANSFER_SECRET";
 
 /// How long open connections may take to finish after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Upper bounds on HTTP limits no deployment needs.
+const MAX_HTTP_CONNECTIONS: usize = 1 << 20;
+/// Longest HTTP timeout accepted, seconds (a day).
+const MAX_HTTP_TIMEOUT: f64 = 86_400.0;
 
 #[derive(Parser, Debug)]
 #[command(name = "kvlease", version, about = "KV-cache lease renewal for disaggregated LLM serving")]
@@ -102,6 +107,60 @@ struct ServeArgs {
     /// File holding the cluster's secret for signing kv_transfer_params (SPEC S1); else $KVLEASE_TRANSFER_SECRET.
     #[arg(long, value_name = "PATH")]
     kv_transfer_secret_file: Option<PathBuf>,
+    /// Listen on a non-loopback --host without a cluster secret (SPEC S3): anyone who reaches the
+    /// engine can then craft kv_transfer_params and handshakes. Warns at start-up; /health says so.
+    #[arg(long)]
+    insecure: bool,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+/// The HTTP listener's bounds, shared by `serve` and `proxy`.
+#[derive(Args, Debug)]
+struct HttpArgs {
+    /// Seconds a client has to send a whole request head, from the connection opening or from
+    /// its first byte after an idle spell (slowloris).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    http_header_timeout: f64,
+    /// Seconds a client has to send a whole request body once its head is in; else 408.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    http_body_timeout: f64,
+    /// Seconds a kept-alive connection may wait for its next request.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    http_idle_timeout: f64,
+    /// Open HTTP connections at most. At the cap a new connection closes the idle one nearest its
+    /// timeout; if every connection has a request in flight, it is answered 503.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    http_max_connections: usize,
+    /// Bytes buffered for request bodies still arriving, across all connections (each body's
+    /// first 16 KiB aside); a body that would pass it is answered 503.
+    #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
+    http_max_buffered_body_bytes: usize,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> Result<HttpLimits, InvalidConfig> {
+        let secs = |v: f64, flag: &str| {
+            if v.is_finite() && v > 0.0 && v <= MAX_HTTP_TIMEOUT {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(InvalidConfig(format!("{flag} {v} must be a number of seconds above 0 and at most {MAX_HTTP_TIMEOUT}")))
+            }
+        };
+        if !(1..=MAX_HTTP_CONNECTIONS).contains(&self.http_max_connections) {
+            return Err(InvalidConfig(format!(
+                "--http-max-connections {} must be from 1 to {MAX_HTTP_CONNECTIONS}",
+                self.http_max_connections
+            )));
+        }
+        Ok(HttpLimits {
+            header_timeout: secs(self.http_header_timeout, "--http-header-timeout")?,
+            body_timeout: secs(self.http_body_timeout, "--http-body-timeout")?,
+            idle_timeout: secs(self.http_idle_timeout, "--http-idle-timeout")?,
+            max_connections: self.http_max_connections,
+            max_buffered_body_bytes: self.http_max_buffered_body_bytes,
+        })
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,7 +183,9 @@ impl From<Transport> for TransportKind {
 
 #[derive(Args, Debug)]
 struct ProxyArgs {
-    /// SPEC S3: loopback unless told otherwise.
+    /// SPEC S3: loopback unless told otherwise. Any address is allowed without --insecure: the
+    /// proxy is the port to expose; it holds no KV and no secret, and never forwards a client's
+    /// kv_transfer_params to a decoder (the engines behind it keep their own rule).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -137,6 +198,8 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
+    #[command(flatten)]
+    http: HttpArgs,
 }
 
 /// A configuration refused before anything started: exit code 2, like a usage error.
@@ -282,10 +345,30 @@ fn announce(line: String) {
     let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
+/// SPEC S3: without a cluster secret every listener stays on loopback, unless `--insecure`.
+/// Returns whether the engine runs insecure (beyond loopback without a secret).
+fn check_exposure(host: &str, bound: std::net::IpAddr, has_secret: bool, insecure: bool) -> Result<bool, InvalidConfig> {
+    if has_secret || bound.to_canonical().is_loopback() {
+        return Ok(false);
+    }
+    if !insecure {
+        return Err(InvalidConfig(format!(
+            "--host {host} is not a loopback address and there is no cluster secret: anyone who reaches this engine could forge kv_transfer_params and handshakes (SPEC S1, S3). \
+             Give the cluster's secret with --kv-transfer-secret-file (or ${SECRET_ENV}), or pass --insecure to listen there anyway"
+        )));
+    }
+    tracing::warn!(
+        "--insecure: listening on {host} without a cluster secret; kv_transfer_params and handshakes are accepted unsigned from anyone who reaches it (SPEC S3)"
+    );
+    Ok(true)
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = engine_config(&args)?;
+    let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
+    let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
     let engine_id = cfg.engine_id.clone();
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
     let signal = shutdown_signal();
@@ -295,7 +378,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         engine.kv_addr()
     ));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = kvlease_server::serve(engine.clone(), listener, async move {
+    let server = kvlease_server::serve(engine.clone(), listener, ServeOptions { http: limits, insecure }, async move {
         signal.await;
         let _ = stopped_tx.send(());
     });
@@ -310,6 +393,7 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
         prefillers: ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
         decoders: ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
     };
+    let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
@@ -317,7 +401,7 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     let signal = shutdown_signal();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = kvlease_server::proxy(cfg, listener, async move {
+    let server = kvlease_server::proxy(cfg, listener, limits, async move {
         signal.await;
         let _ = stopped_tx.send(());
     });
@@ -417,6 +501,35 @@ mod tests {
         let cfg = engine_config(&s).unwrap();
         assert_eq!(cfg.model, ModelConfig::default());
         assert_eq!(cfg.engine_id.len(), 36);
+    }
+
+    /// SPEC S3: beyond loopback (the wildcards included) only with a secret or `--insecure`.
+    #[test]
+    fn exposure_beyond_loopback_needs_a_secret_or_insecure() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        for loopback in ["127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"] {
+            assert!(!check_exposure("h", ip(loopback), false, false).unwrap(), "{loopback}");
+        }
+        for exposed in ["0.0.0.0", "::", "10.0.0.5", "::ffff:10.0.0.5"] {
+            let e = check_exposure(exposed, ip(exposed), false, false).unwrap_err().to_string();
+            assert!(e.contains("--host") && e.contains("--kv-transfer-secret-file") && e.contains("--insecure"), "{e}");
+            assert!(!check_exposure(exposed, ip(exposed), true, false).unwrap(), "a secret makes it safe");
+            assert!(check_exposure(exposed, ip(exposed), false, true).unwrap(), "--insecure runs insecure");
+        }
+    }
+
+    #[test]
+    fn http_flags_become_limits_and_bad_ones_are_usage_errors() {
+        let cli = Cli::try_parse_from(["kvlease", "proxy", "--http-header-timeout", "0.5", "--http-max-connections", "7"]).unwrap();
+        let Command::Proxy(p) = cli.command else { panic!("expected proxy") };
+        let l = p.http.limits().unwrap();
+        assert_eq!((l.header_timeout, l.max_connections), (Duration::from_millis(500), 7));
+        assert_eq!(l.body_timeout, HttpLimits::default().body_timeout);
+        for (flag, v) in [("--http-body-timeout", "0"), ("--http-idle-timeout", "NaN"), ("--http-max-connections", "0")] {
+            let cli = Cli::try_parse_from(["kvlease", "serve", flag, v]).unwrap();
+            let Command::Serve(s) = cli.command else { panic!("expected serve") };
+            assert!(s.http.limits().unwrap_err().to_string().contains(flag));
+        }
     }
 
     #[test]

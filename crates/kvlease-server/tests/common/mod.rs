@@ -30,7 +30,7 @@ impl TestServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(kvlease_server::serve(engine.clone(), listener, async move {
+        let task = tokio::spawn(kvlease_server::serve(engine.clone(), listener, Default::default(), async move {
             let _ = rx.await;
         }));
         TestServer { url: format!("http://{addr}"), addr, engine, stop: Some(tx), task: Some(task) }
