@@ -26,7 +26,15 @@ const SECRET_ENV: &str = "KVLEASE_TRANSFER_SECRET";
 /// How long open connections may take to finish after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Upper bounds on HTTP limits no deployment needs.
+/// Share of the machine's memory (or of the cgroup's limit) the KV pool may take.
+const KV_MEMORY_SHARE: f64 = 0.8;
+
+/// Upper bounds on sizes no deployment needs, so that a typo is refused at start-up rather than
+/// found by the allocator.
+const MAX_TP_SIZE: u32 = 256;
+const MAX_BLOCK_SIZE: u32 = 1024;
+const MAX_MODEL_LEN: u32 = 1 << 24;
+const MAX_NUM_SEQS: usize = 1 << 16;
 const MAX_HTTP_CONNECTIONS: usize = 1 << 20;
 /// Longest HTTP timeout accepted, seconds (a day).
 const MAX_HTTP_TIMEOUT: f64 = 86_400.0;
@@ -275,12 +283,18 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         prefill_ms_per_token: args.prefill_ms_per_token,
         decode_ms_per_token: args.decode_ms_per_token,
     };
+    check_sizes(args)?;
     model.validate(args.tp_size).map_err(InvalidConfig)?;
-    if args.num_gpu_blocks == 0 {
-        return Err(InvalidConfig("--num-gpu-blocks must be at least 1".into()).into());
+    if let Some(limit) = memory_limit() {
+        check_kv_memory(&model, args.tp_size, args.num_gpu_blocks, limit)?;
     }
-    if args.max_num_seqs == 0 {
-        return Err(InvalidConfig("--max-num-seqs must be at least 1".into()).into());
+    let blocks_per_seq = args.max_model_len.div_ceil(args.block_size);
+    if blocks_per_seq > args.num_gpu_blocks {
+        tracing::warn!(
+            "--num-gpu-blocks {} holds fewer than the {blocks_per_seq} blocks one sequence of --max-model-len {} needs: long prompts will be refused",
+            args.num_gpu_blocks,
+            args.max_model_len
+        );
     }
     let transfer = match &args.kv_transfer_config {
         None => KvTransferConfig::default(),
@@ -312,6 +326,81 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         secret,
         debug_read_delay: None,
     })
+}
+
+/// Bounds on the scheduler and model sizes (the KV pool's bytes are checked against memory).
+fn check_sizes(args: &ServeArgs) -> Result<(), InvalidConfig> {
+    let bounds: [(u64, u64, u64, &str); 5] = [
+        (args.num_gpu_blocks.into(), 1, u32::MAX.into(), "--num-gpu-blocks"),
+        (args.max_num_seqs as u64, 1, MAX_NUM_SEQS as u64, "--max-num-seqs"),
+        (args.max_model_len.into(), 1, MAX_MODEL_LEN.into(), "--max-model-len"),
+        (args.block_size.into(), 1, MAX_BLOCK_SIZE.into(), "--block-size"),
+        (args.tp_size.into(), 1, MAX_TP_SIZE.into(), "--tp-size"),
+    ];
+    for (value, min, max, flag) in bounds {
+        if value < min {
+            return Err(InvalidConfig(format!("{flag} must be at least {min}")));
+        }
+        if value > max {
+            return Err(InvalidConfig(format!("{flag} {value} is more than the {max} kvlease allows")));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a KV pool larger than [`KV_MEMORY_SHARE`] of `limit` bytes: the pool is allocated at
+/// start-up (every rank's arena plus the free list), and one that does not fit grows until the
+/// machine kills something. Call after `model.validate`, which bounds a block.
+fn check_kv_memory(model: &ModelConfig, tp_size: u32, num_gpu_blocks: u32, limit: u64) -> Result<(), InvalidConfig> {
+    let heads_per_rank = model.num_kv_heads / tp_size;
+    // Each rank's arena holds its heads' share of every block; the pool keeps one u32 id per block.
+    let per_block = model.block_bytes(heads_per_rank) as u128 * u128::from(tp_size) + 4;
+    let need = per_block * u128::from(num_gpu_blocks);
+    let allowed = (limit as f64 * KV_MEMORY_SHARE) as u128;
+    if need > allowed {
+        return Err(InvalidConfig(format!(
+            "--num-gpu-blocks {num_gpu_blocks} needs {} of KV memory ({per_block} bytes per block), more than {:.0}% of this machine's {}: lower --num-gpu-blocks (or the model geometry)",
+            human_bytes(need),
+            KV_MEMORY_SHARE * 100.0,
+            human_bytes(limit.into())
+        )));
+    }
+    Ok(())
+}
+
+/// The memory this process may use: the machine's total, or its cgroup's limit if lower.
+/// `None` where neither can be read (not Linux).
+fn memory_limit() -> Option<u64> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| mem_total(&m));
+    let cgroup = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .find_map(|v| v.trim().parse::<u64>().ok());
+    match (total, cgroup) {
+        (Some(t), Some(c)) => Some(t.min(c)),
+        (t, c) => t.or(c),
+    }
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, in bytes.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let kb = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+    kb.checked_mul(1024)
+}
+
+fn human_bytes(n: u128) -> String {
+    const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} bytes")
+    } else {
+        format!("{v:.1} {} ({n} bytes)", UNITS[unit])
+    }
 }
 
 /// UCX's TCP transport moves KV about twice as fast with 64 KiB segments than with its default
@@ -516,6 +605,22 @@ mod tests {
             assert!(!check_exposure(exposed, ip(exposed), true, false).unwrap(), "a secret makes it safe");
             assert!(check_exposure(exposed, ip(exposed), false, true).unwrap(), "--insecure runs insecure");
         }
+    }
+
+    /// Issue "sizes validated at start-up": the KV pool must fit in 80% of memory.
+    #[test]
+    fn kv_pool_must_fit_in_memory() {
+        let model = ModelConfig::default();
+        // 4 heads × 2 layers × 2 × 16 tokens × 16 dims × 2 bytes = 8192 bytes, + 4 for the free list.
+        let gib = 1u64 << 30;
+        assert!(check_kv_memory(&model, 1, 1024, gib).is_ok());
+        assert!(check_kv_memory(&model, 2, 100_000, gib).is_ok(), "819 MB of 1 GiB");
+        let e = check_kv_memory(&model, 2, 110_000, gib).unwrap_err().to_string();
+        assert!(e.contains("--num-gpu-blocks 110000") && e.contains("901560000 bytes"), "{e}");
+        let e = check_kv_memory(&model, 1, u32::MAX, 64 * gib).unwrap_err().to_string();
+        assert!(e.contains("32.0 TiB"), "{e}");
+        assert_eq!(mem_total("MemTotal:       24684092 kB\nMemFree: 1 kB\n"), Some(24684092 * 1024));
+        assert_eq!(mem_total("nothing"), None);
     }
 
     #[test]
