@@ -33,6 +33,11 @@ impl Proc {
     }
 
     pub fn proxy(prefillers: &[&Proc], decoders: &[&Proc]) -> Proc {
+        Proc::proxy_with(prefillers, decoders, &[])
+    }
+
+    /// `kvlease proxy` in front of these engines, with these extra flags.
+    pub fn proxy_with(prefillers: &[&Proc], decoders: &[&Proc], extra: &[&str]) -> Proc {
         let hp = |ps: &[&Proc]| -> (Vec<String>, Vec<String>) {
             ps.iter()
                 .map(|p| {
@@ -52,6 +57,7 @@ impl Proc {
         args.extend(dh);
         args.push("--decoder-ports".into());
         args.extend(dp);
+        args.extend(extra.iter().map(|s| s.to_string()));
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         Proc::start("proxy", &refs, "kvlease proxy listening on ")
     }
