@@ -70,3 +70,112 @@ fn refused_configuration_exits_2_with_a_message_naming_the_flag() {
         assert!(stderr.contains(flag), "{args:?}: {stderr}");
     }
 }
+
+/// Starts `kvlease serve` with these arguments and environment; returns the child and its HTTP
+/// address once the start-up line is out.
+fn start_serve(args: &[&str], secret: Option<&str>) -> (std::process::Child, String) {
+    let mut cmd = kvlease();
+    cmd.args(args).env_remove("KVLEASE_TRANSFER_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
+    if let Some(s) = secret {
+        cmd.env("KVLEASE_TRANSFER_SECRET", s);
+    }
+    let mut child = cmd.spawn().expect("spawn kvlease");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
+        let _ = child.kill();
+        panic!("no start-up line within {DEADLINE:?}")
+    });
+    let url = line.strip_prefix("kvlease serve listening on http://").unwrap_or_else(|| panic!("start-up line {line:?}"));
+    let port = url.split_whitespace().next().and_then(|hp| hp.rsplit_once(':')).expect("host:port").1.to_string();
+    (child, format!("127.0.0.1:{port}"))
+}
+
+/// `GET /health` over a raw connection: (status line, body).
+fn health(addr: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(DEADLINE)).expect("timeout");
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: kvlease\r\nconnection: close\r\n\r\n").expect("request");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("response");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("head and body");
+    (head.lines().next().unwrap_or_default().to_string(), body.to_string())
+}
+
+/// Stops the child with SIGTERM; returns its exit code and everything it wrote on stderr.
+fn stop(mut child: std::process::Child) -> (Option<i32>, String) {
+    use std::io::Read;
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let status = wait_exit(&mut child);
+    let mut stderr = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("stderr");
+    (status.code(), stderr)
+}
+
+/// SPEC S3 (protected mode): without a cluster secret, `serve --host 0.0.0.0` refuses to start
+/// with exit code 2 and a message naming --host, the secret's flag and --insecure.
+#[test]
+fn serve_beyond_loopback_without_a_secret_is_refused() {
+    let out = kvlease()
+        .args(["serve", "--host", "0.0.0.0", "--port", "0", "--engine-id", "exposed"])
+        .env_remove("KVLEASE_TRANSFER_SECRET")
+        .output()
+        .expect("run kvlease");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for named in ["--host 0.0.0.0", "--kv-transfer-secret-file", "KVLEASE_TRANSFER_SECRET", "--insecure"] {
+        assert!(stderr.contains(named), "the refusal names {named}: {stderr}");
+    }
+    assert!(out.stdout.is_empty(), "no start-up line: {:?}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// SPEC S3: with `--insecure` the same engine starts, warns on stderr at start-up, and `/health`
+/// stays 200 but says `"insecure": true`; with a secret it starts with a plain, empty 200.
+#[test]
+fn serve_insecure_starts_warns_and_health_says_so() {
+    let (child, addr) = start_serve(&["serve", "--host", "0.0.0.0", "--port", "0", "--engine-id", "insecure", "--insecure"], None);
+    let (status, body) = health(&addr);
+    let (code, stderr) = stop(child);
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    assert_eq!(v, serde_json::json!({"status": "ok", "insecure": true}));
+    assert_eq!(code, Some(0));
+    assert!(stderr.contains("WARN") && stderr.contains("--insecure") && stderr.contains("without a cluster secret"), "{stderr}");
+
+    let (child, addr) = start_serve(&["serve", "--host", "0.0.0.0", "--port", "0", "--engine-id", "secured"], Some("cli-secret"));
+    let (status, body) = health(&addr);
+    let (code, stderr) = stop(child);
+    assert_eq!((status.as_str(), body.as_str(), code), ("HTTP/1.1 200 OK", "", Some(0)), "{stderr}");
+    assert!(!stderr.contains("--insecure"), "{stderr}");
+}
+
+/// Issue "sizes validated at start-up": `--num-gpu-blocks 4000000000` (32 TB of KV) is refused at
+/// once, exit code 2, naming the flag and the bytes it needs, instead of growing until the
+/// machine dies; absurd scheduler sizes and HTTP limits are refused the same way.
+#[test]
+fn oversized_pool_and_absurd_sizes_are_refused_at_start_up() {
+    for (args, named) in [
+        (vec!["serve", "--num-gpu-blocks", "4000000000"], vec!["--num-gpu-blocks 4000000000", "bytes", "TiB"]),
+        (vec!["serve", "--max-num-seqs", "100000000"], vec!["--max-num-seqs"]),
+        (vec!["serve", "--max-model-len", "100000000"], vec!["--max-model-len"]),
+        (vec!["serve", "--block-size", "65536"], vec!["--block-size"]),
+        (vec!["serve", "--http-header-timeout", "0"], vec!["--http-header-timeout"]),
+        (vec!["proxy", "--http-max-connections", "0"], vec!["--http-max-connections"]),
+    ] {
+        let mut child = kvlease().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn kvlease");
+        let status = wait_exit(&mut child);
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+        for n in named {
+            assert!(stderr.contains(n), "{args:?} names {n}: {stderr}");
+        }
+    }
+}
