@@ -62,8 +62,9 @@ pub enum AgentEvent {
     /// secret (SPEC S2).
     Notification { from: String, bytes: Vec<u8> },
     /// A message or connection dropped before it reached the engine (SPEC P7, S2): `reason` is
-    /// `unknown_agent`, `malformed`, `oversized` or `unauthenticated` (no proof of the cluster
-    /// secret: see the tcp and nixl module docs) (`kvlease_messages_rejected_total{reason}`).
+    /// `unknown_agent`, `malformed`, `oversized`, `unauthenticated` (no proof of the cluster
+    /// secret: see the tcp and nixl module docs) or `overloaded` (a connection refused because
+    /// too many were in their handshake) (`kvlease_messages_rejected_total{reason}`).
     Rejected { reason: &'static str },
     /// The connection to a peer broke; its in-flight reads failed with `Disconnected`.
     Disconnected { peer: String },

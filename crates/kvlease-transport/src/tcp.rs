@@ -39,7 +39,7 @@
 //! 2 KiB) before its body is read, the handshake buffers nothing else, it must be proven within
 //! `hold_unknown`, and at most [`TcpOptions::max_handshakes`] inbound connections are in their
 //! handshake (or waiting for `add_peer`) at once: beyond, new ones are closed at once and
-//! counted as `unauthenticated`.
+//! counted as `overloaded`.
 //!
 //! A proven connection from an agent not (yet) added is held for `hold_unknown` waiting for the
 //! engine's `add_peer`, then dropped and counted as `unknown_agent`. When both sides dial at
@@ -107,7 +107,7 @@ pub struct TcpOptions {
     /// as `unknown_agent`.
     pub hold_unknown: Duration,
     /// The most inbound connections in their handshake or waiting for `add_peer` at once; more
-    /// are closed at once and counted as `unauthenticated`. Bounds what strangers can hold.
+    /// are closed at once and counted as `overloaded`. Bounds what strangers can hold.
     pub max_handshakes: usize,
     /// How long `add_peer` tries to get a connection up.
     pub connect_timeout: Duration,
@@ -492,7 +492,7 @@ impl Inner {
                             tokio::spawn(Arc::clone(&self).accept_inbound(stream, slot));
                         }
                         // Too many connections in their handshake: this one costs nothing more.
-                        None => self.reject("unauthenticated"),
+                        None => self.reject("overloaded"),
                     },
                     // Out of descriptors or similar: back off instead of spinning.
                     Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,

@@ -675,9 +675,14 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
             let (kind, _) = recv(&mut s).await.expect("the challenge");
             assert_eq!(kind, wire::HELLO_CHALLENGE);
             if let Some(proof) = proof {
-                send(&mut s, &Outgoing::hello_proof(&proof)).await;
-                send(&mut s, &Outgoing::read_req(1, STOLEN_LEASE, &[seg(0, 0, 0, 0, 4096)])).await;
-                send(&mut s, &Outgoing::notif(b"LeaseLost".to_vec())).await;
+                let forged = [
+                    Outgoing::hello_proof(&proof).to_bytes(),
+                    Outgoing::read_req(1, STOLEN_LEASE, &[seg(0, 0, 0, 0, 4096)]).to_bytes(),
+                    Outgoing::notif(b"LeaseLost".to_vec()).to_bytes(),
+                ]
+                .concat();
+                // The agent may have closed the connection already: that is the point.
+                let _ = s.write_all(&forged).await;
             }
             assert_eq!(recv(&mut s).await, None, "closed, having sent nothing after the challenge");
             let events = if claimed == "d" { &mut pr.p_events } else { &mut pr.d_events };
@@ -689,8 +694,8 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
 }
 
 /// SPEC S2: strangers cannot hold unbounded resources. With `max_handshakes` connections in
-/// their handshake, the next is closed at once (long before `hold_unknown`) and counted; once
-/// they go, peers connect again.
+/// their handshake, the next is closed at once (long before `hold_unknown`) and counted as
+/// `overloaded`; once they go, peers connect again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inbound_handshakes_beyond_the_cap_are_closed_at_once_and_counted_s2() {
     let capped = TcpOptions { max_handshakes: 3, hold_unknown: Duration::from_secs(60), ..secured(SECRET) };
@@ -703,9 +708,10 @@ async fn inbound_handshakes_beyond_the_cap_are_closed_at_once_and_counted_s2() {
     eventually("the silent ones to take every place", || p.inner.handshakes.load(Ordering::Relaxed) == 3).await;
     for _ in 0..2 {
         let mut over = TcpStream::connect(p.local_addr()).await.expect("connect");
-        send(&mut over, &Outgoing::hello("d", "p", &[0; NONCE_LEN])).await;
+        // Best effort: the agent may have closed it already.
+        let _ = over.write_all(&Outgoing::hello("d", "p", &[0; NONCE_LEN]).to_bytes()).await;
         assert_eq!(recv(&mut over).await, None, "closed at once, unanswered");
-        assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
+        assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
     }
     drop(silent);
     eventually("the places to be given back", || p.inner.handshakes.load(Ordering::Relaxed) == 0).await;
