@@ -73,8 +73,10 @@ impl Default for HttpLimits {
     }
 }
 
-/// Largest read buffer hyper keeps per connection, which is also the largest request head.
-const MAX_CONNECTION_BUFFER: usize = 64 << 10;
+/// Largest read buffer hyper keeps per connection, which is also the largest request head (431
+/// beyond, as Node's default). With each body's uncounted bytes, what a connection can make the
+/// server hold outside the body budget.
+const MAX_CONNECTION_BUFFER: usize = 16 << 10;
 
 /// Connections over the cap being answered 503 at once; beyond, they are closed unanswered.
 const MAX_REFUSING: usize = 64;

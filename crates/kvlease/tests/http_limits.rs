@@ -393,8 +393,8 @@ async fn unfinished_big_body(addr: SocketAddr, settled: Arc<AtomicBool>) -> (u16
 }
 
 /// Issue "bounded HTTP" (memory): 100 connections each send 4,000,000 bytes of a 4 MiB body and
-/// stall. With `--http-max-buffered-body-bytes 32 MiB` the listener's VmRSS stays below what it
-/// was before + 64 MiB (the budget, 16 KiB uncounted and hyper's 64 KiB buffer per connection,
+/// stall. With `--http-max-buffered-body-bytes 16 MiB` the listener's VmRSS stays below what it
+/// was before + 64 MiB (the budget, 16 KiB uncounted and hyper's 16 KiB buffer per connection,
 /// and the allocator's slack), those beyond the budget get a 503, those within it a 408 at the
 /// 4 s body timeout, and normal requests keep their latency while the bodies are held.
 async fn unfinished_bodies_keep_memory_bounded(target: Target) {
@@ -445,12 +445,12 @@ async fn unfinished_bodies_keep_memory_bounded(target: Target) {
     );
     assert!(grew < 64 << 20, "VmRSS grew by {} MiB", grew >> 20);
     assert!(statuses.keys().all(|s| [408, 503].contains(s)), "{statuses:?}");
-    assert!(statuses.get(&503).is_some_and(|n| *n > 0), "400 MB of bodies never hit the 32 MiB budget: {statuses:?}");
+    assert!(statuses.get(&503).is_some_and(|n| *n > 0), "400 MB of bodies never hit the 16 MiB budget: {statuses:?}");
     assert!(longest <= Duration::from_secs(4) + CUT_SLACK, "a held body outlived the 4 s body timeout: {longest:?}");
     assert_latency_kept("unfinished bodies", idle, attacked);
 }
 
-const BODY_FLAGS: [&str; 4] = ["--http-max-buffered-body-bytes", "33554432", "--http-body-timeout", "4"];
+const BODY_FLAGS: [&str; 4] = ["--http-max-buffered-body-bytes", "16777216", "--http-body-timeout", "4"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_memory_stays_bounded_under_unfinished_bodies() {
