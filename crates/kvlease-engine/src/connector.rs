@@ -65,7 +65,7 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<(), StartError> {
                 TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
             }
             #[cfg(feature = "nixl")]
-            TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx).await?,
+            TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx, cfg.secret.clone()).await?,
             #[cfg(not(feature = "nixl"))]
             TransportKind::Nixl => {
                 return Err(StartError::Config("this kvlease was built without NIXL support: build it with `--features nixl`".into()))

@@ -61,8 +61,10 @@ async fn nixl_pair() -> Result<Pair, String> {
     let (p_tx, p_events) = mpsc::unbounded_channel();
     let (d_tx, d_events) = mpsc::unbounded_channel();
     let arena = || BlockArena::new(BLOCKS, SEGMENT);
-    let p = NixlAgent::start("bench-nixl-p".into(), arena(), Arc::new(OpenGate), p_tx).await.map_err(|e| e.to_string())?;
-    let d = NixlAgent::start("bench-nixl-d".into(), arena(), Arc::new(OpenGate), d_tx).await.map_err(|e| e.to_string())?;
+    // With a secret, as deployed: every notification is sealed and opened (SPEC S2).
+    let secret = || Some(b"bench secret".to_vec());
+    let p = NixlAgent::start("bench-nixl-p".into(), arena(), Arc::new(OpenGate), p_tx, secret()).await.map_err(|e| e.to_string())?;
+    let d = NixlAgent::start("bench-nixl-d".into(), arena(), Arc::new(OpenGate), d_tx, secret()).await.map_err(|e| e.to_string())?;
     Ok(Pair { p, p_events, d, d_events })
 }
 

@@ -12,8 +12,8 @@
 //! A backend that cannot refuse reads (NIXL: the NIC reads P's memory without asking P) says so
 //! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
 //! alone (SPEC D6).
-//! The `tcp` backend takes the cluster secret and accepts a peer's name only with proof that it
-//! holds the secret, per connection (SPEC S2).
+//! The networked backends take the cluster secret and accept a peer's name only with proof that
+//! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
 
 mod arena;
 mod auth;

@@ -27,9 +27,34 @@
 //! block a reader may still be reading.
 //!
 //! Who talks to us (SPEC S2, P7): NIXL delivers notifications from any agent that loaded our
-//! metadata. Those from an agent not added by [`Agent::add_peer`] are held for
-//! [`NixlOptions::hold_unknown`] (the other side may be adding us right now: either side may
-//! add the other first), then dropped and reported as `Rejected { reason: "unknown_agent" }`.
+//! metadata, named by the name *that agent* gave itself, and a UCX connection carries no proof
+//! of ours; agent names are public. So every notification, standalone or attached to a READ,
+//! carries a trailer: the sender's counter for this receiver and HMAC-SHA256(K, counter ·
+//! payload), under a key per ordered pair of agents derived from the cluster secret
+//! ([`NixlOptions::secret`]): K = HMAC(secret, "kvlease-nixl-notif-v1" · sender · receiver).
+//! One whose tag does not verify, or whose counter was taken before (a replay), is dropped and
+//! reported as `Rejected { reason: "unauthenticated" }`. Counters are checked against a sliding
+//! window (IPsec's anti-replay window) of 4096 per sender rather than required in order: a
+//! READ's notification is sealed when the READ is posted and sent by NIXL only once its data
+//! has landed, so standalone notifications (heartbeats, other reads' `ReadDone`s) posted later
+//! overtake it; the window takes each counter once in any order within it, and refuses anything
+//! older (a `ReadDone` overtaken by more than 4096 notifications to the same peer is lost: D
+//! recomputes, as for any lost `ReadDone`). Without a secret, K derives from the empty key and
+//! proves nothing: listen on loopback only (SPEC S3). Authentic notifications from an agent not
+//! added by [`Agent::add_peer`] are held for [`NixlOptions::hold_unknown`] (the other side may be
+//! adding us right now: either side may add the other first), then dropped and reported as
+//! `Rejected { reason: "unknown_agent" }`.
+//!
+//! What NIXL still trusts, and what bounds it. A one-sided READ cannot be authenticated by us:
+//! UCX and NIXL serve a READ of any registered address to any agent that loaded our metadata,
+//! without asking us. Our metadata goes only to engines that passed the engine's signed
+//! handshake (SPEC S1, S2), but it holds no secret, so an outsider who got it some other way
+//! could read our arena: over NIXL the confidentiality of KV in registered memory rests on the
+//! metadata staying in the cluster and on the network. What such a reader cannot do is make an
+//! engine act on it: releases, heartbeats and `ReadDone`s are notifications, which it cannot
+//! forge or replay, and D never uses the bytes of a READ that P did not confirm: P answers each
+//! authentic `ReadDone` with `ReadDoneAck { live }` (SPEC P5, D6), so bytes read from a lease
+//! that is gone, or served by anyone but P, are never used.
 //!
 //! A dead peer shows up on the next transfer or notification to it (not before: NIXL has no
 //! connection events, and a hung peer shows nothing at all; the lease catches that): its reads
@@ -62,8 +87,12 @@ pub fn available() -> bool {
 }
 
 /// Tunables of a [`NixlAgent`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NixlOptions {
+    /// The cluster secret (`--kv-transfer-secret-file`): every notification carries a tag under
+    /// a key derived from it (SPEC S2; see the module doc). `None`: the empty key, which proves
+    /// nothing, so listen on loopback only (SPEC S3).
+    pub secret: Option<Vec<u8>>,
     /// How long a notification from an agent not (yet) added is held waiting for `add_peer`
     /// before it is dropped as `unknown_agent`. Zero drops at once.
     pub hold_unknown: Duration,
@@ -88,9 +117,27 @@ pub struct NixlOptions {
     pub shutdown_grace: Duration,
 }
 
+impl std::fmt::Debug for NixlOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlOptions")
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("hold_unknown", &self.hold_unknown)
+            .field("max_held", &self.max_held)
+            .field("max_notif", &self.max_notif)
+            .field("xfer_poll", &self.xfer_poll)
+            .field("active_poll", &self.active_poll)
+            .field("active_linger", &self.active_linger)
+            .field("idle_poll", &self.idle_poll)
+            .field("progress_delay_us", &self.progress_delay_us)
+            .field("shutdown_grace", &self.shutdown_grace)
+            .finish()
+    }
+}
+
 impl Default for NixlOptions {
     fn default() -> Self {
         NixlOptions {
+            secret: None,
             hold_unknown: Duration::from_secs(5),
             max_held: 4096,
             max_notif: 16 * 1024 * 1024,
@@ -143,14 +190,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl NixlAgent {
-    /// Starts an agent (about half a second: UCX start-up) and registers `arena` with NIXL.
+    /// Starts an agent (about half a second: UCX start-up) and registers `arena` with NIXL;
+    /// `secret` is the cluster secret its notifications prove (see [`NixlOptions::secret`]).
     pub async fn start(
         name: String,
         arena: Arc<BlockArena>,
         gate: Arc<dyn ReadGate>,
         events: mpsc::UnboundedSender<AgentEvent>,
+        secret: Option<Vec<u8>>,
     ) -> Result<Arc<NixlAgent>, TransportError> {
-        Self::start_with(name, arena, gate, events, NixlOptions::default()).await
+        Self::start_with(name, arena, gate, events, NixlOptions { secret, ..NixlOptions::default() }).await
     }
 
     /// [`NixlAgent::start`] with explicit tunables.

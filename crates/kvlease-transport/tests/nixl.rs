@@ -1,6 +1,6 @@
 //! Tests of the nixl backend against the real NIXL library (UCX over TCP on loopback), so the
 //! backend's promises are checked where they can break: addressing, binary payloads, the order
-//! of a READ's data and its notification, S2 filtering, dead peers.
+//! of a READ's data and its notification, S2 filtering and authentication, dead peers.
 //!
 //! Run them one at a time (several NIXL agents start and stop in this process; NIXL is only
 //! used one agent pair at a time in nixl-sys's own tests):
@@ -16,8 +16,10 @@
 
 #![cfg(feature = "nixl")]
 
+use hmac::{Hmac, Mac};
 use kvlease_transport::nixl::{self, NixlAgent, NixlOptions};
 use kvlease_transport::{Agent, AgentEvent, BlockArena, OpenGate, ReadOp, Segment, TransportError};
+use sha2::Sha256;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,8 +56,15 @@ async fn node_with(name: &str, blocks: u32, block_bytes: usize, options: NixlOpt
     Node { agent, events }
 }
 
+/// The cluster secret of the agents under test (deployed engines have one).
+const SECRET: &[u8] = b"the cluster's secret";
+
+fn secured() -> NixlOptions {
+    NixlOptions { secret: Some(SECRET.to_vec()), ..NixlOptions::default() }
+}
+
 async fn node(name: &str, blocks: u32, block_bytes: usize) -> Node {
-    node_with(name, blocks, block_bytes, NixlOptions::default()).await
+    node_with(name, blocks, block_bytes, secured()).await
 }
 
 /// Introduces `a` and `b` to each other.
@@ -124,7 +133,7 @@ async fn nixl_start_fails_cleanly_without_the_library() {
         return;
     }
     let (tx, _rx) = mpsc::unbounded_channel();
-    let started = NixlAgent::start("x".into(), BlockArena::new(1, 64), Arc::new(OpenGate), tx).await;
+    let started = NixlAgent::start("x".into(), BlockArena::new(1, 64), Arc::new(OpenGate), tx, None).await;
     assert_eq!(started.err(), Some(TransportError::Io(nixl::UNAVAILABLE.into())));
 }
 
@@ -303,7 +312,7 @@ async fn nixl_notifications_from_unknown_agents_are_rejected() {
         return;
     }
     let hold = Duration::from_millis(300);
-    let mut p = node_with("ua-p", 2, 4096, NixlOptions { hold_unknown: hold, ..NixlOptions::default() }).await;
+    let mut p = node_with("ua-p", 2, 4096, NixlOptions { hold_unknown: hold, ..secured() }).await;
     let mut d = node("ua-d", 2, 4096).await;
     let mallory = node("ua-m", 2, 4096).await;
     introduce(&p, &d).await;
@@ -447,4 +456,152 @@ async fn nixl_removing_a_peer_under_a_read_waits_for_it() {
     assert_eq!(d.agent.add_peer(&p.agent.metadata()).await, Ok(pn.clone()));
     d.agent.read(&pn, op(all, None)).await.expect("read after re-adding");
     assert!(image(d.agent.arena()) == image(p.agent.arena()));
+}
+
+/// SPEC S2, "Trust on the wire" over NIXL: an agent that does not hold the cluster secret (here
+/// one P has even added, so only the tag stands in its way) sends P notifications, standalone
+/// and attached to a READ (a forged `Release` or `ReadDone`). Each is dropped and counted as
+/// `unauthenticated`; the real D's notifications flow; and P's notifications to it are refused
+/// on its side too.
+#[tokio::test]
+async fn nixl_notifications_under_a_wrong_secret_are_dropped_and_counted_s2() {
+    if !nixl_ready("notifications_under_a_wrong_secret_are_dropped_and_counted_s2") {
+        return;
+    }
+    let mut p = node("ws-p", 2, 4096).await;
+    let mut d = node("ws-d", 2, 4096).await;
+    let mut m = node_with("ws-m", 2, 4096, NixlOptions { secret: Some(b"a guess".to_vec()), ..NixlOptions::default() }).await;
+    introduce(&p, &d).await;
+    introduce(&p, &m).await;
+    let pn = p.agent.name().to_owned();
+    m.agent.send_notif(&pn, b"Release all".to_vec()).expect("send");
+    // NIXL cannot refuse the READ itself (see the module doc); its notification is dropped.
+    m.agent.read(&pn, op(vec![seg(0, 0, 0, 0, 64)], Some(b"ReadDone"))).await.expect("NIXL reads are one-sided");
+    for what in ["the standalone notification", "the READ's notification"] {
+        assert_eq!(recv(&mut p.events, what).await, AgentEvent::Rejected { reason: "unauthenticated" }, "{what}");
+    }
+    d.agent.send_notif(&pn, b"from the real D".to_vec()).expect("send");
+    assert_eq!(recv_notif(&mut p.events, d.agent.name(), "the real D's notification").await, b"from the real D");
+    d.agent.read(&pn, op(vec![seg(1, 0, 1, 0, 64)], Some(b"real ReadDone"))).await.expect("read");
+    assert_eq!(recv_notif(&mut p.events, d.agent.name(), "the real D's ReadDone").await, b"real ReadDone");
+    // The other way round: what P sends it is not authentic under its key either.
+    p.agent.send_notif(m.agent.name(), b"ReadDoneAck live".to_vec()).expect("send");
+    assert_eq!(recv(&mut m.events, "m's rejection").await, AgentEvent::Rejected { reason: "unauthenticated" });
+    p.agent.send_notif(d.agent.name(), b"to D".to_vec()).expect("send");
+    assert_eq!(recv_notif(&mut d.events, &pn, "P's notification to D").await, b"to D");
+    quiet(&mut p.events, Duration::from_millis(100)).await;
+    quiet(&mut m.events, Duration::from_millis(100)).await;
+}
+
+/// The key of the notifications `sender` sends `receiver`, and a sealed notification, as the
+/// nixl module doc specifies them (this pins the format).
+fn notif_key(secret: &[u8], sender: &str, receiver: &str) -> Vec<u8> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap();
+    mac.update(b"kvlease-nixl-notif-v1");
+    for name in [sender, receiver] {
+        mac.update(&(name.len() as u32).to_le_bytes());
+        mac.update(name.as_bytes());
+    }
+    mac.finalize().into_bytes().to_vec()
+}
+
+fn sealed(key: &[u8], counter: u64, payload: &[u8]) -> Vec<u8> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap();
+    mac.update(&counter.to_le_bytes());
+    mac.update(payload);
+    [payload, &counter.to_le_bytes()[..], &mac.finalize().into_bytes()[..]].concat()
+}
+
+/// A NIXL agent driven directly (nixl-sys), that sends whatever bytes it is told to.
+struct Raw {
+    agent: nixl_sys::Agent,
+    _backend: nixl_sys::Backend,
+}
+
+impl Raw {
+    fn start(name: &str) -> Raw {
+        let cfg = nixl_sys::AgentConfig { enable_prog_thread: true, ..nixl_sys::AgentConfig::default() };
+        let agent = nixl_sys::Agent::new_configured(name, &cfg).expect("raw agent");
+        let (_mems, params) = agent.get_plugin_params("UCX").expect("UCX plugin");
+        let backend = agent.create_backend("UCX", &params).expect("UCX backend");
+        Raw { agent, _backend: backend }
+    }
+
+    fn send(&self, to: &str, bytes: &[u8]) {
+        self.agent.send_notification(to, bytes, None).expect("raw send");
+    }
+
+    /// The next notifications from `from`, polled for up to 10 s.
+    fn notifs_from(&self, from: &str) -> Vec<Vec<u8>> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut map = nixl_sys::NotificationMap::new().expect("map");
+            let _ = self.agent.get_notifications(&mut map, None);
+            let n = map.get_notifications_size(from).unwrap_or(0);
+            if n > 0 {
+                return (0..n).map(|i| map.get_notification_bytes(from, i).expect("bytes")).collect();
+            }
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for a notification from {from}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// SPEC S2: a notification recorded on the wire and sent again is dropped and counted as
+/// `unauthenticated`; authentic ones are taken once each, also out of order (a READ's
+/// `ReadDone` is overtaken by later notifications), within the window of 4096 counters, and
+/// refused beyond it. A raw NIXL agent that holds the secret sends exactly the bytes the test
+/// seals; P's own notifications to it carry the same format.
+#[tokio::test]
+async fn nixl_replayed_notifications_are_dropped_and_reordered_ones_taken_once_s2() {
+    if !nixl_ready("replayed_notifications_are_dropped_and_reordered_ones_taken_once_s2") {
+        return;
+    }
+    let mut p = node("rp-p", 2, 4096).await;
+    let (pn, rn) = (p.agent.name().to_owned(), unique("rp-raw"));
+    let raw = Raw::start(&rn);
+    assert_eq!(raw.agent.load_remote_md(&nixl_part(&p.agent.metadata())).expect("raw loads P"), pn);
+    let raw_md = raw.agent.get_local_md().expect("raw metadata");
+    assert_eq!(p.agent.add_peer(&envelope(&rn, 4096, 1, 4096, &raw_md)).await, Ok(rn.clone()));
+
+    let to_p = notif_key(SECRET, &rn, &pn);
+    let one = sealed(&to_p, 1, b"one");
+    // Far enough ahead that counter 4, never sent, falls out of the window (far - 4 >= 4096).
+    let far = 4 + 4096 + 1;
+    let cases: Vec<(Vec<u8>, Option<&[u8]>)> = vec![
+        (one.clone(), Some(b"one")),
+        (one, None), // replayed
+        (sealed(&to_p, 3, b"three"), Some(b"three")),
+        (sealed(&to_p, 2, b"two"), Some(b"two")), // overtaken: still taken, once
+        (sealed(&to_p, 2, b"two"), None),
+        (sealed(&to_p, far, b"far ahead"), Some(b"far ahead")),
+        (sealed(&to_p, 4, b"four"), None), // never seen, but older than the window
+        (sealed(&to_p, far - 4095, b"just inside"), Some(b"just inside")), // never seen, oldest in the window
+        ([&b"tampered"[..], &sealed(&to_p, far + 1, b"original")[8..]].concat(), None),
+        (sealed(&notif_key(SECRET, &pn, &rn), far + 2, b"the other way's key"), None),
+        (sealed(&notif_key(b"a guess", &rn, &pn), far + 3, b"another secret"), None),
+        (b"no trailer".to_vec(), None),
+        (sealed(&to_p, far + 4, b""), Some(b"")),
+    ];
+    for (i, (bytes, delivered)) in cases.into_iter().enumerate() {
+        raw.send(&pn, &bytes);
+        match delivered {
+            Some(payload) => assert_eq!(recv_notif(&mut p.events, &rn, &format!("case {i}")).await, payload, "case {i}"),
+            None => assert_eq!(recv(&mut p.events, &format!("case {i}")).await, AgentEvent::Rejected { reason: "unauthenticated" }),
+        }
+    }
+    quiet(&mut p.events, Duration::from_millis(100)).await;
+
+    // What P sends carries the same trailer, its counters rising from 1.
+    p.agent.send_notif(&rn, b"hello raw".to_vec()).expect("send");
+    p.agent.send_notif(&rn, b"again".to_vec()).expect("send");
+    let mut got = raw.notifs_from(&pn);
+    if got.len() < 2 {
+        got.extend(raw.notifs_from(&pn));
+    }
+    let from_p = notif_key(SECRET, &pn, &rn);
+    assert_eq!(got, vec![sealed(&from_p, 1, b"hello raw"), sealed(&from_p, 2, b"again")]);
+    p.agent.remove_peer(&rn);
+    drop(p);
+    drop(raw);
 }

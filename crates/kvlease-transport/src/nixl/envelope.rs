@@ -9,7 +9,12 @@
 //! bytes before it. Decoding is total: any other input is [`TransportError::BadMetadata`]. The
 //! checksum catches a damaged envelope before NIXL sees it: NIXL accepts some corrupted
 //! metadata and then refuses the good one for the same agent.
+//!
+//! And the envelope of every notification (SPEC S2): `payload · counter: u64 · tag (32)`, the
+//! tag being HMAC-SHA256 under the pair's key of `counter · payload` (see the crate's `auth`
+//! module and the nixl module doc). The trailer goes last so the payload stays where it is.
 
+use crate::auth::{NotifKey, TAG_LEN};
 use crate::TransportError;
 
 const MAGIC: &[u8; 4] = b"KVLN";
@@ -137,6 +142,26 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerMd, TransportError> {
     Ok(PeerMd { name, base, num_blocks, block_bytes, nixl_md })
 }
 
+/// Bytes a notification carries after its payload.
+pub(crate) const NOTIF_TRAILER: usize = 8 + TAG_LEN;
+
+/// A notification as sent: the payload, the sender's counter for this receiver, and the tag.
+pub(crate) fn seal_notif(mut payload: Vec<u8>, counter: u64, key: &NotifKey) -> Vec<u8> {
+    let tag = key.tag(counter, &payload);
+    payload.reserve_exact(NOTIF_TRAILER);
+    payload.extend_from_slice(&counter.to_le_bytes());
+    payload.extend_from_slice(&tag);
+    payload
+}
+
+/// `(payload length, counter, tag)` of a received notification; `None` if it is too short to
+/// carry a trailer. Says nothing of the tag's worth: that is the receiver's to check.
+pub(crate) fn split_notif(bytes: &[u8]) -> Option<(usize, u64, &[u8])> {
+    let len = bytes.len().checked_sub(NOTIF_TRAILER)?;
+    let (counter, tag) = bytes[len..].split_at(8);
+    Some((len, u64::from_le_bytes(counter.try_into().ok()?), tag))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +213,19 @@ mod tests {
         assert!(decode(&[0xffu8; 64]).is_err());
         // A tcp agent's metadata is not ours.
         assert!(decode(b"\x00\x01KVLT....................").is_err());
+    }
+
+    #[test]
+    fn notifications_are_sealed_and_split_s2() {
+        let key = crate::auth::ClusterKey::new(Some(b"s")).notif_key("d", "p");
+        let sealed = seal_notif(b"heartbeat".to_vec(), 7, &key);
+        assert_eq!(sealed.len(), 9 + NOTIF_TRAILER);
+        let (len, counter, tag) = split_notif(&sealed).expect("a trailer");
+        assert_eq!((&sealed[..len], counter), (&b"heartbeat"[..], 7));
+        assert!(key.verify(counter, &sealed[..len], tag));
+        let empty = seal_notif(Vec::new(), 1, &key);
+        assert_eq!(split_notif(&empty).map(|(len, c, _)| (len, c)), Some((0, 1)));
+        assert_eq!(split_notif(&empty[1..]), None, "too short for a trailer");
     }
 
     #[test]

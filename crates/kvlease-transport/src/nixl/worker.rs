@@ -5,9 +5,13 @@
 //!
 //! It never unloads a peer's NIXL metadata while reads from that peer are in flight (their
 //! requests refer to its connection): removals and re-adds wait for those reads to end.
+//!
+//! It seals every notification it sends and opens every one it receives (SPEC S2; see the nixl
+//! module doc): it owns the counters and replay windows, so they need no lock.
 
-use super::envelope::{self, PeerMd};
+use super::envelope::{self, PeerMd, NOTIF_TRAILER};
 use super::{lock, NixlOptions, Peer, Shared};
+use crate::auth::{ClusterKey, NotifKey, ReplayWindow};
 use crate::{AgentEvent, BlockArena, TransportError};
 use nixl_sys::{
     Agent as Nixl, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
@@ -95,7 +99,23 @@ struct InFlight {
     reply: oneshot::Sender<Result<(), TransportError>>,
 }
 
-/// A notification from an agent not (yet) added.
+/// The notifications we send one peer: its key, and the counter of the next one. Kept for the
+/// agent's life, also when the peer is removed: the peer keeps its replay window for us, so
+/// counters must go on rising if it is added again.
+struct Outbound {
+    key: NotifKey,
+    next: u64,
+}
+
+/// The notifications one sender sent us: its key, and the counters taken. Kept for the agent's
+/// life (created only by an authentic notification), so a notification recorded before the
+/// sender was removed is still a replay after it is added again.
+struct Inbound {
+    key: NotifKey,
+    window: ReplayWindow,
+}
+
+/// A notification from an agent not (yet) added; authentic, its trailer removed.
 struct Held {
     at: Instant,
     from: String,
@@ -105,6 +125,9 @@ struct Held {
 struct Worker {
     name: String,
     options: NixlOptions,
+    key: ClusterKey,
+    outbound: HashMap<String, Outbound>,
+    inbound: HashMap<String, Inbound>,
     shared: Arc<Shared>,
     events: mpsc::UnboundedSender<AgentEvent>,
     inflight: Vec<InFlight>,
@@ -166,9 +189,13 @@ impl Worker {
             block_bytes: region.0.block_bytes() as u64,
             nixl_md,
         });
+        let key = ClusterKey::new(options.secret.as_deref());
         let worker = Worker {
             name,
             options,
+            key,
+            outbound: HashMap::new(),
+            inbound: HashMap::new(),
             shared,
             events,
             inflight: Vec::new(),
@@ -237,8 +264,11 @@ impl Worker {
                 }
             }
             Cmd::Notif { peer, bytes } => {
-                if self.usable(&peer).is_ok() && self.agent.send_notification(&peer, &bytes, None).is_err() {
-                    self.broke(&peer);
+                if self.usable(&peer).is_ok() {
+                    let sealed = self.seal(&peer, bytes);
+                    if self.agent.send_notification(&peer, &sealed, None).is_err() {
+                        self.broke(&peer);
+                    }
                 }
             }
             Cmd::Read { peer, descs, notif, reply } => self.start_read(peer, &descs, notif, reply),
@@ -375,6 +405,8 @@ impl Worker {
             let _ = reply.send(Err(e));
             return;
         }
+        // Sealed now, sent by NIXL when the data has landed: later notifications may overtake it.
+        let notif = notif.map(|n| self.seal(&peer, n));
         if descs.is_empty() {
             // Nothing to move (NIXL refuses empty transfers): the notification goes alone.
             if let Some(n) = notif {
@@ -476,15 +508,56 @@ impl Worker {
                     self.reject("malformed");
                     continue;
                 };
-                if bytes.len() > self.options.max_notif {
+                if bytes.len() > self.options.max_notif.saturating_add(NOTIF_TRAILER) {
                     self.reject("oversized");
-                } else if known {
+                    continue;
+                }
+                let Some(bytes) = self.open(&from, bytes) else {
+                    self.reject("unauthenticated");
+                    continue;
+                };
+                if known {
                     let _ = self.events.send(AgentEvent::Notification { from: from.clone(), bytes });
                 } else {
                     self.hold(from.clone(), bytes);
                 }
             }
         }
+    }
+
+    /// Seals a notification to `peer` with the next counter (SPEC S2).
+    fn seal(&mut self, peer: &str, payload: Vec<u8>) -> Vec<u8> {
+        let out = self.outbound.entry(peer.to_owned()).or_insert_with(|| Outbound { key: self.key.notif_key(&self.name, peer), next: 1 });
+        let counter = out.next;
+        out.next += 1;
+        envelope::seal_notif(payload, counter, &out.key)
+    }
+
+    /// The payload of a notification from `from` if its tag is `from`'s and its counter was not
+    /// taken before (SPEC S2); `None` for a forgery or a replay. The tag is checked first: only
+    /// an authentic counter may move the window.
+    fn open(&mut self, from: &str, mut bytes: Vec<u8>) -> Option<Vec<u8>> {
+        let (len, counter, tag) = envelope::split_notif(&bytes)?;
+        match self.inbound.get_mut(from) {
+            Some(inbound) => {
+                if !inbound.key.verify(counter, &bytes[..len], tag) || !inbound.window.accept(counter) {
+                    return None;
+                }
+            }
+            None => {
+                let key = self.key.notif_key(from, &self.name);
+                if !key.verify(counter, &bytes[..len], tag) {
+                    return None;
+                }
+                let mut window = ReplayWindow::default();
+                if !window.accept(counter) {
+                    return None;
+                }
+                self.inbound.insert(from.to_owned(), Inbound { key, window });
+            }
+        }
+        bytes.truncate(len);
+        Some(bytes)
     }
 
     fn hold(&mut self, from: String, bytes: Vec<u8>) {
