@@ -221,8 +221,9 @@ impl Server {
         let mut stopped = pin!(stop.changed());
         let mut draining = false;
         let ended = poll_fn(|cx| {
-            // Hyper closes the connection once it is idle and flushed; the phase deadlines still
-            // bound a head that never completes.
+            // Hyper closes a connection after the request in flight, once its response is
+            // flushed; one with no request in flight is closed here at once (hyper would wait
+            // for a head on a fresh connection).
             if !draining && stopped.as_mut().poll(cx).is_ready() {
                 draining = true;
                 conn.as_mut().graceful_shutdown();
@@ -234,6 +235,9 @@ impl Server {
             let _ = evicted.as_mut().poll(cx);
             loop {
                 let phase = *slot.phase();
+                if draining && phase.evictable() {
+                    return Poll::Ready(Err("the server is shutting down".into()));
+                }
                 let Some(due) = phase.deadline(&self.limits) else { return Poll::Pending };
                 if due <= Instant::now() {
                     return Poll::Ready(Err(phase.cut_reason().into()));
