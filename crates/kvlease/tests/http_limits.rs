@@ -188,11 +188,13 @@ async fn slow_heads_are_cut(target: Target) {
     assert_latency_kept("slow heads", idle, attacked);
 }
 
+/// Issue "bounded HTTP" (slowloris) against `serve`: see [`slow_heads_are_cut`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_cuts_slow_heads_at_the_header_timeout() {
     slow_heads_are_cut(Target::serve(&["--http-header-timeout", "1"])).await;
 }
 
+/// Issue "bounded HTTP" (slowloris) against `proxy`: see [`slow_heads_are_cut`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_cuts_slow_heads_at_the_header_timeout() {
     slow_heads_are_cut(Target::proxy(&["--http-header-timeout", "1"])).await;
@@ -224,11 +226,13 @@ async fn slow_bodies_get_408(target: Target) {
     assert_latency_kept("slow bodies", idle, attacked);
 }
 
+/// Issue "bounded HTTP" (slow bodies) against `serve`: see [`slow_bodies_get_408`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_answers_slow_bodies_408_at_the_body_timeout() {
     slow_bodies_get_408(Target::serve(&["--http-body-timeout", "1"])).await;
 }
 
+/// Issue "bounded HTTP" (slow bodies) against `proxy`: see [`slow_bodies_get_408`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_answers_slow_bodies_408_at_the_body_timeout() {
     slow_bodies_get_408(Target::proxy(&["--http-body-timeout", "1"])).await;
@@ -265,11 +269,13 @@ async fn flood_keeps_normal_requests_fast(target: Target) {
     assert_latency_kept("connection flood", idle, attacked);
 }
 
+/// Issue "bounded HTTP" (connection flood) against `serve`: see [`flood_keeps_normal_requests_fast`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_keeps_serving_through_a_connection_flood() {
     flood_keeps_normal_requests_fast(Target::serve(&["--http-max-connections", "1000", "--http-header-timeout", "60"])).await;
 }
 
+/// Issue "bounded HTTP" (connection flood) against `proxy`: see [`flood_keeps_normal_requests_fast`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_keeps_serving_through_a_connection_flood() {
     flood_keeps_normal_requests_fast(Target::proxy(&["--http-max-connections", "1000", "--http-header-timeout", "60"])).await;
@@ -337,11 +343,13 @@ async fn busy_server_refuses_newcomers_fast(target: Target) {
     assert_eq!(status_of(&got[..n]), Some(200), "{:?}", String::from_utf8_lossy(&got[..n]));
 }
 
+/// Issue "bounded HTTP" (connection cap) against `serve`: see [`busy_server_refuses_newcomers_fast`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_refuses_a_newcomer_503_when_every_connection_is_busy() {
     busy_server_refuses_newcomers_fast(Target::serve(&["--http-max-connections", "20"])).await;
 }
 
+/// Issue "bounded HTTP" (connection cap) against `proxy`: see [`busy_server_refuses_newcomers_fast`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_refuses_a_newcomer_503_when_every_connection_is_busy() {
     busy_server_refuses_newcomers_fast(Target::proxy(&["--http-max-connections", "20"])).await;
@@ -452,11 +460,13 @@ async fn unfinished_bodies_keep_memory_bounded(target: Target) {
 
 const BODY_FLAGS: [&str; 4] = ["--http-max-buffered-body-bytes", "16777216", "--http-body-timeout", "4"];
 
+/// Issue "bounded HTTP" (memory, bound: VmRSS + 64 MiB) against `serve`: see [`unfinished_bodies_keep_memory_bounded`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_memory_stays_bounded_under_unfinished_bodies() {
     unfinished_bodies_keep_memory_bounded(Target::serve(&BODY_FLAGS)).await;
 }
 
+/// Issue "bounded HTTP" (memory, bound: VmRSS + 64 MiB) against `proxy`: see [`unfinished_bodies_keep_memory_bounded`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_memory_stays_bounded_under_unfinished_bodies() {
     unfinished_bodies_keep_memory_bounded(Target::proxy(&BODY_FLAGS)).await;
