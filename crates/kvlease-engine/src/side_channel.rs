@@ -55,6 +55,8 @@ pub enum HandshakeError {
     Unauthenticated,
     #[error("expected a Hello")]
     NotHello,
+    #[error("the connection closed in the middle of the proof")]
+    Truncated,
     #[error("timed out")]
     Timeout,
 }
@@ -64,7 +66,7 @@ impl HandshakeError {
     pub fn reason(&self) -> Option<&'static str> {
         match self {
             HandshakeError::Frame(e) => e.reason(),
-            HandshakeError::NotHello => Some("malformed"),
+            HandshakeError::NotHello | HandshakeError::Truncated => Some("malformed"),
             HandshakeError::Unauthenticated => Some("unauthenticated"),
             HandshakeError::Timeout => None,
         }
@@ -126,7 +128,15 @@ pub async fn accept(stream: &mut TcpStream, secret: Option<&[u8]>) -> Result<(He
         challenge[4..].copy_from_slice(&server);
         stream.write_all(&challenge).await.map_err(FrameError::Io)?;
         let mut answer = [0u8; NONCE + MAC];
-        stream.read_exact(&mut answer).await.map_err(FrameError::Io)?;
+        let mut got = 0;
+        while got < answer.len() {
+            match stream.read(&mut answer[got..]).await.map_err(FrameError::Io)? {
+                // Connected and left without a word (a port probe): nothing to count.
+                0 if got == 0 => return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+                0 => return Err(HandshakeError::Truncated),
+                n => got += n,
+            }
+        }
         let mut client = [0u8; NONCE];
         client.copy_from_slice(&answer[..NONCE]);
         let nonces = Nonces { server, client };
@@ -265,6 +275,42 @@ mod tests {
         raw.write_all(&[0u8; NONCE + MAC]).await.unwrap();
         let _ = raw.write_all(&(MAX_FRAME as u32).to_be_bytes()).await;
         assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
+    }
+
+    /// SPEC P7: a dialer that proves the secret but then sends an oversized frame, or a message
+    /// that is not a Hello, is dropped and counted; a proof cut short is malformed.
+    #[tokio::test]
+    async fn p7_junk_after_a_valid_proof_is_counted() {
+        for (junk, want) in [
+            ((MAX_FRAME as u32 + 1).to_be_bytes().to_vec(), "oversized"),
+            (
+                {
+                    let m = Message::LeaseLost { lease_ids: vec![1] }.encode();
+                    let mut f = (m.len() as u32).to_be_bytes().to_vec();
+                    f.extend(m);
+                    f
+                },
+                "malformed",
+            ),
+        ] {
+            let (addr, task) = server(b"k").await;
+            let mut raw = TcpStream::connect(&addr).await.unwrap();
+            let mut challenge = [0u8; 4 + NONCE];
+            raw.read_exact(&mut challenge).await.unwrap();
+            let mut n = Nonces { server: [0; NONCE], client: [5; NONCE] };
+            n.server.copy_from_slice(&challenge[4..]);
+            let mut answer = n.client.to_vec();
+            answer.extend_from_slice(&proof(Some(b"k"), &n).finalize().into_bytes());
+            answer.extend(junk);
+            raw.write_all(&answer).await.unwrap();
+            let err = task.await.unwrap().unwrap_err();
+            assert_eq!(err.reason(), Some(want), "{err}");
+        }
+        let (addr, task) = server(b"k").await;
+        let mut raw = TcpStream::connect(&addr).await.unwrap();
+        raw.write_all(b"HB:1,2").await.unwrap();
+        drop(raw);
+        assert_eq!(task.await.unwrap().unwrap_err().reason(), Some("malformed"), "a proof cut short");
     }
 
     /// SPEC S2: a Hello recorded on one connection does not verify on another (fresh nonces), nor

@@ -281,6 +281,12 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
 }
 
+/// The metadata a tcp agent named `name` reachable at `addr` publishes (what its
+/// [`Agent::metadata`] returns): how a peer, or a test posing as one, addresses it.
+pub fn metadata(name: &str, addr: SocketAddr) -> Vec<u8> {
+    wire::encode_metadata(name, addr)
+}
+
 impl TcpAgent {
     /// Starts an agent listening on `host` at a port the OS chooses.
     pub async fn start(
@@ -352,7 +358,7 @@ impl Agent for TcpAgent {
     }
 
     fn metadata(&self) -> Vec<u8> {
-        wire::encode_metadata(&self.inner.name, self.inner.addr)
+        metadata(&self.inner.name, self.inner.addr)
     }
 
     fn add_peer<'a>(&'a self, metadata: &'a [u8]) -> BoxFuture<'a, Result<String, TransportError>> {

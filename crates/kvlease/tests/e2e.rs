@@ -111,8 +111,9 @@ async fn fifty_requests_through_the_proxy(transport: &str) {
     assert_eq!(metric(&d.url, "kvlease_lease_lost_total").await, 0.0);
 }
 
-/// SPEC S1: with a secret configured on both, D refuses altered or unsigned params with a 400
-/// naming kv_transfer_params, and nothing is read: P's lease stays untouched.
+/// SPEC S1, S4: with a secret configured on both, D refuses altered or unsigned params with a
+/// 400 naming kv_transfer_params; params of another prompt are computed locally (S4). Nothing is
+/// read: P's lease stays untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     let p = Proc::serve("s1-p", &[]);
@@ -133,12 +134,14 @@ async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     for (what, body) in [
         ("altered", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": altered})),
         ("unsigned", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": unsigned})),
-        ("another prompt", other_prompt.take()),
     ] {
         let (status, err) = post(&format!("{}/v1/completions", d.url), &body).await;
         assert_eq!(status, 400, "{what}: {err}");
         assert_eq!(err["error"]["param"], "kv_transfer_params", "{what}: {err}");
     }
+    let (status, body) = post(&format!("{}/v1/completions", d.url), &other_prompt.take()).await;
+    assert_eq!(status, 200, "another prompt is computed locally: {body}");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
     assert_eq!(metric(&p.url, "kvlease_heartbeats_received_total").await, 0.0, "D never contacted P");
     assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
     // The genuine params still pull.
@@ -151,8 +154,10 @@ async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     .await;
 }
 
-/// SPEC P7: junk on P's handshake side channel — a wrong message, an oversized frame, garbage —
-/// is dropped and counted, and P goes on serving disaggregated requests.
+/// SPEC P7, S2: junk on P's handshake side channel — an oversized frame header, a well-framed
+/// message that is not a proof, vLLM's text heartbeat — is refused before P reads a frame and
+/// counted (no proof of the secret: `unauthenticated`; a proof cut short: `malformed`), and P
+/// goes on serving disaggregated requests. Junk after a valid proof: `side_channel` unit tests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p7_junk_on_the_side_channel_is_counted_and_harmless() {
     use tokio::io::AsyncWriteExt;
@@ -163,10 +168,12 @@ async fn p7_junk_on_the_side_channel_is_counted_and_harmless() {
     let (_, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
     let params = body["kv_transfer_params"].clone();
     let side = format!("{}:{}", params["remote_host"].as_str().expect("host"), params["remote_port"]);
+    let mut oversized = vec![0xff, 0xff, 0xff, 0xff];
+    oversized.resize(64, 7); // a length far over the limit, and as long as a proof
     let junk: [&[u8]; 3] = [
-        &[0xff, 0xff, 0xff, 0xff, 1, 2, 3],                            // a length far over the limit
-        &[0, 0, 0, 6, b'K', b'L', 1, 5, 0, 0],                         // a well-framed LeaseLost: not a Hello
-        &[0, 0, 0, 8, b'H', b'B', b':', b'1', b',', b'2', b',', b'3'], // vLLM's text heartbeat
+        &oversized,
+        &[0, 0, 0, 6, b'K', b'L', 2, 5, 0, 0], // a well-framed LeaseLost: cut short
+        &[0, 0, 0, 8, b'H', b'B', b':', b'1', b',', b'2', b',', b'3'], // vLLM's text heartbeat: cut short
     ];
     for bytes in junk {
         let mut s = tokio::net::TcpStream::connect(&side).await.expect("connect side channel");
@@ -174,7 +181,7 @@ async fn p7_junk_on_the_side_channel_is_counted_and_harmless() {
         let _ = s.shutdown().await;
     }
     until("junk counted", Duration::from_secs(10), || async {
-        metric(&p.url, "kvlease_messages_rejected_total{reason=\"oversized\"}").await >= 1.0
+        metric(&p.url, "kvlease_messages_rejected_total{reason=\"unauthenticated\"}").await >= 1.0
             && metric(&p.url, "kvlease_messages_rejected_total{reason=\"malformed\"}").await >= 2.0
     })
     .await;

@@ -4,6 +4,7 @@
 mod common;
 use common::*;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// Two prompts of the same length in tokens (bytes), so only their content tells them apart.
 const PROMPT_A: &str = "alpha beta gamma delta";
@@ -112,4 +113,110 @@ async fn s5_another_decoder_cannot_renew_read_or_release_a_held_lease() {
     assert_eq!(metric(&d1.url, "kvlease_recomputed_requests_total").await, 0.0, "D1 pulled its KV");
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
     assert_eq!(metric(&p.url, "kvlease_leases_active").await, 0.0);
+}
+
+/// The TCP ports a process listens on, from /proc: how an outsider who can reach the machine finds
+/// the transfer agents' ports (a port scan would do the same).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(String::from))
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let listening = f.get(3) == Some(&"0A") && f.get(9).is_some_and(|i| inodes.iter().any(|x| x == i));
+            let port = f.get(1)?.rsplit_once(':')?.1;
+            listening.then(|| u16::from_str_radix(port, 16).ok()).flatten()
+        })
+        .collect()
+}
+
+/// Agent name of rank 0 of the engine that issued these params, as any HTTP client learns it:
+/// `{remote_engine_id}/{remote_incarnation:x}/0`.
+fn agent_name(params: &Value) -> String {
+    let engine = params["remote_engine_id"].as_str().expect("engine id");
+    let inc: u64 = params["remote_incarnation"].as_str().and_then(|s| s.parse().ok()).expect("incarnation");
+    format!("{engine}/{inc:x}/0")
+}
+
+/// An impostor: a real tcp transfer agent named as `claimed`, holding a guessed secret, that dials
+/// every port of `victim_pid` claiming to be `claimed` to the agent `victim_agent`. Returns how
+/// many dials the victim accepted.
+async fn impostor_dials(claimed: &str, victim_agent: &str, victim_pid: u32) -> usize {
+    use kvlease_transport::{tcp, Agent, BlockArena, OpenGate};
+    let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let options = tcp::TcpOptions { secret: Some(b"a guess".to_vec()), connect_timeout: Duration::from_secs(1), ..Default::default() };
+    let arena = BlockArena::new(64, 4096);
+    let agent = tcp::TcpAgent::start_with(claimed.to_string(), "127.0.0.1", arena, std::sync::Arc::new(OpenGate), events, options)
+        .await
+        .expect("impostor agent");
+    let mut accepted = 0;
+    for port in listening_ports(victim_pid) {
+        let md = tcp::metadata(victim_agent, std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+        if agent.add_peer(&md).await.is_ok() {
+            accepted += 1;
+            // Had it worked, this is what the attacks of the issue did next.
+            let _ = agent.send_notif(victim_agent, kvlease_core::wire::Message::Release { lease_ids: (1..200).collect() }.encode());
+        }
+        agent.remove_peer(victim_agent);
+    }
+    accepted
+}
+
+/// SPEC S2 (the impersonation attacks of issue "Trust on the wire"), with a cluster secret the
+/// attacker does not hold. Knowing P's and D's agent names (learned from kv_transfer_params
+/// over HTTP) and their ports, an impostor dials D's agents as P's agent (to answer D's
+/// heartbeats and serve it zeros) and P's agents as D's agent (to read KV and release leases),
+/// before and during traffic through the proxy. Every dial is refused and counted as
+/// `unauthenticated`; the real connections survive; every answer equals a local run, nothing is
+/// recomputed, and no lease is released by anyone but its holder's reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_impostor_agents_without_the_secret_change_nothing() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve("imp-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("imp-d", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("imp-local", &[]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    let (p_pid, d_pid) = (p.child.id(), d.child.id());
+
+    // What any HTTP client can learn: both engines' agent names.
+    let p_agent = agent_name(&prefill(&p, PROMPT_A).await);
+    let d_agent = agent_name(&prefill(&d, PROMPT_A).await);
+    // One request through the proxy so that the real P–D connections exist.
+    let want = text(&local.url, &completion(PROMPT_B, 6, None)).await;
+    assert_eq!(text(&proxy.url, &completion(PROMPT_B, 6, None)).await, want);
+
+    assert_eq!(impostor_dials(&p_agent, &d_agent, d_pid).await, 0, "D accepted an impostor as P");
+    assert_eq!(impostor_dials(&d_agent, &p_agent, p_pid).await, 0, "P accepted an impostor as D");
+
+    // Traffic, with the impostors dialing all the while.
+    let attack = tokio::spawn(async move {
+        let mut accepted = 0;
+        for _ in 0..3 {
+            accepted += impostor_dials(&p_agent, &d_agent, d_pid).await;
+            accepted += impostor_dials(&d_agent, &p_agent, p_pid).await;
+        }
+        accepted
+    });
+    for i in 0..10 {
+        let prompt = format!("{PROMPT_A} {i}");
+        let want = text(&local.url, &completion(&prompt, 6, None)).await;
+        assert_eq!(text(&proxy.url, &completion(&prompt, 6, None)).await, want, "request {i}");
+    }
+    assert_eq!(attack.await.expect("attack"), 0, "an impostor was accepted during traffic");
+
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 0.0, "every request pulled its KV from P");
+    assert_eq!(metric(&d.url, "kvlease_lease_lost_total").await, 0.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 11.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 0.0);
+    let unread = metric(&p.url, "kvlease_leases_active").await + metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await;
+    assert_eq!(unread, 1.0, "the lease nobody was asked to read is live or expired, not released");
+    let unauthenticated = "kvlease_messages_rejected_total{reason=\"unauthenticated\"}";
+    assert!(metric(&p.url, unauthenticated).await >= 1.0, "P counted the impostor");
+    assert!(metric(&d.url, unauthenticated).await >= 1.0, "D counted the impostor");
 }
