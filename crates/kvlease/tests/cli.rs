@@ -29,24 +29,7 @@ fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
 
 #[test]
 fn serve_prints_its_startup_line_on_loopback_and_exits_0_on_sigterm() {
-    let mut child = kvlease()
-        .args(["serve", "--port", "0", "--engine-id", "cli-test", "--log-level", "warn"])
-        .env_remove("KVLEASE_TRANSFER_SECRET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvlease");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
-        let _ = child.kill();
-        panic!("no start-up line within {DEADLINE:?}")
-    });
+    let (mut child, line) = start_line(&["serve", "--port", "0", "--engine-id", "cli-test", "--log-level", "warn"], None);
     assert!(line.starts_with("kvlease serve listening on http://127.0.0.1:"), "{line:?}");
     assert!(line.contains("(engine cli-test, kv side channel 127.0.0.1:"), "{line:?}");
 
@@ -74,6 +57,15 @@ fn refused_configuration_exits_2_with_a_message_naming_the_flag() {
 /// Starts `kvlease serve` with these arguments and environment; returns the child and its HTTP
 /// address once the start-up line is out.
 fn start_serve(args: &[&str], secret: Option<&str>) -> (std::process::Child, String) {
+    let (child, line) = start_line(args, secret);
+    let url = line.strip_prefix("kvlease serve listening on http://").unwrap_or_else(|| panic!("start-up line {line:?}"));
+    let port = url.split_whitespace().next().and_then(|hp| hp.rsplit_once(':')).expect("host:port").1.to_string();
+    (child, format!("127.0.0.1:{port}"))
+}
+
+/// Starts kvlease with these arguments and this cluster secret (or none); returns the child and
+/// its start-up line.
+fn start_line(args: &[&str], secret: Option<&str>) -> (std::process::Child, String) {
     let mut cmd = kvlease();
     cmd.args(args).env_remove("KVLEASE_TRANSFER_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
     if let Some(s) = secret {
@@ -91,9 +83,7 @@ fn start_serve(args: &[&str], secret: Option<&str>) -> (std::process::Child, Str
         let _ = child.kill();
         panic!("no start-up line within {DEADLINE:?}")
     });
-    let url = line.strip_prefix("kvlease serve listening on http://").unwrap_or_else(|| panic!("start-up line {line:?}"));
-    let port = url.split_whitespace().next().and_then(|hp| hp.rsplit_once(':')).expect("host:port").1.to_string();
-    (child, format!("127.0.0.1:{port}"))
+    (child, line)
 }
 
 /// `GET /health` over a raw connection: (status line, body).
