@@ -166,7 +166,7 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, seq: Seq) {
         prompt_digest,
         signature: None,
     };
-    let params = remote.to_json(inner.cfg.secret.as_deref(), &done.prompt);
+    let params = remote.to_json(inner.cfg.secret.as_deref());
     let first = done.first_token;
     if first != crate::model::EOS {
         let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });

@@ -181,7 +181,12 @@ impl EngineHandle {
         let mut role = KvRole::parse(req.kv_transfer_params.as_ref())
             .map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
         if let KvRole::DecodeRemote(rk) = &role {
-            // SPEC S4: params of another prompt (a router that mixed requests up) are never read.
+            // SPEC S1 first: forged or altered params are refused outright.
+            if let Some(secret) = &inner.cfg.secret {
+                rk.verify(secret).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
+            }
+            // SPEC S4: genuine params of another prompt (a router that mixed requests up) are
+            // never read.
             if !rk.describes(&prompt) {
                 if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
                     return Err(RequestError::bad_request(
@@ -207,16 +212,13 @@ impl EngineHandle {
         let id = inner.next_seq.fetch_add(1, Ordering::Relaxed);
         let internal = format!("{}#{id}", req.request_id);
         if let KvRole::DecodeRemote(rk) = &role {
-            if let Some(secret) = &inner.cfg.secret {
-                rk.verify(secret, &prompt).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
-            }
+            // `describes` held: the prompt has `remote_num_tokens` tokens.
             let want_blocks = prompt.len().div_ceil(m.block_size as usize);
-            if rk.num_tokens as usize != prompt.len() || rk.block_ids.len() != want_blocks {
+            if rk.block_ids.len() != want_blocks {
                 return Err(RequestError::bad_request(
                     Some("kv_transfer_params"),
                     format!(
-                        "kv_transfer_params describe {} tokens in {} blocks; this prompt has {} tokens ({} blocks of {})",
-                        rk.num_tokens,
+                        "kv_transfer_params name {} blocks; this prompt of {} tokens fills {} blocks of {}",
                         rk.block_ids.len(),
                         prompt.len(),
                         want_blocks,

@@ -1,10 +1,12 @@
 //! `kv_transfer_params`: what a request says about where its KV comes from or goes (SPEC §10),
 //! with vLLM's field names, and their signature (SPEC S1).
 //!
-//! P signs the fields D acts on — and the prompt they belong to — with HMAC-SHA256 under the
-//! cluster's secret, so a client cannot make D read another request's KV cache by crafting
-//! params. With or without a secret, the params carry the digest of the prompt P prefilled
-//! (`kvlease_prompt_digest`, SPEC S4), which D compares with its own prompt before reading. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
+//! P signs the fields D acts on — among them the digest of the prompt they belong to — with
+//! HMAC-SHA256 under the cluster's secret, so a client cannot make D read another request's KV
+//! cache by crafting params (SPEC S1: a 400). With or without a secret, the params carry the
+//! digest of the prompt P prefilled (`kvlease_prompt_digest`, SPEC S4), which D compares with its
+//! own prompt before reading: genuine params handed to the wrong prompt are a mix-up, not a
+//! forgery, and D computes that prompt itself. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
 //! adds fields of its own).
 
 use hmac::{Hmac, Mac};
@@ -116,7 +118,7 @@ impl KvRole {
 impl RemoteKv {
     /// The params P returns to the router, signed when a secret is configured. The incarnation
     /// travels as a string too: JSON numbers above 2^53 lose precision in many clients.
-    pub fn to_json(&self, secret: Option<&[u8]>, prompt: &[u32]) -> Value {
+    pub fn to_json(&self, secret: Option<&[u8]>) -> Value {
         let mut v = json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
@@ -132,48 +134,49 @@ impl RemoteKv {
             "kvlease_prompt_digest": self.prompt_digest.to_hex(),
         });
         if let (Some(secret), Value::Object(o)) = (secret, &mut v) {
-            o.insert("kvlease_signature".into(), Value::String(self.sign(secret, prompt)));
+            o.insert("kvlease_signature".into(), Value::String(self.sign(secret)));
         }
         v
     }
 
-    /// SPEC S4: whether these params describe `prompt`: the digest of its first
-    /// `remote_num_tokens` tokens is the one P prefilled.
+    /// SPEC S4: whether these params describe `prompt`: it is the prompt P prefilled, the same
+    /// length and the same digest.
     pub fn describes(&self, prompt: &[u32]) -> bool {
-        prompt.get(..self.num_tokens as usize).is_some_and(|p| PromptDigest::of(p) == self.prompt_digest)
+        prompt.len() == self.num_tokens as usize && PromptDigest::of(prompt) == self.prompt_digest
     }
 
-    /// SPEC S1: D checks P's signature over the fields it acts on and its own prompt.
-    pub fn verify(&self, secret: &[u8], prompt: &[u32]) -> Result<(), ParamError> {
+    /// SPEC S1: D checks P's signature over the fields it acts on, the prompt digest among them.
+    pub fn verify(&self, secret: &[u8]) -> Result<(), ParamError> {
         let Some(sig) = &self.signature else {
             return Err(ParamError("unsigned; this engine requires params signed by the prefill engine (kvlease_signature)".into()));
         };
         let Some(bytes) = hex_decode(sig) else { return Err(ParamError("kvlease_signature is not hex".into())) };
-        self.mac(secret, prompt)
+        self.mac(secret)
             .verify_slice(&bytes)
-            .map_err(|_| ParamError("signature does not match these params and this prompt".into()))
+            .map_err(|_| ParamError("kvlease_signature does not match these params: altered, or signed with another secret".into()))
     }
 
-    fn sign(&self, secret: &[u8], prompt: &[u32]) -> String {
-        self.mac(secret, prompt).finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    fn sign(&self, secret: &[u8]) -> String {
+        self.mac(secret).finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    fn mac(&self, secret: &[u8], prompt: &[u32]) -> Hmac<Sha256> {
+    /// Every field with its length before it, so no field's bytes can pass for another's.
+    fn mac(&self, secret: &[u8]) -> Hmac<Sha256> {
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-        let fields = format!(
-            "kvlease-v1\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n",
-            self.engine_id, self.request_id, self.host, self.port, self.tp_size, self.num_tokens, self.lease_id, self.incarnation
-        );
-        mac.update(&(fields.len() as u64).to_le_bytes());
-        mac.update(fields.as_bytes());
-        mac.update(&self.prompt_digest.0);
-        for b in &self.block_ids {
-            mac.update(&b.to_le_bytes());
+        let mut field = |bytes: &[u8]| {
+            mac.update(&(bytes.len() as u64).to_le_bytes());
+            mac.update(bytes);
+        };
+        field(b"kvlease-params-v2");
+        for s in [&self.engine_id, &self.request_id, &self.host] {
+            field(s.as_bytes());
         }
-        mac.update(b"\nprompt\n");
-        for t in prompt {
-            mac.update(&t.to_le_bytes());
+        for n in [u64::from(self.port), u64::from(self.tp_size), u64::from(self.num_tokens), self.lease_id, self.incarnation] {
+            field(&n.to_le_bytes());
         }
+        field(&self.prompt_digest.0);
+        let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
+        field(&blocks);
         mac
     }
 }
@@ -232,18 +235,17 @@ mod tests {
 
     #[test]
     fn round_trip_through_json_like_a_router() {
-        let prompt = [1, 2, 3];
-        let v = remote().to_json(Some(b"s3cret"), &prompt);
+        let v = remote().to_json(Some(b"s3cret"));
         let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
         assert_eq!(r.incarnation, u64::MAX - 1);
-        r.verify(b"s3cret", &prompt).unwrap();
+        r.verify(b"s3cret").unwrap();
     }
 
-    /// SPEC S1: altered fields, another prompt, another secret, or no signature are refused.
+    /// SPEC S1: altered fields (the prompt digest among them), another secret, or no signature
+    /// are refused.
     #[test]
     fn s1_altered_or_unsigned_params_are_refused() {
-        let prompt = [1, 2, 3];
-        let v = remote().to_json(Some(b"s3cret"), &prompt);
+        let v = remote().to_json(Some(b"s3cret"));
         for (key, val) in [
             ("remote_block_ids", json!([3, 5])),
             ("remote_lease_id", json!(10)),
@@ -254,18 +256,17 @@ mod tests {
             let mut w = v.clone();
             w[key] = val;
             let KvRole::DecodeRemote(r) = KvRole::parse(Some(&w)).unwrap() else { panic!() };
-            assert!(r.verify(b"s3cret", &prompt).is_err(), "{key}");
+            assert!(r.verify(b"s3cret").is_err(), "{key}");
         }
         let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
-        assert!(r.verify(b"s3cret", &[1, 2, 4]).is_err(), "another prompt");
-        assert!(r.verify(b"other", &prompt).is_err(), "another secret");
-        let unsigned = remote().to_json(None, &prompt);
+        assert!(r.verify(b"other").is_err(), "another secret");
+        let unsigned = remote().to_json(None);
         let KvRole::DecodeRemote(r) = KvRole::parse(Some(&unsigned)).unwrap() else { panic!() };
-        assert!(r.verify(b"s3cret", &prompt).unwrap_err().0.contains("unsigned"));
+        assert!(r.verify(b"s3cret").unwrap_err().0.contains("unsigned"));
     }
 
-    /// SPEC S4: params describe only the prompt P prefilled, whatever its length, with or
-    /// without a secret.
+    /// SPEC S4: params describe only the prompt P prefilled — not another of the same length,
+    /// not a prefix of it, not a longer prompt that starts with it.
     #[test]
     fn s4_params_describe_only_their_prompt() {
         let mut r = remote();
@@ -273,13 +274,14 @@ mod tests {
         assert!(r.describes(&[1, 2, 3]));
         assert!(!r.describes(&[1, 2, 4]), "same length, another prompt");
         assert!(!r.describes(&[1, 2]), "shorter");
+        assert!(!r.describes(&[1, 2, 3, 4]), "longer, starting with it");
         r.num_tokens = 2;
         assert!(!r.describes(&[1, 2, 3]), "a prefix of another length");
     }
 
     #[test]
     fn bad_params_name_the_field() {
-        let v = remote().to_json(None, &[]);
+        let v = remote().to_json(None);
         for (key, val, want) in [
             ("do_remote_prefill", json!("yes"), "do_remote_prefill"),
             ("remote_block_ids", json!([]), "remote_block_ids"),

@@ -3,13 +3,17 @@
 //! geometry — and gets ours back. It is also where clock samples for SPEC B2 are taken: the
 //! reply echoes the request's send time and its own receive time.
 //!
-//! Trust (SPEC S1, S2): before either side reads anything larger than a few dozen bytes, the
-//! dialer proves it holds the cluster secret for this connection: the server opens with a fresh
-//! nonce, the dialer answers with its own nonce and an HMAC over both. Only then does the server
-//! read a Hello (up to [`MAX_FRAME`]), so an outsider can make it hold no more than a small fixed
-//! buffer per connection (and [`MAX_PENDING`] connections at once). Both Hellos carry an HMAC over
-//! their contents, both nonces and the direction, so a recorded Hello cannot be replayed on
-//! another connection or reflected back. Without a secret the same exchange runs under an empty
+//! Trust (SPEC S1, S2): before either side reads anything larger than a few dozen bytes, each
+//! proves it holds the cluster secret for this connection. The server opens with a fresh nonce;
+//! the dialer answers with its own nonce and an HMAC over both; the server answers with its own
+//! HMAC over both. Only then does the server read a Hello (up to [`MAX_FRAME`]), so an outsider
+//! can make it hold no more than a small fixed buffer per connection (and [`MAX_PENDING`]
+//! connections at once); and only then does the dialer send its Hello, whose agent metadata (over
+//! NIXL, what lets a peer read and write our registered memory) must never reach a process that
+//! merely took over a dead engine's port. Both Hellos carry an HMAC over their contents, both
+//! nonces and the direction, so a recorded Hello cannot be replayed on another connection or
+//! reflected back. The dialer proves first, so nobody without the secret gets a MAC to test
+//! guesses of it against. Without a secret the same exchange runs under an empty
 //! key and proves nothing: such engines must stay on loopback (SPEC S3).
 //!
 //! Frames are a 4-byte big-endian length and a [`Message`]; anything malformed or oversized
@@ -79,9 +83,15 @@ fn keyed(secret: Option<&[u8]>, label: &[u8]) -> Hmac<Sha256> {
     mac
 }
 
-/// The dialer's proof that it holds the secret, bound to this connection's nonces.
-fn proof(secret: Option<&[u8]>, n: &Nonces) -> Hmac<Sha256> {
-    let mut mac = keyed(secret, b"kvlease-side-channel-proof-v2\n");
+/// One side's proof that it holds the secret, bound to this connection's nonces.
+fn proof(secret: Option<&[u8]>, n: &Nonces, side: Side) -> Hmac<Sha256> {
+    let mut mac = keyed(
+        secret,
+        match side {
+            Side::Dialer => b"kvlease-side-channel-dialer-proof-v2\n",
+            Side::Server => b"kvlease-side-channel-server-proof-v2\n",
+        },
+    );
     mac.update(&n.server);
     mac.update(&n.client);
     mac
@@ -111,18 +121,17 @@ pub fn authentic(secret: Option<&[u8]>, n: &Nonces, side: Side, hello: &Hello) -
     hello_mac(secret, n, side, hello).verify_slice(&hello.auth).is_ok()
 }
 
-fn nonce() -> [u8; NONCE] {
+fn nonce() -> Result<[u8; NONCE], std::io::Error> {
     let mut n = [0u8; NONCE];
-    n[..8].copy_from_slice(&crate::engine::random_u64().to_le_bytes());
-    n[8..].copy_from_slice(&crate::engine::random_u64().to_le_bytes());
-    n
+    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("no randomness from the OS for a nonce: {e}")))?;
+    Ok(n)
 }
 
 /// Server side, up to the dialer's Hello: challenge, check the proof with a fixed small buffer,
 /// then read and check the Hello. Returns it with the nonces to sign our reply with.
 pub async fn accept(stream: &mut TcpStream, secret: Option<&[u8]>) -> Result<(Hello, Nonces), HandshakeError> {
     let run = async {
-        let server = nonce();
+        let server = nonce().map_err(FrameError::Io)?;
         let mut challenge = [0u8; 4 + NONCE];
         challenge[..4].copy_from_slice(&CHALLENGE_MAGIC);
         challenge[4..].copy_from_slice(&server);
@@ -140,7 +149,8 @@ pub async fn accept(stream: &mut TcpStream, secret: Option<&[u8]>) -> Result<(He
         let mut client = [0u8; NONCE];
         client.copy_from_slice(&answer[..NONCE]);
         let nonces = Nonces { server, client };
-        proof(secret, &nonces).verify_slice(&answer[NONCE..]).map_err(|_| HandshakeError::Unauthenticated)?;
+        proof(secret, &nonces, Side::Dialer).verify_slice(&answer[NONCE..]).map_err(|_| HandshakeError::Unauthenticated)?;
+        stream.write_all(&proof(secret, &nonces, Side::Server).finalize().into_bytes()).await.map_err(FrameError::Io)?;
         let Message::Hello(hello) = read_frame(stream).await? else { return Err(HandshakeError::NotHello) };
         if !authentic(secret, &nonces, Side::Dialer, &hello) {
             return Err(HandshakeError::Unauthenticated);
@@ -202,12 +212,20 @@ pub async fn exchange(addr: &str, secret: Option<&[u8]>, mut ours: Hello) -> Res
         if challenge[..4] != CHALLENGE_MAGIC {
             return Err(format!("{addr} is not a kvlease side channel of this version"));
         }
-        let mut nonces = Nonces { server: [0; NONCE], client: nonce() };
+        let client = nonce().map_err(|e| e.to_string())?;
+        let mut nonces = Nonces { server: [0; NONCE], client };
         nonces.server.copy_from_slice(&challenge[4..]);
         let mut answer = [0u8; NONCE + MAC];
         answer[..NONCE].copy_from_slice(&nonces.client);
-        answer[NONCE..].copy_from_slice(&proof(secret, &nonces).finalize().into_bytes());
+        answer[NONCE..].copy_from_slice(&proof(secret, &nonces, Side::Dialer).finalize().into_bytes());
         stream.write_all(&answer).await.map_err(|e| format!("send proof to {addr}: {e}"))?;
+        let mut theirs = [0u8; MAC];
+        if stream.read_exact(&mut theirs).await.is_err() {
+            return Err(format!("{addr} refused our proof: does it hold this cluster's secret?"));
+        }
+        if proof(secret, &nonces, Side::Server).verify_slice(&theirs).is_err() {
+            return Err(format!("{addr} does not hold this cluster's secret; not sending it our agents"));
+        }
         sign(secret, &nonces, Side::Dialer, &mut ours);
         write_frame(&mut stream, &Message::Hello(ours)).await.map_err(|e| e.to_string())?;
         let theirs = match read_frame(&mut stream).await {
@@ -300,7 +318,7 @@ mod tests {
             let mut n = Nonces { server: [0; NONCE], client: [5; NONCE] };
             n.server.copy_from_slice(&challenge[4..]);
             let mut answer = n.client.to_vec();
-            answer.extend_from_slice(&proof(Some(b"k"), &n).finalize().into_bytes());
+            answer.extend_from_slice(&proof(Some(b"k"), &n, Side::Dialer).finalize().into_bytes());
             answer.extend(junk);
             raw.write_all(&answer).await.unwrap();
             let err = task.await.unwrap().unwrap_err();
@@ -311,6 +329,29 @@ mod tests {
         raw.write_all(b"HB:1,2").await.unwrap();
         drop(raw);
         assert_eq!(task.await.unwrap().unwrap_err().reason(), Some("malformed"), "a proof cut short");
+    }
+
+    /// SPEC S2: a server without the secret (say, a process that took over a dead engine's
+    /// port) never receives the dialer's Hello, and so never its agents' metadata.
+    #[tokio::test]
+    async fn s2_dialer_sends_no_hello_to_a_server_without_the_secret() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let squatter = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut challenge = CHALLENGE_MAGIC.to_vec();
+            challenge.extend([9; NONCE]);
+            s.write_all(&challenge).await.unwrap();
+            let mut answer = [0u8; NONCE + MAC];
+            s.read_exact(&mut answer).await.unwrap();
+            s.write_all(&[0; MAC]).await.unwrap(); // it cannot compute the server's proof
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+            rest
+        });
+        let err = exchange(&addr, Some(b"k"), hello("D")).await.unwrap_err();
+        assert!(err.contains("does not hold"), "{err}");
+        assert!(squatter.await.unwrap().is_empty(), "the squatter got nothing after the proofs");
     }
 
     /// SPEC S2: a Hello recorded on one connection does not verify on another (fresh nonces), nor
