@@ -266,9 +266,22 @@ fn transfer_secret(file: Option<&PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
         if secret.is_empty() {
             return Err(InvalidConfig(format!("--kv-transfer-secret-file {} is empty", path.display())).into());
         }
-        return Ok(Some(secret));
+        return Ok(Some(warn_if_weak(secret)));
     }
-    Ok(std::env::var_os(SECRET_ENV).map(|v| v.as_encoded_bytes().trim_ascii().to_vec()).filter(|s| !s.is_empty()))
+    Ok(std::env::var_os(SECRET_ENV).map(|v| v.as_encoded_bytes().trim_ascii().to_vec()).filter(|s| !s.is_empty()).map(warn_if_weak))
+}
+
+/// A secret is only as strong as it is hard to guess: whoever reaches a transfer agent's port can
+/// test guesses against one handshake offline (see the README's Security model).
+fn warn_if_weak(secret: Vec<u8>) -> Vec<u8> {
+    const STRONG: usize = 32;
+    if secret.len() < STRONG {
+        tracing::warn!(
+            "the cluster secret is {} bytes: use at least {STRONG} random bytes (e.g. `openssl rand -hex 32`), or it may be guessed offline",
+            secret.len()
+        );
+    }
+    secret
 }
 
 fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
