@@ -227,7 +227,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level).init();
     if let Command::Serve(args) = &cli.command {
         if args.transport == Transport::Nixl {
-            tune_ucx();
+            let has_secret = args.kv_transfer_secret_file.is_some() || std::env::var_os(SECRET_ENV).is_some_and(|v| !v.is_empty());
+            tune_ucx(!has_secret && !args.insecure);
         }
     }
     let runtime = match tokio::runtime::Runtime::new() {
@@ -417,11 +418,17 @@ fn human_bytes(n: u128) -> String {
 }
 
 /// UCX's TCP transport moves KV about twice as fast with 64 KiB segments than with its default
-/// (BENCHMARKS.md). Set before any thread starts, and only where the operator has not chosen.
-fn tune_ucx() {
-    for key in ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"] {
+/// (BENCHMARKS.md). Without a cluster secret (SPEC S3), UCX, which listens on every interface
+/// whatever `--host` says, is kept on loopback too. Set before any thread starts, and only where
+/// the operator has not chosen.
+fn tune_ucx(loopback_only: bool) {
+    let mut defaults = vec![("UCX_TCP_TX_SEG_SIZE", "64k"), ("UCX_TCP_RX_SEG_SIZE", "64k")];
+    if loopback_only {
+        defaults.push(("UCX_NET_DEVICES", "lo"));
+    }
+    for (key, value) in defaults {
         if std::env::var_os(key).is_none() {
-            std::env::set_var(key, "64k");
+            std::env::set_var(key, value);
         }
     }
 }
