@@ -8,7 +8,7 @@
 //! bound to both agents' names (which include their incarnations) so a proof for one pair is
 //! worth nothing for another. Each MAC input starts with its own label (`kvlease-agent-…`,
 //! `kvlease-nixl-…`), which no other MAC under the secret starts with (the engine's begin with
-//! `kvlease-hello-v1` or a length), and variable fields are length-prefixed, so no input of one
+//! `kvlease-hello-v2`, `kvlease-side-channel-` or a length), and variable fields are length-prefixed, so no input of one
 //! kind can be read as another. Tags are compared in constant time (`hmac`'s `verify_slice`).
 //!
 //! Without a secret the same exchange runs under the empty key: it proves nothing (anyone can
