@@ -29,6 +29,12 @@ impl PromptDigest {
         PromptDigest(out)
     }
 
+    /// SPEC S4, D's check before it reads: whether this digest, for a prompt of `num_tokens`
+    /// tokens, is that of `prompt` (the same length, the same tokens).
+    pub fn describes(&self, num_tokens: u32, prompt: &[u32]) -> bool {
+        prompt.len() == num_tokens as usize && PromptDigest::of(prompt) == *self
+    }
+
     /// 32 lowercase hex digits, as it travels in `kv_transfer_params`.
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
@@ -69,6 +75,8 @@ mod tests {
         assert_ne!(a, PromptDigest::of(&[1, 2, 4]));
         assert_ne!(a, PromptDigest::of(&[1, 2]));
         assert_ne!(PromptDigest::of(&[]), PromptDigest::of(&[0]));
+        assert!(a.describes(3, &[1, 2, 3]));
+        assert!(!a.describes(3, &[1, 2, 4]) && !a.describes(2, &[1, 2]) && !a.describes(4, &[1, 2, 3, 4]));
         assert_eq!(PromptDigest::from_hex(&a.to_hex()), Some(a));
         for bad in ["", "zz", &a.to_hex()[1..], &format!("{}0", a.to_hex()), &"g".repeat(32), "é"] {
             assert_eq!(PromptDigest::from_hex(bad), None, "{bad:?}");

@@ -471,6 +471,20 @@ async fn introduce(inner: &Arc<Inner>, hello: &Hello) -> Result<Vec<String>, Str
             names.push(name);
         }
     }
+    // SPEC S5: leases are held under the agents' names, so an engine may only introduce agents
+    // named for itself (`{engine_id}/{incarnation:x}/{rank}`), never another engine's.
+    let own = holder_name(&hello.engine_id, hello.incarnation);
+    if let Some((rank, bad)) = names.iter().enumerate().find(|(rank, n)| **n != format!("{own}/{rank}")) {
+        for r in inner.ranks() {
+            for n in &names {
+                r.agent.remove_peer(n);
+            }
+        }
+        return Err(format!(
+            "{:?} introduced an agent named {bad:?} as its rank {rank}; its agents must be named {own}/<rank>",
+            hello.engine_id
+        ));
+    }
     let mut engines = lock(&inner.agent_engines);
     for n in &names {
         engines.insert(n.clone(), hello.engine_id.clone());
@@ -718,5 +732,51 @@ impl Drop for AckWaiters<'_> {
         for key in &self.keys {
             acks.remove(key);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EngineConfig, EngineHandle};
+
+    /// A real tcp agent named `name`, holding `secret`, that has added `peer` (so a dial from
+    /// `peer` is accepted once proven).
+    async fn agent(name: &str, secret: &[u8], peer: Vec<u8>) -> Arc<TcpAgent> {
+        // Its events are not looked at: a closed channel drops them.
+        let (tx, _) = mpsc::unbounded_channel();
+        let options = kvlease_transport::tcp::TcpOptions { secret: Some(secret.to_vec()), ..Default::default() };
+        let gate = Arc::new(kvlease_transport::OpenGate);
+        let a = TcpAgent::start_with(name.into(), "127.0.0.1", BlockArena::new(4, 4096), gate, tx, options).await.unwrap();
+        let a2 = a.clone();
+        tokio::spawn(async move { a2.add_peer(&peer).await });
+        a
+    }
+
+    /// SPEC S5: leases are held under agent names, so an engine of the cluster may introduce only
+    /// agents named for itself; agents named for another engine (whose leases it would then hold)
+    /// are refused and forgotten.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn s5_an_engine_cannot_introduce_another_engines_agents() {
+        let secret = b"cluster".to_vec();
+        let p = EngineHandle::start(EngineConfig { secret: Some(secret.clone()), ..EngineConfig::default() }).await.unwrap();
+        let inner = p.inner();
+        let ours = inner.ranks()[0].agent.metadata();
+
+        let victim = agent("victim/1/0", &secret, ours.clone()).await;
+        let mut hello = our_hello(inner);
+        hello.engine_id = "mallory".into();
+        hello.incarnation = 7;
+        hello.agents = vec![victim.metadata()];
+        let err = introduce(inner, &hello).await.unwrap_err();
+        assert!(err.contains("must be named mallory/7/<rank>"), "{err}");
+        assert!(lock(&inner.agent_engines).is_empty(), "nothing of it is kept");
+
+        // The same agent introduced by the engine it is named for is welcome.
+        hello.engine_id = "victim".into();
+        hello.incarnation = 1;
+        let again = agent("victim/1/0", &secret, ours).await;
+        hello.agents = vec![again.metadata()];
+        assert_eq!(introduce(inner, &hello).await.unwrap(), vec!["victim/1/0".to_string()]);
     }
 }

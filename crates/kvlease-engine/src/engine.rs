@@ -93,6 +93,13 @@ pub struct EngineHandle {
     inner: Arc<Inner>,
 }
 
+#[cfg(test)]
+impl EngineHandle {
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+}
+
 impl EngineHandle {
     /// Starts the engine: agents per rank, the handshake side channel, the scheduler, the reaper
     /// and the renewer, each its own task.

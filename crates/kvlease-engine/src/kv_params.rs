@@ -142,7 +142,7 @@ impl RemoteKv {
     /// SPEC S4: whether these params describe `prompt`: it is the prompt P prefilled, the same
     /// length and the same digest.
     pub fn describes(&self, prompt: &[u32]) -> bool {
-        prompt.len() == self.num_tokens as usize && PromptDigest::of(prompt) == self.prompt_digest
+        self.prompt_digest.describes(self.num_tokens, prompt)
     }
 
     /// SPEC S1: D checks P's signature over the fields it acts on, the prompt digest among them.
