@@ -8,6 +8,9 @@
 //! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
 //! * [`digest`] — the prompt digest that binds a lease to its prompt (SPEC S4).
 //! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
+//! * [`peers`] — handshake validation and the registry of remote engines (SPEC D5, S5, T1).
+//! * [`pull`] — D's pull of a request's KV: waits, deadlines, the fencing verdict (SPEC D6).
+//! * [`quarantine`] — blocks an unfenced READ may still target, held until safe (SPEC P5).
 //! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
 //! * [`wire`] — the notification codec (SPEC §9).
 //! * [`clock`] — clock-offset estimation for bidirectional transfer (SPEC B2).
@@ -17,6 +20,9 @@ pub mod clock;
 pub mod config;
 pub mod digest;
 pub mod lease_table;
+pub mod peers;
+pub mod pull;
+pub mod quarantine;
 pub mod renewer;
 mod time;
 pub mod tp;

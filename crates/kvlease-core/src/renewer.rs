@@ -9,9 +9,10 @@
 //! from a timer of its own, not from the forward loop.
 
 use crate::config::LeaseConfig;
+use crate::peers::{Peer, Peers};
 use crate::wire::{encode_heartbeat, heartbeat_chunks, Message};
 use crate::{LeaseId, Nanos};
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// Where a P engine is, as its `kv_transfer_params` say.
@@ -35,9 +36,9 @@ pub enum Action {
     /// The lease of this request is gone: never use its data; apply the load failure policy
     /// (SPEC D6). Tracking has stopped.
     Lost { request_id: String, lease_id: LeaseId },
-    /// Nothing has been tracked toward this P engine for a long while: forget it and close its
-    /// connections (a new request naming it handshakes again).
-    Forget { engine_id: String },
+    /// Nothing has been tracked toward this P engine for a long while: it is forgotten; close
+    /// the connections to its `agents` (a new request naming it handshakes again).
+    Forget { engine_id: String, agents: Vec<String> },
 }
 
 /// What a [`Action::Send`] carries, for metrics.
@@ -80,7 +81,8 @@ pub enum ReadCheck {
 enum Link {
     Unknown,
     Pending,
-    Ready { incarnation: u64 },
+    /// The handshake completed; the engine's incarnation and agents are in the peer registry.
+    Ready,
     Failed { attempts: u32, retry_at: Nanos },
 }
 
@@ -124,9 +126,28 @@ pub struct Renewer {
     interval: Duration,
     extension: Duration,
     max_notif_bytes: usize,
-    engines: HashMap<String, RemoteEngine>,
-    requests: HashMap<String, (String, LeaseId)>,
+    engines: BTreeMap<String, RemoteEngine>,
+    requests: BTreeMap<String, (String, LeaseId)>,
     lost: Vec<(String, LeaseId)>,
+    peers: Peers,
+}
+
+/// What an accepted handshake with a P engine found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handshook {
+    pub incarnation: u64,
+    /// Its agents' names, one per rank.
+    pub agents: Vec<String>,
+}
+
+/// What the driver does with a finished handshake's connections.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HandshakeTaken {
+    /// Whether the result was taken. False for a handshake nobody waits for any more (the
+    /// engine was forgotten, or reconnected elsewhere meanwhile): drop its agents' connections.
+    pub taken: bool,
+    /// Agents whose connections to drop: a previous incarnation's, or, when not taken, these.
+    pub drop_agents: Vec<String>,
 }
 
 impl Renewer {
@@ -135,9 +156,10 @@ impl Renewer {
             interval: cfg.heartbeat_interval,
             extension: cfg.extension,
             max_notif_bytes: cfg.max_notif_bytes,
-            engines: HashMap::new(),
-            requests: HashMap::new(),
+            engines: BTreeMap::new(),
+            requests: BTreeMap::new(),
             lost: Vec::new(),
+            peers: Peers::default(),
         }
     }
 
@@ -161,7 +183,8 @@ impl Renewer {
             idle_since: None,
         });
         let moved = engine.host != remote.host || engine.port != remote.port;
-        let reborn = matches!(engine.link, Link::Ready { incarnation } if remote.incarnation != 0 && incarnation != remote.incarnation);
+        let known = self.peers.get(&remote.engine_id).map(|p| p.incarnation);
+        let reborn = engine.link == Link::Ready && remote.incarnation != 0 && known.is_some_and(|i| i != remote.incarnation);
         if moved || reborn {
             engine.host = remote.host.clone();
             engine.port = remote.port;
@@ -196,18 +219,18 @@ impl Renewer {
         }
     }
 
-    /// The background handshake with `engine_id` finished: `Ok(incarnation)` or failed.
-    /// Leases granted by another incarnation of that engine are lost (SPEC §3). Returns whether
-    /// the result was taken: false for a handshake nobody waits for any more (the engine was
-    /// forgotten, or reconnected elsewhere meanwhile); its connections should be dropped.
-    pub fn handshake_done(&mut self, engine_id: &str, result: Result<u64, ()>, now: Nanos) -> bool {
-        let Some(engine) = self.engines.get_mut(engine_id) else { return false };
-        if engine.link != Link::Pending {
-            return false;
+    /// The background handshake with `engine_id` finished: what it found, or failed. Leases
+    /// granted by another incarnation of that engine are lost (SPEC §3), and the peer registry
+    /// learns the engine's incarnation and agents.
+    pub fn handshake_done(&mut self, engine_id: &str, result: Result<Handshook, ()>, now: Nanos) -> HandshakeTaken {
+        let pending = self.engines.get(engine_id).is_some_and(|e| e.link == Link::Pending);
+        if !pending {
+            return HandshakeTaken { taken: false, drop_agents: result.map(|h| h.agents).unwrap_or_default() };
         }
+        let Some(engine) = self.engines.get_mut(engine_id) else { return HandshakeTaken::default() };
         match result {
-            Ok(incarnation) => {
-                engine.link = Link::Ready { incarnation };
+            Ok(Handshook { incarnation, agents }) => {
+                engine.link = Link::Ready;
                 engine.failures = 0;
                 engine.next_due = now;
                 let stale: Vec<LeaseId> =
@@ -215,24 +238,65 @@ impl Renewer {
                 for id in stale {
                     self.lose(engine_id, id, false);
                 }
+                let drop_agents = self.peers.learned(engine_id, incarnation, agents);
+                HandshakeTaken { taken: true, drop_agents }
             }
             Err(()) => {
                 engine.failures += 1;
                 let backoff = BACKOFF_BASE.saturating_mul(1 << engine.failures.min(16).saturating_sub(1)).min(BACKOFF_MAX);
                 engine.link = Link::Failed { attempts: engine.failures, retry_at: now + backoff };
+                HandshakeTaken { taken: true, drop_agents: Vec::new() }
             }
         }
-        true
     }
 
-    /// The connection to `engine_id` broke: handshake again before the next heartbeat.
-    pub fn disconnected(&mut self, engine_id: &str) {
+    /// An engine handshook with us (we serve it: it is a D engine, or a P engine that is also
+    /// our decoder). The registry learns its agents; a new incarnation of an engine we renew
+    /// with means its leases must be checked by a handshake of ours before the next heartbeat.
+    /// Returns the agents of its previous incarnation, whose connections to drop.
+    pub fn introduced(&mut self, engine_id: &str, incarnation: u64, agents: Vec<String>) -> Vec<String> {
+        let old = self.peers.get(engine_id).map(|p| p.incarnation);
+        if old.is_some_and(|i| i != incarnation) {
+            if let Some(engine) = self.engines.get_mut(engine_id) {
+                if engine.link == Link::Ready {
+                    engine.link = Link::Unknown;
+                    engine.inflight.clear();
+                }
+            }
+        }
+        self.peers.learned(engine_id, incarnation, agents)
+    }
+
+    /// The connection to `engine_id` broke: handshake again before the next heartbeat. Returns
+    /// the agents whose connections to drop.
+    pub fn disconnected(&mut self, engine_id: &str) -> Vec<String> {
         if let Some(engine) = self.engines.get_mut(engine_id) {
-            if matches!(engine.link, Link::Ready { .. }) {
+            if engine.link == Link::Ready {
                 engine.link = Link::Unknown;
                 engine.inflight.clear();
             }
         }
+        self.peers.forget(engine_id)
+    }
+
+    /// An agent we know of no engine for went away.
+    pub fn agent_gone(&mut self, agent: &str) {
+        self.peers.forget_agent(agent);
+    }
+
+    /// The registry of remote engines (SPEC D5).
+    pub fn peers(&self) -> &Peers {
+        &self.peers
+    }
+
+    /// The remote engine a P engine's lease is read from, when its handshake is done.
+    pub fn peer(&self, engine_id: &str) -> Option<&Peer> {
+        self.peers.get(engine_id)
+    }
+
+    /// Records a clock sample from a handshake with `engine_id` (SPEC B2).
+    pub fn clock_sample(&mut self, engine_id: &str, sample: crate::clock::ClockSample) {
+        self.peers.clock_sample(engine_id, sample);
     }
 
     /// A message from a rank of P engine `engine_id`: acknowledgements and lost leases.
@@ -307,7 +371,8 @@ impl Renewer {
                     engine.link = Link::Pending;
                     out.push(Action::Handshake { engine_id: engine_id.clone(), host: engine.host.clone(), port: engine.port });
                 }
-                Link::Ready { incarnation } => {
+                Link::Ready => {
+                    let incarnation = self.peers.get(engine_id).map_or(0, |p| p.incarnation);
                     let lease_ids: Vec<LeaseId> = std::mem::take(&mut engine.to_release)
                         .into_iter()
                         .filter(|(_, (granted_by, _))| *granted_by == 0 || *granted_by == incarnation)
@@ -345,7 +410,8 @@ impl Renewer {
             .collect();
         for engine_id in stale {
             self.engines.remove(&engine_id);
-            out.push(Action::Forget { engine_id });
+            let agents = self.peers.forget(&engine_id);
+            out.push(Action::Forget { engine_id, agents });
         }
     }
 
@@ -359,8 +425,8 @@ impl Renewer {
             .filter_map(|e| match e.link {
                 Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
                 Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
-                Link::Ready { .. } if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
-                Link::Ready { .. } if !e.leases.is_empty() => Some(e.next_due),
+                Link::Ready if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
+                Link::Ready if !e.leases.is_empty() => Some(e.next_due),
                 _ => None,
             })
             .min()
@@ -378,7 +444,7 @@ impl Renewer {
 
     /// Whether the handshake with `engine_id` has completed.
     pub fn is_ready(&self, engine_id: &str) -> bool {
-        matches!(self.engines.get(engine_id).map(|e| e.link), Some(Link::Ready { .. }))
+        matches!(self.engines.get(engine_id).map(|e| e.link), Some(Link::Ready))
     }
 
     /// Stops tracking a lost lease and reports it. `release`: P may still hold it (a renewal

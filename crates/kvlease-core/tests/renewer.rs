@@ -1,13 +1,18 @@
 //! D's renewer against SPEC §5, one test per invariant.
 
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::renewer::{Action, ReadCheck, Remote, Renewer, SendKind, Untrack};
+use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
 use std::time::Duration;
 
 fn p(engine: &str) -> Remote {
     Remote { engine_id: engine.into(), host: "127.0.0.1".into(), port: 7000, incarnation: 11 }
+}
+
+/// What a handshake with incarnation `n` finds: one agent, named as P's.
+fn found(n: u64) -> Handshook {
+    Handshook { incarnation: n, agents: vec![format!("P/{n:x}/0")] }
 }
 
 fn at(ms: u64) -> Nanos {
@@ -44,7 +49,7 @@ fn heartbeat_ids(actions: &[Action], engine: &str) -> Vec<u64> {
 fn ready(r: &mut Renewer, engine: &str, now: Nanos) {
     let acts = poll(r, now);
     assert!(acts.iter().any(|a| matches!(a, Action::Handshake { engine_id, .. } if engine_id == engine)), "{acts:?}");
-    r.handshake_done(engine, Ok(11), now);
+    r.handshake_done(engine, Ok(found(11)), now);
 }
 
 /// SPEC D1: tracking starts on arrival, grouped by remote engine: the first poll asks for a
@@ -61,8 +66,8 @@ fn d1_tracks_from_arrival_grouped_by_engine() {
         acts.iter().filter_map(|a| if let Action::Handshake { engine_id, .. } = a { Some(engine_id.as_str()) } else { None }).collect();
     hs.sort();
     assert_eq!(hs, ["P1", "P2"]);
-    r.handshake_done("P1", Ok(11), at(1));
-    r.handshake_done("P2", Ok(11), at(1));
+    r.handshake_done("P1", Ok(found(11)), at(1));
+    r.handshake_done("P2", Ok(found(11)), at(1));
     let acts = poll(&mut r, at(1));
     assert_eq!(heartbeat_ids(&acts, "P1"), vec![3, 5]);
     assert_eq!(heartbeat_ids(&acts, "P2"), vec![5]);
@@ -125,7 +130,7 @@ fn d5_background_handshake_backoff_and_reconnect() {
     r.track("b", &p("live"), 1, at(0));
     assert_eq!(poll(&mut r, at(0)).len(), 2);
     assert!(poll(&mut r, at(1)).is_empty(), "pending handshakes are not restarted");
-    r.handshake_done("live", Ok(11), at(2));
+    r.handshake_done("live", Ok(found(11)), at(2));
     r.handshake_done("dead", Err(()), at(2));
     let acts = poll(&mut r, at(2));
     assert_eq!(heartbeat_ids(&acts, "live"), vec![1], "first heartbeat right after the handshake");
@@ -142,7 +147,7 @@ fn d5_background_handshake_backoff_and_reconnect() {
     let moved = Remote { port: 7001, ..p("live") };
     r.track("c", &moved, 2, at(5003));
     assert!(matches!(&poll(&mut r, at(5003))[..], [Action::Handshake { port: 7001, .. }]));
-    r.handshake_done("live", Ok(11), at(5004));
+    r.handshake_done("live", Ok(found(11)), at(5004));
     assert_eq!(heartbeat_ids(&poll(&mut r, at(5004)), "live"), vec![1, 2]);
     // A new incarnation: reconnect, and leases of the old one are lost.
     let reborn = Remote { incarnation: 12, ..moved };
@@ -150,7 +155,7 @@ fn d5_background_handshake_backoff_and_reconnect() {
     // Lease 1 of the old incarnation ("b") is dead at once: the new one reuses its id.
     let acts = poll(&mut r, at(6000));
     assert!(matches!(&acts[..], [Action::Lost { request_id, lease_id: 1 }, Action::Handshake { .. }] if request_id == "b"), "{acts:?}");
-    r.handshake_done("live", Ok(12), at(6001));
+    r.handshake_done("live", Ok(found(12)), at(6001));
     let acts = poll(&mut r, at(6001));
     assert!(matches!(&acts[0], Action::Lost { request_id, lease_id: 2 } if request_id == "c"), "{acts:?}");
     assert_eq!(heartbeat_ids(&acts, "live"), vec![1]);
@@ -214,7 +219,7 @@ fn d4_release_never_reaches_another_incarnation() {
     r.untrack("old", Untrack::Abandoned);
     r.track("new", &Remote { incarnation: 12, ..p("P") }, 5, at(10));
     assert!(matches!(&poll(&mut r, at(10))[..], [Action::Handshake { .. }]));
-    r.handshake_done("P", Ok(12), at(11));
+    r.handshake_done("P", Ok(found(12)), at(11));
     let acts = poll(&mut r, at(11));
     assert!(sent(&acts, "P").iter().all(|m| !matches!(m, Message::Release { .. })), "{acts:?}");
     assert_eq!(heartbeat_ids(&acts, "P"), vec![5]);
@@ -230,7 +235,7 @@ fn idle_engines_are_forgotten() {
     r.untrack("a", Untrack::Transferred);
     assert!(poll(&mut r, at(1_000)).is_empty());
     assert!(poll(&mut r, at(60_999)).is_empty());
-    assert_eq!(poll(&mut r, at(61_000)), vec![Action::Forget { engine_id: "P".into() }]);
+    assert_eq!(poll(&mut r, at(61_000)), vec![Action::Forget { engine_id: "P".into(), agents: vec!["P/b/0".into()] }]);
     assert!(!r.is_ready("P"));
 }
 
@@ -246,7 +251,7 @@ fn d4_pending_releases_reconnect_then_age_out() {
     r.disconnected("P");
     r.untrack("a", Untrack::Abandoned);
     assert!(matches!(&poll(&mut r, at(10))[..], [Action::Handshake { .. }]), "a release alone is reason to reconnect");
-    r.handshake_done("P", Ok(11), at(20));
+    r.handshake_done("P", Ok(found(11)), at(20));
     assert_eq!(sent(&poll(&mut r, at(20)), "P"), vec![Message::Release { lease_ids: vec![1] }]);
     // Another abort while P is unreachable for longer than E: dropped, not sent forever.
     r.track("b", &p("P"), 2, at(30));

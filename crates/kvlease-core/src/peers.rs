@@ -1,0 +1,273 @@
+//! Remote engines: what a handshake must prove before its peer is trusted (SPEC D5, S2, S5, T1),
+//! and the one registry of what is known of each remote engine — where it is, its incarnation,
+//! its agents and the clock samples its handshakes gave (SPEC B2).
+//!
+//! The side channel authenticates the bytes (the cluster secret); this module decides whether
+//! what they say is acceptable: the reply answers our request, comes from the engine we dialled,
+//! serves the same model geometry, and names its agents for itself only. The registry is owned
+//! by the [`Renewer`](crate::renewer::Renewer), which also keeps each engine's link state, so an
+//! engine's incarnation is stored once.
+
+use crate::clock::{ClockOffset, ClockSample};
+use crate::wire::Hello;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// The model geometry two engines must share to exchange KV (their TP may differ, SPEC T1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub tp_size: u32,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype_bytes: u32,
+    pub block_size: u32,
+}
+
+/// Why a handshake's answer is not accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// The reply echoes another request's stamp (a replay, or a confused peer).
+    NotOurRequest,
+    /// We dialled one engine and another answered.
+    WrongEngine { dialled: String, answered: String },
+    /// The engine info is not the JSON object we send.
+    BadInfo(String),
+    /// A geometry key differs.
+    Geometry { key: &'static str, ours: u32, theirs: Option<u64> },
+    /// The tensor-parallel size does not fit the agents or the heads.
+    TpSize { tp: u64, agents: usize, heads: u32 },
+    /// An engine introduced an agent named for another engine (SPEC S5).
+    AgentName { engine_id: String, rank: usize, name: String, want: String },
+}
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refused::NotOurRequest => write!(f, "the engine answered another handshake (a replay?)"),
+            Refused::WrongEngine { dialled, answered } => write!(f, "the engine there is {answered:?}, not {dialled:?}"),
+            Refused::BadInfo(e) => write!(f, "bad engine info: {e}"),
+            Refused::Geometry { key, ours, theirs } => {
+                write!(f, "{key} differs: ours {ours}, theirs {theirs:?}; P and D must serve the same model geometry")
+            }
+            Refused::TpSize { tp, agents, heads } => write!(f, "peer tp_size {tp} does not fit {agents} agents and {heads} heads"),
+            Refused::AgentName { engine_id, rank, name, want } => {
+                write!(f, "{engine_id:?} introduced an agent named {name:?} as its rank {rank}; its agents must be named {want}/<rank>")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl Geometry {
+    /// The `info` of our Hello.
+    pub fn to_info(&self) -> Vec<u8> {
+        json!({
+            "tp_size": self.tp_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "dtype_bytes": self.dtype_bytes, "block_size": self.block_size,
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    /// Checks that a peer's Hello serves our geometry; returns its TP size.
+    pub fn check_peer(&self, hello: &Hello) -> Result<u32, Refused> {
+        let info: serde_json::Value = serde_json::from_slice(&hello.info).map_err(|e| Refused::BadInfo(e.to_string()))?;
+        for (key, ours) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("dtype_bytes", self.dtype_bytes),
+            ("block_size", self.block_size),
+        ] {
+            let theirs = info.get(key).and_then(|v| v.as_u64());
+            if theirs != Some(u64::from(ours)) {
+                return Err(Refused::Geometry { key, ours, theirs });
+            }
+        }
+        let tp = info.get("tp_size").and_then(|v| v.as_u64()).unwrap_or(0);
+        let fits = tp != 0 && tp as usize == hello.agents.len() && u64::from(self.num_kv_heads) % tp == 0;
+        if !fits {
+            return Err(Refused::TpSize { tp, agents: hello.agents.len(), heads: self.num_kv_heads });
+        }
+        Ok(tp as u32)
+    }
+}
+
+/// A reply to our handshake answers our request (its echo is our stamp) and comes from the
+/// engine the params named (SPEC D5).
+pub fn check_reply(dialled: &str, our_t_send: u64, theirs: &Hello) -> Result<(), Refused> {
+    if theirs.echo.0 != our_t_send {
+        return Err(Refused::NotOurRequest);
+    }
+    if theirs.engine_id != dialled {
+        return Err(Refused::WrongEngine { dialled: dialled.to_string(), answered: theirs.engine_id.clone() });
+    }
+    Ok(())
+}
+
+/// The name under which an engine holds leases (SPEC S5): its engine id and incarnation. Each
+/// rank's transfer agent is named `{holder}/{rank}`, and the transport authenticates that name.
+pub fn holder_name(engine_id: &str, incarnation: u64) -> String {
+    format!("{engine_id}/{incarnation:x}")
+}
+
+/// The name of rank `rank`'s agent of an engine.
+pub fn agent_name(engine_id: &str, incarnation: u64, rank: usize) -> String {
+    format!("{}/{rank}", holder_name(engine_id, incarnation))
+}
+
+/// The holder an agent, named as in [`agent_name`], acts for: all ranks of one engine are one.
+pub fn agent_holder(agent: &str) -> &str {
+    agent.rsplit_once('/').map_or(agent, |(holder, _rank)| holder)
+}
+
+/// SPEC S5: leases are held under the agents' names, so an engine may only introduce agents
+/// named for itself, rank by rank, never another engine's.
+pub fn check_agent_names(hello: &Hello, names: &[String]) -> Result<(), Refused> {
+    for (rank, name) in names.iter().enumerate() {
+        let want = agent_name(&hello.engine_id, hello.incarnation, rank);
+        if *name != want {
+            return Err(Refused::AgentName {
+                engine_id: hello.engine_id.clone(),
+                rank,
+                name: name.clone(),
+                want: holder_name(&hello.engine_id, hello.incarnation),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What is known of one remote engine from its last accepted handshake.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The incarnation these agents belong to: a lease of another is never read from them.
+    pub incarnation: u64,
+    /// Agent names, one per rank, in rank order.
+    pub agents: Vec<String>,
+    /// Clock offset toward it, from the handshakes' stamps (SPEC B2).
+    pub clock: ClockOffset,
+}
+
+/// Every remote engine we have handshaken with, either way. Ordered maps: iteration order never
+/// depends on a random seed.
+#[derive(Debug, Default)]
+pub struct Peers {
+    peers: BTreeMap<String, Peer>,
+    agents: BTreeMap<String, String>,
+}
+
+impl Peers {
+    /// An accepted handshake with `engine_id`. Returns the agents of its previous incarnation,
+    /// which are of no more use: the driver drops their connections. The same incarnation's
+    /// agents stay (dropping a live connection only to dial it again would make the other side
+    /// wait for the old one to close).
+    pub fn learned(&mut self, engine_id: &str, incarnation: u64, agents: Vec<String>) -> Vec<String> {
+        let old = match self.peers.get(engine_id) {
+            Some(p) if p.incarnation != incarnation => self.forget(engine_id),
+            _ => Vec::new(),
+        };
+        for a in &agents {
+            self.agents.insert(a.clone(), engine_id.to_string());
+        }
+        let peer = self.peers.entry(engine_id.to_string()).or_insert_with(|| Peer { incarnation, agents: Vec::new(), clock: ClockOffset::default() });
+        peer.incarnation = incarnation;
+        peer.agents = agents;
+        old
+    }
+
+    /// A clock sample from a handshake with `engine_id` (SPEC B2).
+    pub fn clock_sample(&mut self, engine_id: &str, sample: ClockSample) {
+        if let Some(p) = self.peers.get_mut(engine_id) {
+            p.clock.add(sample);
+        }
+    }
+
+    /// Forgets an engine; returns its agents, whose connections the driver drops.
+    pub fn forget(&mut self, engine_id: &str) -> Vec<String> {
+        let Some(peer) = self.peers.remove(engine_id) else { return Vec::new() };
+        for a in &peer.agents {
+            self.agents.remove(a);
+        }
+        peer.agents
+    }
+
+    /// Forgets one agent that is not (or no longer) part of a known engine.
+    pub fn forget_agent(&mut self, agent: &str) {
+        self.agents.remove(agent);
+    }
+
+    pub fn get(&self, engine_id: &str) -> Option<&Peer> {
+        self.peers.get(engine_id)
+    }
+
+    /// The engine an agent belongs to.
+    pub fn engine_of(&self, agent: &str) -> Option<&str> {
+        self.agents.get(agent).map(String::as_str)
+    }
+
+    /// Whether nothing is known of anyone.
+    pub fn is_empty(&self) -> bool {
+        self.peers.is_empty() && self.agents.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> Geometry {
+        Geometry { tp_size: 2, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 }
+    }
+
+    fn hello(engine_id: &str, incarnation: u64, info: Vec<u8>, agents: usize) -> Hello {
+        Hello { engine_id: engine_id.into(), incarnation, agents: vec![vec![1]; agents], info, t_send: 5, echo: (9, 10), auth: vec![] }
+    }
+
+    /// SPEC D5: a reply must answer our request and come from the engine the params named.
+    #[test]
+    fn d5_a_reply_must_answer_our_request_from_the_named_engine() {
+        let h = hello("p", 1, geometry().to_info(), 2);
+        assert_eq!(check_reply("p", 9, &h), Ok(()));
+        assert_eq!(check_reply("p", 8, &h), Err(Refused::NotOurRequest));
+        assert!(matches!(check_reply("q", 9, &h), Err(Refused::WrongEngine { .. })));
+    }
+
+    /// SPEC T1: the geometry must match; TP may differ but must fit the heads and the agents.
+    #[test]
+    fn t1_geometry_must_match_and_tp_must_fit() {
+        let g = geometry();
+        assert_eq!(g.check_peer(&hello("p", 1, g.to_info(), 2)), Ok(2));
+        let other = Geometry { tp_size: 4, ..g };
+        assert_eq!(g.check_peer(&hello("p", 1, other.to_info(), 4)), Ok(4));
+        let wrong = Geometry { head_dim: 32, ..g };
+        assert!(matches!(g.check_peer(&hello("p", 1, wrong.to_info(), 2)), Err(Refused::Geometry { key: "head_dim", .. })));
+        assert!(matches!(g.check_peer(&hello("p", 1, g.to_info(), 3)), Err(Refused::TpSize { .. })));
+        assert!(matches!(g.check_peer(&hello("p", 1, b"{".to_vec(), 2)), Err(Refused::BadInfo(_))));
+    }
+
+    /// SPEC S5: an engine's agents must be named for it.
+    #[test]
+    fn s5_agents_must_be_named_for_their_engine() {
+        let h = hello("p", 0x1f, vec![], 2);
+        assert_eq!(check_agent_names(&h, &["p/1f/0".into(), "p/1f/1".into()]), Ok(()));
+        assert!(matches!(check_agent_names(&h, &["p/1f/0".into(), "victim/1/0".into()]), Err(Refused::AgentName { rank: 1, .. })));
+        assert_eq!(agent_holder("p/1f/1"), "p/1f");
+    }
+
+    /// SPEC §3, D5: a new incarnation of an engine replaces the old one's agents.
+    #[test]
+    fn d5_a_new_incarnation_forgets_the_old_agents() {
+        let mut peers = Peers::default();
+        assert!(peers.learned("p", 1, vec!["p/1/0".into()]).is_empty());
+        assert!(peers.learned("p", 1, vec!["p/1/0".into()]).is_empty(), "the same incarnation keeps its agents");
+        assert_eq!(peers.learned("p", 2, vec!["p/2/0".into()]), vec!["p/1/0".to_string()]);
+        assert_eq!(peers.engine_of("p/2/0"), Some("p"));
+        assert_eq!(peers.engine_of("p/1/0"), None);
+        assert_eq!(peers.forget("p"), vec!["p/2/0".to_string()]);
+        assert!(peers.is_empty());
+    }
+}

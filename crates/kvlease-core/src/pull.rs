@@ -1,0 +1,324 @@
+//! D's pull of one request's KV (SPEC D6, T1, T2), as a state machine fed `now`.
+//!
+//! A pull goes through three waits, each with a deadline this module sets:
+//! 1. **waiting for a live acknowledgement**: the renewer must know the lease acknowledged live
+//!    for longer than the read budget ([`crate::renewer::ReadCheck`]); at most `ack_wait`;
+//! 2. **reading**: the incarnation of P as the handshake knows it must still be the one that
+//!    granted the lease (a restarted P reuses lease ids), then the reads run, at most
+//!    `read_timeout`;
+//! 3. **waiting for `ReadDoneAck`s**: the bytes are used only if P confirms, for every read, that
+//!    the lease was live when it completed; at most `ack_wait`.
+//!
+//! The driver carries out the waits and the reads; every decision — what to wait for, until
+//! when, whether the bytes may be used, and what the request does when they may not
+//! ([`Verdict`]) — is made here.
+
+use crate::config::{LeaseConfig, LoadFailurePolicy};
+use crate::renewer::ReadCheck;
+use crate::tp::{read_plan, ReadPair};
+use crate::Nanos;
+use std::fmt;
+use std::time::Duration;
+
+/// Why a pull's bytes must not be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullLost {
+    /// P reported the lease lost (or it was never tracked).
+    LeaseLost,
+    /// The last handshake with P failed: nothing can renew or read the lease (SPEC D5).
+    Unreachable { engine_id: String },
+    /// No heartbeat acknowledgement covered the read in time.
+    NoLiveAck { engine_id: String, waited: Duration },
+    /// No handshake with P has completed (it was forgotten or disconnected meanwhile).
+    NoPeer,
+    /// P restarted after granting: the same lease id may name another request's blocks (§3).
+    Restarted { granted_by: u64, now: u64 },
+    /// P's ranks cannot serve our heads (SPEC T1).
+    Topology { p_ranks: u32, heads: u32 },
+    /// The reads did not finish within the read timeout.
+    ReadTimedOut { after: Duration },
+    /// The transport failed a read.
+    ReadFailed(String),
+    /// P did not confirm every read completion in time.
+    NoReadDoneAck,
+    /// P said the lease had ended when a read completed: the bytes may be anything (SPEC P5).
+    EndedUnderRead,
+}
+
+impl fmt::Display for PullLost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PullLost::LeaseLost => write!(f, "the prefill engine reported the lease lost"),
+            PullLost::Unreachable { engine_id } => write!(f, "no handshake with the prefill engine {engine_id}"),
+            PullLost::NoLiveAck { engine_id, waited } => {
+                write!(f, "no heartbeat acknowledgement from {engine_id} within {waited:?}")
+            }
+            PullLost::NoPeer => write!(f, "no connection to the prefill engine"),
+            PullLost::Restarted { .. } => write!(f, "the prefill engine restarted since it granted the lease"),
+            PullLost::Topology { p_ranks, heads } => write!(f, "a prefill engine of {p_ranks} ranks cannot serve {heads} heads"),
+            PullLost::ReadTimedOut { after } => write!(f, "the read timed out after {after:?}"),
+            PullLost::ReadFailed(e) => write!(f, "the read failed: {e}"),
+            PullLost::NoReadDoneAck => write!(f, "no read-completion acknowledgement from the prefill engine"),
+            PullLost::EndedUnderRead => write!(f, "the lease ended before the read completed"),
+        }
+    }
+}
+
+/// What the request does after its pull.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every byte is in our blocks and P confirmed the lease live at each completion: decode.
+    Use,
+    /// The bytes must not be used; compute the prompt locally (`kv_load_failure_policy:
+    /// recompute`, SPEC D7 keeps the output the same).
+    Recompute(PullLost),
+    /// The bytes must not be used; fail the request (`kv_load_failure_policy: fail`).
+    Fail(PullLost),
+}
+
+/// What the driver does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Wait for news from P (an acknowledgement, a lost lease) or until `until`, then
+    /// [`Pull::check`] again. `renew`: the renewer queued a renewal; wake it first.
+    Wait { until: Nanos, renew: bool },
+    /// Safe to read now: call [`Pull::begin_read`].
+    Read,
+    /// The pull is over; the bytes must not be used.
+    Lost(PullLost),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    AwaitLive { until: Nanos },
+    Reading { until: Nanos },
+    AwaitAcks { until: Nanos, want: u32, live: u32 },
+    Done,
+}
+
+/// One pull.
+#[derive(Debug, Clone)]
+pub struct Pull {
+    engine_id: String,
+    incarnation: u64,
+    read_budget: Duration,
+    read_timeout: Duration,
+    ack_wait: Duration,
+    policy: LoadFailurePolicy,
+    state: State,
+    #[doc(hidden)]
+    pub planted: Option<PlantedBug>,
+}
+
+/// Bugs the deterministic simulator must be able to find: each skips one of the pull's checks.
+/// Never set outside the simulator's own tests.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// Read without checking that P's incarnation is still the one that granted the lease.
+    SkipIncarnationCheck,
+    /// Use the bytes as soon as the reads return, without P's `ReadDoneAck`s.
+    SkipReadDoneAck,
+}
+
+impl Pull {
+    /// A pull of the lease P engine `engine_id` (incarnation `incarnation`) granted, starting at
+    /// `now`.
+    pub fn new(cfg: &LeaseConfig, engine_id: &str, incarnation: u64, now: Nanos) -> Pull {
+        let ack_wait = cfg.ack_wait();
+        Pull {
+            engine_id: engine_id.to_string(),
+            incarnation,
+            read_budget: cfg.read_budget(),
+            read_timeout: cfg.read_timeout(),
+            ack_wait,
+            policy: cfg.load_failure_policy,
+            state: State::AwaitLive { until: now + ack_wait },
+            planted: None,
+        }
+    }
+
+    /// How long a read may take and still be safe (the renewer's `read_check` budget).
+    pub fn read_budget(&self) -> Duration {
+        self.read_budget
+    }
+
+    /// Step 1: the renewer's answer to "may I read now?" (SPEC D6).
+    pub fn check(&mut self, answer: ReadCheck, now: Nanos) -> Step {
+        let State::AwaitLive { until } = self.state else {
+            return Step::Lost(PullLost::LeaseLost);
+        };
+        let lost = match answer {
+            ReadCheck::Safe => return Step::Read,
+            ReadCheck::Untracked => PullLost::LeaseLost,
+            ReadCheck::Unreachable => PullLost::Unreachable { engine_id: self.engine_id.clone() },
+            ReadCheck::RenewFirst if now < until => return Step::Wait { until, renew: true },
+            ReadCheck::RenewFirst => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
+        };
+        self.state = State::Done;
+        Step::Lost(lost)
+    }
+
+    /// Step 2: about to read. `peer`: P's incarnation and rank count as the last handshake
+    /// found them; `heads`/`d_tp`: our geometry. Returns the reads to post (one per D rank and
+    /// P rank whose heads overlap, SPEC T1/T2) and the deadline for all of them.
+    pub fn begin_read(&mut self, peer: Option<(u64, u32)>, heads: u32, d_tp: u32, now: Nanos) -> Result<(Vec<ReadPair>, Nanos), PullLost> {
+        let result = self.plan(peer, heads, d_tp);
+        match &result {
+            Ok(_) => {
+                let until = now + self.read_timeout;
+                self.state = State::Reading { until };
+                result.map(|plan| (plan, until))
+            }
+            Err(_) => {
+                self.state = State::Done;
+                result.map(|plan| (plan, now))
+            }
+        }
+    }
+
+    fn plan(&self, peer: Option<(u64, u32)>, heads: u32, d_tp: u32) -> Result<Vec<ReadPair>, PullLost> {
+        if !matches!(self.state, State::AwaitLive { .. }) {
+            return Err(PullLost::LeaseLost);
+        }
+        let Some((incarnation, p_ranks)) = peer else { return Err(PullLost::NoPeer) };
+        if incarnation != self.incarnation && self.planted != Some(PlantedBug::SkipIncarnationCheck) {
+            return Err(PullLost::Restarted { granted_by: self.incarnation, now: incarnation });
+        }
+        read_plan(heads, p_ranks, d_tp).ok_or(PullLost::Topology { p_ranks, heads })
+    }
+
+    /// Step 3: the reads returned (`Err`: the first failure) or their deadline passed
+    /// (`timed_out`). Returns the deadline for P's `ReadDoneAck`s, one per read.
+    pub fn reads_done(&mut self, result: Result<u32, String>, timed_out: bool, now: Nanos) -> Result<Nanos, PullLost> {
+        let State::Reading { .. } = self.state else { return Err(PullLost::LeaseLost) };
+        let outcome = match result {
+            _ if timed_out => Err(PullLost::ReadTimedOut { after: self.read_timeout }),
+            Err(e) => Err(PullLost::ReadFailed(e)),
+            Ok(n) => {
+                let until = now + self.ack_wait;
+                self.state = State::AwaitAcks { until, want: n, live: 0 };
+                return Ok(until);
+            }
+        };
+        self.state = State::Done;
+        outcome
+    }
+
+    /// One `ReadDoneAck` arrived. `Some` once the pull is decided: [`Verdict::Use`] when every
+    /// read was confirmed live, else the lost verdict. A `live: false` decides at once.
+    pub fn on_read_done_ack(&mut self, live: bool) -> Option<Verdict> {
+        let State::AwaitAcks { until, want, live: got } = self.state else { return None };
+        if !live {
+            return Some(self.finish(Err(PullLost::EndedUnderRead)));
+        }
+        let got = got + 1;
+        self.state = State::AwaitAcks { until, want, live: got };
+        (got >= want).then(|| self.finish(Ok(())))
+    }
+
+    /// Whether the pull still waits for `ReadDoneAck`s. With the planted bug
+    /// [`PlantedBug::SkipReadDoneAck`] it never does.
+    pub fn awaits_acks(&self) -> bool {
+        matches!(self.state, State::AwaitAcks { .. }) && self.planted != Some(PlantedBug::SkipReadDoneAck)
+    }
+
+    /// The driver's wait reached the deadline this pull gave it (or, with the planted bug, it
+    /// skipped the wait for `ReadDoneAck`s): the verdict.
+    pub fn on_deadline(&mut self) -> Verdict {
+        let lost = match self.state {
+            State::AwaitAcks { .. } if self.planted == Some(PlantedBug::SkipReadDoneAck) => return self.finish(Ok(())),
+            State::AwaitAcks { .. } => PullLost::NoReadDoneAck,
+            State::Reading { .. } => PullLost::ReadTimedOut { after: self.read_timeout },
+            State::AwaitLive { .. } => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
+            State::Done => PullLost::LeaseLost,
+        };
+        self.finish(Err(lost))
+    }
+
+    /// The verdict for a pull that ended with `lost` before reading (or `Ok`: confirmed).
+    pub fn finish(&mut self, outcome: Result<(), PullLost>) -> Verdict {
+        self.state = State::Done;
+        match outcome {
+            Ok(()) => Verdict::Use,
+            Err(lost) => match self.policy {
+                LoadFailurePolicy::Recompute => Verdict::Recompute(lost),
+                LoadFailurePolicy::Fail => Verdict::Fail(lost),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> LeaseConfig {
+        LeaseConfig::with_lease_secs(30.0).unwrap()
+    }
+
+    const T0: Nanos = Nanos(1_000_000_000);
+
+    /// SPEC D6: D reads only once the renewer knows the lease acknowledged live; it waits at
+    /// most `ack_wait` for that, then recomputes.
+    #[test]
+    fn d6_waits_for_a_live_ack_with_a_deadline() {
+        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let Step::Wait { until, renew: true } = p.check(ReadCheck::RenewFirst, T0) else { panic!() };
+        assert_eq!(until, T0 + cfg().ack_wait());
+        assert_eq!(p.check(ReadCheck::Safe, T0), Step::Read);
+        let mut late = Pull::new(&cfg(), "p", 7, T0);
+        assert!(matches!(late.check(ReadCheck::RenewFirst, until), Step::Lost(PullLost::NoLiveAck { .. })));
+        let mut lost = Pull::new(&cfg(), "p", 7, T0);
+        assert_eq!(lost.check(ReadCheck::Untracked, T0), Step::Lost(PullLost::LeaseLost));
+        let mut down = Pull::new(&cfg(), "p", 7, T0);
+        assert!(matches!(down.check(ReadCheck::Unreachable, T0), Step::Lost(PullLost::Unreachable { .. })));
+    }
+
+    /// SPEC §3, D6: a lease granted by another incarnation of P is never read.
+    #[test]
+    fn d6_a_restarted_prefill_engine_is_not_read() {
+        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        assert_eq!(p.begin_read(Some((9, 1)), 8, 1, T0), Err(PullLost::Restarted { granted_by: 7, now: 9 }));
+        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        assert_eq!(p.begin_read(None, 8, 1, T0), Err(PullLost::NoPeer));
+        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let (plan, until) = p.begin_read(Some((7, 2)), 8, 1, T0).unwrap();
+        assert_eq!(plan.len(), 2, "T1: one read per overlapping P rank");
+        assert_eq!(until, T0 + cfg().read_timeout());
+    }
+
+    /// SPEC D6: the bytes are used only when every read completion was confirmed live.
+    #[test]
+    fn d6_bytes_are_used_only_when_every_read_done_ack_says_live() {
+        let start = |n| {
+            let mut p = Pull::new(&cfg(), "p", 7, T0);
+            p.begin_read(Some((7, n)), 8, 1, T0).unwrap();
+            p.reads_done(Ok(n), false, T0).unwrap();
+            p
+        };
+        let mut p = start(2);
+        assert_eq!(p.on_read_done_ack(true), None);
+        assert_eq!(p.on_read_done_ack(true), Some(Verdict::Use));
+        let mut p = start(2);
+        assert_eq!(p.on_read_done_ack(false), Some(Verdict::Recompute(PullLost::EndedUnderRead)));
+        let mut p = start(2);
+        assert_eq!(p.on_read_done_ack(true), None);
+        assert_eq!(p.on_deadline(), Verdict::Recompute(PullLost::NoReadDoneAck));
+    }
+
+    /// SPEC D6: a read that fails or outlives the read timeout is never used; under
+    /// `kv_load_failure_policy: fail` the request fails instead of recomputing.
+    #[test]
+    fn d6_failed_reads_follow_the_load_failure_policy() {
+        let mut c = cfg();
+        c.load_failure_policy = LoadFailurePolicy::Fail;
+        let mut p = Pull::new(&c, "p", 7, T0);
+        p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
+        assert_eq!(p.reads_done(Ok(1), true, T0), Err(PullLost::ReadTimedOut { after: c.read_timeout() }));
+        let mut p = Pull::new(&c, "p", 7, T0);
+        p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
+        let lost = p.reads_done(Err("refused".into()), false, T0).unwrap_err();
+        assert_eq!(p.finish(Err(lost.clone())), Verdict::Fail(lost));
+    }
+}
