@@ -173,7 +173,11 @@ impl Peers {
         for a in &agents {
             self.agents.insert(a.clone(), engine_id.to_string());
         }
-        let peer = self.peers.entry(engine_id.to_string()).or_insert_with(|| Peer { incarnation, agents: Vec::new(), clock: ClockOffset::default() });
+        let peer = self.peers.entry(engine_id.to_string()).or_insert_with(|| Peer {
+            incarnation,
+            agents: Vec::new(),
+            clock: ClockOffset::default(),
+        });
         peer.incarnation = incarnation;
         peer.agents = agents;
         old

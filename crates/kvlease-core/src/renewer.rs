@@ -83,7 +83,10 @@ enum Link {
     Pending,
     /// The handshake completed; the engine's incarnation and agents are in the peer registry.
     Ready,
-    Failed { attempts: u32, retry_at: Nanos },
+    Failed {
+        attempts: u32,
+        retry_at: Nanos,
+    },
 }
 
 #[derive(Debug)]

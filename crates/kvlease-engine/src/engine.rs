@@ -1,96 +1,46 @@
-//! The engine's shared state and its public handle: start-up (agents, side channel, tasks),
-//! request submission and validation, abort on drop, graceful shutdown.
+//! The engine's public handle: start-up (agents, side channel, tasks), request submission and
+//! validation, abort on drop, graceful shutdown, and the simulator's crash.
 
-use crate::connector::{self, Lease};
+use crate::handshake::{self, Listener};
 use crate::kv_params::KvRole;
 use crate::metrics::Metrics;
 use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
 use crate::scheduler::{self, SchedMsg, Seq};
+use crate::state::{lock, Inner, Tasks};
+use crate::{agents, lease_holder, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
 use kvlease_core::config::LoadFailurePolicy;
 use kvlease_core::lease_table::LeaseTable;
+use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::{Remote, Renewer, Untrack};
-use kvlease_core::Nanos;
-use kvlease_transport::{Agent, BlockArena};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, Notify};
 
-/// Locks a mutex, riding over poisoning: every critical section leaves its state consistent.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// One rank: its shard of the heads, its memory, its agent.
-pub(crate) struct Rank {
-    pub heads: Range<u32>,
-    pub arena: Arc<BlockArena>,
-    pub agent: Arc<dyn Agent>,
-}
-
-/// A P engine this engine has handshaken with (D side).
-#[derive(Debug, Clone)]
-pub(crate) struct Peer {
-    /// The incarnation these agents belong to: a lease of another is never read from them.
-    pub incarnation: u64,
-    /// Agent names, one per P rank, in rank order.
-    pub agents: Vec<String>,
-}
-
-pub(crate) struct Inner {
-    pub cfg: EngineConfig,
-    pub incarnation: u64,
-    pub origin: Instant,
-    pub metrics: Arc<Metrics>,
-    pub pool: Arc<BlockPool>,
-    pub ranks: OnceLock<Vec<Rank>>,
-    pub kv_addr: OnceLock<SocketAddr>,
-    /// P: leases on our blocks.
-    pub leases: Mutex<LeaseTable<Lease>>,
-    /// D: renewals of leases on remote blocks.
-    pub renewer: Mutex<Renewer>,
-    pub renewer_wake: Arc<Notify>,
-    /// Bumped on every acknowledgement or lost lease, for tasks waiting to read.
-    pub news: watch::Sender<u64>,
-    pub peers: Mutex<HashMap<String, Peer>>,
-    /// Agent name → the engine id it belongs to (D: routing P's answers to the renewer).
-    pub agent_engines: Mutex<HashMap<String, String>>,
-    /// D: waiters for `ReadDoneAck`, by (our rank, P agent, lease id).
-    pub read_acks: Mutex<HashMap<(usize, String, u64), tokio::sync::oneshot::Sender<bool>>>,
-    pub sched: mpsc::UnboundedSender<SchedMsg>,
-    pub next_seq: AtomicU64,
-    pub shutting_down: AtomicBool,
-    pub stopped: watch::Sender<bool>,
-}
-
-impl Inner {
-    pub fn now(&self) -> Nanos {
-        Nanos(self.origin.elapsed().as_nanos() as u64)
-    }
-
-    pub fn ranks(&self) -> &[Rank] {
-        self.ranks.get().map(Vec::as_slice).unwrap_or(&[])
-    }
-
-    /// Heads per rank on this engine.
-    pub fn heads_per_rank(&self) -> u32 {
-        self.cfg.model.num_kv_heads / self.cfg.tp_size
-    }
-
-    pub fn bump_news(&self) {
-        self.news.send_modify(|n| *n += 1);
-    }
-}
-
-/// A running engine; cheap to clone.
+/// A running engine; cheap to clone. When the last clone goes, the engine's tasks stop.
 #[derive(Clone)]
 pub struct EngineHandle {
     inner: Arc<Inner>,
+    owner: Arc<Owner>,
+}
+
+/// Shared by every clone of a handle: the scheduler's inbox, and the stop on last drop.
+struct Owner {
+    inner: Arc<Inner>,
+    sched: mpsc::UnboundedSender<SchedMsg>,
+    next_seq: AtomicU64,
+    shutting_down: AtomicBool,
+    stopped: watch::Sender<bool>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.inner.tasks.abort();
+    }
 }
 
 #[cfg(test)]
@@ -119,41 +69,56 @@ impl EngineHandle {
         if cfg.engine_id.is_empty() {
             cfg.engine_id = random_hex(16);
         }
-        let incarnation = random_u64() | 1;
+        let incarnation = cfg.incarnation.unwrap_or_else(random_u64) | 1;
         let metrics = Arc::new(Metrics::default());
         let pool = BlockPool::new(cfg.num_gpu_blocks, metrics.clone());
         let (sched_tx, sched_rx) = mpsc::unbounded_channel();
         let lease_cfg = cfg.transfer.lease.clone();
         let inner = Arc::new(Inner {
             incarnation,
-            origin: Instant::now(),
+            origin: tokio::time::Instant::now(),
             metrics,
             pool,
             ranks: OnceLock::new(),
             kv_addr: OnceLock::new(),
             leases: Mutex::new(LeaseTable::new(&lease_cfg)),
+            quarantine: Mutex::new(Quarantine::new(&lease_cfg, true)),
+            reaper_wake: Notify::new(),
             renewer: Mutex::new(Renewer::new(&lease_cfg)),
-            renewer_wake: Arc::new(Notify::new()),
+            renewer_wake: Notify::new(),
             news: watch::channel(0).0,
-            peers: Mutex::new(HashMap::new()),
-            agent_engines: Mutex::new(HashMap::new()),
-            read_acks: Mutex::new(HashMap::new()),
-            sched: sched_tx,
+            read_acks: Mutex::new(BTreeMap::new()),
+            tasks: Tasks::default(),
+            cfg,
+        });
+        let owner = Arc::new(Owner {
+            inner: inner.clone(),
+            sched: sched_tx.clone(),
             next_seq: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             stopped: watch::channel(false).0,
-            cfg,
         });
-        connector::start(&inner).await?;
-        tokio::spawn(scheduler::run(inner.clone(), sched_rx));
-        Ok(EngineHandle { inner })
+        // From here on, a failed start stops whatever was started (the owner's drop).
+        let ranks = agents::start(&inner).await?;
+        *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, agents::reads_are_fenced(&ranks));
+        let _ = inner.ranks.set(ranks);
+        let cfg = &inner.cfg;
+        let (listener, local) = Listener::bind(&cfg.transport, &cfg.host, cfg.kv_port)
+            .await
+            .map_err(|why| StartError::Bind { addr: format!("{}:{}", cfg.host, cfg.kv_port), why })?;
+        let _ = inner.kv_addr.set(local);
+        inner.tasks.spawn(handshake::serve(inner.clone(), listener));
+        inner.tasks.spawn(lease_holder::reaper(inner.clone()));
+        inner.tasks.spawn(renewal::run(inner.clone()));
+        inner.tasks.spawn(scheduler::run(inner.clone(), sched_rx, sched_tx, owner.stopped.clone()));
+        Ok(EngineHandle { inner, owner })
     }
 
     /// Validates and queues a request. For a `do_remote_prefill` request the lease renewal
     /// starts here, before it waits for anything (SPEC D1).
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RequestError> {
         let inner = &self.inner;
-        if inner.shutting_down.load(Ordering::Relaxed) {
+        if self.owner.shutting_down.load(Ordering::Relaxed) {
             return Err(RequestError::unavailable("the engine is shutting down"));
         }
         let prompt = match req.prompt {
@@ -216,7 +181,7 @@ impl EngineHandle {
                 format!("the request needs {blocks_needed} KV blocks; this engine has {}", inner.pool.total()),
             ));
         }
-        let id = inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let id = self.owner.next_seq.fetch_add(1, Ordering::Relaxed);
         let internal = format!("{}#{id}", req.request_id);
         if let KvRole::DecodeRemote(rk) = &role {
             // `describes` held: the prompt has `remote_num_tokens` tokens.
@@ -245,11 +210,12 @@ impl EngineHandle {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, role, tx);
-        if inner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
+        if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
             return Err(RequestError::unavailable("the engine has stopped"));
         }
-        Ok(RequestStream { rx, abort: Some((Arc::downgrade(&self.inner), id, internal)), finished: false })
+        let abort = Abort { inner: Arc::downgrade(&self.inner), sched: self.owner.sched.clone(), id, internal };
+        Ok(RequestStream { rx, abort: Some(abort), finished: false })
     }
 
     pub fn model_name(&self) -> &str {
@@ -270,26 +236,58 @@ impl EngineHandle {
     }
 
     pub fn is_healthy(&self) -> bool {
-        !self.inner.shutting_down.load(Ordering::Relaxed) && self.inner.ranks.get().is_some()
+        !self.owner.shutting_down.load(Ordering::Relaxed) && !self.inner.tasks.is_stopped() && self.inner.ranks.get().is_some()
+    }
+
+    /// Whether P still holds lease `lease_id` (the simulator's reclaim check).
+    pub fn holds_lease(&self, lease_id: u64) -> bool {
+        lock(&self.inner.leases).get(lease_id).is_some()
+    }
+
+    /// Live leases on this engine's blocks.
+    pub fn live_leases(&self) -> usize {
+        lease_holder::live_leases(&self.inner)
+    }
+
+    /// Free blocks of the pool, quarantined ones not counted.
+    pub fn free_blocks(&self) -> u32 {
+        self.inner.pool.free()
     }
 
     /// Graceful shutdown: refuse new requests, fail queued and running ones, release every
-    /// lease as `shutdown` (P) and every renewed lease explicitly (D).
+    /// lease as `shutdown` (P) and every renewed lease explicitly (D), then stop every task.
     pub async fn shutdown(&self) {
-        if self.inner.shutting_down.swap(true, Ordering::SeqCst) {
+        if self.owner.shutting_down.swap(true, Ordering::SeqCst) {
             return;
         }
-        let mut stopped = self.inner.stopped.subscribe();
-        let _ = self.inner.sched.send(SchedMsg::Shutdown);
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), stopped.wait_for(|s| *s)).await;
-        connector::shutdown(&self.inner).await;
+        let mut stopped = self.owner.stopped.subscribe();
+        let _ = self.owner.sched.send(SchedMsg::Shutdown);
+        let _ = tokio::time::timeout(Duration::from_secs(10), stopped.wait_for(|s| *s)).await;
+        lease_holder::shutdown(&self.inner);
+        renewal::release_all(&self.inner);
+        self.inner.tasks.stop(Duration::from_secs(1)).await;
     }
+
+    /// Stops the engine at once, as `SIGKILL` would: no lease is released, nothing is sent;
+    /// its agents and side channel go when the last handle does (the simulator's crash).
+    pub fn kill(&self) {
+        self.owner.shutting_down.store(true, Ordering::SeqCst);
+        self.inner.tasks.abort();
+    }
+}
+
+/// What dropping an unfinished [`RequestStream`] must undo.
+struct Abort {
+    inner: Weak<Inner>,
+    sched: mpsc::UnboundedSender<SchedMsg>,
+    id: u64,
+    internal: String,
 }
 
 /// The events of one request. Dropping it before `Done`/`Failed` aborts the request.
 pub struct RequestStream {
     rx: mpsc::UnboundedReceiver<GenerateEvent>,
-    abort: Option<(std::sync::Weak<Inner>, u64, String)>,
+    abort: Option<Abort>,
     finished: bool,
 }
 
@@ -308,13 +306,13 @@ impl Drop for RequestStream {
         if self.finished {
             return;
         }
-        if let Some((inner, id, internal)) = self.abort.take() {
+        if let Some(Abort { inner, sched, id, internal }) = self.abort.take() {
             if let Some(inner) = inner.upgrade() {
                 // SPEC D4: the lease is released now, not after the scheduler's next step.
                 lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
                 inner.renewer_wake.notify_one();
-                let _ = inner.sched.send(SchedMsg::Abort(id));
             }
+            let _ = sched.send(SchedMsg::Abort(id));
         }
     }
 }

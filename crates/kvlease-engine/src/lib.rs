@@ -13,14 +13,19 @@
 //! [`BlockArena`]: kvlease_transport::BlockArena
 //! [`Agent`]: kvlease_transport::Agent
 
-mod connector;
+mod agents;
 mod engine;
+mod handshake;
 pub mod kv_params;
+mod lease_holder;
 pub mod metrics;
 pub mod model;
 mod pool;
+mod pull;
+mod renewal;
 mod scheduler;
 mod side_channel;
+mod state;
 
 pub use engine::{EngineHandle, RequestStream};
 pub use kv_params::{KvRole, ParamError, RemoteKv};
@@ -30,13 +35,21 @@ pub use model::ModelConfig;
 use kvlease_core::config::KvTransferConfig;
 use thiserror::Error;
 
-/// Which transfer agent the engine's ranks use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which transfer agent the engine's ranks use, and where its handshake side channel listens.
+#[derive(Debug, Clone)]
 pub enum TransportKind {
     /// kvlease's own agent over TCP: refuses reads of dead leases itself.
     Tcp,
     /// NIXL over UCX (needs the `nixl` feature and libnixl_capi.so at run time).
     Nixl,
+    /// In-process agents and side channel on one network (the simulator, tests).
+    Mem(kvlease_transport::mem::MemNetwork),
+}
+
+impl PartialEq for TransportKind {
+    fn eq(&self, other: &TransportKind) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
 }
 
 /// Everything `kvlease serve` configures.
@@ -62,6 +75,11 @@ pub struct EngineConfig {
     /// Test hook: D waits this long between finding its lease safe to read and reading, so
     /// tests can make a lease end under a read. Never set in production.
     pub debug_read_delay: Option<std::time::Duration>,
+    /// The engine's incarnation (a random one when not given; the simulator seeds it).
+    pub incarnation: Option<u64>,
+    /// Simulator only: a bug planted on purpose, to prove the simulator finds it.
+    #[doc(hidden)]
+    pub planted_bug: Option<kvlease_core::pull::PlantedBug>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +97,8 @@ impl Default for EngineConfig {
             transport: TransportKind::Tcp,
             secret: None,
             debug_read_delay: None,
+            incarnation: None,
+            planted_bug: None,
         }
     }
 }

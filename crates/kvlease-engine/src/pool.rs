@@ -30,6 +30,11 @@ impl BlockPool {
         self.total
     }
 
+    /// Blocks free now.
+    pub fn free(&self) -> u32 {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).len() as u32
+    }
+
     /// `n` blocks, or `None` if fewer are free.
     pub fn alloc(self: &Arc<Self>, n: usize) -> Option<Blocks> {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());

@@ -7,23 +7,25 @@
 //! loop keeps stepping others. Forward steps take emulated time; nothing lease-related runs in
 //! this loop (SPEC D3): heartbeats and the reaper have their own tasks.
 
-use crate::connector::{self, PullOutcome};
-use crate::engine::{Inner, Rank};
 use crate::kv_params::KvRole;
+use crate::lease_holder::{self, PrefillDone};
 use crate::model::{self, EOS};
 use crate::pool::Blocks;
+use crate::pull::pull;
+use crate::state::{lock, Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError};
-use kvlease_core::config::LoadFailurePolicy;
+use futures_util::FutureExt;
+use kvlease_core::pull::{PullLost, Verdict};
 use kvlease_core::renewer::Untrack;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 pub(crate) enum SchedMsg {
     Submit(Box<Seq>),
     Abort(u64),
-    Loaded { id: u64, blocks: Blocks, outcome: PullOutcome },
+    Loaded { id: u64, blocks: Blocks, verdict: Verdict },
     Shutdown,
 }
 
@@ -102,11 +104,18 @@ pub(crate) fn blocks_needed(role: &KvRole, prompt_len: usize, max_tokens: u32, b
     tokens.div_ceil(block_size as usize)
 }
 
-pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<SchedMsg>) {
+/// The scheduler's loop. `tx` is its own inbox (pulls report there); `stopped` is set once a
+/// shutdown has failed every request.
+pub(crate) async fn run(
+    inner: Arc<Inner>,
+    mut rx: mpsc::UnboundedReceiver<SchedMsg>,
+    tx: mpsc::UnboundedSender<SchedMsg>,
+    stopped: watch::Sender<bool>,
+) {
     let mut waiting: VecDeque<Seq> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
-    let mut loading: HashMap<u64, Seq> = HashMap::new();
-    let mut aborted_loads: HashSet<u64> = HashSet::new();
+    let mut loading: BTreeMap<u64, Seq> = BTreeMap::new();
+    let mut aborted_loads: BTreeSet<u64> = BTreeSet::new();
     loop {
         // Take every message that is already here.
         loop {
@@ -124,42 +133,44 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Sched
                         aborted_loads.insert(id);
                     }
                 }
-                SchedMsg::Loaded { id, blocks, outcome } => {
+                SchedMsg::Loaded { id, blocks, verdict } => {
                     if aborted_loads.remove(&id) {
-                        if matches!(outcome, PullOutcome::Pulled) {
+                        if verdict == Verdict::Use {
                             drop(blocks);
                         } else {
-                            connector::free_after_reads(&inner, blocks);
+                            lease_holder::free_after_reads(&inner, blocks);
                         }
                         continue;
                     }
                     if let Some(seq) = loading.remove(&id) {
-                        finish_load(&inner, seq, blocks, outcome, &mut running, &mut waiting);
+                        finish_load(&inner, seq, blocks, verdict, &mut running, &mut waiting);
                     }
                 }
                 SchedMsg::Shutdown => {
                     let err = RequestError::unavailable("the engine is shutting down");
-                    for seq in waiting.drain(..).chain(running.drain(..)).chain(loading.drain().map(|(_, s)| s)) {
+                    for seq in waiting.drain(..).chain(running.drain(..)).chain(std::mem::take(&mut loading).into_values()) {
                         if matches!(seq.role, KvRole::DecodeRemote(_)) {
-                            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
+                            lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
                         }
                         seq.fail(err.clone());
                     }
                     inner.renewer_wake.notify_one();
-                    inner.stopped.send_replace(true);
+                    stopped.send_replace(true);
                     return;
                 }
             }
         }
-        admit(&inner, &mut waiting, &mut running, &mut loading);
+        admit(&inner, &tx, &mut waiting, &mut running, &mut loading);
         inner.metrics.requests_waiting.store(waiting.len() as i64, Relaxed);
         inner.metrics.requests_running.store((running.len() + loading.len()) as i64, Relaxed);
         if running.is_empty() {
+            // Biased: the simulator needs the same choice every run.
             tokio::select! {
+                biased;
                 msg = rx.recv() => match msg {
                     Some(m) => {
                         // Put it back through the drain at the top of the loop.
-                        if inner.sched.send(m).is_err() {
+                        if tx.send(m).is_err() {
                             return;
                         }
                     }
@@ -173,7 +184,13 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Sched
     }
 }
 
-fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>, loading: &mut HashMap<u64, Seq>) {
+fn admit(
+    inner: &Arc<Inner>,
+    tx: &mpsc::UnboundedSender<SchedMsg>,
+    waiting: &mut VecDeque<Seq>,
+    running: &mut Vec<Seq>,
+    loading: &mut BTreeMap<u64, Seq>,
+) {
     let bs = inner.cfg.model.block_size;
     while let Some(front) = waiting.front() {
         if front.tx.is_closed() {
@@ -188,17 +205,16 @@ fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>
         let Some(mut seq) = waiting.pop_front() else { return };
         match &seq.role {
             KvRole::DecodeRemote(rk) if !seq.recompute => {
-                let (inner2, rk, internal, id) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id);
-                tokio::spawn(async move {
+                let (inner2, rk, internal, id, tx) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id, tx.clone());
+                inner.tasks.spawn(async move {
                     let ids = blocks.ids().to_vec();
-                    let pulling = {
-                        let inner = inner2.clone();
-                        tokio::spawn(async move { connector::pull(&inner, &internal, &rk, &ids).await })
-                    };
                     // Whatever happens to the pull, the scheduler hears back: a request is never
                     // left loading forever.
-                    let outcome = pulling.await.unwrap_or_else(|e| PullOutcome::Lost(format!("the pull failed: {e}")));
-                    let _ = inner2.sched.send(SchedMsg::Loaded { id, blocks, outcome });
+                    let verdict = std::panic::AssertUnwindSafe(pull(&inner2, &internal, &rk, &ids))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|_| Verdict::Recompute(PullLost::ReadFailed("the pull panicked".into())));
+                    let _ = tx.send(SchedMsg::Loaded { id, blocks, verdict });
                 });
                 loading.insert(seq.id, seq);
             }
@@ -212,59 +228,56 @@ fn admit(inner: &Arc<Inner>, waiting: &mut VecDeque<Seq>, running: &mut Vec<Seq>
 }
 
 /// The pull finished: decode from the pulled KV, or apply the load failure policy (SPEC D6).
-fn finish_load(
-    inner: &Arc<Inner>,
-    mut seq: Seq,
-    blocks: Blocks,
-    outcome: PullOutcome,
-    running: &mut Vec<Seq>,
-    waiting: &mut VecDeque<Seq>,
-) {
-    seq.blocks = Some(blocks);
-    match outcome {
-        PullOutcome::Pulled => {
-            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
+fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdict, running: &mut Vec<Seq>, waiting: &mut VecDeque<Seq>) {
+    match verdict {
+        Verdict::Use => {
+            seq.blocks = Some(blocks);
+            lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
             prompt_ready(inner, &mut seq);
             if !finished(&mut seq) {
                 running.push(seq);
             }
         }
-        PullOutcome::Lost(why) => {
-            crate::engine::lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
-            inner.renewer_wake.notify_one();
-            inner.metrics.lease_lost.fetch_add(1, Relaxed);
-            match inner.cfg.transfer.lease.load_failure_policy {
-                LoadFailurePolicy::Recompute => {
-                    tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
-                    inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
-                    seq.recompute = true;
-                    if connector::reads_are_fenced(inner) {
-                        seq.state = State::Prefill;
-                        running.push(seq);
-                    } else {
-                        // A READ that failed or timed out may still land in these blocks: they
-                        // sit out in quarantine; the prompt is computed into fresh ones.
-                        if let Some(b) = seq.blocks.take() {
-                            connector::free_after_reads(inner, b);
-                        }
-                        waiting.push_front(seq);
-                    }
+        Verdict::Recompute(why) => {
+            lost(inner, &seq);
+            tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
+            inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
+            seq.recompute = true;
+            // A READ that failed or timed out may still land in these blocks where the transport
+            // cannot fence it: then they sit out in quarantine and the prompt is computed into
+            // fresh ones; else they are used at once.
+            let now = inner.now();
+            match lock(&inner.quarantine).hold(now, blocks) {
+                Some(blocks) => {
+                    seq.blocks = Some(blocks);
+                    seq.state = State::Prefill;
+                    running.push(seq);
                 }
-                LoadFailurePolicy::Fail => {
-                    tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
-                    if let Some(b) = seq.blocks.take() {
-                        connector::free_after_reads(inner, b);
-                    }
-                    seq.fail(RequestError {
-                        status: 503,
-                        code: "kv_load_failed",
-                        param: None,
-                        message: format!("the prompt's KV cache could not be loaded from the prefill engine: {why}"),
-                    });
+                None => {
+                    inner.reaper_wake.notify_one();
+                    waiting.push_front(seq);
                 }
             }
         }
+        Verdict::Fail(why) => {
+            lost(inner, &seq);
+            tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+            lease_holder::free_after_reads(inner, blocks);
+            seq.fail(RequestError {
+                status: 503,
+                code: "kv_load_failed",
+                param: None,
+                message: format!("the prompt's KV cache could not be loaded from the prefill engine: {why}"),
+            });
+        }
     }
+}
+
+/// The request's remote KV will not be used: stop renewing (releasing P's lease) and count it.
+fn lost(inner: &Inner, seq: &Seq) {
+    lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
+    inner.renewer_wake.notify_one();
+    inner.metrics.lease_lost.fetch_add(1, Relaxed);
 }
 
 /// One forward step: every request waiting for prefill is prefilled, every decoding request
@@ -292,7 +305,7 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
             let mut seq = running.swap_remove(i);
             prompt_ready(inner, &mut seq);
             if matches!(seq.role, KvRole::PrefillForRemote) {
-                connector::grant_and_finish(inner, seq);
+                lease_holder::grant_and_finish(inner, PrefillDone::from(seq));
             } else if !finished(&mut seq) {
                 running.push(seq);
             }
@@ -360,15 +373,6 @@ fn finished(seq: &mut Seq) -> bool {
         kv_transfer_params: None,
     });
     true
-}
-
-/// What the P leg hands to the connector when its prefill is done.
-pub(crate) struct PrefillDone {
-    pub client_id: String,
-    pub prompt: Vec<u32>,
-    pub first_token: u32,
-    pub blocks: Option<Blocks>,
-    pub tx: mpsc::UnboundedSender<GenerateEvent>,
 }
 
 impl From<Seq> for PrefillDone {

@@ -23,8 +23,7 @@ use hmac::{Hmac, Mac};
 use kvlease_core::wire::{Hello, Message};
 use sha2::Sha256;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Largest handshake frame: a Hello carries a few hundred bytes per rank.
 pub const MAX_FRAME: usize = 1 << 20;
@@ -129,7 +128,7 @@ fn nonce() -> Result<[u8; NONCE], std::io::Error> {
 
 /// Server side, up to the dialer's Hello: challenge, check the proof with a fixed small buffer,
 /// then read and check the Hello. Returns it with the nonces to sign our reply with.
-pub async fn accept(stream: &mut TcpStream, secret: Option<&[u8]>) -> Result<(Hello, Nonces), HandshakeError> {
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: Option<&[u8]>) -> Result<(Hello, Nonces), HandshakeError> {
     let run = async {
         let server = nonce().map_err(FrameError::Io)?;
         let mut challenge = [0u8; 4 + NONCE];
@@ -180,7 +179,7 @@ impl FrameError {
     }
 }
 
-pub async fn write_frame(stream: &mut TcpStream, msg: &Message) -> Result<(), FrameError> {
+pub async fn write_frame<S: AsyncWrite + Unpin>(stream: &mut S, msg: &Message) -> Result<(), FrameError> {
     let bytes = msg.encode();
     let mut buf = Vec::with_capacity(4 + bytes.len());
     buf.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
@@ -189,7 +188,7 @@ pub async fn write_frame(stream: &mut TcpStream, msg: &Message) -> Result<(), Fr
     Ok(())
 }
 
-pub async fn read_frame(stream: &mut TcpStream) -> Result<Message, FrameError> {
+pub async fn read_frame<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Message, FrameError> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
@@ -201,12 +200,16 @@ pub async fn read_frame(stream: &mut TcpStream) -> Result<Message, FrameError> {
     Ok(Message::decode(&buf)?)
 }
 
-/// D's side: answer the challenge, send our Hello to `addr`, return P's once it proves it was
-/// signed with the secret for this connection, within [`HANDSHAKE_TIMEOUT`].
-pub async fn exchange(addr: &str, secret: Option<&[u8]>, mut ours: Hello) -> Result<Hello, String> {
-    let run = async {
-        let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
-        stream.set_nodelay(true).ok();
+/// D's side, on a connection to `addr`: answer the challenge, send our Hello, return P's once it
+/// proves it was signed with the secret for this connection. The caller bounds it in time
+/// ([`HANDSHAKE_TIMEOUT`]), connecting included.
+pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    addr: &str,
+    secret: Option<&[u8]>,
+    mut ours: Hello,
+) -> Result<Hello, String> {
+    {
         let mut challenge = [0u8; 4 + NONCE];
         stream.read_exact(&mut challenge).await.map_err(|e| format!("no challenge from {addr}: {e}"))?;
         if challenge[..4] != CHALLENGE_MAGIC {
@@ -238,14 +241,20 @@ pub async fn exchange(addr: &str, secret: Option<&[u8]>, mut ours: Hello) -> Res
             return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
         }
         Ok(theirs)
-    };
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, run).await.map_err(|_| format!("handshake with {addr} timed out"))?
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::net::TcpListener;
+
+    use tokio::net::TcpStream;
+
+    async fn dial(addr: &str, secret: Option<&[u8]>, ours: Hello) -> Result<Hello, String> {
+        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        exchange(stream, addr, secret, ours).await
+    }
 
     fn hello(engine_id: &str) -> Hello {
         Hello { engine_id: engine_id.into(), incarnation: 1, agents: vec![], info: b"{}".to_vec(), t_send: 1, echo: (0, 0), auth: vec![] }
@@ -272,7 +281,7 @@ mod tests {
     #[tokio::test]
     async fn s2_same_secret_handshakes() {
         let (addr, task) = server(b"k").await;
-        let theirs = exchange(&addr, Some(b"k"), hello("D")).await.unwrap();
+        let theirs = dial(&addr, Some(b"k"), hello("D")).await.unwrap();
         assert_eq!(theirs.engine_id, "P");
         assert_eq!(task.await.unwrap().unwrap().0.engine_id, "D");
     }
@@ -282,7 +291,7 @@ mod tests {
     #[tokio::test]
     async fn s2_wrong_secret_is_refused_before_the_hello_is_read() {
         let (addr, task) = server(b"k").await;
-        let err = exchange(&addr, Some(b"not-k"), hello("D")).await.unwrap_err();
+        let err = dial(&addr, Some(b"not-k"), hello("D")).await.unwrap_err();
         assert!(err.contains("secret"), "{err}");
         assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
 
@@ -349,7 +358,7 @@ mod tests {
             let _ = s.read_to_end(&mut rest).await;
             rest
         });
-        let err = exchange(&addr, Some(b"k"), hello("D")).await.unwrap_err();
+        let err = dial(&addr, Some(b"k"), hello("D")).await.unwrap_err();
         assert!(err.contains("does not hold"), "{err}");
         assert!(squatter.await.unwrap().is_empty(), "the squatter got nothing after the proofs");
     }

@@ -321,7 +321,11 @@ impl Sim {
                 for a in actions {
                     match a {
                         Action::Handshake { engine_id, .. } => {
-                            self.renewer.handshake_done(&engine_id, Ok(kvlease_core::renewer::Handshook { incarnation: 1, agents: Vec::new() }), now);
+                            self.renewer.handshake_done(
+                                &engine_id,
+                                Ok(kvlease_core::renewer::Handshook { incarnation: 1, agents: Vec::new() }),
+                                now,
+                            );
                         }
                         Action::Send { bytes, .. } => self.send(Event::ToP(bytes)),
                         Action::Lost { .. } | Action::Forget { .. } => {}

@@ -1,16 +1,23 @@
-//! The mem backend: agents in one process on a [`MemNetwork`], for unit tests (the simulator
-//! drives the protocol core directly, without agents).
+//! The mem backend: agents in one process on a [`MemNetwork`], for tests and for the
+//! deterministic simulator, which runs whole engines on it under virtual time.
 //!
 //! Same contract and errors as the tcp backend, without sockets: metadata is the agent's name,
 //! a read asks the serving agent's [`ReadGate`] and copies arena to arena directly, a
-//! notification goes straight onto the peer's event channel. A link works while both agents are
-//! alive, each has added the other, and the network does not cut it
-//! ([`MemNetwork::partition`]). Each network is its own world: there are no global statics.
+//! notification goes onto the peer's event channel. A link works while both agents are alive,
+//! each has added the other, and the network does not cut it ([`MemNetwork::partition`]). Each
+//! network is its own world: there are no global statics.
+//!
+//! The network also carries the engines' handshake side channel ([`MemNetwork::listen`],
+//! [`MemNetwork::connect`]: in-memory byte streams), and, for the simulator, seeded faults
+//! ([`Faults`]): notifications lost, duplicated, delayed (so reordered), reads slowed, and
+//! handshakes refused or left hanging. With [`Faults::unfenced`] reads behave as NIXL's do:
+//! P is not asked, and a read, once posted, lands even if its caller gave up on it.
 
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, TransportError};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
+use tokio::io::DuplexStream;
 use tokio::sync::{mpsc, Notify};
 
 /// How long `add_peer` waits for the peer to add us too (the tcp backend's hold).
@@ -41,7 +48,86 @@ struct NetState {
     agents: HashMap<String, Weak<MemAgent>>,
     /// Cut links, as (smaller name, larger name).
     cut: HashSet<(String, String)>,
+    /// Side-channel listeners by address.
+    listeners: BTreeMap<String, mpsc::UnboundedSender<DuplexStream>>,
+    next_port: u16,
+    faults: Faults,
+    /// splitmix64 state, from [`Faults::seed`].
+    rng: u64,
 }
+
+/// Seeded faults of a [`MemNetwork`] (all off by default). Probabilities are per message or
+/// per attempt; delays are drawn uniformly from their range.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Faults {
+    pub seed: u64,
+    /// A notification is lost.
+    pub loss: f64,
+    /// A notification is delivered twice.
+    pub duplicate: f64,
+    /// A notification's delay (different delays reorder them).
+    pub delay: (Duration, Duration),
+    /// A read's delay before it touches memory.
+    pub read_delay: (Duration, Duration),
+    /// A handshake connection is refused.
+    pub refuse_handshake: f64,
+    /// A handshake connection is accepted by nobody: it hangs until the dialer gives up.
+    pub hang_handshake: f64,
+    /// Reads as NIXL does them: the serving side is not asked, and a posted read lands even if
+    /// the caller stopped waiting for it.
+    pub unfenced: bool,
+}
+
+impl NetState {
+    fn random(&mut self) -> f64 {
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.random() < p
+    }
+
+    fn between(&mut self, (lo, hi): (Duration, Duration)) -> Duration {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (hi - lo).mul_f64(self.random())
+    }
+}
+
+/// A side-channel listener on a [`MemNetwork`]; dropping it closes the address.
+pub struct MemListener {
+    addr: String,
+    rx: mpsc::UnboundedReceiver<DuplexStream>,
+    net: Weak<Net>,
+}
+
+impl MemListener {
+    /// The address dialers use (`host:port`).
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The next connection; `None` once the network is gone.
+    pub async fn accept(&mut self) -> Option<DuplexStream> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for MemListener {
+    fn drop(&mut self) {
+        if let Some(net) = self.net.upgrade() {
+            lock(&net.state).listeners.remove(&self.addr);
+        }
+    }
+}
+
+/// Side-channel buffer per direction.
+const STREAM_BUFFER: usize = 64 * 1024;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -74,6 +160,55 @@ impl MemNetwork {
         lock(&self.net.state).agents.insert(agent.name.clone(), Arc::downgrade(&agent));
         self.net.changed.notify_waiters();
         agent
+    }
+
+    /// Sets the network's faults and reseeds its random draws.
+    pub fn set_faults(&self, faults: Faults) {
+        let mut st = lock(&self.net.state);
+        st.rng = faults.seed;
+        st.faults = faults;
+    }
+
+    /// Listens for side-channel connections at `host:port`; port 0 picks a free one.
+    pub fn listen(&self, host: &str, port: u16) -> Result<MemListener, TransportError> {
+        let mut st = lock(&self.net.state);
+        let port = if port == 0 {
+            loop {
+                st.next_port = st.next_port.wrapping_add(1).max(10_000);
+                if !st.listeners.contains_key(&format!("{host}:{}", st.next_port)) {
+                    break st.next_port;
+                }
+            }
+        } else {
+            port
+        };
+        let addr = format!("{host}:{port}");
+        if st.listeners.get(&addr).is_some_and(|l| !l.is_closed()) {
+            return Err(TransportError::Io(format!("{addr} is in use")));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        st.listeners.insert(addr.clone(), tx);
+        Ok(MemListener { addr, rx, net: Arc::downgrade(&self.net) })
+    }
+
+    /// Dials a side-channel listener. Under [`Faults`] the connection may be refused, or hang
+    /// (then the dialer's own timeout ends it).
+    pub async fn connect(&self, addr: &str) -> std::io::Result<DuplexStream> {
+        let (refuse, hang, listener) = {
+            let mut st = lock(&self.net.state);
+            let (r, h) = (st.faults.refuse_handshake, st.faults.hang_handshake);
+            (st.chance(r), st.chance(h), st.listeners.get(addr).cloned())
+        };
+        let refused = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, format!("nothing listens at {addr}"));
+        let Some(listener) = listener.filter(|_| !refuse) else { return Err(refused()) };
+        let (ours, theirs) = tokio::io::duplex(STREAM_BUFFER);
+        if hang {
+            // Accepted by nobody: the peer end stays open and silent.
+            std::mem::forget(theirs);
+            return Ok(ours);
+        }
+        listener.send(theirs).map_err(|_| refused())?;
+        Ok(ours)
     }
 
     /// Cuts (`true`) or heals (`false`) the link between agents `a` and `b`. While cut, reads
@@ -195,6 +330,57 @@ impl MemAgent {
     }
 }
 
+/// An unfenced read lands: P's bytes, whatever they are now, into our blocks; then its
+/// notification, as a NIXL notification that follows the READ.
+fn land_unfenced(ours: &BlockArena, name: &str, other: &MemAgent, op: ReadOp) -> Result<(), TransportError> {
+    for s in &op.segments {
+        other.arena.check(s.remote_block, s.remote_offset, s.len, &other.name).map_err(TransportError::OutOfRange)?;
+        ours.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+    }
+    for s in &op.segments {
+        let mut tmp = vec![0; s.len as usize];
+        // SAFETY: both ranges were checked; like NIXL, nothing stops P from reusing the block
+        // meanwhile: that is what the lease's ReadDone acknowledgement is for.
+        unsafe {
+            other.arena.copy_out(s.remote_block, s.remote_offset as usize, &mut tmp);
+            ours.copy_in(s.local_block, s.local_offset as usize, &tmp);
+        }
+    }
+    if let Some(bytes) = op.notif {
+        let _ = other.events.send(AgentEvent::Notification { from: name.to_owned(), bytes });
+    }
+    Ok(())
+}
+
+impl MemAgent {
+    /// Puts a notification on `other`'s channel, through the network's faults.
+    fn deliver(&self, other: &Arc<MemAgent>, bytes: Vec<u8>) {
+        let (lost, delays) = {
+            let mut st = lock(&self.net.state);
+            let f = st.faults.clone();
+            let lost = st.chance(f.loss);
+            let copies = if st.chance(f.duplicate) { 2 } else { 1 };
+            let delays: Vec<Duration> = (0..copies).map(|_| st.between(f.delay)).collect();
+            (lost, delays)
+        };
+        if lost {
+            return;
+        }
+        for delay in delays {
+            let ev = AgentEvent::Notification { from: self.name.clone(), bytes: bytes.clone() };
+            if delay.is_zero() {
+                let _ = other.events.send(ev);
+            } else {
+                let events = other.events.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let _ = events.send(ev);
+                });
+            }
+        }
+    }
+}
+
 impl Drop for MemAgent {
     fn drop(&mut self) {
         let others: Vec<Arc<MemAgent>> = {
@@ -268,13 +454,34 @@ impl Agent for MemAgent {
     }
 
     fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { self.read_now(peer, op) })
+        let (delay, unfenced) = {
+            let mut st = lock(&self.net.state);
+            let range = st.faults.read_delay;
+            (st.between(range), st.faults.unfenced)
+        };
+        Box::pin(async move {
+            if !unfenced {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                return self.read_now(peer, op);
+            }
+            // As NIXL: posted now, lands after the delay whether or not anyone still waits.
+            let other = self.link(peer).map_err(|_| TransportError::Disconnected(peer.to_owned()))?;
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+            let (me, name) = (Arc::clone(&self.arena), self.name.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = done_tx.send(land_unfenced(&me, &name, &other, op));
+            });
+            done_rx.await.unwrap_or_else(|_| Err(TransportError::Disconnected(peer.to_owned())))
+        })
     }
 
     fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError> {
         match self.link(peer) {
             Ok(other) => {
-                let _ = other.events.send(AgentEvent::Notification { from: self.name.clone(), bytes });
+                self.deliver(&other, bytes);
                 Ok(())
             }
             // Lost on the cut link, as a datagram would be; the sender cannot tell.
@@ -285,7 +492,7 @@ impl Agent for MemAgent {
     }
 
     fn can_refuse_reads(&self) -> bool {
-        true
+        !lock(&self.net.state).faults.unfenced
     }
 
     fn arena(&self) -> &BlockArena {

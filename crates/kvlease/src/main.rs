@@ -338,7 +338,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         model,
         transport: args.transport.into(),
         secret,
-        debug_read_delay: None,
+        ..EngineConfig::default()
     })
 }
 

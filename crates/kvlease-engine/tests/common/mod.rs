@@ -68,7 +68,7 @@ pub fn on(cfg: EngineConfig, transport: TransportKind) -> EngineConfig {
 /// run, and the lease is released once, as transferred, freeing P's blocks.
 pub async fn disaggregated_output_equals_local(transport: TransportKind) {
     let local = engine(config(30.0, 1)).await;
-    let (p, d) = (engine(on(config(30.0, 1), transport)).await, engine(on(config(30.0, 1), transport)).await);
+    let (p, d) = (engine(on(config(30.0, 1), transport.clone())).await, engine(on(config(30.0, 1), transport.clone())).await);
     let (want, _) = run(&local, PROMPT, 24, None).await.unwrap();
     assert!(!want.is_empty());
     for _ in 0..3 {
@@ -93,10 +93,10 @@ pub async fn disaggregated_output_equals_local(transport: TransportKind) {
 pub async fn lease_ending_under_a_read(transport: TransportKind) {
     let mut pcfg = config(0.6, 1);
     pcfg.transfer.lease.max_lifetime = Some(Duration::from_secs(1));
-    let p = engine(on(pcfg, transport)).await;
+    let p = engine(on(pcfg, transport.clone())).await;
     let mut dcfg = config(0.6, 1);
     dcfg.debug_read_delay = Some(Duration::from_millis(1500));
-    let d = engine(on(dcfg, transport)).await;
+    let d = engine(on(dcfg, transport.clone())).await;
     let local = engine(config(30.0, 1)).await;
     let (want, _) = run(&local, PROMPT, 8, None).await.unwrap();
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();

@@ -1,0 +1,81 @@
+//! The engine's transfer agents, one per rank, on the configured transport (tcp, NIXL, or the
+//! in-memory network of the simulator), and the dispatch of everything they report: messages for
+//! P's lease table, for D's renewer, for a pull waiting on `ReadDoneAck`s; rejections; and
+//! broken connections.
+
+use crate::state::{Inner, Rank};
+use crate::{handshake, lease_holder, pull, renewal, StartError, TransportKind};
+use kvlease_core::wire::Message;
+use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Starts one agent per rank, each serving reads through P's gate, and a task for its events.
+pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
+    let cfg = &inner.cfg;
+    let hpr = inner.heads_per_rank();
+    let block_bytes = cfg.model.block_bytes(hpr);
+    let mut ranks = Vec::new();
+    for r in 0..cfg.tp_size {
+        let arena = BlockArena::new(cfg.num_gpu_blocks, block_bytes);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let name = kvlease_core::peers::agent_name(&cfg.engine_id, inner.incarnation, r as usize);
+        let gate: Arc<dyn ReadGate> = Arc::new(lease_holder::Gate { inner: Arc::downgrade(inner) });
+        let agent: Arc<dyn Agent> = match &cfg.transport {
+            TransportKind::Tcp => {
+                let options =
+                    kvlease_transport::tcp::TcpOptions { advertise: cfg.advertise_host, secret: cfg.secret.clone(), ..Default::default() };
+                TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
+            }
+            TransportKind::Mem(net) => net.agent(name, arena.clone(), gate, tx),
+            #[cfg(feature = "nixl")]
+            TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx, cfg.secret.clone()).await?,
+            #[cfg(not(feature = "nixl"))]
+            TransportKind::Nixl => {
+                return Err(StartError::Config("this kvlease was built without NIXL support: build it with `--features nixl`".into()))
+            }
+        };
+        let inner2 = inner.clone();
+        inner.tasks.spawn(events(inner2, r as usize, rx));
+        ranks.push(Rank { heads: r * hpr..(r + 1) * hpr, arena, agent });
+    }
+    Ok(ranks)
+}
+
+/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
+/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
+pub(crate) fn reads_are_fenced(ranks: &[Rank]) -> bool {
+    ranks.iter().all(|r| r.agent.can_refuse_reads())
+}
+
+/// Every event rank `rank`'s agent reports.
+async fn events(inner: Arc<Inner>, rank: usize, mut rx: mpsc::UnboundedReceiver<AgentEvent>) {
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            AgentEvent::Notification { from, bytes } => on_notification(&inner, rank, &from, &bytes),
+            AgentEvent::Rejected { reason } => inner.metrics.rejected(reason),
+            AgentEvent::Disconnected { peer } => handshake::disconnected(&inner, &peer),
+        }
+    }
+}
+
+fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
+    let msg = match Message::decode(bytes) {
+        Ok(m) => m,
+        Err(e) => {
+            inner.metrics.rejected(e.reason());
+            return;
+        }
+    };
+    match msg {
+        // For D, from a P engine.
+        Message::HeartbeatAck { .. } | Message::LeaseLost { .. } => renewal::on_message(inner, from, &msg),
+        Message::ReadDoneAck { lease_id, live } => pull::on_read_done_ack(inner, rank, from, lease_id, live),
+        Message::ClockPong { .. } => {}
+        Message::Hello(_) => inner.metrics.rejected("malformed"),
+        // For P, from a D engine.
+        Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {
+            lease_holder::on_message(inner, rank, from, &msg)
+        }
+    }
+}

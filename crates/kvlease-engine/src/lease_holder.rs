@@ -1,0 +1,229 @@
+//! P's side of the lease: grants a lease when a `do_remote_decode` prefill finishes (SPEC P1),
+//! serves reads only of live leases through the agents' [`ReadGate`] (P5, S2), hands every
+//! message from a D engine to the lease table and sends back its answer (P2, P3, P6, P8), and
+//! reaps expired leases and quarantined blocks from a task of its own that ticks while idle
+//! (P4). The rules are the lease table's and the quarantine's, in kvlease-core; this is glue.
+
+use crate::kv_params::RemoteKv;
+use crate::pool::Blocks;
+use crate::state::{lock, Inner, Lease};
+use crate::{FinishReason, GenerateEvent};
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::lease_table::{ReadTicket, Released};
+use kvlease_core::peers::agent_holder;
+use kvlease_core::wire::Message;
+use kvlease_transport::{ReadGate, ReadPermit};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// What a finished `do_remote_decode` prefill hands over.
+pub(crate) struct PrefillDone {
+    pub client_id: String,
+    pub prompt: Vec<u32>,
+    pub first_token: u32,
+    pub blocks: Option<Blocks>,
+    pub tx: mpsc::UnboundedSender<GenerateEvent>,
+}
+
+/// SPEC P1: the prefill finished normally; grant the lease and answer with signed params.
+/// A request whose client is gone gets no lease: its blocks go back at once.
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
+    let Some(blocks) = done.blocks else { return };
+    if done.tx.is_closed() || blocks.ids().is_empty() {
+        return;
+    }
+    let block_ids = blocks.ids().to_vec();
+    let mut sorted = block_ids.clone();
+    sorted.sort_unstable();
+    let n = block_ids.len() as u32;
+    let prompt_digest = PromptDigest::of(&done.prompt);
+    let lease_id = {
+        let mut table = lock(&inner.leases);
+        let id = table.grant(inner.now(), n, prompt_digest, Lease { blocks, sorted });
+        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        id
+    };
+    inner.metrics.leases_granted.fetch_add(1, Relaxed);
+    let kv = inner.kv_addr.get().copied();
+    let remote = RemoteKv {
+        engine_id: inner.cfg.engine_id.clone(),
+        request_id: done.client_id.clone(),
+        block_ids,
+        host: match (inner.cfg.advertise_host, kv) {
+            (Some(ip), _) => ip.to_string(),
+            (None, Some(a)) => a.ip().to_string(),
+            (None, None) => inner.cfg.host.clone(),
+        },
+        port: kv.map(|a| a.port()).unwrap_or(0),
+        tp_size: inner.cfg.tp_size,
+        num_tokens: done.prompt.len() as u32,
+        lease_id,
+        incarnation: inner.incarnation,
+        prompt_digest,
+        signature: None,
+    };
+    let params = remote.to_json(inner.cfg.secret.as_deref());
+    let first = done.first_token;
+    if first != crate::model::EOS {
+        let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });
+    }
+    let sent = done.tx.send(GenerateEvent::Done {
+        finish_reason: FinishReason::Length,
+        prompt_tokens: done.prompt.len() as u32,
+        completion_tokens: 1,
+        kv_transfer_params: Some(params),
+    });
+    if sent.is_err() {
+        // The client left between the check and now: nobody will read; free at once.
+        let (mut lost, mut released) = (Vec::new(), Vec::new());
+        let mut table = lock(&inner.leases);
+        let us = table.holder(&inner.holder_name());
+        table.release(us, &[lease_id], inner.now(), &mut lost, &mut released);
+        drop(table);
+        settle(inner, released);
+    }
+}
+
+/// Counts released leases and frees their blocks.
+pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
+    if released.is_empty() {
+        return;
+    }
+    for r in &released {
+        inner.metrics.released(r.reason).fetch_add(1, Relaxed);
+        inner.metrics.lease_hold.observe(r.held.as_secs_f64());
+    }
+    let table = lock(&inner.leases);
+    inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+    inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+    drop(table);
+    for r in released {
+        match r.payload {
+            // Expired, released or shut down: a READ the transport cannot fence may be on its way.
+            Some(lease) if r.reason.may_have_readers() => free_after_reads(inner, lease.blocks),
+            // All reads completed: nothing can be in flight.
+            Some(lease) => drop(lease),
+            // A reader holds them; they come back when it ends.
+            None => {}
+        }
+    }
+}
+
+/// Gives blocks back to the pool through the quarantine (SPEC P5, D6): at once where reads are
+/// fenced, else once no READ posted for them can still land.
+pub(crate) fn free_after_reads(inner: &Inner, blocks: Blocks) {
+    let held = lock(&inner.quarantine).hold(inner.now(), blocks);
+    match held {
+        Some(blocks) => drop(blocks),
+        None => inner.reaper_wake.notify_one(),
+    }
+}
+
+/// Releases every lease as `shutdown`; quarantined blocks go back with the process.
+pub(crate) fn shutdown(inner: &Inner) {
+    let mut released = Vec::new();
+    lock(&inner.leases).shutdown(inner.now(), &mut released);
+    settle(inner, released);
+    lock(&inner.quarantine).drain().for_each(drop);
+}
+
+/// SPEC P4: tick the lease table every half granularity, busy or idle, and hand back
+/// quarantined blocks when their hold ends.
+pub(crate) async fn reaper(inner: Arc<Inner>) {
+    let period = (inner.cfg.transfer.lease.reap_granularity() / 2).max(Duration::from_micros(100));
+    let mut next_tick = tokio::time::Instant::now();
+    loop {
+        let now = inner.now();
+        if tokio::time::Instant::now() >= next_tick {
+            let mut released = Vec::new();
+            lock(&inner.leases).tick(now, &mut released);
+            settle(&inner, released);
+            next_tick = tokio::time::Instant::now() + period;
+        }
+        let mut out = Vec::new();
+        let next_release = {
+            let mut q = lock(&inner.quarantine);
+            q.poll(now, &mut out);
+            q.next_release()
+        };
+        drop(out);
+        let wake = next_release.map_or(next_tick, |t| inner.instant(t).min(next_tick));
+        let _ = tokio::time::timeout_at(wake, inner.reaper_wake.notified()).await;
+    }
+}
+
+/// SPEC P5, S2: a read is served only for a live lease, only of that lease's blocks, and the
+/// blocks stay out of the pool until the read has been copied out.
+pub(crate) struct Gate {
+    pub inner: Weak<Inner>,
+}
+
+struct Permit {
+    inner: Weak<Inner>,
+    ticket: Option<ReadTicket>,
+}
+
+impl ReadGate for Gate {
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
+        let inner = self.inner.upgrade()?;
+        let mut released = Vec::new();
+        let ticket = {
+            let mut table = lock(&inner.leases);
+            let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.sorted.binary_search(b).is_ok()));
+            if owned {
+                let holder = table.holder(agent_holder(peer));
+                table.begin_read(holder, lease_id, inner.now(), &mut released)
+            } else {
+                None
+            }
+        };
+        settle(&inner, released);
+        let Some(ticket) = ticket else {
+            inner.metrics.reads_refused.fetch_add(1, Relaxed);
+            return None;
+        };
+        Some(Box::new(Permit { inner: Arc::downgrade(&inner), ticket: Some(ticket) }))
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let (Some(inner), Some(ticket)) = (self.inner.upgrade(), self.ticket.take()) else { return };
+        // A lease released under this reader hands its blocks back only now.
+        let payload = lock(&inner.leases).end_read(ticket);
+        drop(payload);
+    }
+}
+
+/// A message for P from a D engine's agent `from` (SPEC P2, P3, P6, P8): the lease table's
+/// business; it says what to answer.
+pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) {
+    if matches!(msg, Message::Heartbeat { .. }) {
+        inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
+    }
+    let mut released = Vec::new();
+    let answer = {
+        let mut table = lock(&inner.leases);
+        let holder = table.holder(agent_holder(from));
+        table.on_message(holder, msg, inner.now(), &mut released)
+    };
+    settle(inner, released);
+    // D sends each heartbeat to every P rank (SPEC D2); all ranks share this table, so only
+    // rank 0's copy counts as renewals (one per lease per heartbeat).
+    if rank == 0 {
+        inner.metrics.lease_renewals.fetch_add(answer.renewed as u64, Relaxed);
+    }
+    if let (Some(reply), Some(r)) = (answer.reply, inner.ranks().get(rank)) {
+        if let Err(e) = r.agent.send_notif(from, reply.encode()) {
+            tracing::debug!("cannot answer {from}: {e}");
+        }
+    }
+}
+
+/// Live leases per holder (for the simulator's reclaim check and diagnostics).
+pub(crate) fn live_leases(inner: &Inner) -> usize {
+    lock(&inner.leases).live()
+}

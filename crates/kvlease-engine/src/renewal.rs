@@ -1,0 +1,95 @@
+//! D's side of the lease: drives the [`Renewer`](kvlease_core::renewer::Renewer) from a timer
+//! task that never waits on the forward loop (SPEC D2, D3), starts handshakes in the background
+//! (D5), carries its messages to P engines, and hands it P's answers. The rules are the
+//! renewer's, in kvlease-core; this is glue.
+
+use crate::handshake;
+use crate::state::{lock, Inner};
+use kvlease_core::renewer::{Action, SendKind};
+use kvlease_core::wire::Message;
+use kvlease_core::Nanos;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The renewer's driver: polls it when it asks to be polled or when woken, carries out what it
+/// says. Runs on its own, so a long forward step delays no heartbeat (SPEC D3).
+pub(crate) async fn run(inner: Arc<Inner>) {
+    loop {
+        let next = drive(&inner);
+        // Idle, it still looks once a second (cheap; a safety net for a lost wake-up).
+        let idle = tokio::time::Instant::now() + Duration::from_secs(1);
+        let wake = next.map_or(idle, |t| inner.instant(t).min(idle));
+        let _ = tokio::time::timeout_at(wake, inner.renewer_wake.notified()).await;
+    }
+}
+
+/// One poll of the renewer; returns when it next wants to be polled.
+pub(crate) fn drive(inner: &Arc<Inner>) -> Option<Nanos> {
+    let mut actions = Vec::new();
+    let next = {
+        let mut r = lock(&inner.renewer);
+        r.poll(inner.now(), &mut actions);
+        r.poll_timeout()
+    };
+    for a in actions {
+        match a {
+            Action::Handshake { engine_id, host, port } => {
+                let inner2 = inner.clone();
+                inner.tasks.spawn(async move { handshake::dial(inner2, engine_id, host, port).await });
+            }
+            Action::Send { engine_id, bytes, kind } => send(inner, &engine_id, bytes, kind),
+            Action::Lost { request_id, lease_id } => {
+                tracing::info!(request = %request_id, lease_id, "lease lost on the prefill engine");
+                inner.bump_news();
+            }
+            Action::Forget { agents, .. } => handshake::drop_agents(inner, &agents),
+        }
+    }
+    next
+}
+
+/// SPEC D2: a renewer message goes to every P rank that holds a shard.
+fn send(inner: &Inner, engine_id: &str, bytes: Vec<u8>, kind: SendKind) {
+    let agents = lock(&inner.renewer).peer(engine_id).map(|p| p.agents.clone());
+    let Some(agents) = agents else {
+        let gone = lock(&inner.renewer).disconnected(engine_id);
+        handshake::drop_agents(inner, &gone);
+        return;
+    };
+    let Some(rank0) = inner.ranks().first() else { return };
+    let mut ok = true;
+    for agent in &agents {
+        ok &= rank0.agent.send_notif(agent, bytes.clone()).is_ok();
+    }
+    match kind {
+        SendKind::Heartbeat { lateness } => {
+            inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+            inner.metrics.heartbeat_lateness.observe(lateness.as_secs_f64());
+        }
+        SendKind::ReadRenewal => {
+            inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+        }
+        SendKind::Release => {}
+    }
+    if !ok {
+        let gone = lock(&inner.renewer).disconnected(engine_id);
+        handshake::drop_agents(inner, &gone);
+    }
+}
+
+/// A message for D from a P engine's agent `from`: acknowledgements and lost leases.
+pub(crate) fn on_message(inner: &Inner, from: &str, msg: &Message) {
+    {
+        let mut renewer = lock(&inner.renewer);
+        let Some(engine) = renewer.peers().engine_of(from).map(str::to_string) else { return };
+        renewer.on_message(&engine, msg);
+    }
+    inner.renewer_wake.notify_one();
+    inner.bump_news();
+}
+
+/// Stops renewing everything, releasing each renewed lease explicitly (shutdown), and sends it.
+pub(crate) fn release_all(inner: &Arc<Inner>) {
+    drive(inner);
+}

@@ -1,0 +1,158 @@
+//! The engine's shared state: what every task of one engine reads, and who owns each part.
+//!
+//! * `leases` (P): the lease table, owned by [`crate::lease_holder`];
+//! * `renewer` (D): the renewer and, inside it, the registry of remote engines, owned by
+//!   [`crate::renewal`] and [`crate::handshake`];
+//! * `quarantine`: blocks an unfenced READ may still target (SPEC P5), polled by the reaper;
+//! * `read_acks` (D): pulls waiting for `ReadDoneAck`s, owned by [`crate::pull`];
+//! * `tasks`: every task the engine runs, and the one signal that stops them all.
+//!
+//! No logic lives here beyond accessors: this module imports no other module of the engine but
+//! the pool and metrics, so nothing imports in a circle.
+
+use crate::metrics::Metrics;
+use crate::pool::{BlockPool, Blocks};
+use crate::EngineConfig;
+use kvlease_core::lease_table::LeaseTable;
+use kvlease_core::quarantine::Quarantine;
+use kvlease_core::renewer::Renewer;
+use kvlease_core::Nanos;
+use kvlease_transport::{Agent, BlockArena};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+use tokio::sync::{oneshot, watch, Notify};
+use tokio::task::JoinSet;
+
+/// Locks a mutex, riding over poisoning: every critical section leaves its state consistent.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One rank: its shard of the heads, its memory, its agent.
+pub(crate) struct Rank {
+    pub heads: Range<u32>,
+    pub arena: Arc<BlockArena>,
+    pub agent: Arc<dyn Agent>,
+}
+
+/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, and their
+/// ids sorted, to check a read's blocks against quickly.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub blocks: Blocks,
+    pub sorted: Vec<u32>,
+}
+
+/// A pull's wait for one `ReadDoneAck`: (our rank, P's agent, lease id).
+pub(crate) type AckKey = (usize, String, u64);
+
+pub(crate) struct Inner {
+    pub cfg: EngineConfig,
+    pub incarnation: u64,
+    /// The engine's clock: tokio's, so it is virtual under a paused runtime (the simulator).
+    pub origin: tokio::time::Instant,
+    pub metrics: Arc<Metrics>,
+    pub pool: Arc<BlockPool>,
+    pub ranks: OnceLock<Vec<Rank>>,
+    pub kv_addr: OnceLock<SocketAddr>,
+    /// P: leases on our blocks.
+    pub leases: Mutex<LeaseTable<Lease>>,
+    /// Blocks an unfenced READ may still target (SPEC P5, D6).
+    pub quarantine: Mutex<Quarantine<Blocks>>,
+    /// Wakes the reaper when the quarantine's next release moved earlier.
+    pub reaper_wake: Notify,
+    /// D: renewals of leases on remote blocks, and the registry of remote engines.
+    pub renewer: Mutex<Renewer>,
+    pub renewer_wake: Notify,
+    /// Bumped on every acknowledgement or lost lease, for pulls waiting to read.
+    pub news: watch::Sender<u64>,
+    /// D: pulls waiting for `ReadDoneAck`s.
+    pub read_acks: Mutex<BTreeMap<AckKey, oneshot::Sender<bool>>>,
+    pub tasks: Tasks,
+}
+
+impl Inner {
+    pub fn now(&self) -> Nanos {
+        Nanos(self.origin.elapsed().as_nanos() as u64)
+    }
+
+    pub fn ranks(&self) -> &[Rank] {
+        self.ranks.get().map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// Heads per rank on this engine.
+    pub fn heads_per_rank(&self) -> u32 {
+        self.cfg.model.num_kv_heads / self.cfg.tp_size
+    }
+
+    pub fn bump_news(&self) {
+        self.news.send_modify(|n| *n += 1);
+    }
+
+    /// The tokio instant of a core deadline.
+    pub fn instant(&self, at: Nanos) -> tokio::time::Instant {
+        self.origin + Duration::from_nanos(at.0)
+    }
+
+    /// The name this engine holds leases under, and each agent's prefix (SPEC S5).
+    pub fn holder_name(&self) -> String {
+        kvlease_core::peers::holder_name(&self.cfg.engine_id, self.incarnation)
+    }
+}
+
+/// Every task of one engine, and the one signal they all see. A task spawned here ends when
+/// the engine stops, at the latest: none is orphaned.
+pub(crate) struct Tasks {
+    stop: watch::Sender<bool>,
+    set: Mutex<JoinSet<()>>,
+}
+
+impl Default for Tasks {
+    fn default() -> Self {
+        Tasks { stop: watch::channel(false).0, set: Mutex::new(JoinSet::new()) }
+    }
+}
+
+impl Tasks {
+    /// Runs `fut` until it ends or the engine stops.
+    pub fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
+        let mut stopped = self.stop.subscribe();
+        if *stopped.borrow() {
+            return;
+        }
+        let mut set = lock(&self.set);
+        // Reap what has finished, so the set holds only what runs.
+        while set.try_join_next().is_some() {}
+        set.spawn(async move {
+            tokio::select! {
+                biased;
+                _ = stopped.wait_for(|s| *s) => {}
+                _ = fut => {}
+            }
+        });
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Signals every task to stop and waits (up to `within`) until they have; any left are
+    /// aborted.
+    pub async fn stop(&self, within: Duration) {
+        self.stop.send_replace(true);
+        let mut set = std::mem::take(&mut *lock(&self.set));
+        let _ = tokio::time::timeout(within, async { while set.join_next().await.is_some() {} }).await;
+        set.abort_all();
+    }
+
+    /// Stops every task at once, without waiting (the engine's last handle went away, or the
+    /// simulator crashes it).
+    pub fn abort(&self) {
+        self.stop.send_replace(true);
+        lock(&self.set).abort_all();
+    }
+}
