@@ -86,7 +86,7 @@ impl EngineHandle {
             reaper_wake: Notify::new(),
             renewer: Mutex::new(Renewer::new(&lease_cfg)),
             renewer_wake: Notify::new(),
-            news: watch::channel(0).0,
+            news: Notify::new(),
             read_acks: Mutex::new(BTreeMap::new()),
             tasks: Tasks::default(),
             cfg,
@@ -252,6 +252,21 @@ impl EngineHandle {
     /// Free blocks of the pool, quarantined ones not counted.
     pub fn free_blocks(&self) -> u32 {
         self.inner.pool.free()
+    }
+
+    /// Blocks of the pool.
+    pub fn total_blocks(&self) -> u32 {
+        self.inner.pool.total()
+    }
+
+    /// This run of the engine: leases of another incarnation are never read (SPEC §3).
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// The names of the engine's transfer agents, one per rank.
+    pub fn agent_names(&self) -> Vec<String> {
+        self.inner.ranks().iter().map(|r| r.agent.name().to_string()).collect()
     }
 
     /// Graceful shutdown: refuse new requests, fail queued and running ones, release every

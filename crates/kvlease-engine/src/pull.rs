@@ -17,9 +17,11 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let mut pull = Pull::new(cfg, &rk.engine_id, rk.incarnation, inner.now());
     pull.planted = inner.cfg.planted_bug;
     // 1. Wait until an acknowledged heartbeat covers the read.
-    let mut news = inner.news.subscribe();
     loop {
-        news.borrow_and_update();
+        // Registered before the check, so news between the check and the wait is not missed.
+        let news = inner.news.notified();
+        tokio::pin!(news);
+        news.as_mut().enable();
         let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), inner.now());
         match pull.check(answer, inner.now()) {
             Step::Read => break,
@@ -29,7 +31,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
                     inner.renewer_wake.notify_one();
                 }
                 // On the deadline, the next check decides.
-                let _ = tokio::time::timeout_at(inner.instant(until), news.changed()).await;
+                let _ = tokio::time::timeout_at(inner.instant(until), news).await;
             }
         }
     }

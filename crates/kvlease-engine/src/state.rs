@@ -22,9 +22,10 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
-use tokio::sync::{oneshot, watch, Notify};
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 
 /// Locks a mutex, riding over poisoning: every critical section leaves its state consistent.
@@ -68,8 +69,10 @@ pub(crate) struct Inner {
     /// D: renewals of leases on remote blocks, and the registry of remote engines.
     pub renewer: Mutex<Renewer>,
     pub renewer_wake: Notify,
-    /// Bumped on every acknowledgement or lost lease, for pulls waiting to read.
-    pub news: watch::Sender<u64>,
+    /// Signalled on every acknowledgement or lost lease, for pulls waiting to read. A `Notify`,
+    /// not a `watch`: a watch wakes its waiters in a random order, and the simulator needs the
+    /// same order every run.
+    pub news: Notify,
     /// D: pulls waiting for `ReadDoneAck`s.
     pub read_acks: Mutex<BTreeMap<AckKey, oneshot::Sender<bool>>>,
     pub tasks: Tasks,
@@ -90,7 +93,7 @@ impl Inner {
     }
 
     pub fn bump_news(&self) {
-        self.news.send_modify(|n| *n += 1);
+        self.news.notify_waiters();
     }
 
     /// The tokio instant of a core deadline.
@@ -106,44 +109,63 @@ impl Inner {
 
 /// Every task of one engine, and the one signal they all see. A task spawned here ends when
 /// the engine stops, at the latest: none is orphaned.
+#[derive(Default)]
 pub(crate) struct Tasks {
-    stop: watch::Sender<bool>,
+    stop: Arc<Stop>,
     set: Mutex<JoinSet<()>>,
 }
 
-impl Default for Tasks {
-    fn default() -> Self {
-        Tasks { stop: watch::channel(false).0, set: Mutex::new(JoinSet::new()) }
+/// The stop signal: a flag and the waiters to wake when it is set.
+#[derive(Default)]
+struct Stop {
+    set: AtomicBool,
+    waiters: Notify,
+}
+
+impl Stop {
+    fn signal(&self) {
+        self.set.store(true, Ordering::SeqCst);
+        self.waiters.notify_waiters();
+    }
+
+    async fn wait(&self) {
+        let notified = self.waiters.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.set.load(Ordering::SeqCst) {
+            return;
+        }
+        notified.await;
     }
 }
 
 impl Tasks {
     /// Runs `fut` until it ends or the engine stops.
     pub fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
-        let mut stopped = self.stop.subscribe();
-        if *stopped.borrow() {
+        if self.is_stopped() {
             return;
         }
+        let stop = Arc::clone(&self.stop);
         let mut set = lock(&self.set);
         // Reap what has finished, so the set holds only what runs.
         while set.try_join_next().is_some() {}
         set.spawn(async move {
             tokio::select! {
                 biased;
-                _ = stopped.wait_for(|s| *s) => {}
+                _ = stop.wait() => {}
                 _ = fut => {}
             }
         });
     }
 
     pub fn is_stopped(&self) -> bool {
-        *self.stop.borrow()
+        self.stop.set.load(Ordering::SeqCst)
     }
 
     /// Signals every task to stop and waits (up to `within`) until they have; any left are
     /// aborted.
     pub async fn stop(&self, within: Duration) {
-        self.stop.send_replace(true);
+        self.stop.signal();
         let mut set = std::mem::take(&mut *lock(&self.set));
         let _ = tokio::time::timeout(within, async { while set.join_next().await.is_some() {} }).await;
         set.abort_all();
@@ -152,7 +174,7 @@ impl Tasks {
     /// Stops every task at once, without waiting (the engine's last handle went away, or the
     /// simulator crashes it).
     pub fn abort(&self) {
-        self.stop.send_replace(true);
+        self.stop.signal();
         lock(&self.set).abort_all();
     }
 }

@@ -12,6 +12,8 @@
 //! Everything is deterministic: the same [`Scenario`] gives the same [`Report`], so a failing
 //! seed is a test that can be replayed forever.
 
+pub mod cluster;
+
 use kvlease_core::config::LeaseConfig;
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::LeaseTable;

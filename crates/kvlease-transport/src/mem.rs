@@ -14,7 +14,7 @@
 //! P is not asked, and a read, once posted, lands even if its caller gave up on it.
 
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, TransportError};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 use tokio::io::DuplexStream;
@@ -45,9 +45,9 @@ struct Net {
 
 #[derive(Default)]
 struct NetState {
-    agents: HashMap<String, Weak<MemAgent>>,
+    agents: BTreeMap<String, Weak<MemAgent>>,
     /// Cut links, as (smaller name, larger name).
-    cut: HashSet<(String, String)>,
+    cut: BTreeSet<(String, String)>,
     /// Side-channel listeners by address.
     listeners: BTreeMap<String, mpsc::UnboundedSender<DuplexStream>>,
     next_port: u16,
@@ -254,7 +254,7 @@ pub struct MemAgent {
     gate: Arc<dyn ReadGate>,
     events: mpsc::UnboundedSender<AgentEvent>,
     net: Arc<Net>,
-    peers: Mutex<HashSet<String>>,
+    peers: Mutex<BTreeSet<String>>,
 }
 
 impl std::fmt::Debug for MemAgent {
