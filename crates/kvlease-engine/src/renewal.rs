@@ -5,6 +5,7 @@
 
 use crate::handshake;
 use crate::state::{lock, Inner};
+use kvlease_core::pull::PlantedBug;
 use kvlease_core::renewer::{Action, SendKind};
 use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
@@ -38,6 +39,9 @@ pub(crate) fn drive(inner: &Arc<Inner>) -> Option<Nanos> {
                 let inner2 = inner.clone();
                 inner.tasks.spawn(async move { handshake::dial(inner2, engine_id, host, port).await });
             }
+            // The simulator's `fixed` policy (vLLM before leases): nothing renews.
+            Action::Send { kind: SendKind::Heartbeat { .. } | SendKind::ReadRenewal, .. }
+                if inner.cfg.planted_bug == Some(PlantedBug::FixedTimeout) => {}
             Action::Send { engine_id, bytes, kind } => send(inner, &engine_id, bytes, kind),
             Action::Lost { request_id, lease_id } => {
                 tracing::info!(request = %request_id, lease_id, "lease lost on the prefill engine");

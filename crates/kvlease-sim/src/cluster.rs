@@ -79,26 +79,26 @@ impl Outcome {
 
 /// splitmix64: the simulator's one source of randomness.
 #[derive(Debug, Clone)]
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     }
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
     }
-    fn chance(&mut self, p: f64) -> bool {
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
         self.unit() < p
     }
-    fn secs(&mut self, lo: f64, hi: f64) -> Duration {
+    pub(crate) fn secs(&mut self, lo: f64, hi: f64) -> Duration {
         Duration::from_secs_f64(lo + (hi - lo) * self.unit())
     }
 }
@@ -167,17 +167,17 @@ impl Cluster {
 
 /// One request of the workload.
 #[derive(Debug, Clone)]
-struct Req {
-    at: Duration,
-    prompt: Vec<u32>,
-    max_tokens: u32,
-    ignore_eos: bool,
-    p: usize,
-    d: usize,
+pub(crate) struct Req {
+    pub(crate) at: Duration,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) max_tokens: u32,
+    pub(crate) ignore_eos: bool,
+    pub(crate) p: usize,
+    pub(crate) d: usize,
 }
 
 /// What a request produced: its tokens and how it finished.
-type Answer = (Vec<u32>, Option<FinishReason>);
+pub(crate) type Answer = (Vec<u32>, Option<FinishReason>);
 
 /// The shared state of a run (one thread; `Arc<Mutex>` only because tasks must be `Send`).
 struct World {
@@ -262,7 +262,7 @@ async fn start(cfg: EngineConfig, w: &Shared) -> Option<EngineHandle> {
 }
 
 /// Everything a request produces on one engine.
-async fn collect(engine: &EngineHandle, req: GenerateRequest) -> Result<(Answer, Option<serde_json::Value>), String> {
+pub(crate) async fn collect(engine: &EngineHandle, req: GenerateRequest) -> Result<(Answer, Option<serde_json::Value>), String> {
     let mut stream = engine.submit(req).map_err(|e| e.message)?;
     let mut tokens = Vec::new();
     while let Some(ev) = stream.next().await {
@@ -277,7 +277,7 @@ async fn collect(engine: &EngineHandle, req: GenerateRequest) -> Result<(Answer,
     Err("the engine went away".into())
 }
 
-fn request(id: String, r: &Req, params: serde_json::Value) -> GenerateRequest {
+pub(crate) fn request(id: String, r: &Req, params: serde_json::Value) -> GenerateRequest {
     GenerateRequest {
         request_id: id,
         prompt: Prompt::Tokens(r.prompt.clone()),

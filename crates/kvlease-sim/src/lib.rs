@@ -1,28 +1,29 @@
-//! kvlease-sim: a prefill engine and a decode engine in one thread, under virtual time, driving
-//! the same protocol core as the real runtime (`LeaseTable`, `Renewer`, the wire codec), with
-//! seeded arrivals, network delay and loss, a traffic surge and a decoder crash.
+//! kvlease-sim: deterministic simulation of kvlease's real engines under virtual time.
 //!
-//! It exists to show the policies of SPEC §1 side by side on the same seeded workload:
-//! * `fixed`: P holds blocks until the read or a single timeout (vLLM's old 480 s, or a short
-//!   one), D never renews and reads whenever it gets to the request — after expiry, freed and
-//!   reused blocks (vLLM #21570: garbage with HTTP 200);
-//! * `lease`: kvlease — a short lease, heartbeats from arrival, acknowledged reads, recompute on
-//!   a lost lease.
+//! * [`cluster`]: several P and D engines — the real schedulers, lease holders, renewers, pulls
+//!   and handshakes — with seeded faults, every invariant checked (`kvlease sim --cluster`).
+//! * [`simulate`]: the policies of SPEC §1 side by side on the same seeded workload, on the same
+//!   real engines: `fixed` — P holds blocks until the read or a single timeout (vLLM's old 480 s,
+//!   or a short one), D never renews and reads whenever it gets to the request, with reads that,
+//!   as NIXL's do, land whatever P did with the blocks meanwhile (vLLM #21570: garbage with
+//!   HTTP 200); `lease` — kvlease: a short lease, heartbeats from arrival, acknowledged reads,
+//!   recompute on a lost lease (`kvlease sim`).
 //!
-//! Everything is deterministic: the same [`Scenario`] gives the same [`Report`], so a failing
-//! seed is a test that can be replayed forever.
+//! Everything is deterministic: the same seed gives the same result, so a failing seed is a
+//! test that can be replayed forever.
 
 pub mod cluster;
 
+use cluster::{collect, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::digest::PromptDigest;
-use kvlease_core::lease_table::LeaseTable;
-use kvlease_core::renewer::{Action, ReadCheck, Remote, Renewer, Untrack};
-use kvlease_core::wire::Message;
-use kvlease_core::Nanos;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use kvlease_core::pull::PlantedBug;
+use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
+use kvlease_transport::mem::{Faults, MemNetwork};
+use serde_json::json;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// How P keeps blocks for D.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -90,7 +91,8 @@ pub struct Report {
     pub arrived: u64,
     /// Decoded from KV that was live when read.
     pub served: u64,
-    /// Decoded from KV read after P had freed (and possibly reused) it.
+    /// Decoded from KV read after P had freed (and possibly reused) it: an answer that differs
+    /// from a local run's.
     pub garbage: u64,
     /// D found the lease lost, or its transfer failed, and computed the prompt itself.
     pub recomputed: u64,
@@ -101,302 +103,156 @@ pub struct Report {
     pub peak_leased_blocks: u64,
 }
 
-#[derive(Debug)]
-enum Event {
-    /// A request reaches P, which prefills it and grants.
-    Arrive,
-    /// P's answer (the lease) reaches D.
-    Params {
-        req: u64,
-        lease: u64,
-    },
-    ToP(Vec<u8>),
-    ToD(Vec<u8>),
-    /// A decode on D finished.
-    Decoded,
-    /// D gives up on a read whose answer never came (a lost message).
-    ReadTimeout {
-        lease: u64,
-    },
-    ReapTick,
-    RenewerPoll,
-    Crash,
+/// Tokens per block of the simulated model; a request generates this many tokens.
+const BLOCK_SIZE: u32 = 4;
+const GENERATED: u32 = 8;
+
+fn engine_config(sc: &Scenario, policy: Policy, net: &MemNetwork, name: &str, port: u16, blocks: u32, slots: usize) -> EngineConfig {
+    let secs = match policy {
+        Policy::Fixed(s) | Policy::Lease(s) => s,
+    };
+    let prompt = sc.blocks * BLOCK_SIZE;
+    let mut cfg = EngineConfig {
+        engine_id: name.into(),
+        kv_port: port,
+        transport: TransportKind::Mem(net.clone()),
+        num_gpu_blocks: blocks,
+        max_num_seqs: slots,
+        model: ModelConfig {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 4,
+            dtype_bytes: 1,
+            block_size: BLOCK_SIZE,
+            max_model_len: prompt + GENERATED + BLOCK_SIZE,
+            prefill_ms_per_token: 0.0,
+            // A decode step per generated token: the request's decode time in all.
+            decode_ms_per_token: sc.decode_time.as_secs_f64() * 1e3 / f64::from(GENERATED),
+            ..ModelConfig::default()
+        },
+        incarnation: Some(sc.seed.wrapping_mul(2).wrapping_add(u64::from(port))),
+        planted_bug: matches!(policy, Policy::Fixed(_)).then_some(PlantedBug::FixedTimeout),
+        ..EngineConfig::default()
+    };
+    let mut lease = LeaseConfig::with_lease_secs(secs).unwrap_or_default();
+    if let Policy::Fixed(_) = policy {
+        // One timeout, never extended (nothing renews anyway).
+        lease.max_lifetime = Some(lease.lease_duration);
+    }
+    cfg.transfer.lease = lease;
+    cfg
 }
 
-struct Sim {
-    sc: Scenario,
-    policy: Policy,
-    rng: u64,
-    now: u64,
-    seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: HashMap<u64, Event>,
-    table: LeaseTable<()>,
-    renewer: Renewer,
-    lease_cfg: LeaseConfig,
-    d_alive: bool,
-    d_waiting: VecDeque<(u64, u64)>,
-    d_busy: usize,
-    /// Requests whose read is in flight: request → lease.
-    reading: HashMap<u64, u64>,
-    next_req: u64,
-    report: Report,
-    last_sample: u64,
-    crashed_at: Option<u64>,
-}
-
-const P: &str = "P";
-/// The decoder, as P's lease table knows it (SPEC S5).
-const D: &str = "D";
-/// Every simulated request has the same prompt: the simulator models time, not content.
-const PROMPT: PromptDigest = PromptDigest([0; 16]);
-
-impl Sim {
-    fn new(sc: Scenario, policy: Policy) -> Sim {
-        let secs = match policy {
-            Policy::Fixed(s) | Policy::Lease(s) => s,
-        };
-        let lease_cfg = LeaseConfig::with_lease_secs(secs).unwrap_or_default();
-        Sim {
-            rng: sc.seed ^ 0x9e37_79b9_7f4a_7c15,
-            sc,
-            policy,
-            now: 0,
-            seq: 0,
-            queue: BinaryHeap::new(),
-            events: HashMap::new(),
-            table: LeaseTable::new(&lease_cfg),
-            renewer: Renewer::new(&lease_cfg),
-            lease_cfg,
-            d_alive: true,
-            d_waiting: VecDeque::new(),
-            d_busy: 0,
-            reading: HashMap::new(),
-            next_req: 0,
-            report: Report { policy: policy.name(), ..Report::default() },
-            last_sample: 0,
-            crashed_at: None,
-        }
-    }
-
-    fn random(&mut self) -> f64 {
-        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn at(&mut self, after: Duration, ev: Event) {
-        self.seq += 1;
-        let t = self.now.saturating_add(after.as_nanos() as u64);
-        self.queue.push(Reverse((t, self.seq)));
-        self.events.insert(self.seq, ev);
-    }
-
-    /// A message over the network: delayed, sometimes lost.
-    fn send(&mut self, ev: Event) {
-        if self.random() >= self.sc.loss {
-            self.at(self.sc.delay, ev);
-        }
-    }
-
-    fn next_arrival(&mut self) {
-        let t = Duration::from_nanos(self.now);
-        let surging = self.sc.surge.is_some_and(|(a, b)| t >= a && t < b);
-        let rate = self.sc.rate * if surging { self.sc.surge_factor } else { 1.0 };
-        let gap = -(1.0 - self.random()).ln() / rate;
-        self.at(Duration::from_secs_f64(gap), Event::Arrive);
-    }
-
-    fn run(mut self) -> Report {
-        self.next_arrival();
-        self.at(self.lease_cfg.reap_granularity(), Event::ReapTick);
-        if let Policy::Lease(_) = self.policy {
-            self.at(Duration::ZERO, Event::RenewerPoll);
-        }
-        if let Some(c) = self.sc.d_crash {
-            self.at(c, Event::Crash);
-        }
-        let end = self.sc.duration.as_nanos() as u64;
-        while let Some(Reverse((t, id))) = self.queue.pop() {
-            if t > end {
-                break;
-            }
-            self.sample(t);
-            self.now = t;
-            if let Some(ev) = self.events.remove(&id) {
-                self.handle(ev);
-            }
-        }
-        self.sample(end);
-        self.report
-    }
-
-    /// Integrates pinned blocks over time.
-    fn sample(&mut self, t: u64) {
-        let blocks = self.table.leased_blocks();
-        if self.crashed_at.is_some() {
-            self.report.dead_block_seconds += blocks as f64 * (t - self.last_sample) as f64 / 1e9;
-        }
-        self.report.peak_leased_blocks = self.report.peak_leased_blocks.max(blocks);
-        self.last_sample = t;
-    }
-
-    fn handle(&mut self, ev: Event) {
-        let now = Nanos(self.now);
-        match ev {
-            Event::Arrive => {
-                if self.crashed_at.is_some() {
-                    // The router has noticed D is gone and sends no more work its way.
-                    return;
-                }
-                self.report.arrived += 1;
-                let req = self.next_req;
-                self.next_req += 1;
-                let lease = self.table.grant(now, self.sc.blocks, PROMPT, ());
-                self.send(Event::Params { req, lease });
-                self.next_arrival();
-            }
-            Event::Params { req, lease } => {
-                if !self.d_alive {
-                    return;
-                }
-                if let Policy::Lease(_) = self.policy {
-                    let remote = Remote { engine_id: P.into(), host: "p".into(), port: 1, incarnation: 1 };
-                    self.renewer.track(&req.to_string(), &remote, lease, now);
-                }
-                self.d_waiting.push_back((req, lease));
-                self.admit();
-            }
-            Event::ToP(bytes) => {
-                let Ok(msg) = Message::decode(&bytes) else { return };
-                let mut released = Vec::new();
-                let holder = self.table.holder(D);
-                let answer = self.table.on_message(holder, &msg, now, &mut released);
-                if let Some(reply) = answer.reply {
-                    self.send(Event::ToD(reply.encode()));
-                }
-            }
-            Event::ToD(bytes) => {
-                if !self.d_alive {
-                    return;
-                }
-                let Ok(msg) = Message::decode(&bytes) else { return };
-                match msg {
-                    Message::ReadDoneAck { lease_id, live } => self.read_done(lease_id, live),
-                    other => {
-                        self.renewer.on_message(P, &other);
-                        self.admit();
-                    }
-                }
-            }
-            Event::Decoded => {
-                self.d_busy -= 1;
-                self.admit();
-            }
-            Event::ReadTimeout { lease } => {
-                // The transfer failed (a lost message): D computes the prompt itself.
-                if let Some(req) = self.reading.remove(&lease).filter(|_| self.d_alive) {
-                    self.d_busy -= 1;
-                    if let Policy::Lease(_) = self.policy {
-                        self.renewer.untrack(&req.to_string(), Untrack::Abandoned);
-                    }
-                    self.report.recomputed += 1;
-                    self.decode();
-                }
-            }
-            Event::ReapTick => {
-                let mut released = Vec::new();
-                self.table.tick(now, &mut released);
-                if self.crashed_at.is_some() && self.table.live() == 0 && self.report.reclaim_after_crash.is_none() {
-                    self.report.reclaim_after_crash = self.crashed_at.map(|c| (self.now - c) as f64 / 1e9);
-                }
-                self.at(self.lease_cfg.reap_granularity(), Event::ReapTick);
-            }
-            Event::RenewerPoll => {
-                if !self.d_alive {
-                    return;
-                }
-                let mut actions = Vec::new();
-                self.renewer.poll(now, &mut actions);
-                for a in actions {
-                    match a {
-                        Action::Handshake { engine_id, .. } => {
-                            self.renewer.handshake_done(
-                                &engine_id,
-                                Ok(kvlease_core::renewer::Handshook { incarnation: 1, agents: Vec::new() }),
-                                now,
-                            );
-                        }
-                        Action::Send { bytes, .. } => self.send(Event::ToP(bytes)),
-                        Action::Lost { .. } | Action::Forget { .. } => {}
-                    }
-                }
-                self.admit();
-                let next = self.renewer.poll_timeout().map(|t| t.since(now)).unwrap_or(Duration::from_millis(100));
-                self.at(next.clamp(Duration::from_millis(1), Duration::from_millis(100)), Event::RenewerPoll);
-            }
-            Event::Crash => {
-                self.d_alive = false;
-                self.crashed_at = Some(self.now);
-            }
-        }
-    }
-
-    /// D takes waiting requests into free slots and reads their KV.
-    fn admit(&mut self) {
-        while self.d_alive && self.d_busy < self.sc.d_slots {
-            let Some(&(req, lease)) = self.d_waiting.front() else { return };
-            if let Policy::Lease(_) = self.policy {
-                match self.renewer.read_check(&req.to_string(), self.lease_cfg.read_budget(), Nanos(self.now)) {
-                    ReadCheck::Safe => {}
-                    // The renewal goes out on the next poll; the ack brings us back here.
-                    ReadCheck::RenewFirst => return,
-                    ReadCheck::Untracked | ReadCheck::Unreachable => {
-                        self.d_waiting.pop_front();
-                        self.report.recomputed += 1;
-                        self.decode();
-                        continue;
-                    }
-                }
-            }
-            self.d_waiting.pop_front();
-            self.d_busy += 1;
-            self.reading.insert(lease, req);
-            self.send(Event::ToP(Message::ReadDone { lease_id: lease, consumer_rank: 0, n: 1, digest: PROMPT }.encode()));
-            self.at(self.sc.delay * 2 + Duration::from_secs(1), Event::ReadTimeout { lease });
-        }
-    }
-
-    /// P answered a read: the bytes were live, or not.
-    fn read_done(&mut self, lease: u64, live: bool) {
-        let Some(req) = self.reading.remove(&lease) else { return };
-        self.d_busy -= 1;
-        match self.policy {
-            Policy::Lease(_) => {
-                let how = if live { Untrack::Transferred } else { Untrack::Abandoned };
-                self.renewer.untrack(&req.to_string(), how);
-                if live {
-                    self.report.served += 1;
-                } else {
-                    self.report.recomputed += 1;
-                }
-            }
-            // vLLM before leases: whatever was read is decoded.
-            Policy::Fixed(_) if live => self.report.served += 1,
-            Policy::Fixed(_) => self.report.garbage += 1,
-        }
-        self.decode();
-    }
-
-    fn decode(&mut self) {
-        self.d_busy += 1;
-        self.at(self.sc.decode_time, Event::Decoded);
-    }
-}
-
-/// Runs one policy on a scenario.
+/// Runs one policy on a scenario, on the real engines: one P, one D, under virtual time.
 pub fn simulate(sc: &Scenario, policy: Policy) -> Report {
-    Sim::new(sc.clone(), policy).run()
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build() {
+        Ok(rt) => rt,
+        Err(_) => return Report { policy: policy.name(), ..Report::default() },
+    };
+    rt.block_on(run(sc.clone(), policy))
+}
+
+#[derive(Default)]
+struct Tally {
+    arrived: u64,
+    correct: u64,
+    garbage: u64,
+}
+
+async fn run(sc: Scenario, policy: Policy) -> Report {
+    let mut report = Report { policy: policy.name(), ..Report::default() };
+    let net = MemNetwork::new();
+    net.set_faults(Faults { seed: sc.seed, loss: sc.loss, delay: (sc.delay, sc.delay), unfenced: true, ..Faults::default() });
+    // P has room for every request of the run; D for its slots.
+    let p_blocks = (sc.rate * sc.surge_factor * sc.duration.as_secs_f64()) as u32 * sc.blocks + sc.blocks;
+    let d_blocks = (sc.d_slots as u32 + 1) * (sc.blocks + GENERATED.div_ceil(BLOCK_SIZE) + 1);
+    // The local reference: same model, no compute time (answers do not depend on it).
+    let mut local_cfg = engine_config(&sc, Policy::Lease(30.0), &MemNetwork::new(), "local", 0, 64 * (sc.blocks + 4), 64);
+    local_cfg.model.decode_ms_per_token = 0.0;
+    let (Ok(p), Ok(d), Ok(local)) = (
+        EngineHandle::start(engine_config(&sc, policy, &net, "p", 5000, p_blocks.max(sc.blocks), 64)).await,
+        EngineHandle::start(engine_config(&sc, policy, &net, "d", 5001, d_blocks, sc.d_slots)).await,
+        EngineHandle::start(EngineConfig { planted_bug: None, ..local_cfg }).await,
+    ) else {
+        return report;
+    };
+    let t0 = Instant::now();
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let d_slot = Arc::new(Mutex::new(Some(d.clone())));
+    drop(d);
+    let mut rng = cluster::Rng(sc.seed ^ 0x9e37_79b9_7f4a_7c15);
+    let mut clients = tokio::task::JoinSet::new();
+    // Arrivals up to the crash (the router then sends D nothing more) or the end.
+    let stop_arrivals = sc.d_crash.unwrap_or(sc.duration).min(sc.duration);
+    let mut t = Duration::ZERO;
+    let mut n = 0u64;
+    loop {
+        let surging = sc.surge.is_some_and(|(a, b)| t >= a && t < b);
+        let rate = sc.rate * if surging { sc.surge_factor } else { 1.0 };
+        t += Duration::from_secs_f64(-(1.0 - rng.unit()).ln() / rate);
+        if t >= stop_arrivals {
+            break;
+        }
+        n += 1;
+        let r = Req {
+            at: t,
+            prompt: (0..sc.blocks * BLOCK_SIZE).map(|_| 97 + rng.below(26) as u32).collect(),
+            max_tokens: GENERATED,
+            ignore_eos: true,
+            p: 0,
+            d: 0,
+        };
+        let (p, d_slot, local, tally) = (p.clone(), d_slot.clone(), local.clone(), tally.clone());
+        clients.spawn(async move {
+            tokio::time::sleep_until(t0 + r.at).await;
+            tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
+            let Ok((_, Some(params))) = collect(&p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
+            let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+            let Ok((got, _)) = collect(&d, request(format!("r{n}"), &r, params)).await else { return };
+            drop(d);
+            let want: Answer = match collect(&local, request(format!("l{n}"), &r, json!({}))).await {
+                Ok((a, _)) => a,
+                Err(_) => return,
+            };
+            let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+            if got == want {
+                t.correct += 1;
+            } else {
+                t.garbage += 1;
+            }
+        });
+    }
+    // Sample P's pinned blocks every 100 ms; crash D when due.
+    let step = Duration::from_millis(100);
+    let mut crashed_at: Option<Duration> = None;
+    let mut now = Duration::ZERO;
+    while now < sc.duration {
+        tokio::time::sleep_until(t0 + now).await;
+        if let Some(c) = sc.d_crash.filter(|c| crashed_at.is_none() && now >= *c) {
+            if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
+                d.kill();
+            }
+            crashed_at = Some(c);
+        }
+        let blocks = p.metrics().leased_blocks.load(Relaxed).max(0) as u64;
+        report.peak_leased_blocks = report.peak_leased_blocks.max(blocks);
+        if let Some(c) = crashed_at {
+            report.dead_block_seconds += blocks as f64 * step.as_secs_f64();
+            if p.live_leases() == 0 && report.reclaim_after_crash.is_none() {
+                report.reclaim_after_crash = Some((now - c).as_secs_f64());
+            }
+        }
+        now += step;
+    }
+    clients.abort_all();
+    let tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    // Requests D decoded from its own recompute are counted there; the rest were pulled.
+    if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
+    }
+    report.arrived = tally.arrived;
+    report.garbage = tally.garbage;
+    report.served = tally.correct.saturating_sub(report.recomputed);
+    report
 }
