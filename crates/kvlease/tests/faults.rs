@@ -59,15 +59,21 @@ async fn killed_decoder_leases_are_reclaimed_within_seconds() {
                 .await;
         }));
     }
-    // Heartbeats keep the leases alive well past L while D is healthy.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Heartbeats keep the leases alive well past L while D is healthy: twelve heartbeats at
+    // I = 0.2 s cover 2.4 s, twice L.
+    let started = Instant::now();
+    until("twelve heartbeats", Duration::from_secs(10), || async { metric(&p.url, "kvlease_heartbeats_received_total").await >= 12.0 })
+        .await;
+    assert!(started.elapsed() > Duration::from_millis(1200), "past L");
     assert_eq!(metric(&p.url, "kvlease_leases_active").await, 3.0, "a healthy, busy D keeps its leases");
-    assert!(metric(&p.url, "kvlease_heartbeats_received_total").await >= 5.0);
     d.signal("KILL");
     let t0 = Instant::now();
     until("P reclaims", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    // Seconds, not vLLM's 480 s. The exact bound (E + delay + reaper granularity after the last
+    // heartbeat) is proven under virtual time by the simulator (kvlease-sim, P4 reclaim); a
+    // wall-clock bound here would only measure how busy the machine is.
     let took = t0.elapsed();
-    assert!(took < Duration::from_millis(1500), "reclaimed after {took:?}; E is 0.8 s");
+    assert!(took < Duration::from_secs(5), "reclaimed after {took:?}; E is 0.8 s");
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await, 3.0);
     assert_eq!(metric(&p.url, "kvlease_kv_blocks_free").await, metric(&p.url, "kvlease_kv_blocks_total").await);
     for w in waiting {

@@ -13,6 +13,13 @@ pub fn config(lease_secs: f64, tp: u32) -> EngineConfig {
     EngineConfig { transfer, tp_size: tp, num_gpu_blocks: 256, model: ModelConfig::default(), ..EngineConfig::default() }
 }
 
+/// The config on `net`, an in-memory network: for tests under virtual time
+/// (`#[tokio::test(start_paused = true)]`), where timing bounds are exact rather than padded
+/// for a loaded machine.
+pub fn on_mem(cfg: EngineConfig, net: &kvlease_transport::mem::MemNetwork) -> EngineConfig {
+    EngineConfig { transport: TransportKind::Mem(net.clone()), ..cfg }
+}
+
 pub async fn engine(cfg: EngineConfig) -> EngineHandle {
     EngineHandle::start(cfg).await.expect("engine starts")
 }
