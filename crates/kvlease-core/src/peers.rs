@@ -14,6 +14,10 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// How long a handshake may take, connecting included, before the dialer gives up and the
+/// renewer backs off (SPEC D5); the server gives a peer as long to prove itself.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The model geometry two engines must share to exchange KV (their TP may differ, SPEC T1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {

@@ -280,6 +280,10 @@ impl EngineHandle {
         let _ = tokio::time::timeout(Duration::from_secs(10), stopped.wait_for(|s| *s)).await;
         lease_holder::shutdown(&self.inner);
         renewal::release_all(&self.inner);
+        // The releases go out before the process does.
+        for r in self.inner.ranks() {
+            r.agent.flush(Duration::from_secs(1)).await;
+        }
         self.inner.tasks.stop(Duration::from_secs(1)).await;
     }
 

@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Largest handshake frame: a Hello carries a few hundred bytes per rank.
 pub const MAX_FRAME: usize = 1 << 20;
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const HANDSHAKE_TIMEOUT: Duration = kvlease_core::peers::HANDSHAKE_TIMEOUT;
 /// Handshakes a server serves at once; more connections are closed at once and counted.
 pub const MAX_PENDING: usize = 64;
 /// Opens the server's challenge: the side channel's own magic and version.

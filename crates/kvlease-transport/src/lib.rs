@@ -133,6 +133,14 @@ pub trait Agent: Send + Sync + 'static {
     /// Whether the serving side's [`ReadGate`] sees (and may refuse) each read.
     fn can_refuse_reads(&self) -> bool;
 
+    /// Waits until every notification sent so far has been handed to the network (at most
+    /// `within`): a stopping engine's last releases go out before the process does. Backends
+    /// that deliver at once have nothing to wait for.
+    fn flush(&self, within: std::time::Duration) -> BoxFuture<'_, ()> {
+        let _ = within;
+        Box::pin(async {})
+    }
+
     /// The memory this agent registered.
     fn arena(&self) -> &BlockArena;
 }

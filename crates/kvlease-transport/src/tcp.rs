@@ -402,12 +402,28 @@ impl Agent for TcpAgent {
         true
     }
 
+    fn flush(&self, within: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + within;
+            // Every queued frame is counted until its writer has written it to the socket.
+            while !self.inner.all_written() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    }
+
     fn arena(&self) -> &BlockArena {
         &self.inner.arena
     }
 }
 
 impl Inner {
+    /// Whether no connection has bytes queued and not yet written.
+    fn all_written(&self) -> bool {
+        let st = lock(&self.state);
+        st.peers.values().filter_map(|p| p.conn.as_ref()).all(|c| c.queued.load(Ordering::Relaxed) == 0)
+    }
+
     fn reject(&self, reason: &'static str) {
         let _ = self.events.send(AgentEvent::Rejected { reason });
     }

@@ -42,9 +42,10 @@ const MAX_HTTP_TIMEOUT: f64 = 86_400.0;
 #[derive(Parser, Debug)]
 #[command(name = "kvlease", version, about = "KV-cache lease renewal for disaggregated LLM serving")]
 struct Cli {
-    /// Log level: error, warn, info, debug or trace (logs go to stderr).
-    #[arg(long, global = true, default_value = "info")]
-    log_level: tracing::Level,
+    /// Log level: error, warn, info, debug or trace (logs go to stderr). Default: info; for
+    /// `sim`, error (the simulated engines' own logs are in each seed's trace instead).
+    #[arg(long, global = true)]
+    log_level: Option<tracing::Level>,
     #[command(subcommand)]
     command: Command,
 }
@@ -224,7 +225,8 @@ impl std::error::Error for InvalidConfig {}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level).init();
+    let default_level = if matches!(cli.command, Command::Sim(_)) { tracing::Level::ERROR } else { tracing::Level::INFO };
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level.unwrap_or(default_level)).init();
     if let Command::Serve(args) = &cli.command {
         if args.transport == Transport::Nixl {
             let has_secret = args.kv_transfer_secret_file.is_some() || std::env::var_os(SECRET_ENV).is_some_and(|v| !v.is_empty());
