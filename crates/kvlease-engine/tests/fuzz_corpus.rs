@@ -103,7 +103,7 @@ fn mutate(rng: &mut Rng, input: &[u8], other: &[u8]) -> Vec<u8> {
 #[test]
 fn p7_fuzz_seeded_mutations_do_not_panic() {
     let secs: f64 = std::env::var("KVLEASE_FUZZ_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
-    let seed: u64 = std::env::var("KVLEASE_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6b76_6c65_6173_65);
+    let seed: u64 = std::env::var("KVLEASE_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x006b_766c_6561_7365);
     for (name, target) in TARGETS {
         let inputs = corpus(name);
         let mut rng = Rng(seed | 1);
