@@ -18,11 +18,12 @@
 //! * `P3-P4` (liveness): every request's lease is eventually granted and released.
 //!
 //! Bounds (two configurations, see [`Protocol`]): one lease under every fault (one loss, one
-//! duplicate delivery, one D crash, one P restart, two handshakes, two heartbeats; ~363k unique
-//! states), and two leases across a P restart that reuses a lease id (~153k). Time only moves
-//! while P holds a lease that has not yet expired, and every fault and send is drawn from a
-//! finite budget, so the state graph is finite and acyclic (stateright checks `eventually` only
-//! on acyclic paths). The whole file runs in ~10 s in debug on the 2-core dev machine
+//! duplicate delivery, one D crash, one P restart, two handshakes, two heartbeats; ~364k unique
+//! states), and two leases across a P restart that reuses a lease id (two handshakes, one
+//! heartbeat, reordering only; ~350k). Time only moves while P holds a lease that has not yet
+//! expired, and every fault and send is drawn from a finite budget, so the state graph is finite
+//! and acyclic (stateright checks `eventually` only on acyclic paths). The whole file runs in
+//! ~9 s wall (~13 s CPU) in debug on the shared 2-core dev machine
 //! (`time cargo test -p kvlease-core --test model_check`). The planted-bug tests prove each
 //! property bites: with a bug switched on, the checker must find a counterexample.
 //!
@@ -49,6 +50,11 @@ enum Bug {
     PRevivesReleasedLease,
     /// P's reaper skips leases that were ever renewed (so a crashed D's lease is never freed).
     PNeverExpiresRenewedLease,
+    /// D reads from whatever incarnation of P it last shook hands with, not checking that it is
+    /// the one that granted the lease (the re-check before reading, D5/D6).
+    DSkipsIncarnationCheck,
+    /// P confirms a `ReadDone` without checking the prompt digest it carries (S4).
+    PSkipsDigestCheck,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -95,7 +101,8 @@ enum DReq {
     Waiting,
     /// Params arrived: tracked and heartbeated (D1); `acked_until` = latest acked send + E.
     Tracking { inc: u8, id: u8, acked_until: u8 },
-    /// D checked the lease and issued the one-sided read; it has not landed yet.
+    /// D checked the lease and issued the one-sided read (to P's incarnation `inc`); it has not
+    /// landed yet.
     Reading { inc: u8, id: u8 },
     /// The read landed (`valid`: it returned this request's KV); waiting for `ReadDoneAck`.
     AwaitAck { inc: u8, id: u8, valid: bool },
@@ -161,24 +168,28 @@ struct Protocol {
     dups: u8,
     heartbeats: u8,
     hellos: u8,
-    bug: Option<Bug>,
+    bugs: Vec<Bug>,
 }
 
 impl Protocol {
     /// One lease under every fault: loss, duplication and reordering of any message, a D
     /// crash, D pauses (any interleaving), a P restart, a re-handshake.
     fn one_lease_all_faults() -> Protocol {
-        Protocol { requests: 1, restarts: 1, d_crashes: 1, losses: 1, dups: 1, heartbeats: 2, hellos: 2, bug: None }
+        Protocol { requests: 1, restarts: 1, d_crashes: 1, losses: 1, dups: 1, heartbeats: 2, hellos: 2, bugs: Vec::new() }
     }
 
     /// Two leases across a P restart: the new incarnation grants lease id 0 again, to another
     /// request, while D still holds params naming id 0 of the old one (reordering only).
     fn two_leases_across_a_restart() -> Protocol {
-        Protocol { requests: 2, restarts: 1, d_crashes: 0, losses: 0, dups: 0, heartbeats: 1, hellos: 1, bug: None }
+        Protocol { requests: 2, restarts: 1, d_crashes: 0, losses: 0, dups: 0, heartbeats: 1, hellos: 2, bugs: Vec::new() }
     }
 
-    fn with_bug(self, bug: Bug) -> Protocol {
-        Protocol { bug: Some(bug), ..self }
+    fn with_bugs(self, bugs: &[Bug]) -> Protocol {
+        Protocol { bugs: bugs.to_vec(), ..self }
+    }
+
+    fn has(&self, bug: Bug) -> bool {
+        self.bugs.contains(&bug)
     }
 }
 
@@ -218,7 +229,7 @@ fn live(l: &Lease) -> bool {
 impl Protocol {
     fn expirable(&self, l: &Lease, now: u8) -> bool {
         match l.state {
-            LeaseState::Live { deadline, renewed } => deadline <= now && !(renewed && self.bug == Some(Bug::PNeverExpiresRenewedLease)),
+            LeaseState::Live { deadline, renewed } => deadline <= now && !(renewed && self.has(Bug::PNeverExpiresRenewedLease)),
             LeaseState::Gone(_) => false,
         }
     }
@@ -240,11 +251,11 @@ impl Protocol {
                             if let LeaseState::Live { deadline, .. } = s.leases[i].state {
                                 // (Whether it was renewed matters only to the planted reaper bug;
                                 // not tracking it otherwise keeps the state space small.)
-                                let renewed = self.bug == Some(Bug::PNeverExpiresRenewedLease);
+                                let renewed = self.has(Bug::PNeverExpiresRenewedLease);
                                 s.leases[i].state = LeaseState::Live { deadline: deadline.max(s.now + E), renewed };
                             }
                         }
-                        Some(i) if self.bug == Some(Bug::PRevivesReleasedLease) => {
+                        Some(i) if self.has(Bug::PRevivesReleasedLease) => {
                             s.leases[i].state = LeaseState::Live { deadline: s.now + E, renewed: true };
                         }
                         _ => lost |= 1 << id,
@@ -261,11 +272,11 @@ impl Protocol {
                 let ack = match current(s, id) {
                     // P5/P8 (n = 1): the read completed while the lease was live, for its own
                     // prompt (S4): the lease is transferred and the bytes are confirmed.
-                    Some(i) if live(&s.leases[i]) && s.leases[i].req == req => {
+                    Some(i) if live(&s.leases[i]) && (s.leases[i].req == req || self.has(Bug::PSkipsDigestCheck)) => {
                         release(s, i, Reason::Transferred);
                         true
                     }
-                    Some(i) => self.bug == Some(Bug::PAcksLiveAfterExpiry) && s.leases[i].req == req,
+                    Some(i) => self.has(Bug::PAcksLiveAfterExpiry) && s.leases[i].req == req,
                     None => false,
                 };
                 send(s, Msg::ReadDoneAck { from_inc: s.p_inc, id, live: ack });
@@ -375,7 +386,8 @@ impl Model for Protocol {
                     DReq::Tracking { inc, acked_until, .. } => {
                         // D6: read only from the incarnation that granted the lease, and only
                         // under an acknowledged heartbeat that still covers the read.
-                        if s.d_peer_inc == Some(inc) && acked_until > s.now {
+                        let same = s.d_peer_inc == Some(inc) || (s.d_peer_inc.is_some() && self.has(Bug::DSkipsIncarnationCheck));
+                        if same && acked_until > s.now {
                             out.push(Action::BeginRead(r));
                         }
                         out.push(Action::Abort(r));
@@ -462,16 +474,20 @@ impl Model for Protocol {
             }
             Action::BeginRead(r) => {
                 let DReq::Tracking { inc, id, .. } = s.d_reqs[r as usize] else { return None };
-                s.d_reqs[r as usize] = DReq::Reading { inc, id };
+                // The read goes to the agents of the incarnation D shook hands with last: the
+                // one that granted the lease, unless the re-check is planted away.
+                let to = if self.has(Bug::DSkipsIncarnationCheck) { s.d_peer_inc? } else { inc };
+                s.d_reqs[r as usize] = DReq::Reading { inc: to, id };
             }
             Action::ReadLands(r) => {
                 let DReq::Reading { inc, id } = s.d_reqs[r as usize] else { return None };
-                // A one-sided read of lease `id` on P's current agents: the request's KV only if
-                // P still holds that lease, for this request, in the incarnation that granted it.
+                // A one-sided read of lease `id` on the agents of P's incarnation `inc` (gone if P
+                // restarted since): this request's KV only if that incarnation still holds lease
+                // `id`, and holds it for this request.
                 let valid = s.p_inc == inc && current(&s, id).is_some_and(|i| live(&s.leases[i]) && s.leases[i].req == r);
                 send(&mut s, Msg::ReadDone { to_inc: inc, id, req: r });
                 s.d_reqs[r as usize] =
-                    if self.bug == Some(Bug::DUsesBytesWithoutAck) { DReq::Used { valid } } else { DReq::AwaitAck { inc, id, valid } };
+                    if self.has(Bug::DUsesBytesWithoutAck) { DReq::Used { valid } } else { DReq::AwaitAck { inc, id, valid } };
             }
             Action::GiveUp(r) => s.d_reqs[r as usize] = DReq::Recomputed,
             Action::Abort(r) => {
@@ -559,7 +575,7 @@ impl Protocol {
 /// Checks every state within the model's bounds (breadth first, one thread: the machine is
 /// shared), stopping at the first failure when a bug is planted.
 fn check(model: Protocol) -> impl Checker<Protocol> {
-    let planted = model.bug.is_some();
+    let planted = !model.bugs.is_empty();
     let builder = model.checker().threads(1);
     let builder = if planted { builder.finish_when(HasDiscoveries::AnyFailures) } else { builder };
     builder.spawn_bfs().join()
@@ -591,10 +607,10 @@ fn p3_p5_d6_model_check_two_leases_across_a_restart() {
     assert_holds(Protocol::two_leases_across_a_restart());
 }
 
-fn assert_found(model: Protocol, bug: Bug, property: &'static str) {
-    let checker = check(model.with_bug(bug));
-    let path = checker.discovery(property).unwrap_or_else(|| panic!("{bug:?}: the checker missed it ({property})"));
-    eprintln!("{bug:?} → counterexample for {property:?}: {:?}", path.into_actions());
+fn assert_found(model: Protocol, bugs: &[Bug], property: &'static str) {
+    let checker = check(model.with_bugs(bugs));
+    let path = checker.discovery(property).unwrap_or_else(|| panic!("{bugs:?}: the checker missed it ({property})"));
+    eprintln!("{bugs:?} → counterexample for {property:?}: {:?}", path.into_actions());
 }
 
 const NO_DEAD_READ_USED: &str = "P5/D6: no used read of a lease that was not live";
@@ -602,23 +618,40 @@ const NO_DEAD_READ_USED: &str = "P5/D6: no used read of a lease that was not liv
 /// SPEC D6: the checker finds a D that uses a read without P's confirmation.
 #[test]
 fn d6_planted_bug_use_without_read_done_ack_is_found() {
-    assert_found(Protocol::one_lease_all_faults(), Bug::DUsesBytesWithoutAck, NO_DEAD_READ_USED);
+    assert_found(Protocol::one_lease_all_faults(), &[Bug::DUsesBytesWithoutAck], NO_DEAD_READ_USED);
 }
 
 /// SPEC P5: the checker finds a P that confirms a read of an expired lease.
 #[test]
 fn p5_planted_bug_ack_live_after_expiry_is_found() {
-    assert_found(Protocol::one_lease_all_faults(), Bug::PAcksLiveAfterExpiry, NO_DEAD_READ_USED);
+    assert_found(Protocol::one_lease_all_faults(), &[Bug::PAcksLiveAfterExpiry], NO_DEAD_READ_USED);
 }
 
 /// SPEC P3/P6: the checker finds a P whose heartbeat revives a released lease (released twice).
 #[test]
 fn p3_planted_bug_heartbeat_revives_released_lease_is_found() {
-    assert_found(Protocol::one_lease_all_faults(), Bug::PRevivesReleasedLease, "P3: each lease released at most once, under one reason");
+    assert_found(Protocol::one_lease_all_faults(), &[Bug::PRevivesReleasedLease], "P3: each lease released at most once, under one reason");
 }
 
 /// SPEC P4: the checker finds a reaper that never frees a crashed D's renewed lease.
 #[test]
 fn p4_planted_bug_renewed_lease_never_expires_is_found() {
-    assert_found(Protocol::one_lease_all_faults(), Bug::PNeverExpiresRenewedLease, "P3-P4: every lease is eventually released");
+    assert_found(Protocol::one_lease_all_faults(), &[Bug::PNeverExpiresRenewedLease], "P3-P4: every lease is eventually released");
+}
+
+/// SPEC D5, D6, S4: after P restarts, its new incarnation grants lease id 0 again, to another
+/// request. Two fences keep D from using that request's KV under its own old params: D's
+/// incarnation re-check before reading, and P's digest check when the read is confirmed. With
+/// both removed the checker finds the wrong KV used; with the incarnation check alone removed,
+/// the digest check still holds (and the model itself holds with both, above).
+#[test]
+fn d5_d6_s4_planted_bugs_no_incarnation_check_and_no_digest_check_are_found() {
+    assert_found(Protocol::two_leases_across_a_restart(), &[Bug::DSkipsIncarnationCheck, Bug::PSkipsDigestCheck], NO_DEAD_READ_USED);
+}
+
+/// SPEC S4: P's digest check alone fences a read through a reused lease id (see above).
+#[test]
+fn s4_digest_check_alone_fences_a_reused_lease_id() {
+    let checker = check(Protocol::two_leases_across_a_restart().with_bugs(&[Bug::DSkipsIncarnationCheck]));
+    checker.assert_no_discovery(NO_DEAD_READ_USED);
 }
