@@ -9,6 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 
+echo "== SPEC coverage: every SPEC id named by a test (or allow-listed as not implemented)"
+scripts/spec-coverage.sh
+
 if [ "${KVLEASE_SKIP_NIXL:-0}" = 1 ]; then
     echo "!!!!!!!! KVLEASE_SKIP_NIXL=1: the NIXL transport is NOT tested in this run !!!!!!!!"
     features=()

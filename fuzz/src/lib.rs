@@ -1,0 +1,73 @@
+//! What each fuzz target checks, on any bytes. Shared by the cargo-fuzz targets
+//! (`fuzz_targets/`) and the stable corpus replay (`crates/kvlease-engine/tests/fuzz_corpus.rs`),
+//! so the corpus replayed by `cargo test` goes through exactly what the fuzzer ran.
+//!
+//! Each function must never panic on any input; a panic is a bug (the input is a regression
+//! test to keep in `corpus/`). Besides "no panic", each checks a round trip where the code
+//! promises one.
+
+use kvlease_core::wire::{Hello, Message};
+use kvlease_engine::KvRole;
+use serde_json::Value;
+
+/// The side channel's largest frame (`side_channel::MAX_FRAME`, private to the engine).
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// SPEC §9, P7: the notification decoder accepts any byte string without panicking; what it
+/// accepts re-encodes to bytes that decode to the same message.
+pub fn wire(data: &[u8]) {
+    if let Ok(msg) = Message::decode(data) {
+        let again = Message::decode(&msg.encode());
+        assert_eq!(again.as_ref(), Ok(&msg), "a decoded message must survive a round trip");
+    }
+}
+
+/// SPEC §3, D5, P7: the side channel's Hello, as the engine takes it from a peer (the side
+/// channel's module is private, so this follows its steps through public functions): a frame
+/// of a 4-byte big-endian length and a message (`read_frame`: refused over [`MAX_FRAME`]), which
+/// must be a Hello; its MAC input is the Hello re-encoded without its `auth`; its `info` is the
+/// geometry JSON the connector reads with `serde_json::from_slice` (`check_geometry`).
+pub fn hello(data: &[u8]) {
+    let Some((len, body)) = data.split_first_chunk::<4>() else { return };
+    let len = u32::from_be_bytes(*len) as usize;
+    if len > MAX_FRAME || len > body.len() {
+        return; // refused as oversized, or the connection waits for more (and times out)
+    }
+    let Ok(Message::Hello(hello)) = Message::decode(&body[..len]) else { return };
+    let unsigned = Hello { auth: Vec::new(), ..hello.clone() };
+    let encoded = Message::Hello(unsigned.clone()).encode();
+    assert_eq!(Message::decode(&encoded), Ok(Message::Hello(unsigned)), "the signed form of a Hello must round-trip");
+    geometry(&hello);
+}
+
+/// What the connector's `check_geometry` reads of a peer's `info`: its model geometry and
+/// `tp_size`, which must divide the heads and match the agents.
+fn geometry(hello: &Hello) {
+    let Ok(info) = serde_json::from_slice::<Value>(&hello.info) else { return };
+    for key in ["num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "block_size"] {
+        let _ = info.get(key).and_then(Value::as_u64);
+    }
+    let tp = info.get("tp_size").and_then(Value::as_u64).unwrap_or(0);
+    if tp != 0 {
+        let _fits = tp as usize == hello.agents.len() && 8 % tp == 0;
+    }
+}
+
+/// SPEC §10, S1, S4: `kv_transfer_params` as a request body brings them (any JSON) through
+/// `KvRole::parse`: never a panic; D's params re-issued by `to_json` parse back to the same
+/// params, and the signature `to_json` adds verifies.
+pub fn kv_params(data: &[u8]) {
+    let Ok(params) = serde_json::from_slice::<Value>(data) else { return };
+    let Ok(KvRole::DecodeRemote(rk)) = KvRole::parse(Some(&params)) else { return };
+    let _ = rk.verify(b"cluster secret");
+    let _ = rk.describes(&[1, 2, 3]);
+    let signed = rk.to_json(Some(b"cluster secret"));
+    match KvRole::parse(Some(&signed)) {
+        Ok(KvRole::DecodeRemote(mut again)) => {
+            assert!(again.verify(b"cluster secret").is_ok(), "params signed by to_json must verify");
+            again.signature.clone_from(&rk.signature);
+            assert_eq!(again, rk, "params must survive to_json and parse");
+        }
+        other => panic!("to_json's params must parse as D's params, got {other:?}"),
+    }
+}
