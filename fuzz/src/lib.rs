@@ -6,6 +6,7 @@
 //! test to keep in `corpus/`). Besides "no panic", each checks a round trip where the code
 //! promises one.
 
+use kvlease_core::peers::{agent_name, check_agent_names, check_reply, Geometry};
 use kvlease_core::wire::{Hello, Message};
 use kvlease_engine::KvRole;
 use serde_json::Value;
@@ -40,17 +41,14 @@ pub fn hello(data: &[u8]) {
     geometry(&hello);
 }
 
-/// What the connector's `check_geometry` reads of a peer's `info`: its model geometry and
-/// `tp_size`, which must divide the heads and match the agents.
+/// The engine's handshake checks of a peer's Hello, which live in core: its geometry (`info`)
+/// and its agents' names, and that a reply answers our request.
 fn geometry(hello: &Hello) {
-    let Ok(info) = serde_json::from_slice::<Value>(&hello.info) else { return };
-    for key in ["num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "block_size"] {
-        let _ = info.get(key).and_then(Value::as_u64);
-    }
-    let tp = info.get("tp_size").and_then(Value::as_u64).unwrap_or(0);
-    if tp != 0 {
-        let _fits = tp as usize == hello.agents.len() && 8 % tp == 0;
-    }
+    let ours = Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 };
+    let _ = ours.check_peer(hello);
+    let _ = check_reply(&hello.engine_id, hello.echo.0, hello);
+    let names: Vec<String> = (0..hello.agents.len()).map(|r| agent_name(&hello.engine_id, hello.incarnation, r)).collect();
+    assert_eq!(check_agent_names(hello, &names), Ok(()), "agents named for their engine are accepted");
 }
 
 /// SPEC §10, S1, S4: `kv_transfer_params` as a request body brings them (any JSON) through
