@@ -404,7 +404,7 @@ impl Renewer {
             let idle = engine.leases.is_empty() && engine.to_release.is_empty() && engine.link != Link::Pending;
             engine.idle_since = if idle { engine.idle_since.or(Some(now)) } else { None };
         }
-        let forget_after = (self.interval * 12).max(FORGET_AFTER_MIN);
+        let forget_after = self.forget_after();
         let stale: Vec<String> = self
             .engines
             .iter()
@@ -423,6 +423,7 @@ impl Renewer {
         if !self.lost.is_empty() {
             return Some(Nanos::ZERO);
         }
+        let forget_after = self.forget_after();
         self.engines
             .values()
             .filter_map(|e| match e.link {
@@ -430,9 +431,15 @@ impl Renewer {
                 Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
                 Link::Ready if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
                 Link::Ready if !e.leases.is_empty() => Some(e.next_due),
-                _ => None,
+                // An idle engine is forgotten after a while.
+                _ => e.idle_since.map(|t| t + forget_after),
             })
             .min()
+    }
+
+    /// An engine nothing was tracked toward for this long is forgotten.
+    fn forget_after(&self) -> Duration {
+        (self.interval * 12).max(FORGET_AFTER_MIN)
     }
 
     /// Requests being renewed.

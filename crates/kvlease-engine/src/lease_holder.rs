@@ -15,7 +15,6 @@ use kvlease_core::wire::Message;
 use kvlease_transport::{ReadGate, ReadPermit};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// What a finished `do_remote_decode` prefill hands over.
@@ -46,6 +45,8 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
         inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
         id
     };
+    // The new deadline may come before whatever the reaper sleeps until.
+    inner.reaper_wake.notify_one();
     inner.metrics.leases_granted.fetch_add(1, Relaxed);
     let kv = inner.kv_addr.get().copied();
     let remote = RemoteKv {
@@ -130,19 +131,21 @@ pub(crate) fn shutdown(inner: &Inner) {
     lock(&inner.quarantine).drain().for_each(drop);
 }
 
-/// SPEC P4: tick the lease table every half granularity, busy or idle, and hand back
-/// quarantined blocks when their hold ends.
+/// SPEC P4: the reaper. It ticks the lease table when the table's next expiry is due (a lower
+/// bound, never later than the truth) and hands back quarantined blocks when their hold ends;
+/// between the two it sleeps, so an idle engine has no timer running at all. A grant wakes it
+/// (the new deadline may be the earliest); renewals only move deadlines later.
 pub(crate) async fn reaper(inner: Arc<Inner>) {
-    let period = (inner.cfg.transfer.lease.reap_granularity() / 2).max(Duration::from_micros(100));
-    let mut next_tick = tokio::time::Instant::now();
+    let granularity = inner.cfg.transfer.lease.reap_granularity();
     loop {
         let now = inner.now();
-        if tokio::time::Instant::now() >= next_tick {
-            let mut released = Vec::new();
-            lock(&inner.leases).tick(now, &mut released);
-            settle(&inner, released);
-            next_tick = tokio::time::Instant::now() + period;
-        }
+        let mut released = Vec::new();
+        let next_expiry = {
+            let mut table = lock(&inner.leases);
+            table.tick(now, &mut released);
+            table.next_expiry()
+        };
+        settle(&inner, released);
         let mut out = Vec::new();
         let next_release = {
             let mut q = lock(&inner.quarantine);
@@ -150,8 +153,21 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
             q.next_release()
         };
         drop(out);
-        let wake = next_release.map_or(next_tick, |t| inner.instant(t).min(next_tick));
-        let _ = tokio::time::timeout_at(wake, inner.reaper_wake.notified()).await;
+        let next = match (next_expiry, next_release) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // Registered before sleeping: a grant between the tick and here is not missed.
+        let woken = inner.reaper_wake.notified();
+        match next {
+            // Never sooner than a quarter of the granularity P4 allows: no spinning on a lower
+            // bound that is due but expires nothing (a renewed lease), and never later than P4.
+            Some(t) => {
+                let at = inner.instant(t.max(now + granularity / 4));
+                let _ = tokio::time::timeout_at(at, woken).await;
+            }
+            None => woken.await,
+        }
     }
 }
 

@@ -11,17 +11,20 @@ use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The renewer's driver: polls it when it asks to be polled or when woken, carries out what it
 /// says. Runs on its own, so a long forward step delays no heartbeat (SPEC D3).
 pub(crate) async fn run(inner: Arc<Inner>) {
     loop {
-        let next = drive(&inner);
-        // Idle, it still looks once a second (cheap; a safety net for a lost wake-up).
-        let idle = tokio::time::Instant::now() + Duration::from_secs(1);
-        let wake = next.map_or(idle, |t| inner.instant(t).min(idle));
-        let _ = tokio::time::timeout_at(wake, inner.renewer_wake.notified()).await;
+        // Every change to the renewer from outside this task wakes it; otherwise it sleeps until
+        // the renewer's own next deadline — or for good, when nothing is tracked.
+        let woken = inner.renewer_wake.notified();
+        match drive(&inner) {
+            Some(t) => {
+                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
+            }
+            None => woken.await,
+        }
     }
 }
 
