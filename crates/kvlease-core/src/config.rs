@@ -39,6 +39,8 @@ pub struct LeaseConfig {
     /// SPEC B1: how long D keeps a finished turn's blocks in bidirectional mode.
     pub decoder_kv_blocks_ttl: Duration,
     pub bidirectional: bool,
+    /// SPEC B4: a cached prefix shorter than this many tokens is recomputed, not read.
+    pub kv_recompute_threshold: u32,
     pub load_failure_policy: LoadFailurePolicy,
     /// SPEC D2: heartbeats are split into messages of at most this many bytes.
     pub max_notif_bytes: usize,
@@ -125,13 +127,33 @@ impl LeaseConfig {
                 warnings.push(format!("kv_connector_extra_config: unknown key {key:?} ignored"));
             }
         }
+        let bidirectional = bool_key(extra, "bidirectional_kv_xfer", false)?;
+        let kv_recompute_threshold = match extra.get("kv_recompute_threshold") {
+            None | Some(Value::Null) => {
+                if bidirectional {
+                    64
+                } else {
+                    0
+                }
+            }
+            Some(v) => match number(v).filter(|n| n.fract() == 0.0 && *n >= 0.0 && *n <= f64::from(u32::MAX)) {
+                Some(n) => n as u32,
+                None => {
+                    return Err(ConfigError::Invalid {
+                        key: "kv_recompute_threshold",
+                        why: format!("{v} is not a whole number of tokens ≥ 0"),
+                    })
+                }
+            },
+        };
         Ok(LeaseConfig {
             lease_duration: lease,
             heartbeat_interval: interval,
             extension: lease * 2 / 3,
             max_lifetime,
             decoder_kv_blocks_ttl: secs_key(extra, "decoder_kv_blocks_ttl", 480.0)?,
-            bidirectional: bool_key(extra, "bidirectional_kv_xfer", false)?,
+            bidirectional,
+            kv_recompute_threshold,
             load_failure_policy,
             max_notif_bytes,
         })
@@ -235,11 +257,12 @@ const KNOWN_TOP_KEYS: [&str; 13] = [
     "kv_load_failure_policy",
 ];
 
-const KNOWN_EXTRA_KEYS: [&str; 8] = [
+const KNOWN_EXTRA_KEYS: [&str; 9] = [
     "kv_lease_duration",
     "kv_lease_max_lifetime",
     "decoder_kv_blocks_ttl",
     "bidirectional_kv_xfer",
+    "kv_recompute_threshold",
     "kv_load_failure_policy",
     "max_notif_bytes",
     "backends",

@@ -14,6 +14,7 @@
 //! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
 //! * [`wire`] — the notification codec (SPEC §9).
 //! * [`clock`] — clock-offset estimation for bidirectional transfer (SPEC B2).
+//! * [`turn`] — multi-turn: whether P reads a cached turn back from D, and how much (B2, B4).
 //! * [`tp`] — which ranks read which heads under heterogeneous tensor parallelism (SPEC T1, T2).
 
 pub mod clock;
@@ -26,6 +27,7 @@ pub mod quarantine;
 pub mod renewer;
 mod time;
 pub mod tp;
+pub mod turn;
 pub mod wire;
 
 pub use time::Nanos;

@@ -51,6 +51,8 @@ pub enum SendKind {
     /// A heartbeat for leases about to be read whose liveness is not yet acknowledged (SPEC D6).
     ReadRenewal,
     Release,
+    /// A clock probe (SPEC B2): the offset toward an engine whose cached turns we read.
+    ClockProbe,
 }
 
 /// How a request's tracking ends (SPEC D4).
@@ -116,7 +118,13 @@ struct RemoteEngine {
     renew_for_read: BTreeSet<LeaseId>,
     /// Since when nothing is tracked or to be sent toward this engine.
     idle_since: Option<Nanos>,
+    /// When the next clock probe is due while leases are tracked (SPEC B2).
+    next_probe: Nanos,
+    probe_seq: u64,
 }
+
+/// How often the clock offset toward an engine is measured again while the link lives.
+const CLOCK_REFRESH: Duration = Duration::from_secs(30);
 
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 /// An engine nothing was tracked toward for max(12 I, this) is forgotten.
@@ -184,6 +192,8 @@ impl Renewer {
             to_release: BTreeMap::new(),
             renew_for_read: BTreeSet::new(),
             idle_since: None,
+            next_probe: now + CLOCK_REFRESH,
+            probe_seq: 0,
         });
         let moved = engine.host != remote.host || engine.port != remote.port;
         let known = self.peers.get(&remote.engine_id).map(|p| p.incarnation);
@@ -302,9 +312,14 @@ impl Renewer {
         self.peers.clock_sample(engine_id, sample);
     }
 
-    /// A message from a rank of P engine `engine_id`: acknowledgements and lost leases.
-    pub fn on_message(&mut self, engine_id: &str, msg: &Message) {
+    /// A message from a rank of P engine `engine_id`, at `now`: acknowledgements, lost leases,
+    /// clock probe answers.
+    pub fn on_message(&mut self, engine_id: &str, msg: &Message, now: Nanos) {
         match msg {
+            Message::ClockPong { t0, t1, t2, .. } => {
+                let sample = crate::clock::ClockSample { t0: *t0, t1: *t1, t2: *t2, t3: now.0 };
+                self.peers.clock_sample(engine_id, sample);
+            }
             Message::HeartbeatAck { seq, lost_ids } => {
                 let extension = self.extension;
                 let Some(engine) = self.engines.get_mut(engine_id) else { return };
@@ -388,6 +403,15 @@ impl Renewer {
                             kind: SendKind::Release,
                         });
                     }
+                    if !engine.leases.is_empty() && now >= engine.next_probe {
+                        engine.probe_seq += 1;
+                        engine.next_probe = now + CLOCK_REFRESH;
+                        out.push(Action::Send {
+                            engine_id: engine_id.clone(),
+                            bytes: Message::ClockPing { seq: engine.probe_seq, t0: now.0 }.encode(),
+                            kind: SendKind::ClockProbe,
+                        });
+                    }
                     if !engine.leases.is_empty() && now >= engine.next_due {
                         let ids: Vec<LeaseId> = engine.leases.keys().copied().collect();
                         let lateness = now.since(engine.next_due);
@@ -430,7 +454,7 @@ impl Renewer {
                 Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
                 Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
                 Link::Ready if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
-                Link::Ready if !e.leases.is_empty() => Some(e.next_due),
+                Link::Ready if !e.leases.is_empty() => Some(e.next_due.min(e.next_probe)),
                 // An idle engine is forgotten after a while.
                 _ => e.idle_since.map(|t| t + forget_after),
             })

@@ -174,7 +174,7 @@ fn d6_read_only_under_an_acknowledged_lease() {
     assert_eq!(r.read_check("a", budget, at(0)), ReadCheck::RenewFirst, "no ack yet");
     let acts = poll(&mut r, at(0));
     let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
-    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![8] });
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![8] }, Nanos::ZERO);
     // Acked at send time 0 + E: safe while now + budget < 20 s. Later heartbeats go unacked.
     let acts = poll(&mut r, at(5_000));
     assert!(acts.iter().any(|a| matches!(a, Action::Lost { request_id, lease_id: 8 } if request_id == "b")), "{acts:?}");
@@ -189,7 +189,7 @@ fn d6_read_only_under_an_acknowledged_lease() {
     assert_eq!(heartbeat_ids(&acts, "P"), vec![7]);
     assert_eq!(r.read_check("b", budget, at(19_000)), ReadCheck::Untracked);
     // An unsolicited LeaseLost.
-    r.on_message("P", &Message::LeaseLost { lease_ids: vec![7, 99] });
+    r.on_message("P", &Message::LeaseLost { lease_ids: vec![7, 99] }, Nanos::ZERO);
     assert!(matches!(&poll(&mut r, at(19_001))[..], [Action::Lost { lease_id: 7, .. }]));
     assert_eq!(r.tracked(), 0);
 }
@@ -203,7 +203,7 @@ fn d6_stale_acknowledgements_are_ignored() {
     let acts = poll(&mut r, at(0));
     let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
     poll(&mut r, at(20_000)); // the heartbeat of t=0 ages out
-    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] });
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] }, Nanos::ZERO);
     assert_eq!(r.read_check("a", Duration::ZERO, at(20_001)), ReadCheck::RenewFirst);
 }
 
@@ -272,7 +272,7 @@ fn d6_acknowledged_lost_leases_are_released() {
     ready(&mut r, "P", at(0));
     let acts = poll(&mut r, at(0));
     let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
-    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![4] });
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![4] }, Nanos::ZERO);
     let acts = poll(&mut r, at(1));
     assert!(acts.iter().any(|a| matches!(a, Action::Lost { lease_id: 4, .. })));
     assert_eq!(sent(&acts, "P"), vec![Message::Release { lease_ids: vec![4] }]);
@@ -288,4 +288,28 @@ fn d6_unreachable_engine_is_not_waited_for() {
     assert_eq!(r.read_check("a", Duration::from_secs(1), at(1)), ReadCheck::RenewFirst, "handshake still pending");
     r.handshake_done("P", Err(()), at(2));
     assert_eq!(r.read_check("a", Duration::from_secs(1), at(3)), ReadCheck::Unreachable);
+}
+
+/// SPEC B2: while leases toward an engine are tracked, its clock offset is measured again every
+/// 30 s (a `ClockPing` it answers with its own stamps), so a cached turn's expiry on its clock
+/// can be judged on ours.
+#[test]
+fn b2_the_clock_offset_is_refreshed_while_the_link_lives() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("turn", &p("P"), 1, at(0));
+    ready(&mut r, "P", at(0));
+    assert!(r.peer("P").is_some_and(|p| p.clock.estimate(at(0)).is_none()), "no sample yet");
+    let pings = |acts: &[Action]| sent(acts, "P").into_iter().filter(|m| matches!(m, Message::ClockPing { .. })).count();
+    assert_eq!(pings(&poll(&mut r, at(1))), 0);
+    let acts = poll(&mut r, at(30_000));
+    assert_eq!(pings(&acts), 1, "{acts:?}");
+    let Some(Message::ClockPing { seq, t0 }) = sent(&acts, "P").into_iter().find(|m| matches!(m, Message::ClockPing { .. })) else {
+        panic!("{acts:?}")
+    };
+    // P's clock is 7 s ahead; 2 ms each way.
+    let (t1, t2) = (t0 + 7_000_000_000 + 2_000_000, t0 + 7_000_000_000 + 2_000_000);
+    r.on_message("P", &Message::ClockPong { seq, t0, t1, t2 }, Nanos(t0 + 4_000_000));
+    let est = r.peer("P").and_then(|p| p.clock.estimate(Nanos(t0 + 4_000_000))).expect("an estimate");
+    assert_eq!(est.offset_ns, 7_000_000_000);
+    assert_eq!(pings(&poll(&mut r, at(31_000))), 0, "the next probe is 30 s away");
 }

@@ -69,9 +69,8 @@ fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
     };
     match msg {
         // For D, from a P engine.
-        Message::HeartbeatAck { .. } | Message::LeaseLost { .. } => renewal::on_message(inner, from, &msg),
+        Message::HeartbeatAck { .. } | Message::LeaseLost { .. } | Message::ClockPong { .. } => renewal::on_message(inner, from, &msg),
         Message::ReadDoneAck { lease_id, live } => pull::on_read_done_ack(inner, rank, from, lease_id, live),
-        Message::ClockPong { .. } => {}
         Message::Hello(_) => inner.metrics.rejected("malformed"),
         // For P, from a D engine.
         Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {

@@ -77,7 +77,7 @@ fn send(inner: &Inner, engine_id: &str, bytes: Vec<u8>, kind: SendKind) {
         SendKind::ReadRenewal => {
             inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
         }
-        SendKind::Release => {}
+        SendKind::Release | SendKind::ClockProbe => {}
     }
     if !ok {
         let gone = lock(&inner.renewer).disconnected(engine_id);
@@ -90,7 +90,7 @@ pub(crate) fn on_message(inner: &Inner, from: &str, msg: &Message) {
     {
         let mut renewer = lock(&inner.renewer);
         let Some(engine) = renewer.peers().engine_of(from).map(str::to_string) else { return };
-        renewer.on_message(&engine, msg);
+        renewer.on_message(&engine, msg, inner.now());
     }
     inner.renewer_wake.notify_one();
     inner.bump_news();
