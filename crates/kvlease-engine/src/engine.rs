@@ -244,7 +244,7 @@ impl EngineHandle {
             inner.renewer_wake.notify_one();
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, role, tx);
+        let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, req.sampling, role, tx);
         if inner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
             return Err(RequestError::unavailable("the engine has stopped"));

@@ -6,6 +6,7 @@
 //! and the engine aborts the request: on D that releases P's lease at once (SPEC D4).
 
 use crate::body;
+use crate::choice::{self, Choice, Out, StopRules};
 use crate::error::ApiError;
 use crate::openai::{self, Completion, Endpoint, ResponseMeta, Usage};
 use crate::server::{self, HttpLimits};
@@ -17,7 +18,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use kvlease_engine::{EngineHandle, GenerateEvent, GenerateRequest, RequestStream};
+use kvlease_engine::{EngineHandle, GenerateRequest};
 use serde_json::json;
 use std::future::Future;
 
@@ -138,28 +139,26 @@ async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoi
         Endpoint::Completions => openai::parse_completion(&fields)?,
         Endpoint::Chat => openai::parse_chat(&fields)?,
     };
+    if !c.ignored.is_empty() {
+        // vLLM's behaviour for fields it does not know: accepted, and named in the log.
+        tracing::warn!(request_id = %rid, "The following fields were present in the request but ignored: {:?}", c.ignored);
+    }
     if let Some(m) = c.model.as_deref() {
         if m != engine.model_name() {
             return Err(ApiError::model_not_found(m));
         }
     }
     let meta = ResponseMeta::new(endpoint, rid, engine.model_name());
-    let mut stream = engine.submit(GenerateRequest {
-        request_id: rid.to_owned(),
-        prompt: c.prompt,
-        max_tokens: c.max_tokens,
-        ignore_eos: c.ignore_eos,
-        kv_transfer_params: c.kv_transfer_params,
-    })?;
+    let mut choices = submit_choices(engine, rid, &c)?;
+    // Wait for each choice's first event so that a request the engine refuses (e.g. altered
+    // kv_transfer_params, SPEC S1) gets its 4xx status rather than a 200 with an error inside.
+    for ch in &mut choices {
+        if let Some(e) = ch.first_failure().await {
+            return Err(e);
+        }
+    }
     if c.stream {
-        // Wait for the first event so that a request the engine refuses (e.g. altered
-        // kv_transfer_params, SPEC S1) gets its 4xx status rather than a 200 with an error inside.
-        let first = match stream.next().await {
-            Some(GenerateEvent::Failed(e)) => return Err(e.into()),
-            None => return Err(ended_early()),
-            Some(ev) => ev,
-        };
-        let body = sse::body(meta, stream, first, c.include_usage);
+        let body = sse::body(meta, choices, c.include_usage, c.n, c.logprobs.is_some());
         return Ok((
             [
                 (header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream")),
@@ -169,7 +168,40 @@ async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoi
         )
             .into_response());
     }
-    collect(meta, &mut stream).await.map(|v| axum::Json(v).into_response())
+    collect(meta, choices, c.n, c.logprobs.is_some()).await.map(|v| axum::Json(v).into_response())
+}
+
+/// Submits every choice: each prompt `n` times. Only the first carries `kv_transfer_params`: a
+/// prefill leg (do_remote_decode) runs once whatever `n` says, and on a decoder the other
+/// choices compute the prompt locally, which gives the same KV (SPEC D7).
+fn submit_choices(engine: &EngineHandle, rid: &str, c: &Completion) -> Result<Vec<Choice>, ApiError> {
+    let prefill_leg =
+        c.kv_transfer_params.as_ref().and_then(|p| p.get("do_remote_decode")).and_then(serde_json::Value::as_bool) == Some(true);
+    let n = if prefill_leg { 1 } else { c.n };
+    let rules = StopRules {
+        stop: c.stop.clone(),
+        include_stop_str_in_output: c.include_stop_str_in_output,
+        min_tokens: c.min_tokens,
+        stop_token_ids: c.stop_token_ids.clone(),
+    };
+    let mut choices = Vec::with_capacity(c.prompts.len() * n as usize);
+    for (i, prompt) in c.prompts.iter().enumerate() {
+        for j in 0..n {
+            let index = i as u32 * c.n + j;
+            let first = index == 0;
+            let stream = engine.submit(GenerateRequest {
+                request_id: if first { rid.to_owned() } else { format!("{rid}-{index}") },
+                prompt: prompt.clone(),
+                max_tokens: c.max_tokens,
+                ignore_eos: c.ignore_eos,
+                kv_transfer_params: if first { c.kv_transfer_params.clone() } else { None },
+                sampling: c.sampling(j),
+            })?;
+            let echo = c.echo.then(|| choice::prompt_text(prompt));
+            choices.push(Choice::new(index, stream, rules.clone(), echo, choice::prompt_len(prompt)));
+        }
+    }
+    Ok(choices)
 }
 
 /// The engine closed the stream without `Done` or `Failed`: it is shutting down.
@@ -177,19 +209,41 @@ pub(crate) fn ended_early() -> ApiError {
     ApiError::unavailable("the engine stopped before the request finished")
 }
 
-/// Runs a non-streaming request to its end and builds the response.
-async fn collect(meta: ResponseMeta, stream: &mut RequestStream) -> Result<serde_json::Value, ApiError> {
-    let mut text = String::new();
-    loop {
-        match stream.next().await {
-            Some(GenerateEvent::Token { text: t, .. }) => text.push_str(&t),
-            Some(GenerateEvent::Done { finish_reason, prompt_tokens, completion_tokens, kv_transfer_params }) => {
-                return Ok(meta.full(&text, finish_reason, Usage { prompt_tokens, completion_tokens }, kv_transfer_params));
+/// Runs every choice of a non-streaming request to its end and builds the response.
+async fn collect(meta: ResponseMeta, choices: Vec<Choice>, n: u32, logprobs: bool) -> Result<serde_json::Value, ApiError> {
+    let meta = &meta;
+    let done = futures_util::future::join_all(choices.into_iter().map(|mut ch| async move {
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        while let Some(out) = ch.next().await {
+            match out {
+                Out::Text { text: t, logprobs, .. } => {
+                    text.push_str(&t);
+                    lps.extend(logprobs);
+                }
+                Out::Finish(f) => return Ok((ch.index, text, lps, f)),
+                Out::Failed(e) => return Err(e),
             }
-            Some(GenerateEvent::Failed(e)) => return Err(e.into()),
-            None => return Err(ended_early()),
         }
+        Err(ended_early())
+    }))
+    .await;
+    let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0 };
+    let mut kv = None;
+    let mut out = Vec::with_capacity(done.len());
+    for d in done {
+        let (index, text, lps, f) = d?;
+        if index % n.max(1) == 0 {
+            usage.prompt_tokens += f.prompt_tokens;
+        }
+        usage.completion_tokens += f.completion_tokens;
+        if index == 0 {
+            kv = f.kv_transfer_params.clone();
+        }
+        let lp = if logprobs { meta.logprobs(&lps, 0) } else { serde_json::Value::Null };
+        out.push(meta.full_choice(index, &text, lp, &f));
     }
+    Ok(meta.full(out, usage, kv))
 }
 
 async fn models(State(st): State<AppState>) -> Response {

@@ -11,6 +11,7 @@
 
 mod api;
 mod body;
+mod choice;
 mod error;
 pub mod ids;
 mod openai;

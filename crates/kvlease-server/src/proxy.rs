@@ -2,7 +2,10 @@
 //! (D), as vLLM's toy proxy (`toy_proxy_server.py`) does, with the same flags, so either proxy
 //! drives either server (SPEC §10).
 //!
-//! P leg: the request with `max_tokens = 1`, `stream = false` and `do_remote_decode = true`;
+//! The request is validated first, with the same parser the engines use, so a request D would
+//! refuse never reaches P (no lease is granted for it) and errors name the client's values.
+//! P leg: the client's request with `n = 1`, `stream = false` and `do_remote_decode = true`
+//! (its own `max_tokens`, so P's length checks see the client's numbers: P prefills only);
 //! P's response carries the `kv_transfer_params` that the D leg then sends unchanged. D's response
 //! is streamed back as it comes. Beyond the toy: a client that disconnects drops the upstream
 //! request and its body stream, so P or D sees the connection close and aborts (SPEC D4), and an
@@ -170,6 +173,12 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body) -> Result<Respon
     let request = body::json_object(parts, body).await?;
     let auth = parts.headers.get(header::AUTHORIZATION);
     let path = parts.uri.path();
+    // The engines' own checks, before anything is leased.
+    if path.ends_with("/chat/completions") {
+        crate::openai::parse_chat(&request)?;
+    } else {
+        crate::openai::parse_completion(&request)?;
+    }
 
     let prefiller = p.prefill.pick();
     let p_resp = send(p, prefiller, path, rid, auth, &prefill_leg(&request)).await?;
@@ -185,7 +194,7 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body) -> Result<Respon
     Ok(relay_stream(d_resp))
 }
 
-/// The P leg: one token, not streamed, asking P to keep the KV for a remote decoder.
+/// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder.
 fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
     let mut r = request.clone();
     r.insert(
@@ -200,10 +209,8 @@ fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
         }),
     );
     r.insert("stream".into(), Value::Bool(false));
-    r.insert("max_tokens".into(), json!(1));
-    if r.contains_key("max_completion_tokens") {
-        r.insert("max_completion_tokens".into(), json!(1));
-    }
+    r.insert("n".into(), json!(1));
+    r.remove("best_of");
     r.remove("stream_options");
     r
 }
@@ -262,18 +269,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefill_leg_is_one_token_unstreamed_with_remote_decode() {
+    fn prefill_leg_is_one_choice_unstreamed_with_remote_decode_and_the_clients_max_tokens() {
         let Value::Object(req) = json!({"prompt": "x", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true}}) else {
             unreachable!()
         };
         let leg = prefill_leg(&req);
-        assert_eq!(leg["max_tokens"], 1);
-        assert_eq!(leg["stream"], false);
+        assert_eq!(leg["max_tokens"], 50, "P's length checks see the client's value");
+        assert_eq!((leg["stream"].clone(), leg["n"].clone()), (json!(false), json!(1)));
         assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens"));
         assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
         let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
-        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
+        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 9);
     }
 
     /// SPEC S1 through the proxy: D gets P's params or none, never what the client sent.

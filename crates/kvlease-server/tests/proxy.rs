@@ -52,7 +52,7 @@ async fn proxy_with_unreachable_upstream_answers_502_openai_json() {
     assert_eq!(r.status(), 502);
     let v: Value = r.json().await.expect("json");
     assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("unreachable")), "{v}");
-    assert_eq!(v["error"]["type"], "server_error");
+    assert_eq!((v["error"]["type"].clone(), v["error"]["code"].clone()), (json!("BadGatewayError"), json!(502)));
 
     // A reachable P with an unreachable D is a 502 as well.
     let pf = TestServer::start().await;
