@@ -93,7 +93,6 @@ pub struct EngineHandle {
     inner: Arc<Inner>,
 }
 
-#[cfg(test)]
 impl EngineHandle {
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner

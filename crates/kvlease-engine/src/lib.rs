@@ -19,6 +19,7 @@ pub mod kv_params;
 pub mod metrics;
 pub mod model;
 mod pool;
+mod release;
 mod scheduler;
 mod side_channel;
 

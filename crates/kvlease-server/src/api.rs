@@ -53,6 +53,7 @@ pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/kvlease/release", post(release))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -135,21 +136,30 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
 
 async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
     let fields = body::json_object(parts, body).await?;
-    let c: Completion = match endpoint {
-        Endpoint::Completions => openai::parse_completion(&fields)?,
-        Endpoint::Chat => openai::parse_chat(&fields)?,
+    // SPEC O3: a request that carries P's params and is refused before admission releases P's
+    // lease at once. A refusal of the params themselves (forged, another prompt's) leaves it.
+    let refused = |e: ApiError| {
+        if e.param.as_deref() != Some("kv_transfer_params") && engine.release_refused(fields.get("kv_transfer_params")) {
+            tracing::info!(request_id = %rid, "refused before admission: released the prefill engine's lease");
+        }
+        e
     };
+    let parsed = match endpoint {
+        Endpoint::Completions => openai::parse_completion(&fields),
+        Endpoint::Chat => openai::parse_chat(&fields),
+    };
+    let c: Completion = parsed.map_err(refused)?;
     if !c.ignored.is_empty() {
         // vLLM's behaviour for fields it does not know: accepted, and named in the log.
         tracing::warn!(request_id = %rid, "The following fields were present in the request but ignored: {:?}", c.ignored);
     }
     if let Some(m) = c.model.as_deref() {
         if m != engine.model_name() {
-            return Err(ApiError::model_not_found(m));
+            return Err(refused(ApiError::model_not_found(m)));
         }
     }
     let meta = ResponseMeta::new(endpoint, rid, engine.model_name());
-    let mut choices = submit_choices(engine, rid, &c)?;
+    let mut choices = submit_choices(engine, rid, &c).map_err(refused)?;
     // Wait for each choice's first event so that a request the engine refuses (e.g. altered
     // kv_transfer_params, SPEC S1) gets its 4xx status rather than a 200 with an error inside.
     for ch in &mut choices {
@@ -244,6 +254,27 @@ async fn collect(meta: ResponseMeta, choices: Vec<Choice>, n: u32, logprobs: boo
         out.push(meta.full_choice(index, &text, lp, &f));
     }
     Ok(meta.full(out, usage, kv))
+}
+
+/// `POST /kvlease/release` on P: ends the lease the posted `kv_transfer_params` describe (the
+/// object P answered with, or `{"kv_transfer_params": {...}}`), for a router whose decode leg
+/// failed before the decoder took the request. `{"released": true}` if it was live and no decoder
+/// held it; `false` if it had already ended or a decoder holds it.
+async fn release(State(st): State<AppState>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let fields = body::json_object(&parts, body).await?;
+        let params = match fields.get("kv_transfer_params") {
+            Some(p) => p.clone(),
+            None => serde_json::Value::Object(fields),
+        };
+        Ok::<_, ApiError>(st.engine.release_by_params(&params)?)
+    }
+    .await;
+    match result {
+        Ok(released) => axum::Json(json!({"released": released})).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn models(State(st): State<AppState>) -> Response {

@@ -190,8 +190,55 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body) -> Result<Respon
 
     let d_request = decode_leg(request, &p_json);
     let decoder = p.decode.pick();
-    let d_resp = send(p, decoder, path, rid, auth, &d_request).await?;
-    Ok(relay_stream(d_resp))
+    match send(p, decoder, path, rid, auth, &d_request).await {
+        Ok(d_resp) if d_resp.status().is_success() => Ok(relay_stream(d_resp)),
+        Ok(d_resp) => {
+            // D refused before taking the request (it releases P's lease itself, SPEC O3); the
+            // proxy makes sure, and relays D's answer.
+            release_on_p(p, prefiller, rid, &p_json).await;
+            relay_whole(decoder, d_resp).await
+        }
+        Err(e) => {
+            // D never got the request: nobody will read P's blocks.
+            release_on_p(p, prefiller, rid, &p_json).await;
+            Err(e)
+        }
+    }
+}
+
+/// Ends P's lease at once through P's `POST /kvlease/release` (no lease held to expiry because
+/// the decode leg failed). A failure here is logged: the lease then ends at its expiry.
+async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
+    let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
+    let sent = p
+        .client
+        .post(prefiller.url("/kvlease/release"))
+        .header(REQUEST_ID, rid)
+        .timeout(Duration::from_secs(2))
+        .json(&json!({"kv_transfer_params": params}))
+        .send()
+        .await;
+    match sent {
+        Ok(r) if r.status().is_success() => tracing::info!(request_id = %rid, "decode leg failed: released the lease on {prefiller}"),
+        Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "decode leg failed and {prefiller} did not release the lease"),
+        Err(e) => tracing::warn!(request_id = %rid, "decode leg failed and the lease on {prefiller} could not be released: {}", cause(&e)),
+    }
+}
+
+/// An error with its whole chain of causes: "error sending request … : Too many open files
+/// (os error 24)", not just the outermost "error sending request".
+pub(crate) fn cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
 }
 
 /// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder.
@@ -237,7 +284,16 @@ async fn send(
     if let Some(a) = auth {
         req = req.header(header::AUTHORIZATION, a.clone());
     }
-    req.send().await.map_err(|e| ApiError::bad_gateway(format!("upstream {to} is unreachable: {e}")))
+    req.send().await.map_err(|e| {
+        let what = if e.is_connect() {
+            "is unreachable"
+        } else if e.is_timeout() {
+            "timed out"
+        } else {
+            "failed"
+        };
+        ApiError::bad_gateway(format!("upstream {to} {what}: {}", cause(&e)))
+    })
 }
 
 /// The upstream's status, content type and whole body (P's errors).
