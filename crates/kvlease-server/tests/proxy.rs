@@ -19,7 +19,7 @@ async fn start_proxy(prefillers: Vec<Upstream>, decoders: Vec<Upstream>) -> Test
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(kvlease_server::proxy(ProxyConfig { prefillers, decoders }, listener, Default::default(), async move {
+    tokio::spawn(kvlease_server::proxy(ProxyConfig::new(prefillers, decoders), listener, Default::default(), async move {
         let _ = rx.await;
     }));
     TestProxy { url, _stop: tx }

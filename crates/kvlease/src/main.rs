@@ -206,6 +206,14 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
+    /// Seconds a request may take through the proxy, both legs and the whole answer: 504 before
+    /// the first byte, an SSE error event after it.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Seconds between `/health` probes of every upstream (1 s probe timeout); one that fails a
+    /// probe or a connection is out of rotation until a probe succeeds.
+    #[arg(long, default_value_t = 0.5)]
+    health_interval: f64,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -498,9 +506,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
+    let secs = |v: f64, flag: &str| {
+        if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+            Ok(std::time::Duration::from_secs_f64(v))
+        } else {
+            Err(InvalidConfig(format!("{flag} must be a number of seconds in (0, 86400], got {v}")))
+        }
+    };
     let cfg = ProxyConfig {
-        prefillers: ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
-        decoders: ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+        request_timeout: secs(args.request_timeout, "--request-timeout")?,
+        health_interval: secs(args.health_interval, "--health-interval")?,
+        ..ProxyConfig::new(
+            ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
+            ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+        )
     };
     let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
