@@ -7,6 +7,7 @@
 
 use crate::body;
 use crate::choice::{self, Choice, Out, StopRules};
+use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::openai::{self, Completion, Endpoint, ResponseMeta, Usage};
 use crate::server::{self, HttpLimits};
@@ -21,6 +22,7 @@ use axum::Router;
 use kvlease_engine::{EngineHandle, GenerateRequest};
 use serde_json::json;
 use std::future::Future;
+use std::sync::Arc;
 
 /// The header that carries a request's id, in and out (and from the proxy to both legs).
 pub const REQUEST_ID: &str = "x-request-id";
@@ -35,6 +37,8 @@ pub struct ServeOptions {
     /// The engine listens beyond loopback without a cluster secret (`--insecure`, SPEC S3):
     /// `/health` says so.
     pub insecure: bool,
+    /// SPEC O1: started on SIGTERM; new requests get 503 while those in flight finish.
+    pub drain: Arc<Drain>,
 }
 
 #[derive(Clone)]
@@ -42,11 +46,12 @@ struct AppState {
     engine: EngineHandle,
     started: u64,
     insecure: bool,
+    drain: Arc<Drain>,
 }
 
 /// The router of `kvlease serve`, for tests that want to mount it themselves.
 pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
-    let state = AppState { engine, started: crate::ids::unix_now(), insecure: options.insecure };
+    let state = AppState { engine, started: crate::ids::unix_now(), insecure: options.insecure, drain: options.drain.clone() };
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -115,6 +120,7 @@ pub(crate) fn with_request_id(mut resp: Response, request_id: &str) -> Response 
 }
 
 async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
+    let Some(inflight) = st.drain.admit() else { return Drain::refusal() };
     let (parts, body) = req.into_parts();
     let rid = match request_id(&parts.headers) {
         Ok(rid) => rid,
@@ -131,7 +137,7 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
             e.into_response()
         }
     };
-    with_request_id(resp, &rid)
+    inflight.hold(with_request_id(resp, &rid))
 }
 
 async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
@@ -289,6 +295,9 @@ async fn models(State(st): State<AppState>) -> Response {
 /// 200 with an empty body, as vLLM answers; while the engine listens beyond loopback without a
 /// secret, 200 with `{"status":"ok","insecure":true}`, so a probe can tell (SPEC S3).
 async fn health(State(st): State<AppState>) -> Response {
+    if st.drain.is_draining() {
+        return ApiError::unavailable("draining: shutting down").into_response();
+    }
     if st.engine.is_healthy() {
         if st.insecure {
             axum::Json(json!({"status": "ok", "insecure": true})).into_response()

@@ -67,13 +67,21 @@ pub struct ProxyConfig {
     /// How often every upstream's `/health` is probed; an upstream that fails a probe (or a
     /// connection) is out of rotation until a probe succeeds.
     pub health_interval: Duration,
+    /// SPEC O1: started on SIGTERM; new requests get 503 while those in flight finish.
+    pub drain: Arc<crate::drain::Drain>,
 }
 
 impl ProxyConfig {
     /// Defaults: 600 s per request, a probe every 0.5 s (an instance that fails is out within
     /// 2 s: the interval plus the probe's 1 s timeout).
     pub fn new(prefillers: Vec<Upstream>, decoders: Vec<Upstream>) -> ProxyConfig {
-        ProxyConfig { prefillers, decoders, request_timeout: Duration::from_secs(600), health_interval: Duration::from_millis(500) }
+        ProxyConfig {
+            prefillers,
+            decoders,
+            request_timeout: Duration::from_secs(600),
+            health_interval: Duration::from_millis(500),
+            drain: Arc::default(),
+        }
     }
 
     /// Pairs `--*-hosts` with `--*-ports` as the toy proxy does; one host may serve many ports.
@@ -179,6 +187,7 @@ struct Proxy {
     prefill: Pool,
     decode: Pool,
     request_timeout: Duration,
+    drain: Arc<crate::drain::Drain>,
     requests: AtomicU64,
     retries: AtomicU64,
     failed: AtomicU64,
@@ -218,6 +227,7 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
         prefill: Pool::new("prefill", cfg.prefillers),
         decode: Pool::new("decode", cfg.decoders),
         request_timeout: cfg.request_timeout,
+        drain: cfg.drain.clone(),
         requests: AtomicU64::new(0),
         retries: AtomicU64::new(0),
         failed: AtomicU64::new(0),
@@ -285,6 +295,9 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
 
 /// 200 while at least one prefiller and one decoder are healthy; else 503 saying which is missing.
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
+    if p.drain.is_draining() {
+        return ApiError::unavailable("draining: shutting down").into_response();
+    }
     match (p.prefill.any_healthy(), p.decode.any_healthy()) {
         (true, true) => StatusCode::OK.into_response(),
         (pf, _) => ApiError::unavailable(format!("no healthy {}", if pf { "decoder" } else { "prefiller" })).into_response(),
@@ -344,6 +357,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+    let Some(inflight) = p.drain.admit() else { return crate::drain::Drain::refusal() };
     let (parts, body) = req.into_parts();
     let rid = match request_id(&parts.headers) {
         Ok(rid) => rid,
@@ -370,7 +384,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             e.into_response()
         }
     };
-    with_request_id(resp, &rid)
+    inflight.hold(with_request_id(resp, &rid))
 }
 
 async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {

@@ -13,10 +13,11 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvlease_core::config::KvTransferConfig;
 use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
-use kvlease_server::{HttpLimits, ProxyConfig, ServeOptions, Upstream};
+use kvlease_server::{Drain, HttpLimits, ProxyConfig, ServeOptions, Upstream};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
@@ -119,6 +120,10 @@ struct ServeArgs {
     /// engine can then craft kv_transfer_params and handshakes. Warns at start-up; /health says so.
     #[arg(long)]
     insecure: bool,
+    /// SPEC O1: seconds the requests in flight get to finish after SIGTERM (new ones get 503);
+    /// then, or at a second SIGTERM, what is left is cut. Leases are released either way.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -214,6 +219,9 @@ struct ProxyArgs {
     /// probe or a connection is out of rotation until a probe succeeds.
     #[arg(long, default_value_t = 0.5)]
     health_interval: f64,
+    /// SPEC O1: seconds the requests in flight get to finish after SIGTERM (new ones get 503).
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -487,35 +495,58 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
     let engine_id = cfg.engine_id.clone();
+    let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
-    let signal = shutdown_signal();
+    let signals = Signals::new();
     announce(format!(
         "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
         host_port(&args.host, http.port()),
         engine.kv_addr()
     ));
+    let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = kvlease_server::serve(engine.clone(), listener, ServeOptions { http: limits, insecure }, async move {
-        signal.await;
+    let options = ServeOptions { http: limits, insecure, drain: drain.clone() };
+    let server = kvlease_server::serve(engine.clone(), listener, options, async move {
+        drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await?;
     engine.shutdown().await;
+    let released = engine.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).load(std::sync::atomic::Ordering::Relaxed);
     tracing::info!("stopped");
+    announce(format!("kvlease serve stopped: {released} leases released at shutdown"));
     Ok(())
 }
 
+/// A positive number of seconds from a flag.
+fn seconds(v: f64, flag: &str) -> Result<Duration, InvalidConfig> {
+    if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(InvalidConfig(format!("{flag} must be a number of seconds in (0, 86400], got {v}")))
+    }
+}
+
+/// SPEC O1: waits for SIGTERM (or SIGINT), then drains: new requests get 503 while those in
+/// flight finish, until none is left, `timeout` passes, or a second signal comes.
+async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration) {
+    signals.recv().await;
+    drain.start();
+    tracing::info!(in_flight = drain.in_flight(), "draining: new requests get 503; waiting up to {timeout:?} for those in flight");
+    tokio::select! {
+        () = drain.idle() => tracing::info!("drained"),
+        () = tokio::time::sleep(timeout) => tracing::warn!(in_flight = drain.in_flight(), "--drain-timeout passed: cutting what is left"),
+        () = signals.recv() => tracing::warn!(in_flight = drain.in_flight(), "second signal: cutting what is left"),
+    }
+}
+
 async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
-    let secs = |v: f64, flag: &str| {
-        if v.is_finite() && v > 0.0 && v <= 86_400.0 {
-            Ok(std::time::Duration::from_secs_f64(v))
-        } else {
-            Err(InvalidConfig(format!("{flag} must be a number of seconds in (0, 86400], got {v}")))
-        }
-    };
+    let drain = Arc::new(Drain::default());
+    let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
     let cfg = ProxyConfig {
-        request_timeout: secs(args.request_timeout, "--request-timeout")?,
-        health_interval: secs(args.health_interval, "--health-interval")?,
+        request_timeout: seconds(args.request_timeout, "--request-timeout")?,
+        health_interval: seconds(args.health_interval, "--health-interval")?,
+        drain: drain.clone(),
         ..ProxyConfig::new(
             ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
             ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
@@ -526,11 +557,11 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
     tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
-    let signal = shutdown_signal();
+    let signals = Signals::new();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, limits, async move {
-        signal.await;
+        drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await
@@ -556,26 +587,42 @@ async fn run_with_grace(
     }
 }
 
-/// SIGINT or SIGTERM. The handlers are installed when this is called, not when the future is
-/// first polled: call it before printing the start-up line, so a signal sent right after that
-/// line is never missed (and never kills the process the default way).
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+/// SIGINT and SIGTERM, as many as come. The handlers are installed by [`Signals::new`], not at
+/// the first `recv`: create it before printing the start-up line, so a signal sent right after
+/// that line is never missed (and never kills the process the default way).
+struct Signals {
     #[cfg(unix)]
-    let signals = {
-        use tokio::signal::unix::{signal, SignalKind};
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    };
-    async move {
+    watched: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    fn new() -> Signals {
         #[cfg(unix)]
-        match signals {
-            (Ok(mut term), Ok(mut int)) => {
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+                (Ok(term), Ok(int)) => Signals { watched: Some((term, int)) },
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!("cannot watch SIGTERM/SIGINT ({e}); stopping on Ctrl-C only");
+                    Signals { watched: None }
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    /// The next SIGTERM or SIGINT.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        match &mut self.watched {
+            Some((term, int)) => {
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = int.recv() => {}
                 }
             }
-            (Err(e), _) | (_, Err(e)) => {
-                tracing::warn!("cannot watch SIGTERM/SIGINT ({e}); stopping on Ctrl-C only");
+            None => {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
