@@ -39,6 +39,12 @@ pub struct ServeOptions {
     pub insecure: bool,
     /// SPEC O1: started on SIGTERM; new requests get 503 while those in flight finish.
     pub drain: Arc<Drain>,
+    /// The names requests may use (vLLM's `--served-model-name`); empty: the engine's model name.
+    pub served_model_names: Vec<String>,
+    /// vLLM's `--api-key`: `/v1/*` requires `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Reported by `/tokenize` (the engine checks it).
+    pub max_model_len: u32,
 }
 
 #[derive(Clone)]
@@ -47,11 +53,44 @@ struct AppState {
     started: u64,
     insecure: bool,
     drain: Arc<Drain>,
+    names: Arc<Vec<String>>,
+    api_key: Option<Arc<str>>,
+    max_model_len: u32,
+}
+
+impl AppState {
+    /// vLLM's `--api-key` on `/v1/*`.
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.api_key else { return Ok(()) };
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        // Compared in full whatever the first difference, so timing says nothing of the key.
+        let ok = given.is_some_and(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+        if ok {
+            Ok(())
+        } else {
+            Err(ApiError::unauthorized())
+        }
+    }
+
+    /// Whether a request's `model` is one this server answers to.
+    fn serves(&self, model: &str) -> bool {
+        self.names.iter().any(|n| n == model)
+    }
 }
 
 /// The router of `kvlease serve`, for tests that want to mount it themselves.
 pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
-    let state = AppState { engine, started: crate::ids::unix_now(), insecure: options.insecure, drain: options.drain.clone() };
+    let names =
+        if options.served_model_names.is_empty() { vec![engine.model_name().to_owned()] } else { options.served_model_names.clone() };
+    let state = AppState {
+        engine,
+        started: crate::ids::unix_now(),
+        insecure: options.insecure,
+        drain: options.drain.clone(),
+        names: Arc::new(names),
+        api_key: options.api_key.as_deref().map(Arc::from),
+        max_model_len: options.max_model_len,
+    };
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -59,6 +98,10 @@ pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/kvlease/release", post(release))
+        .route("/ping", get(health).post(health))
+        .route("/version", get(|| async { axum::Json(json!({"version": env!("CARGO_PKG_VERSION")})) }))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -122,11 +165,14 @@ pub(crate) fn with_request_id(mut resp: Response, request_id: &str) -> Response 
 async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
     let Some(inflight) = st.drain.admit() else { return Drain::refusal() };
     let (parts, body) = req.into_parts();
+    if let Err(e) = st.authorize(&parts.headers) {
+        return e.into_response();
+    }
     let rid = match request_id(&parts.headers) {
         Ok(rid) => rid,
         Err(e) => return e.into_response(),
     };
-    let resp = match run(&st.engine, &rid, &parts, body, endpoint).await {
+    let resp = match run(&st, &rid, &parts, body, endpoint).await {
         Ok(resp) => resp,
         Err(e) => {
             if e.is_server_fault() {
@@ -140,7 +186,8 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
     inflight.hold(with_request_id(resp, &rid))
 }
 
-async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
+async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
+    let engine = &st.engine;
     let fields = body::json_object(parts, body).await?;
     // SPEC O3: a request that carries P's params and is refused before admission releases P's
     // lease at once. A refusal of the params themselves (forged, another prompt's) leaves it.
@@ -160,11 +207,11 @@ async fn run(engine: &EngineHandle, rid: &str, parts: &Parts, body: Body, endpoi
         tracing::warn!(request_id = %rid, "The following fields were present in the request but ignored: {:?}", c.ignored);
     }
     if let Some(m) = c.model.as_deref() {
-        if m != engine.model_name() {
+        if !st.serves(m) {
             return Err(refused(ApiError::model_not_found(m)));
         }
     }
-    let meta = ResponseMeta::new(endpoint, rid, engine.model_name());
+    let meta = ResponseMeta::new(endpoint, rid, &st.names[0]);
     let mut choices = submit_choices(engine, rid, &c).map_err(refused)?;
     // Wait for each choice's first event so that a request the engine refuses (e.g. altered
     // kv_transfer_params, SPEC S1) gets its 4xx status rather than a 200 with an error inside.
@@ -283,13 +330,81 @@ async fn release(State(st): State<AppState>, req: Request) -> Response {
     }
 }
 
-async fn models(State(st): State<AppState>) -> Response {
-    let name = st.engine.model_name();
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": st.started, "owned_by": "kvlease", "root": name, "parent": null}]
-    }))
-    .into_response()
+async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return e.into_response();
+    }
+    let root = st.engine.model_name();
+    let data: Vec<_> = st
+        .names
+        .iter()
+        .map(|name| {
+            json!({"id": name, "object": "model", "created": st.started, "owned_by": "kvlease", "root": root,
+                   "parent": null, "max_model_len": st.max_model_len})
+        })
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// vLLM's `POST /tokenize`: `{prompt}` or `{messages}` (the chat template applied) →
+/// `{count, max_model_len, tokens, token_strs}`.
+async fn tokenize(State(st): State<AppState>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let fields = body::json_object(&parts, body).await?;
+        if let Some(m) = fields.get("model").and_then(serde_json::Value::as_str) {
+            if !st.serves(m) {
+                return Err(ApiError::model_not_found(m));
+            }
+        }
+        let tokens: Vec<u32> = if fields.contains_key("messages") {
+            let mut chat = fields.clone();
+            chat.remove("model");
+            match openai::parse_chat(&chat)?.prompts.first() {
+                Some(kvlease_engine::Prompt::Text(t)) => kvlease_engine::model::tokenize(t),
+                _ => Vec::new(),
+            }
+        } else {
+            match fields.get("prompt") {
+                Some(serde_json::Value::String(t)) => kvlease_engine::model::tokenize(t),
+                Some(v) => return Err(ApiError::invalid("prompt", format!("`prompt` must be a string, got {}", body::kind_of(v)))),
+                None => return Err(ApiError::invalid("prompt", "`prompt` (or `messages`) is required")),
+            }
+        };
+        let strs: Vec<String> = tokens.iter().map(|&t| kvlease_engine::model::detokenize(t)).collect();
+        let want_strs = fields.get("return_token_strs").and_then(serde_json::Value::as_bool) == Some(true);
+        Ok(json!({"count": tokens.len(), "max_model_len": st.max_model_len, "tokens": tokens, "token_strs": if want_strs { json!(strs) } else { json!(null) }}))
+    }
+    .await;
+    result.map(|v| axum::Json(v).into_response()).unwrap_or_else(IntoResponse::into_response)
+}
+
+/// vLLM's `POST /detokenize`: `{tokens}` → `{prompt}`.
+async fn detokenize(State(st): State<AppState>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let fields = body::json_object(&parts, body).await?;
+        if let Some(m) = fields.get("model").and_then(serde_json::Value::as_str) {
+            if !st.serves(m) {
+                return Err(ApiError::model_not_found(m));
+            }
+        }
+        let bad =
+            || ApiError::invalid("tokens", format!("`tokens` must be a list of token ids in 0..{}", kvlease_engine::model::VOCAB_SIZE));
+        let ids = fields.get("tokens").and_then(serde_json::Value::as_array).ok_or_else(bad)?;
+        // Byte tokens are gathered first, so a character of several bytes reads back whole.
+        let mut bytes = Vec::new();
+        for id in ids {
+            let t = id.as_u64().and_then(|t| u32::try_from(t).ok()).filter(|t| *t < kvlease_engine::model::VOCAB_SIZE).ok_or_else(bad)?;
+            match u8::try_from(t) {
+                Ok(b) => bytes.push(b),
+                Err(_) => bytes.extend_from_slice(kvlease_engine::model::detokenize(t).as_bytes()),
+            }
+        }
+        Ok(json!({"prompt": String::from_utf8_lossy(&bytes)}))
+    }
+    .await;
+    result.map(|v| axum::Json(v).into_response()).unwrap_or_else(IntoResponse::into_response)
 }
 
 /// 200 with an empty body, as vLLM answers; while the engine listens beyond loopback without a

@@ -305,9 +305,13 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
 }
 
 /// A healthy decoder's `/v1/models`.
-async fn models(State(p): State<Arc<Proxy>>) -> Response {
+async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
     let Some(d) = p.decode.pick(None) else { return ApiError::unavailable("no decoder").into_response() };
-    let r = p.client.get(d.up.url("/v1/models")).timeout(Duration::from_secs(5)).send().await;
+    let mut req = p.client.get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
+    if let Some(a) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, a.clone());
+    }
+    let r = req.send().await;
     let resp = match r {
         Ok(r) => relay_whole(&d.up, r).await,
         Err(e) => Err(ApiError::bad_gateway(format!("upstream {} failed: {}", d.up, cause(&e)))),

@@ -8,6 +8,7 @@
 
 mod load;
 mod sim;
+mod vllm_compat;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -64,6 +65,16 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
+    /// vLLM's positional model (`vllm serve MODEL`): the name served, unless
+    /// --served-model-name gives one. The model itself is always the synthetic one.
+    #[arg(value_name = "MODEL")]
+    model_tag: Option<String>,
+    /// The names requests may use (`/v1/models` lists them); the first is the one answers carry.
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer <key>` on `/v1/*` (else $VLLM_API_KEY, as vLLM).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
     /// Address the HTTP API and the KV side channel listen on (SPEC S3).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -82,7 +93,8 @@ struct ServeArgs {
     /// vLLM's --kv-transfer-config JSON.
     #[arg(long, value_name = "JSON")]
     kv_transfer_config: Option<String>,
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel ranks (vLLM's --tensor-parallel-size, -tp).
+    #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     tp_size: u32,
     #[arg(long, default_value_t = 1024)]
     num_gpu_blocks: u32,
@@ -93,7 +105,8 @@ struct ServeArgs {
     max_num_seqs: usize,
     #[arg(long, default_value_t = 4096)]
     max_model_len: u32,
-    /// The model name requests must use (`/v1/models` lists it).
+    /// The model name requests must use (`/v1/models` lists it), unless MODEL or
+    /// --served-model-name gives one.
     #[arg(long, default_value = "kvlease-synthetic")]
     model: String,
     #[arg(long, default_value_t = 2)]
@@ -239,8 +252,18 @@ impl std::fmt::Display for InvalidConfig {
 impl std::error::Error for InvalidConfig {}
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (argv, notes) = match vllm_compat::rewrite(std::env::args().collect()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level).init();
+    for note in notes {
+        tracing::warn!("{note}");
+    }
     if let Command::Serve(args) = &cli.command {
         if args.transport == Transport::Nixl {
             let has_secret = args.kv_transfer_secret_file.is_some() || std::env::var_os(SECRET_ENV).is_some_and(|v| !v.is_empty());
@@ -301,9 +324,41 @@ fn warn_if_weak(secret: Vec<u8>) -> Vec<u8> {
     secret
 }
 
+/// The names served: --served-model-name, else the positional MODEL, else --model.
+fn served_names(args: &ServeArgs) -> Vec<String> {
+    if !args.served_model_name.is_empty() {
+        args.served_model_name.clone()
+    } else {
+        vec![args.model_tag.clone().unwrap_or_else(|| args.model.clone())]
+    }
+}
+
+/// `--kv-port`, else vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT`, else any free port.
+fn side_channel_port(flag: u16) -> Result<u16, InvalidConfig> {
+    match std::env::var("VLLM_NIXL_SIDE_CHANNEL_PORT") {
+        Ok(v) if flag == 0 && !v.is_empty() => {
+            v.trim().parse().map_err(|_| InvalidConfig(format!("VLLM_NIXL_SIDE_CHANNEL_PORT={v:?} is not a port number")))
+        }
+        _ => Ok(flag),
+    }
+}
+
+/// `--advertise-host`, else vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (an IP: the address other
+/// engines reach this one's side channel and agents at).
+fn side_channel_host(flag: Option<std::net::IpAddr>) -> Result<Option<std::net::IpAddr>, InvalidConfig> {
+    match std::env::var("VLLM_NIXL_SIDE_CHANNEL_HOST") {
+        Ok(v) if flag.is_none() && !v.is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| InvalidConfig(format!("VLLM_NIXL_SIDE_CHANNEL_HOST={v:?} is not an IP address (kvlease advertises an IP)"))),
+        _ => Ok(flag),
+    }
+}
+
 fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
     let model = ModelConfig {
-        name: args.model.clone(),
+        name: served_names(args).remove(0),
         num_layers: args.num_layers,
         num_kv_heads: args.num_kv_heads,
         head_dim: args.head_dim,
@@ -345,8 +400,8 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
     Ok(EngineConfig {
         engine_id: args.engine_id.clone().unwrap_or_else(kvlease_server::ids::random_uuid),
         host: args.host.clone(),
-        kv_port: args.kv_port,
-        advertise_host: args.advertise_host,
+        kv_port: side_channel_port(args.kv_port)?,
+        advertise_host: side_channel_host(args.advertise_host)?,
         transfer,
         tp_size: args.tp_size,
         num_gpu_blocks: args.num_gpu_blocks,
@@ -505,7 +560,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let options = ServeOptions { http: limits, insecure, drain: drain.clone() };
+    let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
+    let options = ServeOptions {
+        http: limits,
+        insecure,
+        drain: drain.clone(),
+        served_model_names: served_names(&args),
+        api_key,
+        max_model_len: args.max_model_len,
+    };
     let server = kvlease_server::serve(engine.clone(), listener, options, async move {
         drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());
