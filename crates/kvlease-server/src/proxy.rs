@@ -408,7 +408,16 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
         let first = p.prefill.pick(None).ok_or_else(|| ApiError::unavailable("no prefiller"))?;
         let _busy = Outstanding::new(first.clone());
         match send(p, &first, path, rid, auth, &prefill_leg(&request)).await {
-            Ok(r) => (first.up.clone(), r),
+            Ok(r) if !turned_away_unread(&r) => (first.up.clone(), r),
+            Ok(r) => match p.prefill.pick(Some(&first.up)) {
+                Some(second) => {
+                    p.retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(request_id = %rid, "{} turned the prefill leg away (503); retrying on {}", first.up, second.up);
+                    let _busy = Outstanding::new(second.clone());
+                    (second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?)
+                }
+                None => (first.up.clone(), r),
+            },
             Err(e) => match p.prefill.pick(Some(&first.up)) {
                 Some(second) => {
                     p.retries.fetch_add(1, Ordering::Relaxed);
@@ -433,6 +442,7 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
     let d_request = decode_leg(request, &p_json);
     let mut tried: Option<Upstream> = None;
     let mut last_err = None;
+    let mut turned_away: Option<(Upstream, reqwest::Response)> = None;
     for attempt in 0..2 {
         let Some(decoder) = p.decode.pick(tried.as_ref()) else { break };
         if attempt > 0 {
@@ -442,6 +452,12 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
         let busy = Outstanding::new(decoder.clone());
         match send(p, &decoder, path, rid, auth, &d_request).await {
             Ok(d_resp) if d_resp.status().is_success() => return Ok(relay_stream(d_resp, busy, deadline)),
+            Ok(d_resp) if turned_away_unread(&d_resp) => {
+                // Draining, or at its connection cap: D never read the request, P's lease is
+                // untouched. Another decoder may take it.
+                tried = Some(decoder.up.clone());
+                turned_away = Some((decoder.up.clone(), d_resp));
+            }
             Ok(d_resp) => {
                 // D refused before taking the request (it releases P's lease itself, SPEC O3);
                 // the proxy makes sure, and relays D's answer.
@@ -456,7 +472,17 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
     }
     // No decoder got the request: nobody will read P's blocks.
     release_on_p(p, &prefiller, rid, &p_json).await;
-    Err(last_err.unwrap_or_else(|| ApiError::unavailable("no decoder")))
+    match (last_err, turned_away) {
+        (_, Some((from, resp))) => relay_whole(&from, resp).await,
+        (Some(e), None) => Err(e),
+        (None, None) => Err(ApiError::unavailable("no decoder")),
+    }
+}
+
+/// A 503 with `Retry-After`: the server turned the request away without reading it (draining,
+/// SPEC O1, or at its connection cap).
+fn turned_away_unread(resp: &reqwest::Response) -> bool {
+    resp.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(reqwest::header::RETRY_AFTER)
 }
 
 /// Ends P's lease at once through P's `POST /kvlease/release` (no lease held to expiry because

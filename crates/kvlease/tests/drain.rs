@@ -153,3 +153,36 @@ async fn sigterm_drains_the_proxy() {
     assert_eq!(text.split_whitespace().count(), 25, "the stream in flight completed: {text}");
     assert_eq!(proxy.exit_code().await, Some(0));
 }
+
+/// SPEC O1 + O2: a decoder that is draining turns new requests away unread (503 +
+/// Retry-After); the proxy sends the decode leg to another decoder with the same params, and
+/// the client never sees the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_routes_around_a_draining_decoder() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve("dr-p", &["--kv-transfer-config", &cfg]);
+    let d0 = Proc::serve("dr-d0", &["--kv-transfer-config", &cfg, "--decode-ms-per-token", "40"]);
+    let d1 = Proc::serve("dr-d1", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("dr-local", &[]);
+    // Probes far apart: the draining decoder stays in rotation, so legs do reach it.
+    let proxy = Proc::proxy_with(&[&p], &[&d0, &d1], &["--health-interval", "60"]);
+    let keep_busy = {
+        let url = format!("{}/v1/completions", d0.url);
+        tokio::spawn(async move { post(&url, &json!({"prompt": "keeps d0 draining", "max_tokens": 60, "ignore_eos": true})).await })
+    };
+    until("d0 busy", DEADLINE, || async { metric(&d0.url, "kvlease_requests_running").await >= 1.0 }).await;
+    d0.signal("TERM");
+    until("d0 draining", DEADLINE, || async { client().get(format!("{}/health", d0.url)).send().await.is_ok_and(|r| r.status() == 503) })
+        .await;
+    let body = json!({"prompt": "routed around the drain", "max_tokens": 5, "ignore_eos": true});
+    let (_, want) = post(&format!("{}/v1/completions", local.url), &body).await;
+    for _ in 0..4 {
+        let (s, v) = post(&format!("{}/v1/completions", proxy.url), &body).await;
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(text_of(&v, false), text_of(&want, false));
+    }
+    assert!(metric(&proxy.url, "kvlease_proxy_retries_total").await >= 1.0, "some leg met the draining decoder and was retried");
+    until("P holds no lease", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leased_blocks").await == 0.0 }).await;
+    let (s, _) = keep_busy.await.expect("task");
+    assert_eq!(s, 200, "the request in flight on the draining decoder completed");
+}
