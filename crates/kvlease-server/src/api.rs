@@ -31,7 +31,7 @@ pub const REQUEST_ID: &str = "x-request-id";
 const MAX_REQUEST_ID_LEN: usize = 512;
 
 /// How `kvlease serve` exposes its engine over HTTP.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub http: HttpLimits,
     /// The engine listens beyond loopback without a cluster secret (`--insecure`, SPEC S3):
@@ -45,6 +45,19 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// Reported by `/tokenize` (the engine checks it).
     pub max_model_len: u32,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            http: HttpLimits::default(),
+            insecure: false,
+            drain: Arc::default(),
+            served_model_names: Vec::new(),
+            api_key: None,
+            max_model_len: kvlease_engine::ModelConfig::default().max_model_len,
+        }
+    }
 }
 
 #[derive(Clone)]

@@ -402,6 +402,17 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
         crate::openai::parse_completion(&request)?;
     }
 
+    // A list of prompts has no single KV to hand over: the decoder computes it (same answers).
+    let batched =
+        request.get("prompt").and_then(Value::as_array).is_some_and(|a| a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()));
+    if batched {
+        let mut local = request;
+        local.remove("kv_transfer_params");
+        let decoder = p.decode.pick(None).ok_or_else(|| ApiError::unavailable("no decoder"))?;
+        let busy = Outstanding::new(decoder.clone());
+        let resp = send(p, &decoder, path, rid, auth, &local).await?;
+        return Ok(relay_stream(resp, busy, deadline));
+    }
     // P leg: one retry on another prefiller if the first could not be reached (it never got the
     // request, so nothing was leased).
     let (prefiller, p_resp) = {

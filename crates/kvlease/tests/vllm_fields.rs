@@ -120,6 +120,14 @@ async fn stop_strings_stop_ids_min_tokens_echo_and_usage_behave_as_in_vllm() {
         let (_, v) = post(&format!("{base}/v1/chat/completions"), &chat).await;
         assert_eq!((v["usage"]["completion_tokens"].clone(), v["choices"][0]["finish_reason"].clone()), (json!(3), json!("length")));
     }
+    // A list of prompts (and token-id prompts) through the proxy: one choice per prompt, each
+    // equal to the local answer.
+    let batch = json!({"prompt": ["first prompt of a batch", [84, 104, 101]], "max_tokens": 4, "ignore_eos": true});
+    let (s, local) = post(&cmpl(&c.local.url), &batch).await;
+    let (s2, disagg) = post(&cmpl(&c.proxy.url), &batch).await;
+    assert_eq!((s, s2), (200, 200), "{disagg}");
+    assert_eq!(local["choices"].as_array().map(Vec::len), Some(2));
+    assert_eq!(disagg["choices"], local["choices"]);
     until("P holds no lease", Duration::from_secs(5), || async { metric(&c.p.url, "kvlease_leased_blocks").await == 0.0 }).await;
 }
 
