@@ -185,3 +185,54 @@ async fn decode_leg_retried_on_another_decoder_before_its_first_byte() {
     assert!(metric(&proxy.url, "kvlease_proxy_retries_total").await >= 1.0);
     until("P holds no lease", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leased_blocks").await == 0.0 }).await;
 }
+
+/// `--request-timeout`: a request that outlives it fails cleanly — 504 in vLLM's envelope before
+/// the first byte, an SSE error event and `[DONE]` after it — and the decoder's request is
+/// aborted, so P's lease does not wait for its expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_timeout_is_a_504_before_the_first_byte_and_an_sse_error_after() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve("to-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("to-d", &["--kv-transfer-config", &cfg, "--decode-ms-per-token", "100"]);
+    let proxy = Proc::proxy_with(&[&p], &[&d], &["--request-timeout", "1"]);
+    let url = format!("{}/v1/completions", proxy.url);
+    let (s, v) = post(&url, &json!({"prompt": "too slow", "max_tokens": 40, "ignore_eos": true})).await;
+    assert_eq!((s, v["error"]["code"].clone()), (504, json!(504)), "{v}");
+    let r = client()
+        .post(&url)
+        .json(&json!({"prompt": "too slow, streamed", "max_tokens": 40, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.expect("body");
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert!(events.len() >= 3, "some tokens came first: {text}");
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let err: Value = serde_json::from_str(events[events.len() - 2]).expect("error event");
+    assert!(err["error"]["message"].as_str().is_some_and(|m| m.contains("request-timeout")), "{err}");
+    until("D aborted both", Duration::from_secs(5), || async { metric(&d.url, "kvlease_requests_running").await == 0.0 }).await;
+    until("P holds no lease", Duration::from_secs(5), || async { metric(&p.url, "kvlease_leased_blocks").await == 0.0 }).await;
+    assert_eq!(metric(&proxy.url, "kvlease_proxy_timeouts_total").await, 1.0);
+}
+
+/// The proxy raises its soft open-file limit to the hard limit at start-up (a proxy out of
+/// descriptors failed hundreds of requests).
+#[test]
+fn proxy_raises_its_open_file_limit_to_the_hard_limit() {
+    let bin = env!("CARGO_BIN_EXE_kvlease");
+    let mut child = Command::new("sh")
+        .args(["-c", &format!("ulimit -S -n 256 && exec {bin} proxy --port 0 --log-level warn")])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().expect("stdout")), &mut line).expect("banner");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).expect("limits");
+    let _ = child.kill();
+    let _ = child.wait();
+    let row = limits.lines().find(|l| l.starts_with("Max open files")).expect("row");
+    let nums: Vec<&str> = row.trim_start_matches("Max open files").split_whitespace().collect();
+    assert_eq!(nums[0], nums[1], "soft = hard after start-up: {row}");
+    assert_ne!(nums[0], "256");
+}
