@@ -283,6 +283,13 @@ pub struct Sampler {
 /// function of (seed, position). `banned` tokens (EOS and stop ids under `min_tokens`) cannot
 /// be picked unless nothing else could.
 pub fn choose(kv_digest: u64, s: &Sampler, position: u32, banned: impl Fn(u32) -> bool) -> u32 {
+    // Greedy: the most likely token is `next_token`'s (see `logits`); no allocation per token.
+    if s.temperature < 1e-5 {
+        let top = next_token(kv_digest);
+        if !banned(top) {
+            return top;
+        }
+    }
     let raw = logits(kv_digest);
     let mut cand: Vec<(u32, f64)> = raw.iter().enumerate().map(|(i, &l)| (FIRST_WORD + i as u32, l)).filter(|(t, _)| !banned(*t)).collect();
     if cand.is_empty() {
