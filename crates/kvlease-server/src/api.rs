@@ -202,10 +202,11 @@ async fn generate(st: AppState, req: Request, endpoint: Endpoint) -> Response {
 async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
     let engine = &st.engine;
     let fields = body::json_object(parts, body).await?;
-    // SPEC O3: a request that carries P's params and is refused before admission releases P's
-    // lease at once. A refusal of the params themselves (forged, another prompt's) leaves it.
+    // SPEC O3: a request that carries P's params and is refused before admission (bad field,
+    // wrong model, over length, bad params) releases P's lease at once. Params that do not
+    // verify (forged, S1) never cause a release: `release_refused` checks the signature.
     let refused = |e: ApiError| {
-        if e.param.as_deref() != Some("kv_transfer_params") && engine.release_refused(fields.get("kv_transfer_params")) {
+        if engine.release_refused(fields.get("kv_transfer_params")) {
             tracing::info!(request_id = %rid, "refused before admission: released the prefill engine's lease");
         }
         e
