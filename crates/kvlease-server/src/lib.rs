@@ -26,4 +26,4 @@ pub use drain::Drain;
 pub use error::ApiError;
 pub use openai::DEFAULT_MAX_TOKENS;
 pub use proxy::{proxy, router as proxy_router, ProxyConfig, ProxyError, Upstream};
-pub use server::HttpLimits;
+pub use server::{raise_open_files_limit, HttpLimits};

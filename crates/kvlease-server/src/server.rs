@@ -516,7 +516,7 @@ async fn refuse(mut stream: TcpStream, max_connections: usize) -> io::Result<()>
 /// Warns when the open-file limit cannot hold `max_connections` sockets and the rest.
 /// Raises the soft open-file limit to the hard one (issue 9: a proxy out of descriptors failed
 /// hundreds of requests with the default 1024). Logged either way.
-pub(crate) fn raise_open_files_limit() {
+pub fn raise_open_files_limit() {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit/setrlimit read/write the struct we own; no other memory is touched.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {

@@ -553,6 +553,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
     let signals = Signals::new();
+    kvlease_server::raise_open_files_limit();
     announce(format!(
         "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
         host_port(&args.host, http.port()),
@@ -621,6 +622,7 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
     tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
     let signals = Signals::new();
+    kvlease_server::raise_open_files_limit();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, limits, async move {
