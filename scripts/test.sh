@@ -23,6 +23,11 @@ else
     features=(--all-features)
 fi
 
+echo "== install the OpenAI Python SDK (tests/vllm_sdk.rs drives kvlease with it)"
+if ! python3 -c "import openai" 2>/dev/null; then
+    python3 -m pip install --disable-pip-version-check --quiet openai
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -43,10 +43,14 @@ impl Drop for Owner {
     }
 }
 
-#[cfg(test)]
 impl EngineHandle {
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
+    }
+
+    /// A request number of this engine, never repeated.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.owner.next_seq.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -209,7 +213,7 @@ impl EngineHandle {
             inner.renewer_wake.notify_one();
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, role, tx);
+        let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, req.sampling, role, tx);
         if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
             return Err(RequestError::unavailable("the engine has stopped"));

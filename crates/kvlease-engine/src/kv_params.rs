@@ -63,8 +63,18 @@ impl KvRole {
             (false, false) => Ok(KvRole::Local),
             (true, false) => Ok(KvRole::PrefillForRemote),
             (false, true) => {
-                let block_ids = match obj.get("remote_block_ids") {
-                    Some(Value::Array(a)) if !a.is_empty() => a
+                // Flat, or nested per KV group as current vLLM sends them (the synthetic model
+                // has one group, so one inner list).
+                let flat = match obj.get("remote_block_ids") {
+                    Some(Value::Array(groups)) if groups.iter().all(Value::is_array) && !groups.is_empty() => match groups.as_slice() {
+                        [Value::Array(one)] => Some(one),
+                        _ => return Err(ParamError(format!("remote_block_ids has {} KV groups; this model has one", groups.len()))),
+                    },
+                    Some(Value::Array(a)) => Some(a),
+                    _ => None,
+                };
+                let block_ids = match flat {
+                    Some(a) if !a.is_empty() => a
                         .iter()
                         .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
                         .collect::<Option<Vec<u32>>>()
@@ -239,6 +249,22 @@ mod tests {
         let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
         assert_eq!(r.incarnation, u64::MAX - 1);
         r.verify(b"s3cret").unwrap();
+    }
+
+    /// SPEC §10: `remote_block_ids` nested per KV group (current vLLM) reads as the flat list,
+    /// still verifies, and `remote_blocks_expiry_time` is accepted; several groups are refused.
+    #[test]
+    fn block_ids_flat_or_nested_per_kv_group() {
+        let mut v = remote().to_json(Some(b"s3cret"));
+        v["remote_block_ids"] = json!([[3, 4]]);
+        v["remote_blocks_expiry_time"] = json!(1_700_000_000.5);
+        let KvRole::DecodeRemote(r) = KvRole::parse(Some(&v)).unwrap() else { panic!() };
+        assert_eq!(r.block_ids, vec![3, 4]);
+        r.verify(b"s3cret").unwrap();
+        v["remote_block_ids"] = json!([[3, 4], [5, 6]]);
+        assert!(KvRole::parse(Some(&v)).unwrap_err().0.contains("KV groups"));
+        v["remote_block_ids"] = json!([[]]);
+        assert!(KvRole::parse(Some(&v)).is_err());
     }
 
     /// SPEC S1: altered fields (the prompt digest among them), another secret, or no signature

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod model;
 mod pool;
 mod pull;
+mod release;
 mod renewal;
 mod scheduler;
 mod side_channel;
@@ -121,6 +122,35 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// The request's `kv_transfer_params`, unparsed (the engine validates them).
     pub kv_transfer_params: Option<serde_json::Value>,
+    /// How tokens are chosen and when the request stops (vLLM's `SamplingParams`).
+    pub sampling: SamplingParams,
+}
+
+/// How the next token is chosen and when a request stops, with vLLM's meanings. Stop strings are
+/// text, so the HTTP layer applies them; everything about token ids happens here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 is greedy (the synthetic model's default, as a model's `generation_config` sets it).
+    pub temperature: f64,
+    /// In (0, 1]; 1 keeps every token.
+    pub top_p: f64,
+    /// 0 keeps every token.
+    pub top_k: u32,
+    /// The sampler's seed: the token at position i is a function of (seed, i, the KV read back),
+    /// so a prefill engine and a decoder, or two runs, agree (SPEC D7).
+    pub seed: u64,
+    /// EOS and `stop_token_ids` cannot be chosen before this many tokens.
+    pub min_tokens: u32,
+    /// Tokens that end the request (they are part of the output, as in vLLM).
+    pub stop_token_ids: Vec<u32>,
+    /// Send a [`GenerateEvent::Logprobs`] before each token, with this many alternatives.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, min_tokens: 0, stop_token_ids: Vec::new(), logprobs: None }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,8 +171,24 @@ impl FinishReason {
 /// What a request produces, in order: tokens, then exactly one `Done` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerateEvent {
-    Token { id: u32, text: String },
-    Done { finish_reason: FinishReason, prompt_tokens: u32, completion_tokens: u32, kv_transfer_params: Option<serde_json::Value> },
+    Token {
+        id: u32,
+        text: String,
+    },
+    /// Sent just before the `Token` it describes, when the request asked for logprobs: the
+    /// token's log-probability under the model's distribution, and the `top` most likely
+    /// tokens (most likely first).
+    Logprobs {
+        id: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
+    Done {
+        finish_reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        kv_transfer_params: Option<serde_json::Value>,
+    },
     Failed(RequestError),
 }
 

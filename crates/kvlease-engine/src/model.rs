@@ -248,6 +248,94 @@ pub fn next_token(kv_digest: u64) -> u32 {
     }
 }
 
+/// Tokens the model can generate: the words, then EOS.
+pub const GENERABLE: u32 = EOS + 1 - FIRST_WORD;
+
+/// The model's logits over the generable tokens (index i is token `FIRST_WORD + i`), from the
+/// digest of the KV read back. The most likely token is [`next_token`]'s, so greedy decoding
+/// is what the model always produced.
+pub fn logits(kv_digest: u64) -> Vec<f64> {
+    let top = next_token(kv_digest);
+    (FIRST_WORD..=EOS)
+        .map(|t| if t == top { 0.0 } else { -(0.5 + 4.0 * unit(mix(kv_digest ^ u64::from(t).wrapping_mul(0xa24b_aed4_963e_e407)))) })
+        .collect()
+}
+
+/// Log-softmax of logits (entries of -inf stay -inf).
+pub fn log_softmax(logits: &[f64]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
+/// How to pick among the logits (the model-side half of vLLM's sampling parameters).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampler {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: u32,
+    pub seed: u64,
+}
+
+/// Picks the token at output position `position`: greedy at temperature 0, else a draw from
+/// the tempered, top-k and top-p filtered distribution with a uniform number that is a pure
+/// function of (seed, position). `banned` tokens (EOS and stop ids under `min_tokens`) cannot
+/// be picked unless nothing else could.
+pub fn choose(kv_digest: u64, s: &Sampler, position: u32, banned: impl Fn(u32) -> bool) -> u32 {
+    // Greedy: the most likely token is `next_token`'s (see `logits`); no allocation per token.
+    if s.temperature < 1e-5 {
+        let top = next_token(kv_digest);
+        if !banned(top) {
+            return top;
+        }
+    }
+    let raw = logits(kv_digest);
+    let mut cand: Vec<(u32, f64)> = raw.iter().enumerate().map(|(i, &l)| (FIRST_WORD + i as u32, l)).filter(|(t, _)| !banned(*t)).collect();
+    if cand.is_empty() {
+        return next_token(kv_digest);
+    }
+    // Most likely first; ties (none in practice) by token id, so the order is total.
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if s.temperature < 1e-5 {
+        return cand[0].0;
+    }
+    if s.top_k > 0 {
+        cand.truncate(s.top_k as usize);
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f64> = cand.iter().map(|(_, l)| ((l - max) / s.temperature).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if s.top_p < 1.0 {
+        let mut acc = 0.0;
+        let keep = probs
+            .iter()
+            .position(|p| {
+                acc += p;
+                acc >= s.top_p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    let u = unit(mix(s.seed ^ mix(u64::from(position).wrapping_add(0x5a4d_504c_4552_2121))));
+    let mut acc = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        acc += p;
+        if u < acc {
+            return cand[i].0;
+        }
+    }
+    cand[probs.len() - 1].0
+}
+
+/// A uniform number in [0, 1) from 53 bits of `h`.
+fn unit(h: u64) -> f64 {
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -290,6 +378,30 @@ mod tests {
         assert_eq!(detokenize(EOS), "");
         assert!(next_token(42) >= FIRST_WORD && next_token(42) <= EOS);
         assert_eq!(chat_prompt([("user", "hi")]), "<|user|>\nhi\n<|assistant|>\n");
+    }
+
+    fn sampler(temperature: f64, top_p: f64, top_k: u32, seed: u64) -> Sampler {
+        Sampler { temperature, top_p, top_k, seed }
+    }
+
+    #[test]
+    fn greedy_is_the_models_token_and_sampling_is_seeded() {
+        for d in 0..200u64 {
+            let d = mix(d);
+            assert_eq!(choose(d, &sampler(0.0, 1.0, 0, 7), 3, |_| false), next_token(d));
+            assert_eq!(choose(d, &sampler(5.0, 1.0, 1, 7), 3, |_| false), next_token(d), "top_k 1 is greedy");
+            assert_eq!(choose(d, &sampler(5.0, 1e-9, 0, 7), 3, |_| false), next_token(d), "tiny top_p is greedy");
+            let a = choose(d, &sampler(1.0, 0.9, 0, 7), 3, |_| false);
+            assert_eq!(a, choose(d, &sampler(1.0, 0.9, 0, 7), 3, |_| false), "same seed, same token");
+            let banned = next_token(d);
+            assert_ne!(choose(d, &sampler(0.0, 1.0, 0, 7), 3, |t| t == banned), banned);
+        }
+        let picks: std::collections::HashSet<u32> =
+            (0..200).map(|seed| choose(mix(5), &sampler(2.0, 1.0, 0, seed), 0, |_| false)).collect();
+        assert!(picks.len() > 10, "a hot temperature spreads over the vocabulary: {}", picks.len());
+        let lp = log_softmax(&logits(mix(5)));
+        assert!((lp.iter().map(|l| l.exp()).sum::<f64>() - 1.0).abs() < 1e-9);
+        assert_eq!(lp.len(), GENERABLE as usize);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::model::{self, EOS};
 use crate::pool::Blocks;
 use crate::pull::pull;
 use crate::state::{lock, Inner, Rank};
-use crate::{FinishReason, GenerateEvent, RequestError};
+use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
 use kvlease_core::pull::{PullLost, Verdict};
 use kvlease_core::renewer::Untrack;
@@ -44,6 +44,7 @@ pub(crate) struct Seq {
     prompt: Vec<u32>,
     max_tokens: u32,
     ignore_eos: bool,
+    sampling: SamplingParams,
     role: KvRole,
     tx: mpsc::UnboundedSender<GenerateEvent>,
     blocks: Option<Blocks>,
@@ -67,6 +68,7 @@ impl Seq {
         prompt: Vec<u32>,
         max_tokens: u32,
         ignore_eos: bool,
+        sampling: SamplingParams,
         role: KvRole,
         tx: mpsc::UnboundedSender<GenerateEvent>,
     ) -> Seq {
@@ -77,6 +79,7 @@ impl Seq {
             prompt,
             max_tokens,
             ignore_eos,
+            sampling,
             role,
             tx,
             blocks: None,
@@ -318,7 +321,7 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
         seq.prefix = model::extend_prefix(seq.prefix, seq.last_token);
         write_kv(inner.ranks(), m, blocks, pos, seq.prefix);
         seq.digest = digest_positions(inner.ranks(), m, blocks, pos, pos + 1, seq.digest);
-        let tok = model::next_token(seq.digest);
+        let tok = choose(seq);
         emit(seq, tok);
     }
     sleep(m.decode_time()).await;
@@ -339,8 +342,17 @@ fn prompt_ready(inner: &Arc<Inner>, seq: &mut Seq) {
     seq.prefix = seq.prompt.iter().fold(model::PREFIX_SEED, |h, &t| model::extend_prefix(h, t));
     seq.digest = digest_positions(inner.ranks(), &inner.cfg.model, blocks, 0, seq.prompt.len(), 0);
     seq.state = State::Decoding;
-    let tok = model::next_token(seq.digest);
+    let tok = choose(seq);
     emit(seq, tok);
+}
+
+/// The request's next token from the KV digest, under its sampling parameters: below
+/// `min_tokens`, EOS and the stop ids cannot be chosen.
+fn choose(seq: &Seq) -> u32 {
+    let s = &seq.sampling;
+    let sampler = model::Sampler { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, seed: s.seed };
+    let early = seq.generated < s.min_tokens;
+    model::choose(seq.digest, &sampler, seq.generated, |t| early && ((t == EOS && !seq.ignore_eos) || s.stop_token_ids.contains(&t)))
 }
 
 fn emit(seq: &mut Seq, tok: u32) {
@@ -353,19 +365,28 @@ fn emit(seq: &mut Seq, tok: u32) {
         // The P leg's token goes out with its Done, after the lease is granted.
         return;
     }
+    if let Some(k) = seq.sampling.logprobs {
+        let lp = model::log_softmax(&model::logits(seq.digest));
+        let mut ranked: Vec<(u32, f32)> = lp.iter().enumerate().map(|(i, &l)| (model::FIRST_WORD + i as u32, l as f32)).collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let logprob = lp.get((tok.saturating_sub(model::FIRST_WORD)) as usize).map_or(f32::NEG_INFINITY, |&l| l as f32);
+        ranked.truncate(k as usize);
+        let _ = seq.tx.send(GenerateEvent::Logprobs { id: tok, logprob, top: ranked });
+    }
     let _ = seq.tx.send(GenerateEvent::Token { id: tok, text: model::detokenize(tok) });
 }
 
 /// Sends `Done` if the request is complete; true if it was.
 fn finished(seq: &mut Seq) -> bool {
-    let reason = if seq.last_token == EOS && !seq.ignore_eos {
+    let reason = if (seq.last_token == EOS && !seq.ignore_eos) || seq.sampling.stop_token_ids.contains(&seq.last_token) {
         FinishReason::Stop
     } else if seq.generated >= seq.max_tokens {
         FinishReason::Length
     } else {
         return false;
     };
-    let completion_tokens = if reason == FinishReason::Stop { seq.generated - 1 } else { seq.generated };
+    // As in vLLM, the EOS or stop token that ended the request is counted.
+    let completion_tokens = seq.generated;
     let _ = seq.tx.send(GenerateEvent::Done {
         finish_reason: reason,
         prompt_tokens: seq.prompt.len() as u32,

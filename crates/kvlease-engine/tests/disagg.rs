@@ -111,6 +111,7 @@ async fn d4_abort_on_d_releases_the_lease_at_once() {
         max_tokens: 4,
         ignore_eos: true,
         kv_transfer_params: params,
+        sampling: Default::default(),
     };
     let stream = d.submit(req).unwrap();
     until("heartbeats flow", Duration::from_secs(5), || p.metrics().heartbeats_received.load(Relaxed) >= 1).await;

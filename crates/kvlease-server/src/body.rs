@@ -227,7 +227,7 @@ mod tests {
         assert!(budget.used() >= (80 << 10) - UNCOUNTED_BODY_BYTES && budget.used() <= 100 << 10);
         let e = read_limited(big(), MAX_BODY_BYTES, Some(&budget)).await.err().unwrap();
         assert_eq!(e.status, 503);
-        assert_eq!(e.body()["error"]["type"], "server_error");
+        assert_eq!(e.body()["error"]["type"], "ServiceUnavailableError");
         assert_eq!(e.code.as_deref(), Some("overloaded"));
         // A small body needs nothing from the budget.
         let small = read_limited(Body::from(vec![b' '; UNCOUNTED_BODY_BYTES]), MAX_BODY_BYTES, Some(&budget)).await.unwrap();

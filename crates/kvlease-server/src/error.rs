@@ -1,5 +1,6 @@
-//! The OpenAI error shape: every failure the HTTP layer reports, as
-//! `{"error":{"message","type","param","code"}}` with a 4xx/5xx status.
+//! vLLM's error envelope: every failure the HTTP layer reports, as
+//! `{"error":{"message","type","param","code"}}` with a 4xx/5xx status, `code` the status as an
+//! integer and `type` its name as vLLM spells it (`BadRequestError`, `NotFoundError`, …).
 //!
 //! One type so that no path (body extraction, validation, the engine, the proxy's upstreams)
 //! can answer with axum's plain-text rejections or an empty 500.
@@ -13,8 +14,9 @@ use serde_json::{json, Value};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
-    /// OpenAI's `type`: `invalid_request_error` for the client's mistakes, `server_error` else.
+    /// vLLM's `type`: the status's name (`BadRequestError`, `ServiceUnavailableError`, …).
     pub kind: &'static str,
+    /// kvlease's own reason (`overloaded`, `kv_load_failed`, …): in logs, not in the body.
     pub code: Option<String>,
     pub param: Option<String>,
     pub message: String,
@@ -22,7 +24,7 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, code: Option<&str>, param: Option<&str>, message: impl Into<String>) -> ApiError {
-        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
+        let kind = error_type(status);
         ApiError { status, kind, code: code.map(str::to_owned), param: param.map(str::to_owned), message: message.into() }
     }
 
@@ -91,9 +93,39 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_GATEWAY, Some("bad_gateway"), None, message)
     }
 
-    /// The JSON body: `{"error":{…}}`.
+    /// 401: `--api-key` is set and the request did not carry it.
+    pub fn unauthorized() -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, Some("unauthorized"), None, "Unauthorized: send `Authorization: Bearer <api key>`")
+    }
+
+    /// 504: the proxy's per-request timeout passed.
+    pub fn gateway_timeout(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::GATEWAY_TIMEOUT, Some("timeout"), None, message)
+    }
+
+    /// The JSON body: `{"error":{…}}`, `code` the HTTP status as an integer (vLLM).
     pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}})
+    }
+}
+
+/// vLLM's error `type` for a status: its reason phrase without spaces, ending in `Error`.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 => "BadRequestError",
+        401 => "UnauthorizedError",
+        403 => "ForbiddenError",
+        404 => "NotFoundError",
+        405 => "MethodNotAllowedError",
+        408 => "RequestTimeoutError",
+        413 => "PayloadTooLargeError",
+        415 => "UnsupportedMediaTypeError",
+        429 => "TooManyRequestsError",
+        502 => "BadGatewayError",
+        503 => "ServiceUnavailableError",
+        504 => "GatewayTimeoutError",
+        s if (400..500).contains(&s) => "BadRequestError",
+        _ => "InternalServerError",
     }
 }
 
@@ -120,12 +152,13 @@ mod tests {
         let e: ApiError = RequestError::bad_request(Some("prompt"), "token id 999 out of range").into();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         let b = e.body();
-        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["type"], "BadRequestError");
         assert_eq!(b["error"]["param"], "prompt");
-        assert_eq!(b["error"]["code"], "invalid_request_error");
+        assert_eq!(b["error"]["code"], 400, "vLLM's envelope: the status as an integer");
         let e: ApiError = RequestError::unavailable("queue full").into();
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(e.body()["error"]["type"], "server_error");
+        assert_eq!(e.body()["error"]["type"], "ServiceUnavailableError");
+        assert_eq!(e.body()["error"]["code"], 503);
         let e: ApiError = RequestError { status: 42, code: "x", param: None, message: "?".into() }.into();
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
     }

@@ -11,6 +11,8 @@
 
 mod api;
 mod body;
+mod choice;
+mod drain;
 mod error;
 pub mod ids;
 mod openai;
@@ -20,7 +22,8 @@ mod sse;
 
 pub use api::{router, serve, ServeOptions, REQUEST_ID};
 pub use body::{MAX_BODY_BYTES, UNCOUNTED_BODY_BYTES};
+pub use drain::Drain;
 pub use error::ApiError;
 pub use openai::DEFAULT_MAX_TOKENS;
 pub use proxy::{proxy, router as proxy_router, ProxyConfig, ProxyError, Upstream};
-pub use server::HttpLimits;
+pub use server::{raise_open_files_limit, HttpLimits};

@@ -2,7 +2,10 @@
 //! (D), as vLLM's toy proxy (`toy_proxy_server.py`) does, with the same flags, so either proxy
 //! drives either server (SPEC §10).
 //!
-//! P leg: the request with `max_tokens = 1`, `stream = false` and `do_remote_decode = true`;
+//! The request is validated first, with the same parser the engines use, so a request D would
+//! refuse never reaches P (no lease is granted for it) and errors name the client's values.
+//! P leg: the client's request with `n = 1`, `stream = false` and `do_remote_decode = true`
+//! (its own `max_tokens`, so P's length checks see the client's numbers: P prefills only);
 //! P's response carries the `kv_transfer_params` that the D leg then sends unchanged. D's response
 //! is streamed back as it comes. Beyond the toy: a client that disconnects drops the upstream
 //! request and its body stream, so P or D sees the connection close and aborts (SPEC D4), and an
@@ -15,7 +18,7 @@ use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
 use crate::error::ApiError;
 use crate::server::{self, HttpLimits};
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
@@ -25,7 +28,7 @@ use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,14 +55,35 @@ impl fmt::Display for Upstream {
     }
 }
 
-/// The prefill and decode engines to route over (round-robin over each list).
+/// The prefill and decode engines to route over (least outstanding requests among the healthy
+/// ones), and how the proxy watches them.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     pub prefillers: Vec<Upstream>,
     pub decoders: Vec<Upstream>,
+    /// A request (both legs, the answer streamed to its end) that takes longer fails: 504
+    /// before the first byte, an SSE error event after it.
+    pub request_timeout: Duration,
+    /// How often every upstream's `/health` is probed; an upstream that fails a probe (or a
+    /// connection) is out of rotation until a probe succeeds.
+    pub health_interval: Duration,
+    /// SPEC O1: started on SIGTERM; new requests get 503 while those in flight finish.
+    pub drain: Arc<crate::drain::Drain>,
 }
 
 impl ProxyConfig {
+    /// Defaults: 600 s per request, a probe every 0.5 s (an instance that fails is out within
+    /// 2 s: the interval plus the probe's 1 s timeout).
+    pub fn new(prefillers: Vec<Upstream>, decoders: Vec<Upstream>) -> ProxyConfig {
+        ProxyConfig {
+            prefillers,
+            decoders,
+            request_timeout: Duration::from_secs(600),
+            health_interval: Duration::from_millis(500),
+            drain: Arc::default(),
+        }
+    }
+
     /// Pairs `--*-hosts` with `--*-ports` as the toy proxy does; one host may serve many ports.
     pub fn pair(what: &str, hosts: &[String], ports: &[u16]) -> Result<Vec<Upstream>, String> {
         if hosts.is_empty() || ports.is_empty() {
@@ -80,15 +104,81 @@ impl ProxyConfig {
     }
 }
 
+/// One upstream engine as the proxy sees it.
+struct Instance {
+    up: Upstream,
+    healthy: AtomicBool,
+    outstanding: AtomicUsize,
+    requests: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// Counts a request against its instance while alive (least-outstanding routing).
+struct Outstanding(Arc<Instance>);
+
+impl Outstanding {
+    fn new(i: Arc<Instance>) -> Outstanding {
+        i.outstanding.fetch_add(1, Ordering::AcqRel);
+        i.requests.fetch_add(1, Ordering::Relaxed);
+        Outstanding(i)
+    }
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 struct Pool {
-    upstreams: Vec<Upstream>,
+    role: &'static str,
+    instances: Vec<Arc<Instance>>,
     next: AtomicUsize,
 }
 
 impl Pool {
-    fn pick(&self) -> &Upstream {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.upstreams.len();
-        &self.upstreams[i]
+    fn new(role: &'static str, upstreams: Vec<Upstream>) -> Pool {
+        let instances = upstreams
+            .into_iter()
+            .map(|up| {
+                Arc::new(Instance {
+                    up,
+                    healthy: AtomicBool::new(true),
+                    outstanding: AtomicUsize::new(0),
+                    requests: AtomicU64::new(0),
+                    failures: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        Pool { role, instances, next: AtomicUsize::new(0) }
+    }
+
+    /// The healthy instance with the fewest requests outstanding (ties in turn), not `except`;
+    /// when none is healthy, the least busy of all (it may be back: trying beats refusing).
+    fn pick(&self, except: Option<&Upstream>) -> Option<Arc<Instance>> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let n = self.instances.len();
+        let least = |healthy_only: bool| {
+            (0..n)
+                .map(|k| &self.instances[(start + k) % n])
+                .filter(|i| Some(&i.up) != except)
+                .filter(|i| !healthy_only || i.healthy.load(Ordering::Acquire))
+                .min_by_key(|i| i.outstanding.load(Ordering::Acquire))
+                .cloned()
+        };
+        least(true).or_else(|| least(false))
+    }
+
+    fn any_healthy(&self) -> bool {
+        self.instances.iter().any(|i| i.healthy.load(Ordering::Acquire))
+    }
+}
+
+/// Marks an instance out of rotation after a failure the proxy saw itself.
+fn mark_down(i: &Instance, why: &str) {
+    i.failures.fetch_add(1, Ordering::Relaxed);
+    if i.healthy.swap(false, Ordering::AcqRel) {
+        tracing::warn!(upstream = %i.up, "out of rotation: {why}");
     }
 }
 
@@ -96,6 +186,13 @@ struct Proxy {
     client: reqwest::Client,
     prefill: Pool,
     decode: Pool,
+    request_timeout: Duration,
+    drain: Arc<crate::drain::Drain>,
+    requests: AtomicU64,
+    retries: AtomicU64,
+    failed: AtomicU64,
+    timeouts: AtomicU64,
+    released: AtomicU64,
 }
 
 /// Why the proxy could not start.
@@ -115,21 +212,38 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
     if cfg.prefillers.is_empty() || cfg.decoders.is_empty() {
         return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
     }
+    if cfg.request_timeout.is_zero() || cfg.health_interval.is_zero() {
+        return Err(ProxyError("--request-timeout and --health-interval must be above 0".into()));
+    }
     let client = reqwest::Client::builder()
         .no_proxy()
-        .connect_timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30))
         .build()
         .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
     let proxy = Arc::new(Proxy {
         client,
-        prefill: Pool { upstreams: cfg.prefillers, next: AtomicUsize::new(0) },
-        decode: Pool { upstreams: cfg.decoders, next: AtomicUsize::new(0) },
+        prefill: Pool::new("prefill", cfg.prefillers),
+        decode: Pool::new("decode", cfg.decoders),
+        request_timeout: cfg.request_timeout,
+        drain: cfg.drain.clone(),
+        requests: AtomicU64::new(0),
+        retries: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+        timeouts: AtomicU64::new(0),
+        released: AtomicU64::new(0),
     });
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(health_checks(Arc::downgrade(&proxy), cfg.health_interval));
+    }
     Ok(Router::new()
         .route("/v1/completions", post(forward))
         .route("/v1/chat/completions", post(forward))
         .route("/healthcheck", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .with_state(proxy))
@@ -146,15 +260,126 @@ pub async fn proxy(
     server::run(listener, app, limits, shutdown).await
 }
 
+/// Probes every upstream's `/health` each `interval` (1 s timeout): out of rotation on a failed
+/// probe, back in on a good one. Ends with the proxy.
+async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
+    loop {
+        // Instances start in rotation; the first probe comes one interval in.
+        tokio::time::sleep(interval).await;
+        let Some(proxy) = p.upgrade() else { return };
+        let probes: Vec<_> = proxy
+            .prefill
+            .instances
+            .iter()
+            .chain(&proxy.decode.instances)
+            .map(|i| {
+                let (client, i) = (proxy.client.clone(), i.clone());
+                async move {
+                    let probe = client.get(i.up.url("/health")).timeout(Duration::from_secs(1)).send().await;
+                    match probe {
+                        Ok(r) if r.status().is_success() => {
+                            if !i.healthy.swap(true, Ordering::AcqRel) {
+                                tracing::info!(upstream = %i.up, "back in rotation");
+                            }
+                        }
+                        Ok(r) => mark_down(&i, &format!("/health answered {}", r.status())),
+                        Err(e) => mark_down(&i, &format!("/health failed: {}", cause(&e))),
+                    }
+                }
+            })
+            .collect();
+        drop(proxy);
+        futures_util::future::join_all(probes).await;
+    }
+}
+
+/// 200 while at least one prefiller and one decoder are healthy; else 503 saying which is missing.
+async fn health(State(p): State<Arc<Proxy>>) -> Response {
+    if p.drain.is_draining() {
+        return ApiError::unavailable("draining: shutting down").into_response();
+    }
+    match (p.prefill.any_healthy(), p.decode.any_healthy()) {
+        (true, true) => StatusCode::OK.into_response(),
+        (pf, _) => ApiError::unavailable(format!("no healthy {}", if pf { "decoder" } else { "prefiller" })).into_response(),
+    }
+}
+
+/// A healthy decoder's `/v1/models`.
+async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
+    let Some(d) = p.decode.pick(None) else { return ApiError::unavailable("no decoder").into_response() };
+    let mut req = p.client.get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
+    if let Some(a) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, a.clone());
+    }
+    let r = req.send().await;
+    let resp = match r {
+        Ok(r) => relay_whole(&d.up, r).await,
+        Err(e) => Err(ApiError::bad_gateway(format!("upstream {} failed: {}", d.up, cause(&e)))),
+    };
+    resp.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The proxy's own counters and every upstream's health, Prometheus text.
+async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for (name, help, v) in [
+        ("kvlease_proxy_requests_total", "Completion requests received.", &p.requests),
+        ("kvlease_proxy_retries_total", "Legs retried on another instance after failing before their first byte.", &p.retries),
+        ("kvlease_proxy_failed_total", "Requests answered with a 5xx the proxy made.", &p.failed),
+        ("kvlease_proxy_timeouts_total", "Requests cut by --request-timeout.", &p.timeouts),
+        ("kvlease_proxy_leases_released_total", "P leases released because the decode leg failed.", &p.released),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+    }
+    let pools = [&p.prefill, &p.decode];
+    let each = |out: &mut String, name: &str, kind: &str, help: &str, f: &dyn Fn(&Instance) -> u64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for pool in pools {
+            for i in &pool.instances {
+                let _ = writeln!(out, "{name}{{role=\"{}\",upstream=\"{}\"}} {}", pool.role, i.up, f(i));
+            }
+        }
+    };
+    each(&mut out, "kvlease_proxy_upstream_healthy", "gauge", "1 while the upstream is in rotation.", &|i| {
+        u64::from(i.healthy.load(Ordering::Relaxed))
+    });
+    each(&mut out, "kvlease_proxy_upstream_outstanding", "gauge", "Legs in flight on the upstream.", &|i| {
+        i.outstanding.load(Ordering::Relaxed) as u64
+    });
+    each(&mut out, "kvlease_proxy_upstream_requests_total", "counter", "Legs sent to the upstream.", &|i| {
+        i.requests.load(Ordering::Relaxed)
+    });
+    each(
+        &mut out,
+        "kvlease_proxy_upstream_failures_total",
+        "counter",
+        "Legs that could not reach the upstream, and failed probes.",
+        &|i| i.failures.load(Ordering::Relaxed),
+    );
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], out).into_response()
+}
+
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+    let Some(inflight) = p.drain.admit() else { return crate::drain::Drain::refusal() };
     let (parts, body) = req.into_parts();
     let rid = match request_id(&parts.headers) {
         Ok(rid) => rid,
         Err(e) => return e.into_response(),
     };
-    let resp = match route(&p, &rid, &parts, body).await {
+    p.requests.fetch_add(1, Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + p.request_timeout;
+    let routed = tokio::time::timeout_at(deadline, route(&p, &rid, &parts, body, deadline)).await.unwrap_or_else(|_| {
+        p.timeouts.fetch_add(1, Ordering::Relaxed);
+        Err(ApiError::gateway_timeout(format!("no answer within the proxy's --request-timeout ({} s)", p.request_timeout.as_secs_f64())))
+    });
+    let resp = match routed {
         Ok(r) => r,
         Err(e) => {
+            if e.status.is_server_error() {
+                p.failed.fetch_add(1, Ordering::Relaxed);
+            }
+
             if e.is_server_fault() {
                 tracing::warn!(request_id = %rid, status = %e.status, "{}", e.message);
             } else {
@@ -163,29 +388,153 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             e.into_response()
         }
     };
-    with_request_id(resp, &rid)
+    inflight.hold(with_request_id(resp, &rid))
 }
 
-async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body) -> Result<Response, ApiError> {
+async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {
     let request = body::json_object(parts, body).await?;
     let auth = parts.headers.get(header::AUTHORIZATION);
     let path = parts.uri.path();
-
-    let prefiller = p.prefill.pick();
-    let p_resp = send(p, prefiller, path, rid, auth, &prefill_leg(&request)).await?;
-    if !p_resp.status().is_success() {
-        return relay_whole(prefiller, p_resp).await;
+    // The engines' own checks, before anything is leased.
+    if path.ends_with("/chat/completions") {
+        crate::openai::parse_chat(&request)?;
+    } else {
+        crate::openai::parse_completion(&request)?;
     }
-    let p_json: Value =
-        p_resp.json().await.map_err(|e| ApiError::bad_gateway(format!("prefiller {prefiller} answered with invalid JSON: {e}")))?;
 
+    // A list of prompts has no single KV to hand over: the decoder computes it (same answers).
+    let batched =
+        request.get("prompt").and_then(Value::as_array).is_some_and(|a| a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()));
+    if batched {
+        let mut local = request;
+        local.remove("kv_transfer_params");
+        let decoder = p.decode.pick(None).ok_or_else(|| ApiError::unavailable("no decoder"))?;
+        let busy = Outstanding::new(decoder.clone());
+        let resp = send(p, &decoder, path, rid, auth, &local).await?;
+        return Ok(relay_stream(resp, busy, deadline));
+    }
+    // P leg: one retry on another prefiller if the first could not be reached (it never got the
+    // request, so nothing was leased).
+    let (prefiller, p_resp) = {
+        let first = p.prefill.pick(None).ok_or_else(|| ApiError::unavailable("no prefiller"))?;
+        let _busy = Outstanding::new(first.clone());
+        match send(p, &first, path, rid, auth, &prefill_leg(&request)).await {
+            Ok(r) if !turned_away_unread(&r) => (first.up.clone(), r),
+            Ok(r) => match p.prefill.pick(Some(&first.up)) {
+                Some(second) => {
+                    p.retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(request_id = %rid, "{} turned the prefill leg away (503); retrying on {}", first.up, second.up);
+                    let _busy = Outstanding::new(second.clone());
+                    (second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?)
+                }
+                None => (first.up.clone(), r),
+            },
+            Err(e) => match p.prefill.pick(Some(&first.up)) {
+                Some(second) => {
+                    p.retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(request_id = %rid, "prefill leg failed before its first byte ({}); retrying on {}", e.message, second.up);
+                    let _busy = Outstanding::new(second.clone());
+                    (second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?)
+                }
+                None => return Err(e),
+            },
+        }
+    };
+    if !p_resp.status().is_success() {
+        return relay_whole(&prefiller, p_resp).await;
+    }
+    let p_json: Value = p_resp
+        .json()
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("prefiller {prefiller} answered with invalid JSON: {}", cause(&e))))?;
+
+    // D leg: a decoder that fails before its first byte (unreachable, connection lost before the
+    // answer's head) is retried once on another decoder with the same params.
     let d_request = decode_leg(request, &p_json);
-    let decoder = p.decode.pick();
-    let d_resp = send(p, decoder, path, rid, auth, &d_request).await?;
-    Ok(relay_stream(d_resp))
+    let mut tried: Option<Upstream> = None;
+    let mut last_err = None;
+    let mut turned_away: Option<(Upstream, reqwest::Response)> = None;
+    for attempt in 0..2 {
+        let Some(decoder) = p.decode.pick(tried.as_ref()) else { break };
+        if attempt > 0 {
+            p.retries.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", decoder.up);
+        }
+        let busy = Outstanding::new(decoder.clone());
+        match send(p, &decoder, path, rid, auth, &d_request).await {
+            Ok(d_resp) if d_resp.status().is_success() => return Ok(relay_stream(d_resp, busy, deadline)),
+            Ok(d_resp) if turned_away_unread(&d_resp) => {
+                // Draining, or at its connection cap: D never read the request, P's lease is
+                // untouched. Another decoder may take it.
+                tried = Some(decoder.up.clone());
+                turned_away = Some((decoder.up.clone(), d_resp));
+            }
+            Ok(d_resp) => {
+                // D refused before taking the request (it releases P's lease itself, SPEC O3);
+                // the proxy makes sure, and relays D's answer.
+                release_on_p(p, &prefiller, rid, &p_json).await;
+                return relay_whole(&decoder.up, d_resp).await;
+            }
+            Err(e) => {
+                tried = Some(decoder.up.clone());
+                last_err = Some(e);
+            }
+        }
+    }
+    // No decoder got the request: nobody will read P's blocks.
+    release_on_p(p, &prefiller, rid, &p_json).await;
+    match (last_err, turned_away) {
+        (_, Some((from, resp))) => relay_whole(&from, resp).await,
+        (Some(e), None) => Err(e),
+        (None, None) => Err(ApiError::unavailable("no decoder")),
+    }
 }
 
-/// The P leg: one token, not streamed, asking P to keep the KV for a remote decoder.
+/// A 503 with `Retry-After`: the server turned the request away without reading it (draining,
+/// SPEC O1, or at its connection cap).
+fn turned_away_unread(resp: &reqwest::Response) -> bool {
+    resp.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(reqwest::header::RETRY_AFTER)
+}
+
+/// Ends P's lease at once through P's `POST /kvlease/release` (no lease held to expiry because
+/// the decode leg failed). A failure here is logged: the lease then ends at its expiry.
+async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
+    let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
+    let sent = p
+        .client
+        .post(prefiller.url("/kvlease/release"))
+        .header(REQUEST_ID, rid)
+        .timeout(Duration::from_secs(2))
+        .json(&json!({"kv_transfer_params": params}))
+        .send()
+        .await;
+    match sent {
+        Ok(r) if r.status().is_success() => {
+            p.released.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(request_id = %rid, "decode leg failed: released the lease on {prefiller}")
+        }
+        Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "decode leg failed and {prefiller} did not release the lease"),
+        Err(e) => tracing::warn!(request_id = %rid, "decode leg failed and the lease on {prefiller} could not be released: {}", cause(&e)),
+    }
+}
+
+/// An error with its whole chain of causes: "error sending request … : Too many open files
+/// (os error 24)", not just the outermost "error sending request".
+pub(crate) fn cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
+}
+
+/// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder.
 fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
     let mut r = request.clone();
     r.insert(
@@ -200,10 +549,8 @@ fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
         }),
     );
     r.insert("stream".into(), Value::Bool(false));
-    r.insert("max_tokens".into(), json!(1));
-    if r.contains_key("max_completion_tokens") {
-        r.insert("max_completion_tokens".into(), json!(1));
-    }
+    r.insert("n".into(), json!(1));
+    r.remove("best_of");
     r.remove("stream_options");
     r
 }
@@ -220,17 +567,28 @@ fn decode_leg(mut request: Map<String, Value>, p_response: &Value) -> Map<String
 
 async fn send(
     p: &Proxy,
-    to: &Upstream,
+    to: &Instance,
     path: &str,
     rid: &str,
     auth: Option<&HeaderValue>,
     body: &Map<String, Value>,
 ) -> Result<reqwest::Response, ApiError> {
-    let mut req = p.client.post(to.url(path)).header(REQUEST_ID, rid).json(body);
+    let mut req = p.client.post(to.up.url(path)).header(REQUEST_ID, rid).json(body);
     if let Some(a) = auth {
         req = req.header(header::AUTHORIZATION, a.clone());
     }
-    req.send().await.map_err(|e| ApiError::bad_gateway(format!("upstream {to} is unreachable: {e}")))
+    req.send().await.map_err(|e| {
+        let what = if e.is_connect() {
+            "is unreachable"
+        } else if e.is_timeout() {
+            "timed out"
+        } else {
+            "failed"
+        };
+        let why = cause(&e);
+        mark_down(to, &why);
+        ApiError::bad_gateway(format!("upstream {} {what}: {why}", to.up))
+    })
 }
 
 /// The upstream's status, content type and whole body (P's errors).
@@ -246,11 +604,35 @@ async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Respons
 }
 
 /// The upstream's status, content type and body, streamed chunk by chunk. The body owns the
-/// upstream response: dropping it (client gone) closes the upstream connection.
-fn relay_stream(resp: reqwest::Response) -> Response {
+/// upstream response: dropping it (client gone) closes the upstream connection. If the upstream
+/// breaks off (or the request's deadline passes) after the first byte, an SSE stream ends with an
+/// error event and `[DONE]`, so the client sees a clean failure rather than a cut.
+fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant) -> Response {
+    use futures_util::StreamExt;
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-    let mut out = (status, Body::from_stream(resp.bytes_stream())).into_response();
+    let sse = content_type.as_ref().and_then(|c| c.to_str().ok()).is_some_and(|c| c.starts_with("text/event-stream"));
+    let upstream = resp.bytes_stream();
+    let body = futures_util::stream::unfold((Some(upstream), busy), move |(up, busy)| async move {
+        let mut up = up?;
+        let next = tokio::time::timeout_at(deadline, up.next()).await;
+        let from = busy.0.up.clone();
+        let fail = |why: String| {
+            tracing::warn!(upstream = %from, "answer broken off after its first byte: {why}");
+            let e = ApiError::bad_gateway(format!("upstream {from} broke off its answer: {why}"));
+            Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
+        };
+        match next {
+            Ok(Some(Ok(b))) => Some((Ok(b), (Some(up), busy))),
+            Ok(None) => None,
+            Ok(Some(Err(e))) if sse => Some((Ok(fail(cause(&e))), (None, busy))),
+            Err(_) if sse => Some((Ok(fail("the proxy's --request-timeout passed".into())), (None, busy))),
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(cause(&e))), (None, busy))),
+            Err(_) => Some((Err(std::io::Error::other("the proxy's --request-timeout passed")), (None, busy))),
+        }
+    });
+    let mut out = (status, Body::from_stream(body)).into_response();
+
     if let Some(ct) = content_type {
         out.headers_mut().insert(header::CONTENT_TYPE, ct);
     }
@@ -262,18 +644,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefill_leg_is_one_token_unstreamed_with_remote_decode() {
+    fn prefill_leg_is_one_choice_unstreamed_with_remote_decode_and_the_clients_max_tokens() {
         let Value::Object(req) = json!({"prompt": "x", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true}}) else {
             unreachable!()
         };
         let leg = prefill_leg(&req);
-        assert_eq!(leg["max_tokens"], 1);
-        assert_eq!(leg["stream"], false);
+        assert_eq!(leg["max_tokens"], 50, "P's length checks see the client's value");
+        assert_eq!((leg["stream"].clone(), leg["n"].clone()), (json!(false), json!(1)));
         assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens"));
         assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
         let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
-        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
+        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 9);
     }
 
     /// SPEC S1 through the proxy: D gets P's params or none, never what the client sent.

@@ -91,6 +91,7 @@ const OTHER_FILES: u64 = 64;
 /// accepting, closes connections that are not busy, lets busy ones finish their request, and
 /// returns when every connection is closed.
 pub(crate) async fn run(listener: TcpListener, router: Router, limits: HttpLimits, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+    raise_open_files_limit();
     warn_if_files_are_short(limits.max_connections);
     let server = Arc::new(Server {
         budget: Arc::new(BodyBudget::new(limits.max_buffered_body_bytes)),
@@ -513,6 +514,28 @@ async fn refuse(mut stream: TcpStream, max_connections: usize) -> io::Result<()>
 }
 
 /// Warns when the open-file limit cannot hold `max_connections` sockets and the rest.
+/// Raises the soft open-file limit to the hard one (issue 9: a proxy out of descriptors failed
+/// hundreds of requests with the default 1024). Logged either way.
+pub fn raise_open_files_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read/write the struct we own; no other memory is touched.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        tracing::warn!("cannot read the open-file limit: {}", io::Error::last_os_error());
+        return;
+    }
+    if lim.rlim_cur >= lim.rlim_max {
+        return;
+    }
+    let before = lim.rlim_cur;
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: as above.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
+        tracing::info!("open-file limit raised from {before} to {}", lim.rlim_max);
+    } else {
+        tracing::warn!("cannot raise the open-file limit from {before}: {}", io::Error::last_os_error());
+    }
+}
+
 fn warn_if_files_are_short(max_connections: usize) {
     let Some(soft) = std::fs::read_to_string("/proc/self/limits").ok().and_then(|l| open_files_limit(&l)) else { return };
     if (max_connections as u64).saturating_add(OTHER_FILES) > soft {

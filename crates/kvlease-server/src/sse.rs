@@ -1,34 +1,57 @@
-//! Server-sent events for streaming completions: one `data: {json}\n\n` per token, the finish
-//! chunk, the optional usage chunk, then `data: [DONE]`.
+//! Server-sent events for streaming completions: the chunks of every choice as they come
+//! (interleaved, each with its `index`), each choice's finish chunk, the optional usage chunk,
+//! then `data: [DONE]`. A failure after the first byte is an error event, then `[DONE]`.
 //!
-//! The [`RequestStream`] lives inside the response body, so a client that disconnects drops the
-//! body, the stream with it, and the engine aborts the request (SPEC D4).
+//! The choices (and their engine streams) live inside the response body, so a client that
+//! disconnects drops the body, the streams with it, and the engine aborts them (SPEC D4).
 
+use crate::choice::{Choice, Out};
 use crate::error::ApiError;
-use crate::openai::{ResponseMeta, Usage};
+use crate::openai::{Endpoint, ResponseMeta, Usage};
 use axum::body::{Body, Bytes};
-use kvlease_engine::{GenerateEvent, RequestStream};
+use futures_util::stream::{self, SelectAll, StreamExt};
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::pin::Pin;
+
+type Outs = Pin<Box<dyn futures_util::Stream<Item = (u32, Out)> + Send>>;
 
 struct SseState {
     meta: ResponseMeta,
-    stream: RequestStream,
-    first: Option<GenerateEvent>,
+    outs: SelectAll<Outs>,
     include_usage: bool,
+    logprobs: bool,
+    n: u32,
+    usage: Usage,
     out: VecDeque<Bytes>,
     finished: bool,
 }
 
-/// The SSE body of a request whose first event (`first`, not `Failed`) has already arrived.
-pub fn body(meta: ResponseMeta, stream: RequestStream, first: GenerateEvent, include_usage: bool) -> Body {
+/// The SSE body of a request whose choices have all passed their first event.
+pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u32, logprobs: bool) -> Body {
     let mut out = VecDeque::new();
-    if meta.endpoint == crate::openai::Endpoint::Chat {
-        out.push_back(data(&meta.role_chunk()));
+    if meta.endpoint == Endpoint::Chat {
+        for ch in &choices {
+            out.push_back(data(&meta.role_chunk(ch.index)));
+        }
     }
-    let st = SseState { meta, stream, first: Some(first), include_usage, out, finished: false };
-    Body::from_stream(futures_util::stream::unfold(st, |mut st| async move {
+    let outs = stream::select_all(
+        choices
+            .into_iter()
+            .map(|ch| -> Outs { Box::pin(stream::unfold(ch, |mut ch| async move { ch.next().await.map(|o| ((ch.index, o), ch)) })) }),
+    );
+    let st = SseState {
+        meta,
+        outs,
+        include_usage,
+        logprobs,
+        n: n.max(1),
+        usage: Usage { prompt_tokens: 0, completion_tokens: 0 },
+        out,
+        finished: false,
+    };
+    Body::from_stream(stream::unfold(st, |mut st| async move {
         loop {
             if let Some(b) = st.out.pop_front() {
                 return Some((Ok::<Bytes, Infallible>(b), st));
@@ -36,39 +59,44 @@ pub fn body(meta: ResponseMeta, stream: RequestStream, first: GenerateEvent, inc
             if st.finished {
                 return None;
             }
-            let ev = match st.first.take() {
-                Some(ev) => Some(ev),
-                None => st.stream.next().await,
-            };
-            st.push(ev);
+            let next = st.outs.next().await;
+            st.push(next);
         }
     }))
 }
 
 impl SseState {
-    fn push(&mut self, ev: Option<GenerateEvent>) {
-        match ev {
-            Some(GenerateEvent::Token { text, .. }) => {
-                let chunk = self.meta.text_chunk(&text);
+    fn push(&mut self, next: Option<(u32, Out)>) {
+        match next {
+            Some((index, Out::Text { text, logprobs, offset })) => {
+                let lp = if self.logprobs { self.meta.logprobs(&logprobs, offset) } else { Value::Null };
+                let chunk = self.meta.text_chunk(index, &text, lp);
                 self.out.push_back(data(&chunk));
             }
-            Some(GenerateEvent::Done { finish_reason, prompt_tokens, completion_tokens, kv_transfer_params }) => {
-                let chunk = self.meta.finish_chunk(finish_reason, kv_transfer_params);
+            Some((index, Out::Finish(f))) => {
+                if index % self.n == 0 {
+                    self.usage.prompt_tokens += f.prompt_tokens;
+                }
+                self.usage.completion_tokens += f.completion_tokens;
+                let chunk = self.meta.finish_chunk(index, &f);
                 self.out.push_back(data(&chunk));
+            }
+            Some((_, Out::Failed(e))) => self.fail(e),
+            None => {
                 if self.include_usage {
-                    let chunk = self.meta.usage_chunk(Usage { prompt_tokens, completion_tokens });
+                    let chunk = self.meta.usage_chunk(self.usage);
                     self.out.push_back(data(&chunk));
                 }
                 self.finish();
             }
-            Some(GenerateEvent::Failed(e)) => self.fail(e.into()),
-            None => self.fail(crate::api::ended_early()),
         }
     }
 
     fn fail(&mut self, e: ApiError) {
         tracing::warn!(id = %self.meta.id, "request failed mid-stream: {}", e.message);
         self.out.push_back(data(&e.body()));
+        // The other choices are dropped with the body's state: their engine requests abort.
+        self.outs = SelectAll::new();
         self.finish();
     }
 

@@ -15,7 +15,7 @@ async fn bad_completion_bodies_get_openai_4xx_json_naming_the_field_never_5xx() 
         (json!({"prompt": ""}), 400, Some("prompt")),
         (json!({"prompt": []}), 400, Some("prompt")),
         (json!({"prompt": 42}), 400, Some("prompt")),
-        (json!({"prompt": ["a", "b"]}), 400, Some("prompt")),
+        (json!({"prompt": ["a", ""]}), 400, Some("prompt")),
         (json!({"prompt": [1, -2]}), 400, Some("prompt")),
         (json!({"prompt": [1, "x"]}), 400, Some("prompt")),
         (json!({"prompt": [999_999]}), 400, Some("prompt")),
@@ -26,7 +26,11 @@ async fn bad_completion_bodies_get_openai_4xx_json_naming_the_field_never_5xx() 
         (json!({"prompt": "hi", "max_tokens": 1.5}), 400, Some("max_tokens")),
         (json!({"prompt": "hi", "max_tokens": 1_000_000_000}), 400, None),
         (json!({"prompt": "hi", "max_tokens": 1e300}), 400, Some("max_tokens")),
-        (json!({"prompt": "hi", "n": 2}), 400, Some("n")),
+        (json!({"prompt": "hi", "n": 0}), 400, Some("n")),
+        (json!({"prompt": "hi", "tools": [{"type": "function"}]}), 400, Some("tools")),
+        (json!({"prompt": "hi", "stop": 3}), 400, Some("stop")),
+        (json!({"prompt": "hi", "logprobs": 99}), 400, Some("logprobs")),
+        (json!({"prompt": "hi", "presence_penalty": 1.0}), 400, Some("presence_penalty")),
         (json!({"prompt": "hi", "stream": "yes"}), 400, Some("stream")),
         (json!({"prompt": "hi", "temperature": "warm"}), 400, Some("temperature")),
         (json!({"prompt": "hi", "stream_options": {"include_usage": true}}), 400, Some("stream_options")),
@@ -43,7 +47,7 @@ async fn bad_completion_bodies_get_openai_4xx_json_naming_the_field_never_5xx() 
         }
     }
     let (_, resp) = post(&url, &json!({"prompt": "hi", "model": "gpt-4"})).await;
-    assert_eq!(resp["error"]["code"], "model_not_found");
+    assert_eq!((resp["error"]["code"].clone(), resp["error"]["type"].clone()), (json!(404), json!("NotFoundError")));
     s.stop().await;
 }
 
@@ -60,7 +64,9 @@ async fn bad_chat_bodies_get_openai_4xx_json_never_5xx() {
         json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
         json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}),
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}),
-        json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "n": -3}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
     ] {
         let (status, resp) = post(&url, &body).await;
         assert_eq!(status, 400, "{body} → {resp}");

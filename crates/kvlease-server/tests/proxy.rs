@@ -19,7 +19,7 @@ async fn start_proxy(prefillers: Vec<Upstream>, decoders: Vec<Upstream>) -> Test
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(kvlease_server::proxy(ProxyConfig { prefillers, decoders }, listener, Default::default(), async move {
+    tokio::spawn(kvlease_server::proxy(ProxyConfig::new(prefillers, decoders), listener, Default::default(), async move {
         let _ = rx.await;
     }));
     TestProxy { url, _stop: tx }
@@ -52,7 +52,7 @@ async fn proxy_with_unreachable_upstream_answers_502_openai_json() {
     assert_eq!(r.status(), 502);
     let v: Value = r.json().await.expect("json");
     assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("unreachable")), "{v}");
-    assert_eq!(v["error"]["type"], "server_error");
+    assert_eq!((v["error"]["type"].clone(), v["error"]["code"].clone()), (json!("BadGatewayError"), json!(502)));
 
     // A reachable P with an unreachable D is a 502 as well.
     let pf = TestServer::start().await;

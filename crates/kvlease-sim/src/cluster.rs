@@ -19,7 +19,7 @@
 
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::pull::PlantedBug;
-use kvlease_engine::{EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, TransportKind};
+use kvlease_engine::{EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, SamplingParams, TransportKind};
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -172,6 +172,8 @@ pub(crate) struct Req {
     pub(crate) prompt: Vec<u32>,
     pub(crate) max_tokens: u32,
     pub(crate) ignore_eos: bool,
+    /// Greedy or seeded sampling: either way the answer must equal a local run's (D7).
+    pub(crate) sampling: SamplingParams,
     pub(crate) p: usize,
     pub(crate) d: usize,
 }
@@ -272,6 +274,7 @@ pub(crate) async fn collect(engine: &EngineHandle, req: GenerateRequest) -> Resu
                 return Ok(((tokens, Some(finish_reason)), kv_transfer_params))
             }
             GenerateEvent::Failed(e) => return Err(e.message),
+            GenerateEvent::Logprobs { .. } => {}
         }
     }
     Err("the engine went away".into())
@@ -283,6 +286,7 @@ pub(crate) fn request(id: String, r: &Req, params: serde_json::Value) -> Generat
         prompt: Prompt::Tokens(r.prompt.clone()),
         max_tokens: r.max_tokens,
         ignore_eos: r.ignore_eos,
+        sampling: r.sampling.clone(),
         kv_transfer_params: Some(params),
     }
 }
@@ -301,6 +305,11 @@ fn workload(c: &Cluster) -> Vec<Req> {
                 prompt: (0..len).map(|_| 97 + r.below(26) as u32).collect(),
                 max_tokens: 1 + r.below(8) as u32,
                 ignore_eos: r.chance(0.5),
+                sampling: if r.chance(0.5) {
+                    SamplingParams { temperature: 0.5 + r.unit(), top_p: 0.5 + r.unit() / 2.0, top_k: r.below(20) as u32, seed: r.next(), ..SamplingParams::default() }
+                } else {
+                    SamplingParams::default()
+                },
                 p: r.below(c.p_engines),
                 d: r.below(c.d_engines),
             }

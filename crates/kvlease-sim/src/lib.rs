@@ -199,6 +199,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             prompt: (0..sc.blocks * BLOCK_SIZE).map(|_| 97 + rng.below(26) as u32).collect(),
             max_tokens: GENERATED,
             ignore_eos: true,
+            sampling: kvlease_engine::SamplingParams::default(),
             p: 0,
             d: 0,
         };

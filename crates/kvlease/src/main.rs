@@ -8,15 +8,17 @@
 
 mod load;
 mod sim;
+mod vllm_compat;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvlease_core::config::KvTransferConfig;
 use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
-use kvlease_server::{HttpLimits, ProxyConfig, ServeOptions, Upstream};
+use kvlease_server::{Drain, HttpLimits, ProxyConfig, ServeOptions, Upstream};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
@@ -64,6 +66,16 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
+    /// vLLM's positional model (`vllm serve MODEL`): the name served, unless
+    /// --served-model-name gives one. The model itself is always the synthetic one.
+    #[arg(value_name = "MODEL")]
+    model_tag: Option<String>,
+    /// The names requests may use (`/v1/models` lists them); the first is the one answers carry.
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer <key>` on `/v1/*` (else $VLLM_API_KEY, as vLLM).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
     /// Address the HTTP API and the KV side channel listen on (SPEC S3).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -82,7 +94,8 @@ struct ServeArgs {
     /// vLLM's --kv-transfer-config JSON.
     #[arg(long, value_name = "JSON")]
     kv_transfer_config: Option<String>,
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel ranks (vLLM's --tensor-parallel-size, -tp).
+    #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     tp_size: u32,
     #[arg(long, default_value_t = 1024)]
     num_gpu_blocks: u32,
@@ -93,7 +106,8 @@ struct ServeArgs {
     max_num_seqs: usize,
     #[arg(long, default_value_t = 4096)]
     max_model_len: u32,
-    /// The model name requests must use (`/v1/models` lists it).
+    /// The model name requests must use (`/v1/models` lists it), unless MODEL or
+    /// --served-model-name gives one.
     #[arg(long, default_value = "kvlease-synthetic")]
     model: String,
     #[arg(long, default_value_t = 2)]
@@ -120,6 +134,10 @@ struct ServeArgs {
     /// engine can then craft kv_transfer_params and handshakes. Warns at start-up; /health says so.
     #[arg(long)]
     insecure: bool,
+    /// SPEC O1: seconds the requests in flight get to finish after SIGTERM (new ones get 503);
+    /// then, or at a second SIGTERM, what is left is cut. Leases are released either way.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -207,6 +225,17 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
+    /// Seconds a request may take through the proxy, both legs and the whole answer: 504 before
+    /// the first byte, an SSE error event after it.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Seconds between `/health` probes of every upstream (1 s probe timeout); one that fails a
+    /// probe or a connection is out of rotation until a probe succeeds.
+    #[arg(long, default_value_t = 0.5)]
+    health_interval: f64,
+    /// SPEC O1: seconds the requests in flight get to finish after SIGTERM (new ones get 503).
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -224,9 +253,19 @@ impl std::fmt::Display for InvalidConfig {
 impl std::error::Error for InvalidConfig {}
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (argv, notes) = match vllm_compat::rewrite(std::env::args().collect()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     let default_level = if matches!(cli.command, Command::Sim(_)) { tracing::Level::ERROR } else { tracing::Level::INFO };
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level.unwrap_or(default_level)).init();
+    for note in notes {
+        tracing::warn!("{note}");
+    }
     if let Command::Serve(args) = &cli.command {
         if args.transport == Transport::Nixl {
             let has_secret = args.kv_transfer_secret_file.is_some() || std::env::var_os(SECRET_ENV).is_some_and(|v| !v.is_empty());
@@ -287,9 +326,41 @@ fn warn_if_weak(secret: Vec<u8>) -> Vec<u8> {
     secret
 }
 
+/// The names served: --served-model-name, else the positional MODEL, else --model.
+fn served_names(args: &ServeArgs) -> Vec<String> {
+    if !args.served_model_name.is_empty() {
+        args.served_model_name.clone()
+    } else {
+        vec![args.model_tag.clone().unwrap_or_else(|| args.model.clone())]
+    }
+}
+
+/// `--kv-port`, else vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT`, else any free port.
+fn side_channel_port(flag: u16) -> Result<u16, InvalidConfig> {
+    match std::env::var("VLLM_NIXL_SIDE_CHANNEL_PORT") {
+        Ok(v) if flag == 0 && !v.is_empty() => {
+            v.trim().parse().map_err(|_| InvalidConfig(format!("VLLM_NIXL_SIDE_CHANNEL_PORT={v:?} is not a port number")))
+        }
+        _ => Ok(flag),
+    }
+}
+
+/// `--advertise-host`, else vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (an IP: the address other
+/// engines reach this one's side channel and agents at).
+fn side_channel_host(flag: Option<std::net::IpAddr>) -> Result<Option<std::net::IpAddr>, InvalidConfig> {
+    match std::env::var("VLLM_NIXL_SIDE_CHANNEL_HOST") {
+        Ok(v) if flag.is_none() && !v.is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| InvalidConfig(format!("VLLM_NIXL_SIDE_CHANNEL_HOST={v:?} is not an IP address (kvlease advertises an IP)"))),
+        _ => Ok(flag),
+    }
+}
+
 fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
     let model = ModelConfig {
-        name: args.model.clone(),
+        name: served_names(args).remove(0),
         num_layers: args.num_layers,
         num_kv_heads: args.num_kv_heads,
         head_dim: args.head_dim,
@@ -331,8 +402,8 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
     Ok(EngineConfig {
         engine_id: args.engine_id.clone().unwrap_or_else(kvlease_server::ids::random_uuid),
         host: args.host.clone(),
-        kv_port: args.kv_port,
-        advertise_host: args.advertise_host,
+        kv_port: side_channel_port(args.kv_port)?,
+        advertise_host: side_channel_host(args.advertise_host)?,
         transfer,
         tp_size: args.tp_size,
         num_gpu_blocks: args.num_gpu_blocks,
@@ -481,39 +552,83 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
     let engine_id = cfg.engine_id.clone();
+    let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
-    let signal = shutdown_signal();
+    let signals = Signals::new();
+    kvlease_server::raise_open_files_limit();
     announce(format!(
         "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
         host_port(&args.host, http.port()),
         engine.kv_addr()
     ));
+    let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = kvlease_server::serve(engine.clone(), listener, ServeOptions { http: limits, insecure }, async move {
-        signal.await;
+    let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
+    let options = ServeOptions {
+        http: limits,
+        insecure,
+        drain: drain.clone(),
+        served_model_names: served_names(&args),
+        api_key,
+        max_model_len: args.max_model_len,
+    };
+    let server = kvlease_server::serve(engine.clone(), listener, options, async move {
+        drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await?;
     engine.shutdown().await;
+    let released = engine.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).load(std::sync::atomic::Ordering::Relaxed);
     tracing::info!("stopped");
+    announce(format!("kvlease serve stopped: {released} leases released at shutdown"));
     Ok(())
 }
 
+/// A positive number of seconds from a flag.
+fn seconds(v: f64, flag: &str) -> Result<Duration, InvalidConfig> {
+    if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(InvalidConfig(format!("{flag} must be a number of seconds in (0, 86400], got {v}")))
+    }
+}
+
+/// SPEC O1: waits for SIGTERM (or SIGINT), then drains: new requests get 503 while those in
+/// flight finish, until none is left, `timeout` passes, or a second signal comes.
+async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration) {
+    signals.recv().await;
+    drain.start();
+    tracing::info!(in_flight = drain.in_flight(), "draining: new requests get 503; waiting up to {timeout:?} for those in flight");
+    tokio::select! {
+        () = drain.idle() => tracing::info!("drained"),
+        () = tokio::time::sleep(timeout) => tracing::warn!(in_flight = drain.in_flight(), "--drain-timeout passed: cutting what is left"),
+        () = signals.recv() => tracing::warn!(in_flight = drain.in_flight(), "second signal: cutting what is left"),
+    }
+}
+
 async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
+    let drain = Arc::new(Drain::default());
+    let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
     let cfg = ProxyConfig {
-        prefillers: ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
-        decoders: ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+        request_timeout: seconds(args.request_timeout, "--request-timeout")?,
+        health_interval: seconds(args.health_interval, "--health-interval")?,
+        drain: drain.clone(),
+        ..ProxyConfig::new(
+            ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
+            ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+        )
     };
     let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
     tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
-    let signal = shutdown_signal();
+    let signals = Signals::new();
+    kvlease_server::raise_open_files_limit();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, limits, async move {
-        signal.await;
+        drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await
@@ -539,26 +654,42 @@ async fn run_with_grace(
     }
 }
 
-/// SIGINT or SIGTERM. The handlers are installed when this is called, not when the future is
-/// first polled: call it before printing the start-up line, so a signal sent right after that
-/// line is never missed (and never kills the process the default way).
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+/// SIGINT and SIGTERM, as many as come. The handlers are installed by [`Signals::new`], not at
+/// the first `recv`: create it before printing the start-up line, so a signal sent right after
+/// that line is never missed (and never kills the process the default way).
+struct Signals {
     #[cfg(unix)]
-    let signals = {
-        use tokio::signal::unix::{signal, SignalKind};
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    };
-    async move {
+    watched: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    fn new() -> Signals {
         #[cfg(unix)]
-        match signals {
-            (Ok(mut term), Ok(mut int)) => {
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+                (Ok(term), Ok(int)) => Signals { watched: Some((term, int)) },
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!("cannot watch SIGTERM/SIGINT ({e}); stopping on Ctrl-C only");
+                    Signals { watched: None }
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    /// The next SIGTERM or SIGINT.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        match &mut self.watched {
+            Some((term, int)) => {
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = int.recv() => {}
                 }
             }
-            (Err(e), _) | (_, Err(e)) => {
-                tracing::warn!("cannot watch SIGTERM/SIGINT ({e}); stopping on Ctrl-C only");
+            None => {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }

@@ -217,7 +217,7 @@ async fn slow_bodies_get_408(target: Target) {
     }
     for (took, raw) in &answers {
         assert_eq!(status_of(raw), Some(408), "{:?}", String::from_utf8_lossy(raw));
-        assert_eq!(json_of(raw)["error"]["code"], "request_timeout");
+        assert_eq!(json_of(raw)["error"]["code"], 408);
         assert!(*took >= Duration::from_millis(900), "408 before the body timeout: {took:?}");
         assert!(*took <= Duration::from_secs(1) + CUT_SLACK, "a slow body outlived the 1 s body timeout: {took:?}");
     }
@@ -289,6 +289,12 @@ async fn busy_connection(addr: SocketAddr) -> TcpStream {
     s
 }
 
+/// Whether the server answered `s` with a 503 (refused at the cap, never in flight).
+fn was_refused(s: &TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(s.try_read(&mut buf), Ok(n) if status_of(&buf[..n]) == Some(503))
+}
+
 /// Whether the server has closed (or reset) `s`.
 fn is_closed(s: &TcpStream) -> bool {
     let mut buf = [0u8; 64];
@@ -318,10 +324,16 @@ async fn busy_server_refuses_newcomers_fast(target: Target) {
             .expect("answered");
         if r.status() == 503 {
             let took = sent.elapsed();
+            // A "busy" connection opened while the previous newcomer's connection was still
+            // counted was itself refused (a 503 waits on it): it never was in flight. Retry.
+            if busy.iter().any(was_refused) {
+                busy.retain(|s| !is_closed(s));
+                continue;
+            }
             assert_eq!(r.headers()["retry-after"], "1");
             let body: Value = r.json().await.expect("JSON");
-            assert_eq!(body["error"]["type"], "server_error", "{body}");
-            assert_eq!(body["error"]["code"], "overloaded", "{body}");
+            assert_eq!(body["error"]["type"], "ServiceUnavailableError", "{body}");
+            assert_eq!(body["error"]["code"], 503, "{body}");
             assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("connections")), "{body}");
             break took;
         }

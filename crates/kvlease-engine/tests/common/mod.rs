@@ -37,6 +37,7 @@ pub async fn run(
         max_tokens,
         ignore_eos: true,
         kv_transfer_params: params,
+        sampling: Default::default(),
     };
     let mut s = e.submit(req)?;
     let mut text = String::new();
@@ -46,6 +47,7 @@ pub async fn run(
             Some(GenerateEvent::Token { text: t, .. }) => text.push_str(&t),
             Some(GenerateEvent::Done { kv_transfer_params, .. }) => return Ok((text, kv_transfer_params)),
             Some(GenerateEvent::Failed(e)) => return Err(e),
+            Some(GenerateEvent::Logprobs { .. }) => {}
             None => panic!("stream ended without Done"),
         }
     }

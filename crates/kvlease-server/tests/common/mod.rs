@@ -67,13 +67,14 @@ pub fn sse_events(body: &str) -> Vec<String> {
         .collect()
 }
 
-/// Asserts the OpenAI error shape and returns the error object.
+/// Asserts vLLM's error envelope and returns the error object.
 pub fn assert_openai_error(status: u16, body: &Value) -> &Value {
     assert!((400..500).contains(&status), "expected a 4xx, got {status}: {body}");
     let e = &body["error"];
     assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "error.message: {body}");
-    assert_eq!(e["type"], "invalid_request_error", "{body}");
-    assert!(e.get("param").is_some() && e.get("code").is_some(), "param and code present: {body}");
+    assert!(e["type"].as_str().is_some_and(|t| t.ends_with("Error")), "vLLM's error type: {body}");
+    assert_eq!(e["code"], status, "vLLM's envelope: code is the status as an integer: {body}");
+    assert!(e.get("param").is_some(), "param present: {body}");
     e
 }
 

@@ -1,0 +1,77 @@
+//! Releasing a lease outside a request's own path (SPEC O3, issue 9), so that no lease is held
+//! to expiry because a leg failed:
+//!
+//! * P: [`EngineHandle::release_by_params`] — a router whose decode leg failed before the decoder
+//!   took the request hands back the (signed) `kv_transfer_params` P gave it, and the lease ends
+//!   at once as `released`. Only a lease no decoder holds yet can be released this way (SPEC S5:
+//!   the first holder to touch a lease owns it), so a router cannot pull a lease from under a
+//!   decoder that is reading it.
+//! * D: [`EngineHandle::release_refused`] — D refuses a request that carries P's params before
+//!   admitting it; P's lease is released at once through the renewer (as a client that goes away
+//!   does, SPEC D4) instead of waiting for its expiry.
+
+use crate::engine::EngineHandle;
+use crate::lease_holder::settle;
+use crate::state::lock;
+use crate::kv_params::KvRole;
+use crate::RequestError;
+use kvlease_core::renewer::{Remote, Untrack};
+use serde_json::Value;
+
+impl EngineHandle {
+    /// P: releases the lease these params (this engine's, signed when a secret is set) describe.
+    /// `Ok(true)` if it was live and is now released; `Ok(false)` if it had already ended or a
+    /// decoder holds it.
+    pub fn release_by_params(&self, params: &Value) -> Result<bool, RequestError> {
+        let inner = self.inner();
+        let bad = |m: String| RequestError::bad_request(Some("kv_transfer_params"), m);
+        let rk = match KvRole::parse(Some(params)).map_err(|e| bad(e.to_string()))? {
+            KvRole::DecodeRemote(rk) => rk,
+            _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
+        };
+        if let Some(secret) = &inner.cfg.secret {
+            rk.verify(secret).map_err(|e| bad(e.to_string()))?;
+        }
+        if rk.engine_id != inner.cfg.engine_id || rk.incarnation != inner.incarnation {
+            return Err(bad(format!(
+                "the lease belongs to engine {} (incarnation {}), not to this one ({}, {})",
+                rk.engine_id, rk.incarnation, inner.cfg.engine_id, inner.incarnation
+            )));
+        }
+        let (mut lost, mut released) = (Vec::new(), Vec::new());
+        {
+            let mut table = lock(&inner.leases);
+            let us = table.holder(&inner.holder_name());
+            table.release(us, &[rk.lease_id], inner.now(), &mut lost, &mut released);
+        }
+        let done = !released.is_empty() && lost.is_empty();
+        settle(inner, released);
+        Ok(done)
+    }
+
+    /// D: a request carrying P's params was refused before admission: release P's lease now
+    /// (SPEC O3). Params that do not verify (SPEC S1) or that are not a decode request's are left
+    /// alone. Returns whether a release was queued.
+    pub fn release_refused(&self, params: Option<&Value>) -> bool {
+        let inner = self.inner();
+        let Ok(KvRole::DecodeRemote(rk)) = KvRole::parse(params) else { return false };
+        if let Some(secret) = &inner.cfg.secret {
+            if rk.verify(secret).is_err() {
+                return false;
+            }
+        }
+        if rk.engine_id == inner.cfg.engine_id {
+            return false;
+        }
+        let id = self.next_id();
+        let internal = format!("{}#refused{id}", rk.request_id);
+        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+        {
+            let mut r = lock(&inner.renewer);
+            r.track(&internal, &remote, rk.lease_id, inner.now());
+            r.untrack(&internal, Untrack::Abandoned);
+        }
+        inner.renewer_wake.notify_one();
+        true
+    }
+}
