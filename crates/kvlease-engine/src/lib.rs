@@ -104,7 +104,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// The prompt of a request: text (tokenized as UTF-8 bytes) or token ids.
+/// The prompt of a request: text (tokenized by [`model::tokenize`]) or token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
     Text(String),

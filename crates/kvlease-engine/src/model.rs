@@ -7,8 +7,9 @@
 //! transfer therefore changes the output (SPEC D7). Compute time is emulated per prefill token and
 //! per decode step, so queueing and overload happen as on a GPU.
 //!
-//! Tokens: 0..256 are bytes (prompts are tokenized as UTF-8 bytes), 256..256+WORDS are words
-//! (what the model generates), `EOS` ends a completion with `finish_reason = "stop"`.
+//! Tokens: 0..256 are bytes, 256..256+WORDS are words (what the model generates; in text, a word
+//! after a space is its token, so an answer tokenizes back to its tokens; everything else is
+//! UTF-8 bytes), `EOS` ends a completion with `finish_reason = "stop"`.
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -183,9 +184,37 @@ impl ModelConfig {
     }
 }
 
-/// UTF-8 bytes as tokens.
+/// Text as tokens: each of the model's words after a space (`" lease"`, as
+/// [`detokenize`] writes them) is one token when no letter or digit follows it; everything
+/// else is UTF-8 bytes. So the text of an answer tokenizes back to the tokens that produced it,
+/// as a real tokenizer's does: the next turn of a conversation starts with exactly the tokens
+/// whose KV the decoder kept (SPEC B4).
 pub fn tokenize(text: &str) -> Vec<u32> {
-    text.bytes().map(u32::from).collect()
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b' ' {
+            if let Some((token, len)) = word_at(&bytes[i + 1..]) {
+                out.push(token);
+                i += 1 + len;
+                continue;
+            }
+        }
+        out.push(u32::from(bytes[i]));
+        i += 1;
+    }
+    out
+}
+
+/// The longest word of the model at the start of `rest` that no letter or digit continues.
+fn word_at(rest: &[u8]) -> Option<(u32, usize)> {
+    WORDS
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| rest.starts_with(w.as_bytes()) && rest.get(w.len()).is_none_or(|c| !c.is_ascii_alphanumeric()))
+        .max_by_key(|(_, w)| w.len())
+        .map(|(i, w)| (FIRST_WORD + i as u32, w.len()))
 }
 
 /// The text of generated tokens (words, space-separated, as a tokenizer's leading spaces).
@@ -378,6 +407,26 @@ mod tests {
         assert_eq!(detokenize(EOS), "");
         assert!(next_token(42) >= FIRST_WORD && next_token(42) <= EOS);
         assert_eq!(chat_prompt([("user", "hi")]), "<|user|>\nhi\n<|assistant|>\n");
+    }
+
+    /// SPEC B4: an answer's text tokenizes back to the tokens that produced it, so the next turn
+    /// of a conversation starts with exactly the tokens whose KV the decoder kept; a word that a
+    /// letter continues is bytes.
+    #[test]
+    fn b4_answers_tokenize_back_to_their_tokens() {
+        let answer: Vec<u32> = (FIRST_WORD..EOS).collect();
+        let text: String = answer.iter().map(|&t| detokenize(t)).collect();
+        assert_eq!(tokenize(&text), answer);
+        let thunder = FIRST_WORD + WORDS.iter().position(|w| *w == "thunder").unwrap() as u32;
+        assert_eq!(tokenize(" thunder"), vec![thunder], "the longest word wins over its prefix");
+        assert_eq!(
+            tokenize(" theory"),
+            tokenize("theory").into_iter().fold(vec![32], |mut v, t| {
+                v.push(t);
+                v
+            })
+        );
+        assert_eq!(tokenize(" the."), vec![FIRST_WORD, u32::from(b'.')]);
     }
 
     fn sampler(temperature: f64, top_p: f64, top_k: u32, seed: u64) -> Sampler {

@@ -11,9 +11,9 @@
 //!   does, SPEC D4) instead of waiting for its expiry.
 
 use crate::engine::EngineHandle;
+use crate::kv_params::KvRole;
 use crate::lease_holder::settle;
 use crate::state::lock;
-use crate::kv_params::KvRole;
 use crate::RequestError;
 use kvlease_core::renewer::{Remote, Untrack};
 use serde_json::Value;

@@ -63,10 +63,10 @@ pub fn prompt_text(p: &Prompt) -> String {
     }
 }
 
-/// Tokens in a prompt (text is tokenized as UTF-8 bytes).
+/// Tokens in a prompt, as the model tokenizes it.
 pub fn prompt_len(p: &Prompt) -> u32 {
     match p {
-        Prompt::Text(t) => t.len() as u32,
+        Prompt::Text(t) => model::tokenize(t).len() as u32,
         Prompt::Tokens(ids) => ids.len() as u32,
     }
 }

@@ -19,7 +19,9 @@
 
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::pull::PlantedBug;
-use kvlease_engine::{EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, SamplingParams, TransportKind};
+use kvlease_engine::{
+    EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, SamplingParams, TransportKind,
+};
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -306,7 +308,13 @@ fn workload(c: &Cluster) -> Vec<Req> {
                 max_tokens: 1 + r.below(8) as u32,
                 ignore_eos: r.chance(0.5),
                 sampling: if r.chance(0.5) {
-                    SamplingParams { temperature: 0.5 + r.unit(), top_p: 0.5 + r.unit() / 2.0, top_k: r.below(20) as u32, seed: r.next(), ..SamplingParams::default() }
+                    SamplingParams {
+                        temperature: 0.5 + r.unit(),
+                        top_p: 0.5 + r.unit() / 2.0,
+                        top_k: r.below(20) as u32,
+                        seed: r.next(),
+                        ..SamplingParams::default()
+                    }
                 } else {
                     SamplingParams::default()
                 },

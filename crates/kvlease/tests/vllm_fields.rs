@@ -90,7 +90,7 @@ async fn stop_strings_stop_ids_min_tokens_echo_and_usage_behave_as_in_vllm() {
         assert_eq!(finish_of(&chunks, 0)["finish_reason"], "stop");
         let usage = chunks.last().expect("usage chunk");
         assert_eq!(usage["choices"], json!([]));
-        assert_eq!(usage["usage"]["prompt_tokens"], prompt.len());
+        assert_eq!(usage["usage"]["prompt_tokens"], model::tokenize(prompt).len());
         assert_eq!(usage["usage"]["completion_tokens"], v["usage"]["completion_tokens"]);
 
         // include_stop_str_in_output keeps it.
@@ -165,7 +165,7 @@ async fn seeded_sampling_n_and_logprobs_disaggregated_equal_local() {
             assert_eq!(lp["text_offset"][0], 0);
         }
         assert_eq!(local["usage"]["completion_tokens"], 30);
-        assert_eq!(local["usage"]["prompt_tokens"], prompt.len(), "each prompt counted once, whatever n");
+        assert_eq!(local["usage"]["prompt_tokens"], model::tokenize(prompt).len(), "each prompt counted once, whatever n");
         let texts = |v: &Value| v["choices"].as_array().expect("choices").iter().map(|c| c["text"].clone()).collect::<Vec<_>>();
         assert_eq!(texts(&disagg), texts(&local), "D7: disaggregated == local for {body}");
         assert_eq!(disagg["choices"][1]["logprobs"], local["choices"][1]["logprobs"]);
