@@ -221,9 +221,17 @@ impl<T> LeaseTable<T> {
     /// `digest` (S4), owning `payload`. The caller grants only for a request that finished
     /// prefill normally and holds ≥ 1 block.
     pub fn grant(&mut self, now: Nanos, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
+        let lease = Duration::from_nanos(self.lease);
+        self.grant_for(now, lease, blocks, digest, payload)
+    }
+
+    /// SPEC B1: a grant whose first deadline is `lifetime` away rather than L (a decoder's
+    /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
+    /// lease.
+    pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
         let id = self.next_id;
         self.next_id += 1;
-        let deadline = now.0.saturating_add(self.lease).max(1);
+        let deadline = now.0.saturating_add(lifetime.as_nanos() as u64).max(1);
         let cap = match self.max_lifetime {
             Some(m) => now.0.saturating_add(m.max(self.lease)),
             None => u64::MAX,

@@ -2,7 +2,7 @@
 //! validation, abort on drop, graceful shutdown, and the simulator's crash.
 
 use crate::handshake::{self, Listener};
-use crate::kv_params::KvRole;
+use crate::kv_params::{KvRole, RemoteKv, TurnKv};
 use crate::metrics::Metrics;
 use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
@@ -14,6 +14,7 @@ use kvlease_core::config::LoadFailurePolicy;
 use kvlease_core::lease_table::LeaseTable;
 use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::{Remote, Renewer, Untrack};
+use kvlease_core::turn::{self, CachedTurn, NoReuse, TurnPlan};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -61,11 +62,6 @@ impl EngineHandle {
         cfg.model.validate(cfg.tp_size).map_err(StartError::Config)?;
         if cfg.num_gpu_blocks == 0 {
             return Err(StartError::Config("--num-gpu-blocks must be at least 1".into()));
-        }
-        if cfg.transfer.lease.bidirectional {
-            return Err(StartError::Config(
-                "kv_connector_extra_config.bidirectional_kv_xfer: bidirectional (multi-turn) KV transfer is not implemented yet; remove it or set it to false".into(),
-            ));
         }
         if cfg.max_num_seqs == 0 {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));
@@ -212,14 +208,83 @@ impl EngineHandle {
             lock(&inner.renewer).track(&internal, &remote, rk.lease_id, inner.now());
             inner.renewer_wake.notify_one();
         }
+        // Multi-turn (SPEC B2, B3, B4): the decoder's cached turn, read if it covers a prefix of
+        // this prompt and will outlive the read; renewed from now until the read completes.
+        let read_turn = match &role {
+            KvRole::PrefillForRemote(Some(turn)) => self.plan_turn(turn, &prompt, &internal)?,
+            _ => None,
+        };
         let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, req.sampling, role, tx);
+        let mut seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, req.sampling, role, tx);
+        if let Some((rk, tokens)) = read_turn {
+            seq = seq.read_turn(rk, tokens);
+        }
         if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
             return Err(RequestError::unavailable("the engine has stopped"));
         }
         let abort = Abort { inner: Arc::downgrade(&self.inner), sched: self.owner.sched.clone(), id, internal };
         Ok(RequestStream { rx, abort: Some(abort), finished: false })
+    }
+
+    /// SPEC B2, B3, B4: whether this prefill reads the conversation so far from the decoder
+    /// that keeps it: the blocks to read and how many tokens they cover, tracked by the renewer
+    /// from now on (B3). A turn not read is recomputed; one too short to be worth reading is
+    /// released at once, as the router hands a turn's params out once.
+    fn plan_turn(&self, turn: &TurnKv, prompt: &[u32], internal: &str) -> Result<Option<(RemoteKv, usize)>, RequestError> {
+        let inner = &self.inner;
+        let rk = &turn.kv;
+        // SPEC S1: forged or altered params are refused outright.
+        if let Some(secret) = &inner.cfg.secret {
+            rk.verify(secret).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
+        }
+        let m = &inner.cfg.model;
+        if rk.tp_size == 0 || !m.num_kv_heads.is_multiple_of(rk.tp_size) {
+            return Err(RequestError::bad_request(
+                Some("kv_transfer_params"),
+                format!("tp_size {} does not divide {} KV heads", rk.tp_size, m.num_kv_heads),
+            ));
+        }
+        let lease = &inner.cfg.transfer.lease;
+        let cached = CachedTurn {
+            num_tokens: rk.num_tokens,
+            digest: rk.prompt_digest,
+            expiry_ns: turn.expiry_time.map(|s| (s * 1e9) as u64),
+            ttl_remaining: turn.ttl_remaining.map(Duration::from_secs_f64),
+        };
+        let clock = lock(&inner.renewer).peer(&rk.engine_id).map(|p| p.clock.clone());
+        let now = inner.now();
+        let plan = turn::plan(prompt, &cached, m.block_size, lease.kv_recompute_threshold, clock.as_ref(), now, now, lease.read_budget());
+        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+        match plan {
+            TurnPlan::Read { tokens, blocks } if blocks as usize <= rk.block_ids.len() => {
+                let mut read = rk.clone();
+                read.block_ids.truncate(blocks as usize);
+                lock(&inner.renewer).track(internal, &remote, rk.lease_id, now);
+                inner.renewer_wake.notify_one();
+                Ok(Some((read, tokens as usize)))
+            }
+            TurnPlan::Read { .. } => {
+                inner.metrics.turns_recomputed.fetch_add(1, Ordering::Relaxed);
+                Err(RequestError::bad_request(
+                    Some("kv_transfer_params"),
+                    format!("remote_block_ids names {} blocks, too few for remote_num_tokens {}", rk.block_ids.len(), rk.num_tokens),
+                ))
+            }
+            TurnPlan::Recompute(why) => {
+                tracing::info!(engine = %rk.engine_id, "not reading the cached turn ({why}); prefilling the whole prompt");
+                inner.metrics.turns_recomputed.fetch_add(1, Ordering::Relaxed);
+                if let NoReuse::BelowThreshold { .. } = why {
+                    // This conversation's turn, not worth a read: free the decoder's blocks now.
+                    let mut renewer = lock(&inner.renewer);
+                    renewer.track(internal, &remote, rk.lease_id, now);
+                    renewer.untrack(internal, Untrack::Abandoned);
+                    drop(renewer);
+                    inner.renewer_wake.notify_one();
+                }
+                Ok(None)
+            }
+        }
     }
 
     pub fn model_name(&self) -> &str {

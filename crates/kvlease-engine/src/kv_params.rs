@@ -20,8 +20,10 @@ use thiserror::Error;
 pub enum KvRole {
     /// No disaggregation: prefill and decode here.
     Local,
-    /// `do_remote_decode`: prefill here, keep the KV under a lease for a remote decoder.
-    PrefillForRemote,
+    /// `do_remote_decode`: prefill here, keep the KV under a lease for a remote decoder. With
+    /// a decoder's `remote_*` fields (its cached turn, SPEC B1), the prefill may read the
+    /// conversation so far back from that decoder (B4).
+    PrefillForRemote(Option<Box<TurnKv>>),
     /// `do_remote_prefill`: the prompt's KV is on a remote engine; pull it, then decode here.
     DecodeRemote(RemoteKv),
 }
@@ -43,6 +45,18 @@ pub struct RemoteKv {
     pub signature: Option<String>,
 }
 
+/// A decoder's cached turn, as its params describe it (SPEC B1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnKv {
+    pub kv: RemoteKv,
+    /// `remote_blocks_expiry_time`: when the blocks expire, on the decoder's monotonic clock (s).
+    pub expiry_time: Option<f64>,
+    /// `remote_blocks_ttl_remaining`: seconds they had left when the decoder answered.
+    pub ttl_remaining: Option<f64>,
+}
+
+impl Eq for TurnKv {}
+
 /// A bad `kv_transfer_params`: a 400 naming the field.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("kv_transfer_params: {0}")]
@@ -61,67 +75,86 @@ impl KvRole {
         match (decode, prefill) {
             (true, true) => Err(ParamError("do_remote_decode and do_remote_prefill cannot both be true".into())),
             (false, false) => Ok(KvRole::Local),
-            (true, false) => Ok(KvRole::PrefillForRemote),
-            (false, true) => {
-                // Flat, or nested per KV group as current vLLM sends them (the synthetic model
-                // has one group, so one inner list).
-                let flat = match obj.get("remote_block_ids") {
-                    Some(Value::Array(groups)) if groups.iter().all(Value::is_array) && !groups.is_empty() => match groups.as_slice() {
-                        [Value::Array(one)] => Some(one),
-                        _ => return Err(ParamError(format!("remote_block_ids has {} KV groups; this model has one", groups.len()))),
-                    },
-                    Some(Value::Array(a)) => Some(a),
-                    _ => None,
-                };
-                let block_ids = match flat {
-                    Some(a) if !a.is_empty() => a
-                        .iter()
-                        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
-                        .collect::<Option<Vec<u32>>>()
-                        .ok_or_else(|| ParamError("remote_block_ids must be a list of block numbers".into()))?,
-                    _ => return Err(ParamError("remote_block_ids must be a non-empty list".into())),
-                };
-                let port = uint(obj, "remote_port")?;
-                Ok(KvRole::DecodeRemote(RemoteKv {
-                    engine_id: string(obj, "remote_engine_id")?,
-                    request_id: string(obj, "remote_request_id")?,
-                    block_ids,
-                    host: string(obj, "remote_host")?,
-                    port: u16::try_from(port)
-                        .ok()
-                        .filter(|p| *p != 0)
-                        .ok_or_else(|| ParamError(format!("remote_port {port} is not a port")))?,
-                    tp_size: match obj.get("tp_size") {
-                        None | Some(Value::Null) => 1,
-                        Some(_) => u32::try_from(uint(obj, "tp_size")?)
-                            .ok()
-                            .filter(|t| *t >= 1)
-                            .ok_or_else(|| ParamError("tp_size must be ≥ 1".into()))?,
-                    },
-                    num_tokens: u32::try_from(uint(obj, "remote_num_tokens")?)
-                        .map_err(|_| ParamError("remote_num_tokens is too large".into()))?,
-                    lease_id: uint(obj, "remote_lease_id")?,
-                    // Required: lease ids restart with each incarnation of P, so a lease id
-                    // without one could name another request's blocks after a restart.
-                    incarnation: match obj.get("remote_incarnation") {
-                        Some(Value::String(s)) => s.parse().ok().filter(|i| *i != 0),
-                        _ => Some(uint(obj, "remote_incarnation")?).filter(|i| *i != 0),
-                    }
-                    .ok_or_else(|| ParamError("remote_incarnation must be a non-zero number".into()))?,
-                    // Required: without it D could not tell another prompt's KV from its own.
-                    prompt_digest: match obj.get("kvlease_prompt_digest") {
-                        Some(Value::String(s)) => PromptDigest::from_hex(s),
-                        _ => None,
-                    }
-                    .ok_or_else(|| ParamError("kvlease_prompt_digest must be the 32 hex digits P sent".into()))?,
-                    signature: match obj.get("kvlease_signature") {
-                        None | Some(Value::Null) => None,
-                        Some(Value::String(s)) => Some(s.clone()),
-                        Some(_) => return Err(ParamError("kvlease_signature must be a string".into())),
-                    },
-                }))
-            }
+            // A fresh request (vLLM's router sends the remote fields as null), or the next turn
+            // of a conversation, naming the decoder that keeps the last one.
+            (true, false) => match obj.get("remote_engine_id") {
+                None | Some(Value::Null) => Ok(KvRole::PrefillForRemote(None)),
+                Some(_) => Ok(KvRole::PrefillForRemote(Some(Box::new(TurnKv {
+                    kv: remote(obj, "do_remote_decode")?,
+                    expiry_time: seconds(obj, "remote_blocks_expiry_time")?,
+                    ttl_remaining: seconds(obj, "remote_blocks_ttl_remaining")?,
+                })))),
+            },
+            (false, true) => Ok(KvRole::DecodeRemote(remote(obj, "do_remote_prefill")?)),
         }
+    }
+}
+
+/// The `remote_*` fields of params: where a prompt's KV waits. `with` names the flag they came
+/// with, for errors.
+fn remote(obj: &Map<String, Value>, with: &str) -> Result<RemoteKv, ParamError> {
+    let string = |key: &str| string(obj, key, with);
+    let uint = |key: &str| uint(obj, key, with);
+    // Flat, or nested per KV group as current vLLM sends them (the synthetic model has one
+    // group, so one inner list).
+    let flat = match obj.get("remote_block_ids") {
+        Some(Value::Array(groups)) if groups.iter().all(Value::is_array) && !groups.is_empty() => match groups.as_slice() {
+            [Value::Array(one)] => Some(one),
+            _ => return Err(ParamError(format!("remote_block_ids has {} KV groups; this model has one", groups.len()))),
+        },
+        Some(Value::Array(a)) => Some(a),
+        _ => None,
+    };
+    let block_ids = match flat {
+        Some(a) if !a.is_empty() => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| ParamError("remote_block_ids must be a list of block numbers".into()))?,
+        _ => return Err(ParamError("remote_block_ids must be a non-empty list".into())),
+    };
+    let port = uint("remote_port")?;
+    Ok(RemoteKv {
+        engine_id: string("remote_engine_id")?,
+        request_id: string("remote_request_id")?,
+        block_ids,
+        host: string("remote_host")?,
+        port: u16::try_from(port).ok().filter(|p| *p != 0).ok_or_else(|| ParamError(format!("remote_port {port} is not a port")))?,
+        tp_size: match obj.get("tp_size") {
+            None | Some(Value::Null) => 1,
+            Some(_) => u32::try_from(uint("tp_size")?).ok().filter(|t| *t >= 1).ok_or_else(|| ParamError("tp_size must be ≥ 1".into()))?,
+        },
+        num_tokens: u32::try_from(uint("remote_num_tokens")?).map_err(|_| ParamError("remote_num_tokens is too large".into()))?,
+        lease_id: uint("remote_lease_id")?,
+        // Required: lease ids restart with each incarnation of P, so a lease id without one
+        // could name another request's blocks after a restart.
+        incarnation: match obj.get("remote_incarnation") {
+            Some(Value::String(s)) => s.parse().ok().filter(|i| *i != 0),
+            _ => Some(uint("remote_incarnation")?).filter(|i| *i != 0),
+        }
+        .ok_or_else(|| ParamError("remote_incarnation must be a non-zero number".into()))?,
+        // Required: without it D could not tell another prompt's KV from its own.
+        prompt_digest: match obj.get("kvlease_prompt_digest") {
+            Some(Value::String(s)) => PromptDigest::from_hex(s),
+            _ => None,
+        }
+        .ok_or_else(|| ParamError("kvlease_prompt_digest must be the 32 hex digits P sent".into()))?,
+        signature: match obj.get("kvlease_signature") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err(ParamError("kvlease_signature must be a string".into())),
+        },
+    })
+}
+
+/// An optional number of seconds, ≥ 0.
+fn seconds(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, ParamError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_f64().filter(|s| s.is_finite() && *s >= 0.0) {
+            Some(s) => Ok(Some(s)),
+            None => Err(ParamError(format!("{key} must be a number of seconds ≥ 0, not {v}"))),
+        },
     }
 }
 
@@ -145,6 +178,20 @@ impl RemoteKv {
         });
         if let (Some(secret), Value::Object(o)) = (secret, &mut v) {
             o.insert("kvlease_signature".into(), Value::String(self.sign(secret)));
+        }
+        v
+    }
+
+    /// SPEC B1: the params a decoder returns for the turn it keeps: P's params turned around
+    /// (`do_remote_decode`, so the router hands them to the next turn's prefill), with when the
+    /// blocks expire on the decoder's clock and how long they had left (clock-free), in seconds.
+    pub fn to_turn_json(&self, secret: Option<&[u8]>, expiry_time: f64, ttl_remaining: f64) -> Value {
+        let mut v = self.to_json(secret);
+        if let Value::Object(o) = &mut v {
+            o.insert("do_remote_prefill".into(), Value::Bool(false));
+            o.insert("do_remote_decode".into(), Value::Bool(true));
+            o.insert("remote_blocks_expiry_time".into(), json!(expiry_time));
+            o.insert("remote_blocks_ttl_remaining".into(), json!(ttl_remaining));
         }
         v
     }
@@ -199,19 +246,19 @@ fn flag(obj: &Map<String, Value>, key: &str) -> Result<bool, ParamError> {
     }
 }
 
-fn string(obj: &Map<String, Value>, key: &str) -> Result<String, ParamError> {
+fn string(obj: &Map<String, Value>, key: &str, with: &str) -> Result<String, ParamError> {
     match obj.get(key) {
         Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
         Some(Value::Number(n)) if key == "remote_host" => Ok(n.to_string()),
-        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with do_remote_prefill"))),
+        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with {with}"))),
         Some(v) => Err(ParamError(format!("{key} must be a non-empty string, not {v}"))),
     }
 }
 
-fn uint(obj: &Map<String, Value>, key: &str) -> Result<u64, ParamError> {
+fn uint(obj: &Map<String, Value>, key: &str, with: &str) -> Result<u64, ParamError> {
     match obj.get(key) {
         Some(Value::Number(n)) => n.as_u64().ok_or_else(|| ParamError(format!("{key} must be a non-negative integer, not {n}"))),
-        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with do_remote_prefill"))),
+        None | Some(Value::Null) => Err(ParamError(format!("{key} is required with {with}"))),
         Some(v) => Err(ParamError(format!("{key} must be a non-negative integer, not {v}"))),
     }
 }
@@ -329,6 +376,6 @@ mod tests {
         }
         assert!(KvRole::parse(Some(&json!([1]))).is_err());
         assert_eq!(KvRole::parse(None), Ok(KvRole::Local));
-        assert_eq!(KvRole::parse(Some(&json!({"do_remote_decode": true, "remote_engine_id": null}))), Ok(KvRole::PrefillForRemote));
+        assert_eq!(KvRole::parse(Some(&json!({"do_remote_decode": true, "remote_engine_id": null}))), Ok(KvRole::PrefillForRemote(None)));
     }
 }

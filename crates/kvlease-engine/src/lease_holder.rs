@@ -34,38 +34,9 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
         return;
     }
     let block_ids = blocks.ids().to_vec();
-    let mut sorted = block_ids.clone();
-    sorted.sort_unstable();
-    let n = block_ids.len() as u32;
     let prompt_digest = PromptDigest::of(&done.prompt);
-    let lease_id = {
-        let mut table = lock(&inner.leases);
-        let id = table.grant(inner.now(), n, prompt_digest, Lease { blocks, sorted });
-        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
-        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
-        id
-    };
-    // The new deadline may come before whatever the reaper sleeps until.
-    inner.reaper_wake.notify_one();
-    inner.metrics.leases_granted.fetch_add(1, Relaxed);
-    let kv = inner.kv_addr.get().copied();
-    let remote = RemoteKv {
-        engine_id: inner.cfg.engine_id.clone(),
-        request_id: done.client_id.clone(),
-        block_ids,
-        host: match (inner.cfg.advertise_host, kv) {
-            (Some(ip), _) => ip.to_string(),
-            (None, Some(a)) => a.ip().to_string(),
-            (None, None) => inner.cfg.host.clone(),
-        },
-        port: kv.map(|a| a.port()).unwrap_or(0),
-        tp_size: inner.cfg.tp_size,
-        num_tokens: done.prompt.len() as u32,
-        lease_id,
-        incarnation: inner.incarnation,
-        prompt_digest,
-        signature: None,
-    };
+    let lease_id = grant(inner, blocks, block_ids.len(), prompt_digest, None);
+    let remote = remote_kv(inner, &done.client_id, block_ids, done.prompt.len() as u32, lease_id, prompt_digest);
     let params = remote.to_json(inner.cfg.secret.as_deref());
     let first = done.first_token;
     if first != crate::model::EOS {
@@ -79,13 +50,77 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
     });
     if sent.is_err() {
         // The client left between the check and now: nobody will read; free at once.
-        let (mut lost, mut released) = (Vec::new(), Vec::new());
-        let mut table = lock(&inner.leases);
-        let us = table.holder(&inner.holder_name());
-        table.release(us, &[lease_id], inner.now(), &mut lost, &mut released);
-        drop(table);
-        settle(inner, released);
+        release_own(inner, lease_id);
     }
+}
+
+/// SPEC B1: a request this engine decoded finished in bidirectional mode: keep its blocks, the
+/// KV of `tokens` (the conversation up to its last generated token), under a cached-turn lease
+/// of `decoder_kv_blocks_ttl`, and return the params the next turn's prefill reads them with.
+pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blocks: Blocks) -> (u64, serde_json::Value) {
+    let bs = inner.cfg.model.block_size as usize;
+    let used = tokens.len().div_ceil(bs).min(blocks.ids().len());
+    let block_ids = blocks.ids()[..used].to_vec();
+    let digest = PromptDigest::of(tokens);
+    let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
+    let lease_id = grant(inner, blocks, used, digest, Some(ttl));
+    inner.metrics.turns_kept.fetch_add(1, Relaxed);
+    let remote = remote_kv(inner, client_id, block_ids, tokens.len() as u32, lease_id, digest);
+    let expiry = (inner.now() + ttl).0 as f64 / 1e9;
+    (lease_id, remote.to_turn_json(inner.cfg.secret.as_deref(), expiry, ttl.as_secs_f64()))
+}
+
+/// Grants a lease on `blocks` (`n` of them named in the params) for `lifetime` (L when `None`).
+fn grant(inner: &Inner, blocks: Blocks, n: usize, digest: PromptDigest, lifetime: Option<std::time::Duration>) -> u64 {
+    let mut sorted = blocks.ids().to_vec();
+    sorted.sort_unstable();
+    let lease_id = {
+        let mut table = lock(&inner.leases);
+        let lease = Lease { blocks, sorted };
+        let id = match lifetime {
+            Some(t) => table.grant_for(inner.now(), t, n as u32, digest, lease),
+            None => table.grant(inner.now(), n as u32, digest, lease),
+        };
+        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        id
+    };
+    // The new deadline may come before whatever the reaper sleeps until.
+    inner.reaper_wake.notify_one();
+    inner.metrics.leases_granted.fetch_add(1, Relaxed);
+    lease_id
+}
+
+/// Where the blocks of a lease of ours are, as params say it.
+fn remote_kv(inner: &Inner, request_id: &str, block_ids: Vec<u32>, num_tokens: u32, lease_id: u64, prompt_digest: PromptDigest) -> RemoteKv {
+    let kv = inner.kv_addr.get().copied();
+    RemoteKv {
+        engine_id: inner.cfg.engine_id.clone(),
+        request_id: request_id.to_string(),
+        block_ids,
+        host: match (inner.cfg.advertise_host, kv) {
+            (Some(ip), _) => ip.to_string(),
+            (None, Some(a)) => a.ip().to_string(),
+            (None, None) => inner.cfg.host.clone(),
+        },
+        port: kv.map(|a| a.port()).unwrap_or(0),
+        tp_size: inner.cfg.tp_size,
+        num_tokens,
+        lease_id,
+        incarnation: inner.incarnation,
+        prompt_digest,
+        signature: None,
+    }
+}
+
+/// Releases a lease of ours that nobody will read (its client left).
+pub(crate) fn release_own(inner: &Inner, lease_id: u64) {
+    let (mut lost, mut released) = (Vec::new(), Vec::new());
+    let mut table = lock(&inner.leases);
+    let us = table.holder(&inner.holder_name());
+    table.release(us, &[lease_id], inner.now(), &mut lost, &mut released);
+    drop(table);
+    settle(inner, released);
 }
 
 /// Counts released leases and frees their blocks.

@@ -90,6 +90,14 @@ pub struct Metrics {
     pub recomputed_requests: AtomicU64,
     /// P: reads the transfer agent refused because the lease was not live (SPEC P5).
     pub reads_refused: AtomicU64,
+    /// D (multi-turn): finished turns kept under a cached-turn lease (SPEC B1).
+    pub turns_kept: AtomicU64,
+    /// P (multi-turn): prompt tokens whose KV was read back from a decoder's cached turn (B4).
+    pub turn_tokens_read: AtomicU64,
+    /// P (multi-turn): cached turns named by a request but not read: recomputed (B2, B4).
+    pub turns_recomputed: AtomicU64,
+    /// Prompt tokens prefilled on this engine.
+    pub prefill_tokens: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -112,6 +120,10 @@ impl Default for Metrics {
             requests_running: AtomicI64::new(0),
             recomputed_requests: AtomicU64::new(0),
             reads_refused: AtomicU64::new(0),
+            turns_kept: AtomicU64::new(0),
+            turn_tokens_read: AtomicU64::new(0),
+            turns_recomputed: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
         }
     }
 }
@@ -176,6 +188,25 @@ impl Metrics {
             "Reads the transfer agent refused: the lease was not live, not the reader's, or not of those blocks (P).",
             self.reads_refused.load(Relaxed).to_string(),
         );
+        one(
+            "kvlease_turns_kept_total",
+            "counter",
+            "Finished turns kept under a cached-turn lease for the next turn's prefill (D, bidirectional). They count among the leases above.",
+            self.turns_kept.load(Relaxed).to_string(),
+        );
+        one(
+            "kvlease_turn_tokens_read_total",
+            "counter",
+            "Prompt tokens whose KV was read back from a decoder's cached turn instead of prefilled (P, bidirectional).",
+            self.turn_tokens_read.load(Relaxed).to_string(),
+        );
+        one(
+            "kvlease_turns_recomputed_total",
+            "counter",
+            "Cached turns a request named but that were recomputed: not a prefix, too short, expiring or lost (P, bidirectional).",
+            self.turns_recomputed.load(Relaxed).to_string(),
+        );
+        one("kvlease_prefill_tokens_total", "counter", "Prompt tokens prefilled here.", self.prefill_tokens.load(Relaxed).to_string());
         let _ =
             writeln!(out, "# HELP kvlease_leases_released_total Leases released, by reason.\n# TYPE kvlease_leases_released_total counter");
         for r in ReleaseReason::ALL {

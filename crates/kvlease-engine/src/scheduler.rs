@@ -7,7 +7,7 @@
 //! loop keeps stepping others. Forward steps take emulated time; nothing lease-related runs in
 //! this loop (SPEC D3): heartbeats and the reaper have their own tasks.
 
-use crate::kv_params::KvRole;
+use crate::kv_params::{KvRole, RemoteKv};
 use crate::lease_holder::{self, PrefillDone};
 use crate::model::{self, EOS};
 use crate::pool::Blocks;
@@ -57,6 +57,13 @@ pub(crate) struct Seq {
     generated: u32,
     /// The remote KV was lost: compute the prompt here instead of pulling it.
     recompute: bool,
+    /// Multi-turn (P): the decoder's cached turn to read the prompt's first tokens from, with
+    /// how many tokens it covers (SPEC B4). Its `block_ids` are the blocks to read.
+    read_turn: Option<(RemoteKv, usize)>,
+    /// Prompt tokens whose KV was read back rather than prefilled.
+    reused: usize,
+    /// The tokens generated so far (a decoder's cached turn keeps their KV, SPEC B1).
+    output: Vec<u32>,
 }
 
 impl Seq {
@@ -89,7 +96,16 @@ impl Seq {
             last_token: 0,
             generated: 0,
             recompute: false,
+            read_turn: None,
+            reused: 0,
+            output: Vec::new(),
         }
+    }
+
+    /// SPEC B4: prefill after reading the first `tokens` tokens' KV from the cached turn `rk`.
+    pub fn read_turn(mut self, rk: RemoteKv, tokens: usize) -> Seq {
+        self.read_turn = Some((rk, tokens));
+        self
     }
 
     fn fail(&self, err: RequestError) {
@@ -101,7 +117,7 @@ impl Seq {
 /// unless the request only prefills for a remote decoder.
 pub(crate) fn blocks_needed(role: &KvRole, prompt_len: usize, max_tokens: u32, block_size: u32) -> usize {
     let tokens = match role {
-        KvRole::PrefillForRemote => prompt_len,
+        KvRole::PrefillForRemote(_) => prompt_len,
         _ => prompt_len + max_tokens as usize,
     };
     tokens.div_ceil(block_size as usize)
@@ -152,7 +168,7 @@ pub(crate) async fn run(
                 SchedMsg::Shutdown => {
                     let err = RequestError::unavailable("the engine is shutting down");
                     for seq in waiting.drain(..).chain(running.drain(..)).chain(std::mem::take(&mut loading).into_values()) {
-                        if matches!(seq.role, KvRole::DecodeRemote(_)) {
+                        if matches!(seq.role, KvRole::DecodeRemote(_)) || seq.read_turn.is_some() {
                             lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
                         }
                         seq.fail(err.clone());
@@ -206,9 +222,14 @@ fn admit(
         let need = blocks_needed(&front.role, front.prompt.len(), front.max_tokens, bs);
         let Some(blocks) = inner.pool.alloc(need) else { return };
         let Some(mut seq) = waiting.pop_front() else { return };
-        match &seq.role {
-            KvRole::DecodeRemote(rk) if !seq.recompute => {
-                let (inner2, rk, internal, id, tx) = (inner.clone(), rk.clone(), seq.internal.clone(), seq.id, tx.clone());
+        // D: the prompt's KV from P; P (multi-turn): the conversation so far from a decoder.
+        let source = match &seq.role {
+            KvRole::DecodeRemote(rk) => Some(rk.clone()),
+            _ => seq.read_turn.as_ref().map(|(rk, _)| rk.clone()),
+        };
+        match source {
+            Some(rk) if !seq.recompute => {
+                let (inner2, internal, id, tx) = (inner.clone(), seq.internal.clone(), seq.id, tx.clone());
                 inner.tasks.spawn(async move {
                     let ids = blocks.ids().to_vec();
                     // Whatever happens to the pull, the scheduler hears back: a request is never
@@ -232,19 +253,39 @@ fn admit(
 
 /// The pull finished: decode from the pulled KV, or apply the load failure policy (SPEC D6).
 fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdict, running: &mut Vec<Seq>, waiting: &mut VecDeque<Seq>) {
+    // A cached turn is only worth reading: whatever the policy, a turn not read is recomputed.
+    let verdict = match (verdict, seq.read_turn.is_some()) {
+        (Verdict::Fail(why), true) => Verdict::Recompute(why),
+        (v, _) => v,
+    };
     match verdict {
+        Verdict::Use if seq.read_turn.is_some() => {
+            // SPEC B4: the conversation so far is in our blocks; prefill only the rest.
+            seq.blocks = Some(blocks);
+            lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
+            seq.reused = seq.read_turn.take().map_or(0, |(_, tokens)| tokens);
+            inner.metrics.turn_tokens_read.fetch_add(seq.reused as u64, Relaxed);
+            seq.state = State::Prefill;
+            running.push(seq);
+        }
         Verdict::Use => {
             seq.blocks = Some(blocks);
             lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
             prompt_ready(inner, &mut seq);
-            if !finished(&mut seq) {
-                running.push(seq);
+            match finish_reason(&seq) {
+                Some(reason) => complete(inner, seq, reason),
+                None => running.push(seq),
             }
         }
         Verdict::Recompute(why) => {
             lost(inner, &seq);
-            tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
-            inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
+            if seq.read_turn.take().is_some() {
+                tracing::info!(request = %seq.client_id, "cached turn not usable ({why}); prefilling the whole prompt");
+                inner.metrics.turns_recomputed.fetch_add(1, Relaxed);
+            } else {
+                tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
+                inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
+            }
             seq.recompute = true;
             // A READ that failed or timed out may still land in these blocks where the transport
             // cannot fence it: then they sit out in quarantine and the prompt is computed into
@@ -288,14 +329,19 @@ fn lost(inner: &Inner, seq: &Seq) {
 async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
     let m = &inner.cfg.model;
     running.retain(|s| !s.tx.is_closed());
-    let prefill_tokens: usize = running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len()).sum();
-    if prefill_tokens > 0 {
+    let prefilling = running.iter().any(|s| s.state == State::Prefill);
+    if prefilling {
+        // Tokens whose KV was read back from a cached turn are not computed again (SPEC B4).
+        let prefill_tokens: usize = running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum();
+        inner.metrics.prefill_tokens.fetch_add(prefill_tokens as u64, Relaxed);
         for seq in running.iter_mut().filter(|s| s.state == State::Prefill) {
             let Some(blocks) = &seq.blocks else { continue };
             let mut prefix = model::PREFIX_SEED;
             for (pos, &tok) in seq.prompt.iter().enumerate() {
                 prefix = model::extend_prefix(prefix, tok);
-                write_kv(inner.ranks(), m, blocks, pos, prefix);
+                if pos >= seq.reused {
+                    write_kv(inner.ranks(), m, blocks, pos, prefix);
+                }
             }
         }
         sleep(m.prefill_time(prefill_tokens)).await;
@@ -307,10 +353,13 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
             }
             let mut seq = running.swap_remove(i);
             prompt_ready(inner, &mut seq);
-            if matches!(seq.role, KvRole::PrefillForRemote) {
+            if matches!(seq.role, KvRole::PrefillForRemote(_)) {
                 lease_holder::grant_and_finish(inner, PrefillDone::from(seq));
-            } else if !finished(&mut seq) {
-                running.push(seq);
+            } else {
+                match finish_reason(&seq) {
+                    Some(reason) => complete(inner, seq, reason),
+                    None => running.push(seq),
+                }
             }
         }
         return;
@@ -327,10 +376,12 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
     sleep(m.decode_time()).await;
     let mut i = 0;
     while i < running.len() {
-        if finished(&mut running[i]) {
-            running.swap_remove(i);
-        } else {
-            i += 1;
+        match finish_reason(&running[i]) {
+            Some(reason) => {
+                let seq = running.swap_remove(i);
+                complete(inner, seq, reason);
+            }
+            None => i += 1,
         }
     }
 }
@@ -358,10 +409,11 @@ fn choose(seq: &Seq) -> u32 {
 fn emit(seq: &mut Seq, tok: u32) {
     seq.last_token = tok;
     seq.generated += 1;
+    seq.output.push(tok);
     if tok == EOS && !seq.ignore_eos {
         return;
     }
-    if matches!(seq.role, KvRole::PrefillForRemote) {
+    if matches!(seq.role, KvRole::PrefillForRemote(_)) {
         // The P leg's token goes out with its Done, after the lease is granted.
         return;
     }
@@ -376,24 +428,48 @@ fn emit(seq: &mut Seq, tok: u32) {
     let _ = seq.tx.send(GenerateEvent::Token { id: tok, text: model::detokenize(tok) });
 }
 
-/// Sends `Done` if the request is complete; true if it was.
-fn finished(seq: &mut Seq) -> bool {
-    let reason = if (seq.last_token == EOS && !seq.ignore_eos) || seq.sampling.stop_token_ids.contains(&seq.last_token) {
-        FinishReason::Stop
+/// How the request ends now, if it does.
+fn finish_reason(seq: &Seq) -> Option<FinishReason> {
+    if (seq.last_token == EOS && !seq.ignore_eos) || seq.sampling.stop_token_ids.contains(&seq.last_token) {
+        Some(FinishReason::Stop)
     } else if seq.generated >= seq.max_tokens {
-        FinishReason::Length
+        Some(FinishReason::Length)
     } else {
-        return false;
-    };
+        None
+    }
+}
+
+/// Sends `Done`. In bidirectional mode a request this engine decoded for a remote prefill
+/// keeps its blocks as a cached turn, and `Done` carries the params that name it (SPEC B1).
+fn complete(inner: &Arc<Inner>, mut seq: Seq, reason: FinishReason) {
     // As in vLLM, the EOS or stop token that ended the request is counted.
     let completion_tokens = seq.generated;
-    let _ = seq.tx.send(GenerateEvent::Done {
+    let keep = inner.cfg.transfer.lease.bidirectional && matches!(seq.role, KvRole::DecodeRemote(_)) && !seq.tx.is_closed();
+    let turn = match seq.blocks.take() {
+        Some(blocks) if keep => {
+            // Our blocks hold the KV of the prompt and of every generated token but the last.
+            let mut tokens = std::mem::take(&mut seq.prompt);
+            let prompt_tokens = tokens.len() as u32;
+            tokens.extend_from_slice(&seq.output[..seq.output.len().saturating_sub(1)]);
+            let (lease_id, params) = lease_holder::keep_turn(inner, &seq.client_id, &tokens, blocks);
+            Some((lease_id, params, prompt_tokens))
+        }
+        other => {
+            drop(other);
+            None
+        }
+    };
+    let prompt_tokens = turn.as_ref().map_or(seq.prompt.len() as u32, |t| t.2);
+    let sent = seq.tx.send(GenerateEvent::Done {
         finish_reason: reason,
-        prompt_tokens: seq.prompt.len() as u32,
+        prompt_tokens,
         completion_tokens,
-        kv_transfer_params: None,
+        kv_transfer_params: turn.as_ref().map(|t| t.1.clone()),
     });
-    true
+    if let (Err(_), Some((lease_id, _, _))) = (sent, turn) {
+        // The client left: nobody will read the turn.
+        lease_holder::release_own(inner, lease_id);
+    }
 }
 
 impl From<Seq> for PrefillDone {
