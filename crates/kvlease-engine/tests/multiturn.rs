@@ -1,0 +1,98 @@
+//! Multi-turn (bidirectional) transfer between real engines, under virtual time on the
+//! in-memory transport: D keeps each turn (SPEC B1), the next turn's prefill reads the
+//! conversation back under a lease both ways (B3, B4), and every answer equals a local run of
+//! the whole conversation (D7).
+
+mod common;
+
+use common::*;
+use kvlease_core::lease_table::ReleaseReason;
+use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt};
+use kvlease_transport::mem::MemNetwork;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+fn bidirectional(cfg: EngineConfig, net: &MemNetwork) -> EngineConfig {
+    let mut cfg = on_mem(cfg, net);
+    cfg.transfer.lease.bidirectional = true;
+    cfg.transfer.lease.kv_recompute_threshold = 16;
+    cfg
+}
+
+/// Runs `tokens` to its end: the generated tokens and the `kv_transfer_params` of `Done`.
+async fn tokens(e: &EngineHandle, tokens: &[u32], max_tokens: u32, params: Option<Value>) -> (Vec<u32>, Option<Value>) {
+    let req = GenerateRequest {
+        request_id: "turn".into(),
+        prompt: Prompt::Tokens(tokens.to_vec()),
+        max_tokens,
+        ignore_eos: true,
+        sampling: Default::default(),
+        kv_transfer_params: params,
+    };
+    let mut s = e.submit(req).expect("accepted");
+    let mut out = Vec::new();
+    loop {
+        match s.next().await.expect("an event") {
+            GenerateEvent::Token { id, .. } => out.push(id),
+            GenerateEvent::Done { kv_transfer_params, .. } => return (out, kv_transfer_params),
+            GenerateEvent::Failed(e) => panic!("{e}"),
+            GenerateEvent::Logprobs { .. } => {}
+        }
+    }
+}
+
+fn user(turn: usize) -> Vec<u32> {
+    kvlease_engine::model::tokenize(&format!("\nuser turn {turn}: tell me more about leases and heartbeats\n"))
+}
+
+/// SPEC B1, B3, B4, D7: four turns through P and D. Each turn's answer equals a local run of the
+/// whole conversation; from the second turn on, P reads the conversation so far back from D and
+/// prefills only the new tokens; D frees each cached turn as `transferred` when P's read
+/// completes; nothing is left on either side.
+#[tokio::test(start_paused = true)]
+async fn b1_b3_b4_each_turn_reads_the_conversation_back_and_answers_as_a_local_run() {
+    let net = MemNetwork::new();
+    let p = engine(bidirectional(config(30.0, 1), &net)).await;
+    let d = engine(bidirectional(config(30.0, 1), &net)).await;
+    let local = engine(config(30.0, 1)).await;
+    let mut conversation: Vec<u32> = Vec::new();
+    let mut turn_params: Option<Value> = None;
+    let mut read = 0u64;
+    for turn in 0..4 {
+        conversation.extend(user(turn));
+        let (want, _) = tokens(&local, &conversation, 12, None).await;
+        // P leg: a fresh request, or the next turn naming D's cached one.
+        let mut p_params = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null});
+        let mut cached = 0;
+        if let Some(t) = turn_params.take() {
+            assert_eq!(t["do_remote_decode"], true, "{t}");
+            assert!(t["remote_blocks_ttl_remaining"].as_f64().is_some_and(|s| s > 0.0), "{t}");
+            assert!(t["remote_blocks_expiry_time"].as_f64().is_some(), "{t}");
+            cached = t["remote_num_tokens"].as_u64().unwrap();
+            read += cached;
+            p_params = t;
+        }
+        let computed_before = p.metrics().prefill_tokens.load(Relaxed);
+        let (_, params) = tokens(&p, &conversation, 1, Some(p_params)).await;
+        let computed = p.metrics().prefill_tokens.load(Relaxed) - computed_before;
+        assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), read, "turn {turn}: P read the conversation so far");
+        assert_eq!(computed, conversation.len() as u64 - cached, "turn {turn}: P prefilled only the new tokens");
+        let (got, kept) = tokens(&d, &conversation, 12, params).await;
+        assert_eq!(got, want, "turn {turn}: D7");
+        turn_params = Some(kept.expect("D answers with its cached turn"));
+        conversation.extend(&got);
+    }
+    assert_eq!(d.metrics().turns_kept.load(Relaxed), 4);
+    assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0);
+    until("D's read turns are released", Duration::from_secs(5), || d.metrics().released(ReleaseReason::Transferred).load(Relaxed) == 3).await;
+    // The last turn is still cached: it expires at its TTL (480 s).
+    assert_eq!(d.metrics().leases_active.load(Relaxed), 1);
+    tokio::time::sleep(Duration::from_secs(481)).await;
+    assert_eq!(d.metrics().leases_active.load(Relaxed), 0);
+    assert_eq!(d.metrics().released(ReleaseReason::Expired).load(Relaxed), 1);
+    until("every block back", Duration::from_secs(5), || {
+        d.metrics().kv_blocks_free.load(Relaxed) == 256 && p.metrics().kv_blocks_free.load(Relaxed) == 256
+    })
+    .await;
+}
