@@ -92,7 +92,14 @@ fn grant(inner: &Inner, blocks: Blocks, n: usize, digest: PromptDigest, lifetime
 }
 
 /// Where the blocks of a lease of ours are, as params say it.
-fn remote_kv(inner: &Inner, request_id: &str, block_ids: Vec<u32>, num_tokens: u32, lease_id: u64, prompt_digest: PromptDigest) -> RemoteKv {
+fn remote_kv(
+    inner: &Inner,
+    request_id: &str,
+    block_ids: Vec<u32>,
+    num_tokens: u32,
+    lease_id: u64,
+    prompt_digest: PromptDigest,
+) -> RemoteKv {
     let kv = inner.kv_addr.get().copied();
     RemoteKv {
         engine_id: inner.cfg.engine_id.clone(),

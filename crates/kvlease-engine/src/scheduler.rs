@@ -332,7 +332,8 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
     let prefilling = running.iter().any(|s| s.state == State::Prefill);
     if prefilling {
         // Tokens whose KV was read back from a cached turn are not computed again (SPEC B4).
-        let prefill_tokens: usize = running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum();
+        let prefill_tokens: usize =
+            running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum();
         inner.metrics.prefill_tokens.fetch_add(prefill_tokens as u64, Relaxed);
         for seq in running.iter_mut().filter(|s| s.state == State::Prefill) {
             let Some(blocks) = &seq.blocks else { continue };

@@ -85,7 +85,8 @@ async fn b1_b3_b4_each_turn_reads_the_conversation_back_and_answers_as_a_local_r
     }
     assert_eq!(d.metrics().turns_kept.load(Relaxed), 4);
     assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0);
-    until("D's read turns are released", Duration::from_secs(5), || d.metrics().released(ReleaseReason::Transferred).load(Relaxed) == 3).await;
+    until("D's read turns are released", Duration::from_secs(5), || d.metrics().released(ReleaseReason::Transferred).load(Relaxed) == 3)
+        .await;
     // The last turn is still cached: it expires at its TTL (480 s).
     assert_eq!(d.metrics().leases_active.load(Relaxed), 1);
     tokio::time::sleep(Duration::from_secs(481)).await;

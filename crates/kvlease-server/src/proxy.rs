@@ -193,6 +193,49 @@ struct Proxy {
     failed: AtomicU64,
     timeouts: AtomicU64,
     released: AtomicU64,
+    turns: Turns,
+    turns_used: AtomicU64,
+}
+
+/// Multi-turn (SPEC B1, B4), as vLLM's multi-turn proxy does it: each conversation's last
+/// decoder turn, by the request's top-level `conversation_id`, handed to that conversation's
+/// next prefill once, and dropped when it would have expired. Bounded: past
+/// [`MAX_CONVERSATIONS`], the oldest go.
+#[derive(Default)]
+struct Turns {
+    entries: std::sync::Mutex<(std::collections::BTreeMap<String, (Value, tokio::time::Instant)>, std::collections::VecDeque<String>)>,
+}
+
+/// Conversations whose last turn the proxy remembers.
+const MAX_CONVERSATIONS: usize = 10_000;
+
+impl Turns {
+    /// The conversation's cached turn, once; `None` if there is none or it has expired.
+    fn take(&self, conversation: &str) -> Option<Value> {
+        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (params, until) = e.0.remove(conversation)?;
+        (tokio::time::Instant::now() < until).then_some(params)
+    }
+
+    /// D's params for the conversation's turn, kept until a second before its TTL runs out.
+    fn put(&self, conversation: String, params: Value) {
+        let Some(ttl) = params.get("remote_blocks_ttl_remaining").and_then(Value::as_f64).filter(|t| *t > 1.0 && t.is_finite()) else {
+            return;
+        };
+        let until = tokio::time::Instant::now() + Duration::from_secs_f64(ttl - 1.0);
+        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *e;
+        if map.insert(conversation.clone(), (params, until)).is_none() {
+            order.push_back(conversation);
+        }
+        while map.len() > MAX_CONVERSATIONS {
+            let Some(oldest) = order.pop_front() else { break };
+            map.remove(&oldest);
+        }
+        if order.len() > 2 * MAX_CONVERSATIONS {
+            order.retain(|c| map.contains_key(c));
+        }
+    }
 }
 
 /// Why the proxy could not start.
@@ -233,6 +276,8 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
         failed: AtomicU64::new(0),
         timeouts: AtomicU64::new(0),
         released: AtomicU64::new(0),
+        turns: Turns::default(),
+        turns_used: AtomicU64::new(0),
     });
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(health_checks(Arc::downgrade(&proxy), cfg.health_interval));
@@ -329,6 +374,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         ("kvlease_proxy_failed_total", "Requests answered with a 5xx the proxy made.", &p.failed),
         ("kvlease_proxy_timeouts_total", "Requests cut by --request-timeout.", &p.timeouts),
         ("kvlease_proxy_leases_released_total", "P leases released because the decode leg failed.", &p.released),
+        ("kvlease_proxy_turns_used_total", "Prefill legs sent with the conversation's cached decoder turn (multi-turn).", &p.turns_used),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
     }
@@ -391,8 +437,30 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     inflight.hold(with_request_id(resp, &rid))
 }
 
-async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {
-    let request = body::json_object(parts, body).await?;
+async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {
+    let mut request = body::json_object(parts, body).await?;
+    // Multi-turn: the conversation this request continues (the legs do not carry it).
+    let conversation = match request.remove("conversation_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(c)) if !c.is_empty() => Some(c),
+        Some(v) => return Err(ApiError::invalid("conversation_id", format!("`conversation_id` must be a non-empty string, got {v}"))),
+    };
+    let turn = conversation.as_deref().and_then(|c| p.turns.take(c));
+    if turn.is_some() {
+        p.turns_used.fetch_add(1, Ordering::Relaxed);
+    }
+    let prefill_leg = |request: &Map<String, Value>| {
+        let mut leg = prefill_leg(request);
+        if let Some(t) = &turn {
+            leg.insert("kv_transfer_params".into(), t.clone());
+        }
+        leg
+    };
+    // D's answer names the turn it keeps: remembered for the conversation's next request.
+    let keep = |conversation: Option<String>| -> Option<Capture> {
+        let (p, c) = (Arc::clone(p), conversation?);
+        Some(Box::new(move |params: Value| p.turns.put(c, params)))
+    };
     let auth = parts.headers.get(header::AUTHORIZATION);
     let path = parts.uri.path();
     // The engines' own checks, before anything is leased.
@@ -411,7 +479,7 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
         let decoder = p.decode.pick(None).ok_or_else(|| ApiError::unavailable("no decoder"))?;
         let busy = Outstanding::new(decoder.clone());
         let resp = send(p, &decoder, path, rid, auth, &local).await?;
-        return Ok(relay_stream(resp, busy, deadline));
+        return Ok(relay_stream(resp, busy, deadline, None));
     }
     // P leg: one retry on another prefiller if the first could not be reached (it never got the
     // request, so nothing was leased).
@@ -462,7 +530,7 @@ async fn route(p: &Proxy, rid: &str, parts: &Parts, body: Body, deadline: tokio:
         }
         let busy = Outstanding::new(decoder.clone());
         match send(p, &decoder, path, rid, auth, &d_request).await {
-            Ok(d_resp) if d_resp.status().is_success() => return Ok(relay_stream(d_resp, busy, deadline)),
+            Ok(d_resp) if d_resp.status().is_success() => return Ok(relay_stream(d_resp, busy, deadline, keep(conversation))),
             Ok(d_resp) if turned_away_unread(&d_resp) => {
                 // Draining, or at its connection cap: D never read the request, P's lease is
                 // untouched. Another decoder may take it.
@@ -607,13 +675,15 @@ async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Respons
 /// upstream response: dropping it (client gone) closes the upstream connection. If the upstream
 /// breaks off (or the request's deadline passes) after the first byte, an SSE stream ends with an
 /// error event and `[DONE]`, so the client sees a clean failure rather than a cut.
-fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant) -> Response {
+fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant, capture: Option<Capture>) -> Response {
     use futures_util::StreamExt;
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
     let sse = content_type.as_ref().and_then(|c| c.to_str().ok()).is_some_and(|c| c.starts_with("text/event-stream"));
     let upstream = resp.bytes_stream();
-    let body = futures_util::stream::unfold((Some(upstream), busy), move |(up, busy)| async move {
+    // What the answer says, kept (up to a bound) while it passes, for `capture`.
+    let seen = capture.map(|c| (Vec::new(), c));
+    let body = futures_util::stream::unfold((Some(upstream), busy, seen), move |(up, busy, mut seen)| async move {
         let mut up = up?;
         let next = tokio::time::timeout_at(deadline, up.next()).await;
         let from = busy.0.up.clone();
@@ -623,12 +693,26 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
             Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
         };
         match next {
-            Ok(Some(Ok(b))) => Some((Ok(b), (Some(up), busy))),
-            Ok(None) => None,
-            Ok(Some(Err(e))) if sse => Some((Ok(fail(cause(&e))), (None, busy))),
-            Err(_) if sse => Some((Ok(fail("the proxy's --request-timeout passed".into())), (None, busy))),
-            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(cause(&e))), (None, busy))),
-            Err(_) => Some((Err(std::io::Error::other("the proxy's --request-timeout passed")), (None, busy))),
+            Ok(Some(Ok(b))) => {
+                if let Some((kept, _)) = &mut seen {
+                    if kept.len() + b.len() <= MAX_CAPTURED {
+                        kept.extend_from_slice(&b);
+                    }
+                }
+                Some((Ok(b), (Some(up), busy, seen)))
+            }
+            Ok(None) => {
+                if let Some((kept, capture)) = seen {
+                    if let Some(params) = turn_params(&kept, sse) {
+                        capture(params);
+                    }
+                }
+                None
+            }
+            Ok(Some(Err(e))) if sse => Some((Ok(fail(cause(&e))), (None, busy, None))),
+            Err(_) if sse => Some((Ok(fail("the proxy's --request-timeout passed".into())), (None, busy, None))),
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(cause(&e))), (None, busy, None))),
+            Err(_) => Some((Err(std::io::Error::other("the proxy's --request-timeout passed")), (None, busy, None))),
         }
     });
     let mut out = (status, Body::from_stream(body)).into_response();
@@ -639,9 +723,56 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
     out
 }
 
+/// What to do with the `kv_transfer_params` a decoder's answer carries (its cached turn).
+type Capture = Box<dyn FnOnce(Value) + Send>;
+
+/// Answers longer than this are relayed but not searched for a cached turn.
+const MAX_CAPTURED: usize = 4 << 20;
+
+/// The `kv_transfer_params` of a whole answer (JSON) or of its last SSE chunk that has them.
+fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
+    let of = |v: Value| v.get("kv_transfer_params").filter(|p| p.is_object()).cloned();
+    if !sse {
+        return serde_json::from_slice(answer).ok().and_then(of);
+    }
+    let text = std::str::from_utf8(answer).ok()?;
+    text.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(of).last()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk.
+    #[test]
+    fn b1_the_cached_turn_is_found_in_either_answer_shape() {
+        let params = json!({"do_remote_decode": true, "remote_lease_id": 4});
+        let whole = serde_json::to_vec(&json!({"choices": [], "kv_transfer_params": params})).unwrap();
+        assert_eq!(turn_params(&whole, false), Some(params.clone()));
+        let stream = format!(
+            "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [{"text": "a"}]}),
+            json!({"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": params})
+        );
+        assert_eq!(turn_params(stream.as_bytes(), true), Some(params));
+        assert_eq!(turn_params(b"data: {\"kv_transfer_params\": null}\n\n", true), None);
+    }
+
+    /// The proxy's turn cache: single use, dropped when stale, bounded.
+    #[tokio::test(start_paused = true)]
+    async fn turns_are_single_use_expire_and_are_bounded() {
+        let t = Turns::default();
+        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0}));
+        assert!(t.take("c").is_some());
+        assert!(t.take("c").is_none(), "single use");
+        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0}));
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert!(t.take("c").is_none(), "dropped a second before its TTL");
+        for i in 0..MAX_CONVERSATIONS + 5 {
+            t.put(format!("c{i}"), json!({"remote_blocks_ttl_remaining": 100.0}));
+        }
+        assert!(t.take("c0").is_none() && t.take(&format!("c{}", MAX_CONVERSATIONS + 4)).is_some(), "the oldest went");
+    }
 
     #[test]
     fn prefill_leg_is_one_choice_unstreamed_with_remote_decode_and_the_clients_max_tokens() {
