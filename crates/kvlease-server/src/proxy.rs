@@ -203,8 +203,12 @@ struct Proxy {
 /// [`MAX_CONVERSATIONS`], the oldest go.
 #[derive(Default)]
 struct Turns {
-    entries: std::sync::Mutex<(std::collections::BTreeMap<String, (Value, tokio::time::Instant)>, std::collections::VecDeque<String>)>,
+    entries: std::sync::Mutex<TurnEntries>,
 }
+
+/// Each conversation's turn params and when they go stale, and the conversations in the order
+/// they came.
+type TurnEntries = (std::collections::BTreeMap<String, (Value, tokio::time::Instant)>, std::collections::VecDeque<String>);
 
 /// Conversations whose last turn the proxy remembers.
 const MAX_CONVERSATIONS: usize = 10_000;
@@ -736,7 +740,7 @@ fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
         return serde_json::from_slice(answer).ok().and_then(of);
     }
     let text = std::str::from_utf8(answer).ok()?;
-    text.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(of).last()
+    text.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(of).next_back()
 }
 
 #[cfg(test)]
