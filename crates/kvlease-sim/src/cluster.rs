@@ -53,6 +53,9 @@ pub struct Cluster {
     pub prefill_ms: f64,
     /// A bug planted on purpose (the simulator's own tests).
     pub planted: Option<PlantedBug>,
+    /// Multi-turn (SPEC B1–B4): decoders keep each turn for `turn_ttl`, conversations continue.
+    pub bidirectional: bool,
+    pub turn_ttl: Duration,
 }
 
 /// What one run found.
@@ -65,6 +68,8 @@ pub struct Outcome {
     /// Failed cleanly (an engine crashed under it, or `kv_load_failure_policy: fail`).
     pub failed: usize,
     pub recomputed: u64,
+    /// Turns of conversations started (a single-turn request is one).
+    pub turns: usize,
     pub violations: Vec<String>,
     /// What happened, in simulated time.
     pub trace: Vec<String>,
@@ -154,6 +159,8 @@ impl Cluster {
             decode_ms: if slow { r.unit() * 400.0 } else { r.unit() * 5.0 },
             prefill_ms: r.unit() * 0.5,
             planted: None,
+            bidirectional: r.chance(0.5),
+            turn_ttl: r.secs(0.5, 20.0),
         }
     }
 
@@ -178,6 +185,8 @@ pub(crate) struct Req {
     pub(crate) sampling: SamplingParams,
     pub(crate) p: usize,
     pub(crate) d: usize,
+    /// The user's tokens of each later turn of the conversation (multi-turn only).
+    pub(crate) later: Vec<Vec<u32>>,
 }
 
 /// What a request produced: its tokens and how it finished.
@@ -194,6 +203,7 @@ struct World {
     violations: Vec<String>,
     answered: usize,
     failed: usize,
+    turns: usize,
     /// Leases each D holds on some P, for the reclaim check: (P index, P incarnation, lease id,
     /// when D got the params).
     held: BTreeMap<usize, Vec<(usize, u64, u64, Duration)>>,
@@ -234,6 +244,9 @@ fn model(c: &Cluster) -> ModelConfig {
 fn lease(c: &Cluster) -> LeaseConfig {
     let mut l = LeaseConfig::with_lease_secs(c.lease_secs).unwrap_or_default();
     l.load_failure_policy = c.policy;
+    l.bidirectional = c.bidirectional;
+    l.decoder_kv_blocks_ttl = c.turn_ttl;
+    l.kv_recompute_threshold = 8;
     l
 }
 
@@ -320,27 +333,45 @@ fn workload(c: &Cluster) -> Vec<Req> {
                 },
                 p: r.below(c.p_engines),
                 d: r.below(c.d_engines),
+                later: if c.bidirectional {
+                    (0..r.below(4)).map(|_| (0..1 + r.below(12)).map(|_| 97 + r.below(26) as u32).collect()).collect()
+                } else {
+                    Vec::new()
+                },
             }
         })
         .collect()
 }
 
-/// The local answers, from an engine of its own (no network, no faults).
-async fn expected(c: &Cluster, reqs: &[Req], w: &Shared) -> Vec<Answer> {
+/// The local answers to every turn of every conversation, from an engine of its own (no
+/// network, no faults). Turn k+1's prompt is turn k's, its answer, and the user's next words.
+async fn expected(c: &Cluster, reqs: &[Req], w: &Shared) -> Vec<Vec<Answer>> {
     let mut cfg = config(c, &MemNetwork::new(), "local", 0, 1);
     cfg.model.prefill_ms_per_token = 0.0;
     cfg.model.decode_ms_per_token = 0.0;
     cfg.planted_bug = None;
+    cfg.transfer.lease.bidirectional = false;
     let Some(local) = start(cfg, w).await else { return Vec::new() };
     let mut out = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
-        match collect(&local, request(format!("ref{i}"), r, json!({}))).await {
-            Ok((answer, _)) => out.push(answer),
-            Err(e) => {
-                violation(w, format!("the local run of request {i} failed: {e}"));
-                out.push((Vec::new(), None));
+        let mut turns = Vec::new();
+        let mut r = r.clone();
+        for k in 0..=r.later.len() {
+            match collect(&local, request(format!("ref{i}.{k}"), &r, json!({}))).await {
+                Ok((answer, _)) => {
+                    if let Some(next) = r.later.get(k) {
+                        r.prompt.extend(&answer.0);
+                        r.prompt.extend(next);
+                    }
+                    turns.push(answer);
+                }
+                Err(e) => {
+                    violation(w, format!("the local run of request {i} turn {k} failed: {e}"));
+                    turns.push((Vec::new(), None));
+                }
             }
         }
+        out.push(turns);
     }
     local.shutdown().await;
     out
@@ -356,6 +387,7 @@ async fn run(c: Cluster) -> Outcome {
         violations: Vec::new(),
         answered: 0,
         failed: 0,
+        turns: 0,
         held: BTreeMap::new(),
     }));
     let reqs = workload(&c);
@@ -403,7 +435,10 @@ async fn run(c: Cluster) -> Outcome {
     }
     for &(at, dj) in &c.d_crashes {
         let w = w.clone();
-        let bound = lease.extension + c.faults.delay.1 + lease.reap_granularity() + Duration::from_millis(1);
+        // A lease's deadline is the later of its grant + L and its last renewal + E, renewals
+        // being applied when they reach P (up to the largest delay after D sent them); the
+        // reaper drops it within its granularity after.
+        let (renewed, tick) = (lease.extension + c.faults.delay.1, lease.reap_granularity() + Duration::from_millis(1));
         let l = lease.lease_duration;
         faults.spawn(async move {
             tokio::time::sleep_until(t0 + at).await;
@@ -415,7 +450,7 @@ async fn run(c: Cluster) -> Outcome {
             let crash = t0.elapsed();
             let held = with(&w, |w| w.held.remove(&dj).unwrap_or_default());
             let mut checks: Vec<(Duration, usize, u64, u64)> =
-                held.into_iter().map(|(pi, inc, id, got)| ((got + l).max(crash + bound) + Duration::from_millis(1), pi, inc, id)).collect();
+                held.into_iter().map(|(pi, inc, id, got)| ((got + l).max(crash + renewed) + tick, pi, inc, id)).collect();
             checks.sort();
             for (by, pi, inc, id) in checks {
                 tokio::time::sleep_until(t0 + by).await;
@@ -465,7 +500,7 @@ async fn run(c: Cluster) -> Outcome {
     while faults.join_next().await.is_some() {}
     let busy = t0.elapsed();
     // Quiesce: past every lease, quarantine and back-off.
-    tokio::time::sleep(lease.lease_duration + lease.quarantine() + Duration::from_secs(12)).await;
+    tokio::time::sleep(lease.lease_duration.max(c.turn_ttl) + lease.quarantine() + Duration::from_secs(12)).await;
     check_quiescent(&w).await;
     finish(&c, &w, busy.as_nanos() as u64)
 }
@@ -478,46 +513,78 @@ fn links(w: &Shared, pi: usize, dj: usize) -> Vec<(String, String)> {
     })
 }
 
-async fn client(w: &Shared, i: usize, r: &Req, want: Answer) {
+/// One conversation, as the proxy runs it: each turn P (with the decoder's cached turn when
+/// there is one, SPEC B4), then D; every answer checked against the local run (D7).
+async fn client(w: &Shared, i: usize, r: &Req, want: Vec<Answer>) {
+    let mut r = r.clone();
+    let mut turn: Option<serde_json::Value> = None;
+    for (k, want) in want.into_iter().enumerate() {
+        match one_turn(w, i, k, &r, turn.take(), &want).await {
+            Some(kept) => turn = kept,
+            None => return,
+        }
+        let Some(next) = r.later.get(k).cloned() else { return };
+        r.prompt.extend(&want.0);
+        r.prompt.extend(next);
+    }
+}
+
+/// One turn; `None` if the conversation ends here (an engine failed it cleanly, or a violation),
+/// else the decoder's cached turn, if it kept one.
+async fn one_turn(
+    w: &Shared,
+    i: usize,
+    k: usize,
+    r: &Req,
+    turn: Option<serde_json::Value>,
+    want: &Answer,
+) -> Option<Option<serde_json::Value>> {
+    with(w, |w| w.turns += 1);
     let Some(p) = with(w, |w| w.p.get(r.p).cloned().flatten()) else {
-        note(w, format!("req {i}: p{} is down; refused", r.p));
+        note(w, format!("req {i}.{k}: p{} is down; refused", r.p));
         with(w, |w| w.failed += 1);
-        return;
+        return None;
     };
-    let params = match collect(&p, request(format!("req{i}"), r, json!({"do_remote_decode": true}))).await {
+    let p_params = turn.unwrap_or_else(|| json!({"do_remote_decode": true}));
+    let params = match collect(&p, request(format!("req{i}.{k}"), r, p_params)).await {
         Ok((_, Some(params))) => params,
         Ok((_, None)) => {
-            violation(w, format!("req {i}: p{} answered without kv_transfer_params", r.p));
-            return;
+            violation(w, format!("req {i}.{k}: p{} answered without kv_transfer_params", r.p));
+            return None;
         }
         Err(e) => {
-            note(w, format!("req {i}: p{} failed: {e}", r.p));
+            note(w, format!("req {i}.{k}: p{} failed: {e}", r.p));
             with(w, |w| w.failed += 1);
-            return;
+            return None;
         }
     };
     drop(p);
     let Some(d) = with(w, |w| w.d.get(r.d).cloned().flatten()) else {
-        note(w, format!("req {i}: d{} is down; refused", r.d));
+        note(w, format!("req {i}.{k}: d{} is down; refused", r.d));
         with(w, |w| w.failed += 1);
-        return;
+        return None;
     };
     let lease_id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
-    let inc = params.get("remote_incarnation").and_then(|v| v.as_u64()).unwrap_or(0);
+    let inc = params.get("remote_incarnation").and_then(|v| v.as_str()?.parse().ok()).unwrap_or(0);
     with(w, |w| {
         let got = w.start.elapsed();
         w.held.entry(r.d).or_default().push((r.p, inc, lease_id, got));
     });
-    note(w, format!("req {i}: p{} lease {lease_id} → d{}", r.p, r.d));
-    match collect(&d, request(format!("req{i}"), r, params)).await {
-        Ok((answer, _)) if answer == want => {
-            note(w, format!("req {i}: answered ({} tokens)", answer.0.len()));
+    note(w, format!("req {i}.{k}: p{} lease {lease_id} → d{}", r.p, r.d));
+    match collect(&d, request(format!("req{i}.{k}"), r, params)).await {
+        Ok((answer, kept)) if answer == *want => {
+            note(w, format!("req {i}.{k}: answered ({} tokens){}", answer.0.len(), if kept.is_some() { ", turn kept" } else { "" }));
             with(w, |w| w.answered += 1);
+            Some(kept)
         }
-        Ok((answer, _)) => violation(w, format!("D7: req {i} on d{} answered {answer:?}; a local run answers {want:?}", r.d)),
+        Ok((answer, _)) => {
+            violation(w, format!("D7: req {i}.{k} on d{} answered {answer:?}; a local run answers {want:?}", r.d));
+            None
+        }
         Err(e) => {
-            note(w, format!("req {i}: d{} failed: {e}", r.d));
+            note(w, format!("req {i}.{k}: d{} failed: {e}", r.d));
             with(w, |w| w.failed += 1);
+            None
         }
     }
 }
@@ -553,6 +620,7 @@ fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
             requests: c.requests,
             answered: w.answered,
             failed: w.failed,
+            turns: w.turns,
             recomputed,
             violations: std::mem::take(&mut w.violations),
             trace: std::mem::take(&mut w.trace),

@@ -202,6 +202,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             sampling: kvlease_engine::SamplingParams::default(),
             p: 0,
             d: 0,
+            later: Vec::new(),
         };
         let (p, d_slot, local, tally) = (p.clone(), d_slot.clone(), local.clone(), tally.clone());
         clients.spawn(async move {

@@ -42,10 +42,11 @@ pub struct SimArgs {
 fn cluster(a: &SimArgs) -> anyhow::Result<()> {
     use kvlease_sim::cluster::{report, Cluster};
     let started = std::time::Instant::now();
-    let (mut requests, mut simulated) = (0u64, Duration::ZERO);
+    let (mut requests, mut turns, mut simulated) = (0u64, 0u64, Duration::ZERO);
     for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
         let out = Cluster::from_seed(seed).run();
         requests += out.requests as u64;
+        turns += out.turns as u64;
         simulated += out.simulated;
         if !out.violations.is_empty() {
             eprint!("{}", report(&out));
@@ -55,8 +56,9 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
             print!("{}", report(&out));
         }
         println!(
-            "seed {seed}: {} requests, {} answered, {} failed cleanly, {} recomputed, {:.1} s simulated: ok",
+            "seed {seed}: {} conversations, {} turns, {} answered, {} failed cleanly, {} recomputed, {:.1} s simulated: ok",
             out.requests,
+            out.turns,
             out.answered,
             out.failed,
             out.recomputed,
@@ -65,10 +67,10 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
     }
     let wall = started.elapsed().as_secs_f64();
     println!(
-        "{} seeds, {requests} simulated requests ({:.0} s simulated) in {wall:.2} s of wall time: {:.0} simulated requests/s",
+        "{} seeds, {requests} conversations, {turns} simulated requests (turns; {:.0} s simulated) in {wall:.2} s of wall time: {:.0} simulated requests/s",
         a.seeds.max(1),
         simulated.as_secs_f64(),
-        requests as f64 / wall
+        turns as f64 / wall
     );
     Ok(())
 }
