@@ -77,6 +77,8 @@ impl EngineHandle {
         let inner = Arc::new(Inner {
             incarnation,
             origin: tokio::time::Instant::now(),
+            // An hour from 0, moved by the test-only skew: engines' clocks never agree anyway.
+            clock_base: (3_600_000_000_000i64 + cfg.debug_clock_skew.unwrap_or(0).clamp(-3_000_000_000_000, 3_000_000_000_000)) as u64,
             metrics,
             pool,
             ranks: OnceLock::new(),

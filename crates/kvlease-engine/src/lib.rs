@@ -78,6 +78,10 @@ pub struct EngineConfig {
     pub debug_read_delay: Option<std::time::Duration>,
     /// The engine's incarnation (a random one when not given; the simulator seeds it).
     pub incarnation: Option<u64>,
+    /// Test hook: this engine's monotonic clock reads this many nanoseconds off (±50 min), to
+    /// prove cross-engine decisions (SPEC B2) do not assume synchronized clocks. Never set in
+    /// production.
+    pub debug_clock_skew: Option<i64>,
     /// Simulator only: a bug planted on purpose, to prove the simulator finds it.
     #[doc(hidden)]
     pub planted_bug: Option<kvlease_core::pull::PlantedBug>,
@@ -99,6 +103,7 @@ impl Default for EngineConfig {
             secret: None,
             debug_read_delay: None,
             incarnation: None,
+            debug_clock_skew: None,
             planted_bug: None,
         }
     }

@@ -56,6 +56,8 @@ pub(crate) struct Inner {
     pub incarnation: u64,
     /// The engine's clock: tokio's, so it is virtual under a paused runtime (the simulator).
     pub origin: tokio::time::Instant,
+    /// Added to every reading of the clock (see [`Inner::now`]).
+    pub clock_base: u64,
     pub metrics: Arc<Metrics>,
     pub pool: Arc<BlockPool>,
     pub ranks: OnceLock<Vec<Rank>>,
@@ -79,8 +81,10 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The engine's monotonic clock, as the protocol sees it: time since start, plus a base
+    /// (and, in tests, a skew: `debug_clock_skew`) that keeps it far from 0 either way.
     pub fn now(&self) -> Nanos {
-        Nanos(self.origin.elapsed().as_nanos() as u64)
+        Nanos((self.origin.elapsed().as_nanos() as u64).saturating_add(self.clock_base))
     }
 
     pub fn ranks(&self) -> &[Rank] {
@@ -98,7 +102,7 @@ impl Inner {
 
     /// The tokio instant of a core deadline.
     pub fn instant(&self, at: Nanos) -> tokio::time::Instant {
-        self.origin + Duration::from_nanos(at.0)
+        self.origin + Duration::from_nanos(at.0.saturating_sub(self.clock_base))
     }
 
     /// The name this engine holds leases under, and each agent's prefix (SPEC S5).

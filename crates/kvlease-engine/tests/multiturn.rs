@@ -97,3 +97,46 @@ async fn b1_b3_b4_each_turn_reads_the_conversation_back_and_answers_as_a_local_r
     })
     .await;
 }
+
+/// SPEC B2: with D's clock forty minutes ahead of P's, or behind, P judges D's cached turns on
+/// its own clock through the measured offset: a live turn is read (not declined as if expired),
+/// and a turn past its TTL is declined before any read (not taken for live), recomputed right.
+#[tokio::test(start_paused = true)]
+async fn b2_a_skewed_decoder_clock_changes_no_decision() {
+    for skew_min in [40i64, -40] {
+        let net = MemNetwork::new();
+        let mut pcfg = bidirectional(config(30.0, 1), &net);
+        pcfg.transfer.lease.decoder_kv_blocks_ttl = Duration::from_secs(20);
+        let p = engine(pcfg.clone()).await;
+        let mut dcfg = pcfg.clone();
+        dcfg.debug_clock_skew = Some(skew_min * 60_000_000_000);
+        let d = engine(dcfg).await;
+        let local = engine(config(30.0, 1)).await;
+        let mut conversation = user(0);
+        let (_, params) = tokens(&p, &conversation, 1, Some(json!({"do_remote_decode": true}))).await;
+        let (got, mut turn) = tokens(&d, &conversation, 8, params).await;
+        // Two more turns: the first read gives P a clock sample of D (its handshake), the second
+        // is judged with it.
+        for k in 1..3 {
+            conversation.extend(&got);
+            conversation.extend(user(k));
+            let (want, _) = tokens(&local, &conversation, 8, None).await;
+            let (_, params) = tokens(&p, &conversation, 1, turn.take()).await;
+            let (got2, kept) = tokens(&d, &conversation, 8, params).await;
+            assert_eq!(got2, want, "skew {skew_min} min, turn {k}");
+            turn = kept;
+            conversation.extend(&got2);
+        }
+        assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0, "skew {skew_min} min: live turns are read");
+        assert!(p.metrics().turn_tokens_read.load(Relaxed) > 0);
+        // Past its TTL: declined up front (no read, no lost lease), the prompt prefilled whole.
+        tokio::time::sleep(Duration::from_secs(21)).await;
+        conversation.extend(user(9));
+        let lost = p.metrics().lease_lost.load(Relaxed);
+        let (_, params) = tokens(&p, &conversation, 1, turn.take()).await;
+        assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 1, "skew {skew_min} min: an expired turn is declined");
+        assert_eq!(p.metrics().lease_lost.load(Relaxed), lost, "skew {skew_min} min: declined before any read");
+        let (want, _) = tokens(&local, &conversation, 8, None).await;
+        assert_eq!(tokens(&d, &conversation, 8, params).await.0, want);
+    }
+}
