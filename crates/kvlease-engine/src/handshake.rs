@@ -76,8 +76,12 @@ async fn connect(transport: &TransportKind, addr: &str) -> std::io::Result<Box<d
 /// Why a handshake did not complete.
 #[derive(Debug, Error)]
 pub(crate) enum HandshakeFailed {
+    #[error("connect {0}: {1}")]
+    Connect(String, std::io::Error),
+    #[error("handshake with {0} timed out")]
+    TimedOut(String),
     #[error("{0}")]
-    Channel(String),
+    Channel(#[from] side_channel::DialError),
     #[error("{0}")]
     Refused(#[from] Refused),
     #[error("cannot reach the peer's transfer agents: {0}")]
@@ -222,13 +226,11 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
     let ours = our_hello(&inner);
     let result = async {
         let run = async {
-            let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
-            side_channel::exchange(stream, &addr, inner.cfg.secret.as_deref(), ours.clone()).await
+            let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| HandshakeFailed::Connect(addr.clone(), e))?;
+            Ok::<_, HandshakeFailed>(side_channel::exchange(stream, &addr, inner.cfg.secret.as_deref(), ours.clone()).await?)
         };
-        let theirs = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, run)
-            .await
-            .map_err(|_| HandshakeFailed::Channel(format!("handshake with {addr} timed out")))?
-            .map_err(HandshakeFailed::Channel)?;
+        let theirs =
+            tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, run).await.map_err(|_| HandshakeFailed::TimedOut(addr.clone()))??;
         check_reply(&engine_id, ours.t_send, &theirs)?;
         let sample = ClockSample { t0: ours.t_send, t1: theirs.echo.1, t2: theirs.t_send, t3: inner.now().0 };
         let agents = introduce(&inner, &theirs).await?;

@@ -208,40 +208,62 @@ pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
     addr: &str,
     secret: Option<&[u8]>,
     mut ours: Hello,
-) -> Result<Hello, String> {
-    {
-        let mut challenge = [0u8; 4 + NONCE];
-        stream.read_exact(&mut challenge).await.map_err(|e| format!("no challenge from {addr}: {e}"))?;
-        if challenge[..4] != CHALLENGE_MAGIC {
-            return Err(format!("{addr} is not a kvlease side channel of this version"));
-        }
-        let client = nonce().map_err(|e| e.to_string())?;
-        let mut nonces = Nonces { server: [0; NONCE], client };
-        nonces.server.copy_from_slice(&challenge[4..]);
-        let mut answer = [0u8; NONCE + MAC];
-        answer[..NONCE].copy_from_slice(&nonces.client);
-        answer[NONCE..].copy_from_slice(&proof(secret, &nonces, Side::Dialer).finalize().into_bytes());
-        stream.write_all(&answer).await.map_err(|e| format!("send proof to {addr}: {e}"))?;
-        let mut theirs = [0u8; MAC];
-        if stream.read_exact(&mut theirs).await.is_err() {
-            return Err(format!("{addr} refused our proof: does it hold this cluster's secret?"));
-        }
-        if proof(secret, &nonces, Side::Server).verify_slice(&theirs).is_err() {
-            return Err(format!("{addr} does not hold this cluster's secret; not sending it our agents"));
-        }
-        sign(secret, &nonces, Side::Dialer, &mut ours);
-        write_frame(&mut stream, &Message::Hello(ours)).await.map_err(|e| e.to_string())?;
-        let theirs = match read_frame(&mut stream).await {
-            Ok(Message::Hello(h)) => h,
-            Ok(other) => return Err(format!("expected a Hello from {addr}, got {other:?}")),
-            // A server closes without a word on a bad proof or signature.
-            Err(e) => return Err(format!("{addr} refused the handshake ({e}): does it hold this cluster's secret?")),
-        };
-        if !authentic(secret, &nonces, Side::Server, &theirs) {
-            return Err(format!("the engine at {addr} did not sign its handshake with this cluster's secret"));
-        }
-        Ok(theirs)
+) -> Result<Hello, DialError> {
+    let at = || addr.to_string();
+    let mut challenge = [0u8; 4 + NONCE];
+    stream.read_exact(&mut challenge).await.map_err(|e| DialError::NoChallenge(at(), e))?;
+    if challenge[..4] != CHALLENGE_MAGIC {
+        return Err(DialError::NotKvlease(at()));
     }
+    let client = nonce().map_err(|e| DialError::Io(at(), e))?;
+    let mut nonces = Nonces { server: [0; NONCE], client };
+    nonces.server.copy_from_slice(&challenge[4..]);
+    let mut answer = [0u8; NONCE + MAC];
+    answer[..NONCE].copy_from_slice(&nonces.client);
+    answer[NONCE..].copy_from_slice(&proof(secret, &nonces, Side::Dialer).finalize().into_bytes());
+    stream.write_all(&answer).await.map_err(|e| DialError::Io(at(), e))?;
+    let mut theirs = [0u8; MAC];
+    if stream.read_exact(&mut theirs).await.is_err() {
+        return Err(DialError::ProofRefused(at()));
+    }
+    if proof(secret, &nonces, Side::Server).verify_slice(&theirs).is_err() {
+        return Err(DialError::ServerUnproven(at()));
+    }
+    sign(secret, &nonces, Side::Dialer, &mut ours);
+    write_frame(&mut stream, &Message::Hello(ours)).await.map_err(|e| DialError::Frame(at(), e))?;
+    let theirs = match read_frame(&mut stream).await {
+        Ok(Message::Hello(h)) => h,
+        Ok(_) => return Err(DialError::NotHello(at())),
+        // A server closes without a word on a bad proof or signature.
+        Err(e) => return Err(DialError::HelloRefused(at(), e)),
+    };
+    if !authentic(secret, &nonces, Side::Server, &theirs) {
+        return Err(DialError::Unsigned(at()));
+    }
+    Ok(theirs)
+}
+
+/// Why a handshake this engine dialled failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("no challenge from {0}: {1}")]
+    NoChallenge(String, std::io::Error),
+    #[error("{0} is not a kvlease side channel of this version")]
+    NotKvlease(String),
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+    #[error("{0} refused our proof: does it hold this cluster's secret?")]
+    ProofRefused(String),
+    #[error("{0} does not hold this cluster's secret; not sending it our agents")]
+    ServerUnproven(String),
+    #[error("cannot send our Hello to {0}: {1}")]
+    Frame(String, FrameError),
+    #[error("expected a Hello from {0}")]
+    NotHello(String),
+    #[error("{0} refused the handshake ({1}): does it hold this cluster's secret?")]
+    HelloRefused(String, FrameError),
+    #[error("the engine at {0} did not sign its handshake with this cluster's secret")]
+    Unsigned(String),
 }
 
 #[cfg(test)]
@@ -253,7 +275,7 @@ mod tests {
 
     async fn dial(addr: &str, secret: Option<&[u8]>, ours: Hello) -> Result<Hello, String> {
         let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        exchange(stream, addr, secret, ours).await
+        exchange(stream, addr, secret, ours).await.map_err(|e| e.to_string())
     }
 
     fn hello(engine_id: &str) -> Hello {

@@ -183,3 +183,52 @@ where
 pub fn lease_config(secs: f64) -> String {
     format!(r#"{{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{secs}}}}}"#)
 }
+
+/// kv-transfer-config for multi-turn (SPEC B1–B4): bidirectional, a cached-turn TTL of `ttl`
+/// seconds, a lease of `lease` seconds and this `kv_recompute_threshold`.
+pub fn bidirectional_config(ttl: f64, lease: f64, threshold: u32) -> String {
+    format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":{ttl},"kv_recompute_threshold":{threshold},"kv_lease_duration":{lease}}}}}"#
+    )
+}
+
+/// POSTs a streaming request; returns the concatenated text of the SSE chunks and the last
+/// `kv_transfer_params` any chunk carried (top-level or in a choice).
+pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String, Option<Value>) {
+    let r = client().post(url).json(body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.text().await.expect("body");
+    let mut out = String::new();
+    let mut params = None;
+    let mut done = false;
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
+        assert!(v.get("error").is_none(), "stream failed: {v}");
+        if let Some(p) = v.get("kv_transfer_params").filter(|p| p.is_object()) {
+            params = Some(p.clone());
+        }
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let piece = if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() };
+            out.push_str(piece.unwrap_or(""));
+            if let Some(p) = c.get("kv_transfer_params").filter(|p| p.is_object()) {
+                params = Some(p.clone());
+            }
+        }
+    }
+    assert!(done, "stream ended without [DONE]");
+    (out, params)
+}
+
+/// Waits until the engine at `base` holds no lease and every KV block is free.
+pub async fn until_nothing_held(base: &str, limit: Duration) {
+    until(&format!("{base}: no lease held and every block free"), limit, || async {
+        metric(base, "kvlease_leases_active").await == 0.0
+            && metric(base, "kvlease_kv_blocks_free").await == metric(base, "kvlease_kv_blocks_total").await
+    })
+    .await;
+}
