@@ -144,17 +144,24 @@ struct Hot {
 
 const VACANT: Hot = Hot { id: 0, deadline: 0, granted: 0, holder: 0, blocks: 0 };
 
-/// The cold part of a lease: what a release, a completion and the reaper need.
-#[derive(Debug, Clone, Copy)]
-struct Cold {
+/// The cold part of a lease: what a release, a completion and the reaper need, and the payload.
+#[derive(Debug)]
+struct Cold<T> {
     /// SPEC S4: the prompt the lease's KV belongs to.
     digest: PromptDigest,
     /// Where the lease's one expiry-index entry is: ring bucket and position in it.
     bucket: u32,
     pos: u32,
+    payload: Option<T>,
 }
 
-const COLD: Cold = Cold { digest: PromptDigest([0; 16]), bucket: 0, pos: 0 };
+impl<T> Cold<T> {
+    const VACANT: Cold<T> = Cold { digest: PromptDigest([0; 16]), bucket: 0, pos: 0, payload: None };
+
+    fn slots(n: usize) -> Vec<Cold<T>> {
+        (0..n).map(|_| Self::VACANT).collect()
+    }
+}
 
 /// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
 #[derive(Debug, Default)]
@@ -166,6 +173,10 @@ struct Aux {
 
 /// Payloads of released leases that readers still hold, by lease id: (payload, readers).
 type Parked<T> = HashMap<LeaseId, (T, u32)>;
+
+/// Expiry-index entries per [`LeaseTable::tick_budget`] that keep one tick well under SPEC P4's
+/// 100 µs at 10^6 leases on the benchmark machine (about 40 µs; see BENCHMARKS.md).
+pub const REAP_BUDGET: usize = 1024;
 
 /// The table grows (doubling) before live leases would fill more than this share of its slots.
 const MAX_LOAD_NUM: usize = 7;
@@ -201,8 +212,7 @@ pub struct LeaseTable<T> {
     /// `capacity - 1`.
     mask: u64,
     hot: Vec<Hot>,
-    cold: Vec<Cold>,
-    payloads: Vec<Option<T>>,
+    cold: Vec<Cold<T>>,
     live: usize,
     aux: HashMap<LeaseId, Aux>,
     parked: Parked<T>,
@@ -225,8 +235,7 @@ impl<T> LeaseTable<T> {
             next_id: 1,
             mask: MIN_SLOTS as u64 - 1,
             hot: vec![VACANT; MIN_SLOTS],
-            cold: vec![COLD; MIN_SLOTS],
-            payloads: (0..MIN_SLOTS).map(|_| None).collect(),
+            cold: Cold::slots(MIN_SLOTS),
             live: 0,
             aux: HashMap::new(),
             parked: HashMap::new(),
@@ -267,7 +276,7 @@ impl<T> LeaseTable<T> {
         let deadline = now.0.saturating_add(self.lease).max(1);
         self.hot[s] = Hot { id, deadline, granted: now.0, holder: 0, blocks };
         self.cold[s].digest = digest;
-        self.payloads[s] = Some(payload);
+        self.cold[s].payload = Some(payload);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
@@ -457,7 +466,8 @@ impl<T> LeaseTable<T> {
     }
 
     /// SPEC P4 with a bound on the time the table is held: like [`LeaseTable::tick`], but looks
-    /// at no more than `max_work` expiry-index entries (each released, refiled or kept). Returns
+    /// at no more than `max_work` expiry-index entries (each released, refiled or kept; see
+    /// [`REAP_BUDGET`]). Returns
     /// whether work is left: then tick again soon (the lock released in between); what is left
     /// carries over, and [`LeaseTable::next_expiry`] says it is due.
     pub fn tick_budget(&mut self, now: Nanos, max_work: usize, released: &mut Vec<Released<T>>) -> bool {
@@ -468,7 +478,12 @@ impl<T> LeaseTable<T> {
         // Buckets are visited in deadline order; within one, hand leases out in deadline order
         // too (then by id), whatever order their entries were filed in.
         let keys = std::mem::take(&mut self.wheel.expired);
-        if released.len() - start == keys.len() && !keys.windows(2).all(|w| w[0] <= w[1]) {
+        if released.len() - start != keys.len() || keys.windows(2).all(|w| w[0] <= w[1]) {
+            // In order already (or not only expiries: left as they are).
+        } else if keys.windows(2).all(|w| w[0] >= w[1]) {
+            // A bucket filed in grant order and visited from its end.
+            released[start..].reverse();
+        } else {
             let mut tail: Vec<((u64, LeaseId), Released<T>)> = keys.iter().copied().zip(released.drain(start..)).collect();
             tail.sort_by_key(|(k, _)| *k);
             released.extend(tail.into_iter().map(|(_, r)| r));
@@ -498,7 +513,7 @@ impl<T> LeaseTable<T> {
 
     /// The payload of a live lease.
     pub fn get(&self, id: LeaseId) -> Option<&T> {
-        self.payloads[self.find(id)?].as_ref()
+        self.cold[self.find(id)?].payload.as_ref()
     }
 
     /// The current deadline of a live lease (it may already be past, awaiting the reaper).
@@ -553,7 +568,7 @@ impl<T> LeaseTable<T> {
         }
         self.unfile(s);
         self.hot[s] = VACANT;
-        let payload = self.payloads[s].take();
+        let payload = self.cold[s].payload.take();
         self.live -= 1;
         self.leased_blocks -= u64::from(h.blocks);
         self.stats.released[reason as usize] += 1;
@@ -574,15 +589,13 @@ impl<T> LeaseTable<T> {
         let cap = self.hot.len() * 2;
         let mask = cap as u64 - 1;
         let mut hot = vec![VACANT; cap];
-        let mut cold = vec![COLD; cap];
-        let mut payloads: Vec<Option<T>> = (0..cap).map(|_| None).collect();
+        let mut cold = Cold::slots(cap);
         for s in 0..self.hot.len() {
             let h = self.hot[s];
             if h.id != 0 {
                 let t = (h.id & mask) as usize;
                 hot[t] = h;
-                cold[t] = self.cold[s];
-                payloads[t] = self.payloads[s].take();
+                cold[t] = std::mem::replace(&mut self.cold[s], Cold::VACANT);
             }
         }
         for b in &mut self.wheel.buckets {
@@ -592,7 +605,6 @@ impl<T> LeaseTable<T> {
         }
         self.hot = hot;
         self.cold = cold;
-        self.payloads = payloads;
         self.mask = mask;
     }
 
@@ -616,7 +628,7 @@ impl<T> LeaseTable<T> {
 
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let Cold { bucket, pos, .. } = self.cold[s];
+        let (bucket, pos) = (self.cold[s].bucket, self.cold[s].pos);
         let b = &mut self.wheel.buckets[bucket as usize];
         let pos = pos as usize;
         if b.slots.get(pos) != Some(&(s as u32)) {
