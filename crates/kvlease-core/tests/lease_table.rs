@@ -599,3 +599,20 @@ mod id_scheme {
         }
     }
 }
+
+/// A table sized for its most live leases never grows (a doubling holds the table while it
+/// moves every lease), and still takes more when asked.
+#[test]
+fn with_capacity_never_grows_up_to_its_size() {
+    let mut t: LeaseTable<u32> = LeaseTable::with_capacity(&LeaseConfig::default(), 1000);
+    let cap = t.capacity();
+    assert!(cap >= 1000 * 8 / 7 && cap <= 4096, "capacity {cap}");
+    let ids: Vec<u64> = (0..1000).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
+    assert_eq!(t.capacity(), cap);
+    t.grant(Nanos(0), 1, DIGEST, 1000);
+    assert!(t.capacity() >= cap);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(t.get(*id), Some(&(i as u32)));
+    }
+    assert_eq!(LeaseTable::<()>::with_capacity(&LeaseConfig::default(), 0).capacity(), 16);
+}
