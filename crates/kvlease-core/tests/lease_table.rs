@@ -606,7 +606,7 @@ mod id_scheme {
 fn with_capacity_never_grows_up_to_its_size() {
     let mut t: LeaseTable<u32> = LeaseTable::with_capacity(&LeaseConfig::default(), 1000);
     let cap = t.capacity();
-    assert!(cap >= 1000 * 8 / 7 && cap <= 4096, "capacity {cap}");
+    assert!((1000 * 8 / 7..=4096).contains(&cap), "capacity {cap}");
     let ids: Vec<u64> = (0..1000).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
     assert_eq!(t.capacity(), cap);
     t.grant(Nanos(0), 1, DIGEST, 1000);
