@@ -1,17 +1,19 @@
 //! P's leases (SPEC §4): grant, renew, complete, release, reap — exactly once each.
 //!
-//! A lease lives in slot `id mod capacity` of a power-of-two table that keeps the full id, so
-//! finding a lease is one index and one comparison under any pattern of grants and releases, and
-//! an id whose slot has since been reused is lost, never another lease (ids are never handed out
-//! twice: SPEC §3). Ids are handed out in a row, skipping only ids whose slot a lease of an
-//! earlier turn still holds, so a heartbeat's sorted ids stay nearly consecutive on the wire.
-//! A renewal reads and writes one aligned 32-byte record (id, deadline, grant time, holder) and
-//! never touches the expiry index. The index is a timing wheel of buckets `min(I/10, 100 ms)`
-//! wide holding each live lease's slot once, each bucket remembering its earliest deadline, so
-//! an idle reaper tick is O(1) and a tick that expires k leases costs O(k) (SPEC P4); a tick
-//! can be given a work budget and carries the rest over. An index entry whose lease was renewed
-//! since is moved to the bucket of its current deadline when its old bucket comes due, at most
-//! once per extension period. The table doubles before live leases fill 7/8 of its slots.
+//! A lease lives in slot `id mod capacity` of a power-of-two table; the slot keeps the id's
+//! high bits (its generation), so finding a lease is one index and one comparison under any
+//! pattern of grants and releases, and an id whose slot has since been reused is lost, never
+//! another lease (ids are never handed out twice: SPEC §3). Ids are handed out in a row,
+//! skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's sorted
+//! ids stay nearly consecutive on the wire. A renewal reads and writes one aligned 32-byte
+//! record (generation, holder, deadline, grant time, index position) and never touches the
+//! expiry index. The index is a timing wheel of buckets `min(I/10, 100 ms)` wide holding each
+//! live lease's slot once, each bucket remembering its earliest deadline, so an idle reaper tick
+//! is O(1) and a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work
+//! budget and carries the rest over. An index entry whose lease was renewed since is moved to
+//! the bucket of its current deadline when its old bucket comes due, at most once per extension
+//! period, touching only the lease's 32-byte record. The table doubles before live leases fill
+//! 7/8 of its slots.
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -128,35 +130,36 @@ impl LeaseStats {
     }
 }
 
-/// The hot part of a lease, touched by every renewal: one aligned half cache line. `id == 0`
-/// marks a vacant slot (ids start at 1).
+/// The hot part of a lease, touched by every renewal and by the reaper: one aligned half cache
+/// line. `deadline == 0` marks a vacant slot.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(32))]
 struct Hot {
-    id: LeaseId,
+    /// The lease id's high bits: `id = gen << shift | slot`.
+    gen: u32,
+    /// SPEC S5: who owns the lease; 0 until an engine first names it.
+    holder: u32,
     deadline: u64,
     /// Grant time; SPEC P9's cap is `granted + max(max_lifetime, L)`.
     granted: u64,
-    /// SPEC S5: who owns the lease; 0 until an engine first names it.
-    holder: u32,
-    blocks: u32,
+    /// Where the lease's one expiry-index entry is: ring bucket and position in it.
+    bucket: u32,
+    pos: u32,
 }
 
-const VACANT: Hot = Hot { id: 0, deadline: 0, granted: 0, holder: 0, blocks: 0 };
+const VACANT: Hot = Hot { gen: 0, holder: 0, deadline: 0, granted: 0, bucket: 0, pos: 0 };
 
-/// The cold part of a lease: what a release, a completion and the reaper need, and the payload.
+/// The cold part of a lease: what a release and a completion need, and the payload.
 #[derive(Debug)]
 struct Cold<T> {
     /// SPEC S4: the prompt the lease's KV belongs to.
     digest: PromptDigest,
-    /// Where the lease's one expiry-index entry is: ring bucket and position in it.
-    bucket: u32,
-    pos: u32,
+    blocks: u32,
     payload: Option<T>,
 }
 
 impl<T> Cold<T> {
-    const VACANT: Cold<T> = Cold { digest: PromptDigest([0; 16]), bucket: 0, pos: 0, payload: None };
+    const VACANT: Cold<T> = Cold { digest: PromptDigest([0; 16]), blocks: 0, payload: None };
 
     fn slots(n: usize) -> Vec<Cold<T>> {
         (0..n).map(|_| Self::VACANT).collect()
@@ -198,8 +201,8 @@ struct Pass {
 /// P's lease table for one engine.
 ///
 /// A lease lives in slot `id mod capacity` (the capacity is a power of two) and the slot keeps
-/// the full id, so a lookup is one index and one comparison, and an id whose slot was reused is
-/// lost, never another lease. Ids still increase by one per grant except where the next slot
+/// the rest of the id, so a lookup is one index and one comparison, and an id whose slot was
+/// reused is lost, never another lease. Ids still increase by one per grant except where the next slot
 /// is taken by a lease still live from a previous turn, which is skipped: ids granted in a row
 /// stay nearly consecutive and the wire's delta encoding keeps about one byte per id.
 #[derive(Debug)]
@@ -209,8 +212,9 @@ pub struct LeaseTable<T> {
     max_lifetime: Option<u64>,
     /// Never handed out twice (SPEC §3 fencing token); ids only increase.
     next_id: LeaseId,
-    /// `capacity - 1`.
+    /// `capacity - 1`, and `log2(capacity)`.
     mask: u64,
+    shift: u32,
     hot: Vec<Hot>,
     cold: Vec<Cold<T>>,
     live: usize,
@@ -248,6 +252,7 @@ impl<T> LeaseTable<T> {
             max_lifetime: cfg.max_lifetime.map(nanos),
             next_id: 1,
             mask: slots as u64 - 1,
+            shift: slots.trailing_zeros(),
             hot: vec![VACANT; slots],
             cold: Cold::slots(slots),
             live: 0,
@@ -280,16 +285,24 @@ impl<T> LeaseTable<T> {
             self.grow();
         }
         // Skip ids whose slot a lease of an earlier turn still holds; the load bound keeps a
-        // free slot, and skips to about live / (capacity - live) per grant on average.
-        while self.hot[(self.next_id & self.mask) as usize].id != 0 {
-            self.next_id += 1;
+        // free slot, and skips to about live / (capacity - live) per grant on average. A slot
+        // keeps 32 bits of generation: past them the table grows (after 2^36 grants at least).
+        loop {
+            if self.next_id >> self.shift > u64::from(u32::MAX) {
+                self.grow();
+            } else if self.hot[(self.next_id & self.mask) as usize].deadline != 0 {
+                self.next_id += 1;
+            } else {
+                break;
+            }
         }
         let id = self.next_id;
         self.next_id += 1;
         let s = (id & self.mask) as usize;
         let deadline = now.0.saturating_add(self.lease).max(1);
-        self.hot[s] = Hot { id, deadline, granted: now.0, holder: 0, blocks };
+        self.hot[s] = Hot { gen: (id >> self.shift) as u32, holder: 0, deadline, granted: now.0, bucket: 0, pos: 0 };
         self.cold[s].digest = digest;
+        self.cold[s].blocks = blocks;
         self.cold[s].payload = Some(payload);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
@@ -314,12 +327,13 @@ impl<T> LeaseTable<T> {
     ) -> usize {
         let target = now.0.saturating_add(self.extension);
         let who = holder.0.get();
+        let shift = self.shift;
         let life = self.max_lifetime.map(|m| m.max(self.lease));
         let mut renewed = 0;
         for &id in ids {
             let s = (id & self.mask) as usize;
             let h = &mut self.hot[s];
-            if h.id != id || id == 0 || (h.holder != 0 && h.holder != who) {
+            if h.deadline == 0 || u64::from(h.gen) != id >> shift || id == 0 || (h.holder != 0 && h.holder != who) {
                 lost.push(id);
                 continue;
             }
@@ -519,7 +533,7 @@ impl<T> LeaseTable<T> {
     /// Engine shutdown: release every live lease as `shutdown`.
     pub fn shutdown(&mut self, now: Nanos, released: &mut Vec<Released<T>>) {
         for s in 0..self.hot.len() {
-            if self.hot[s].id != 0 {
+            if self.hot[s].deadline != 0 {
                 self.end(s, ReleaseReason::Shutdown, now, released);
             }
         }
@@ -562,7 +576,13 @@ impl<T> LeaseTable<T> {
     /// The slot of a live lease.
     fn find(&self, id: LeaseId) -> Option<usize> {
         let s = (id & self.mask) as usize;
-        (id != 0 && self.hot[s].id == id).then_some(s)
+        let h = &self.hot[s];
+        (id != 0 && h.deadline != 0 && u64::from(h.gen) == id >> self.shift).then_some(s)
+    }
+
+    /// The id of the lease in slot `s`.
+    fn id_of(&self, s: usize) -> LeaseId {
+        u64::from(self.hot[s].gen) << self.shift | s as u64
     }
 
     /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
@@ -577,49 +597,54 @@ impl<T> LeaseTable<T> {
     /// Ends a live lease: the one place a release happens and is counted (SPEC P3).
     fn end(&mut self, s: usize, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
         let h = self.hot[s];
-        if h.id == 0 {
+        if h.deadline == 0 {
             return;
         }
+        let id = self.id_of(s);
         self.unfile(s);
         self.hot[s] = VACANT;
         let payload = self.cold[s].payload.take();
+        let blocks = self.cold[s].blocks;
         self.live -= 1;
-        self.leased_blocks -= u64::from(h.blocks);
+        self.leased_blocks -= u64::from(blocks);
         self.stats.released[reason as usize] += 1;
-        let readers = if self.aux.is_empty() { 0 } else { self.aux.remove(&h.id).map_or(0, |a| a.readers) };
+        let readers = if self.aux.is_empty() { 0 } else { self.aux.remove(&id).map_or(0, |a| a.readers) };
         let payload = match payload {
             Some(p) if readers > 0 => {
-                self.parked.insert(h.id, (p, readers));
+                self.parked.insert(id, (p, readers));
                 None
             }
             p => p,
         };
-        released.push(Released { lease_id: h.id, reason, payload, blocks: h.blocks, held: now.since(Nanos(h.granted)) });
+        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(h.granted)) });
     }
 
     /// Doubles the slots; each live lease moves to `id mod` the new capacity, where no other
     /// can be (two ids equal mod 2c are equal mod c).
     fn grow(&mut self) {
         let cap = self.hot.len() * 2;
-        let mask = cap as u64 - 1;
+        let (mask, shift) = (cap as u64 - 1, self.shift + 1);
         let mut hot = vec![VACANT; cap];
         let mut cold = Cold::slots(cap);
         for s in 0..self.hot.len() {
-            let h = self.hot[s];
-            if h.id != 0 {
-                let t = (h.id & mask) as usize;
-                hot[t] = h;
+            if self.hot[s].deadline != 0 {
+                let id = self.id_of(s);
+                let t = (id & mask) as usize;
+                hot[t] = Hot { gen: (id >> shift) as u32, ..self.hot[s] };
                 cold[t] = std::mem::replace(&mut self.cold[s], Cold::VACANT);
             }
         }
+        let (old, old_shift) = (&self.hot, self.shift);
         for b in &mut self.wheel.buckets {
             for e in &mut b.slots {
-                *e = (self.hot[*e as usize].id & mask) as u32;
+                let id = u64::from(old[*e as usize].gen) << old_shift | u64::from(*e);
+                *e = (id & mask) as u32;
             }
         }
         self.hot = hot;
         self.cold = cold;
         self.mask = mask;
+        self.shift = shift;
     }
 
     /// Files slot `s` under `deadline`, in a bucket no earlier than `lo`.
@@ -631,8 +656,8 @@ impl<T> LeaseTable<T> {
         let r = (k % ring) as usize;
         let b = &mut w.buckets[r];
         b.min = b.min.min(deadline);
-        self.cold[s].bucket = r as u32;
-        self.cold[s].pos = b.slots.len() as u32;
+        self.hot[s].bucket = r as u32;
+        self.hot[s].pos = b.slots.len() as u32;
         b.slots.push(s as u32);
         w.len += 1;
         if let Some(p) = w.pass.as_mut().filter(|p| p.bucket == r) {
@@ -642,7 +667,7 @@ impl<T> LeaseTable<T> {
 
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let (bucket, pos) = (self.cold[s].bucket, self.cold[s].pos);
+        let (bucket, pos) = (self.hot[s].bucket, self.hot[s].pos);
         let b = &mut self.wheel.buckets[bucket as usize];
         let pos = pos as usize;
         if b.slots.get(pos) != Some(&(s as u32)) {
@@ -651,7 +676,7 @@ impl<T> LeaseTable<T> {
         }
         b.slots.swap_remove(pos);
         if let Some(&moved) = b.slots.get(pos) {
-            self.cold[moved as usize].pos = pos as u32;
+            self.hot[moved as usize].pos = pos as u32;
         }
         self.wheel.len -= 1;
     }
@@ -687,7 +712,7 @@ impl<T> LeaseTable<T> {
                     work += 1;
                     let (s, d) = (s as usize, self.hot[s as usize].deadline);
                     if d <= now {
-                        self.wheel.expired.push((d, self.hot[s].id));
+                        self.wheel.expired.push((d, self.id_of(s)));
                         self.end(s, ReleaseReason::Expired, Nanos(now), released);
                     } else {
                         self.unfile(s);
@@ -721,7 +746,7 @@ impl<T> LeaseTable<T> {
                 let Some(&s) = self.wheel.buckets[r].slots.get(pass.next) else { continue };
                 let (s, d) = (s as usize, self.hot[s as usize].deadline);
                 if d <= now {
-                    self.wheel.expired.push((d, self.hot[s].id));
+                    self.wheel.expired.push((d, self.id_of(s)));
                     self.end(s, ReleaseReason::Expired, Nanos(now), released);
                 } else if d / self.wheel.width == cursor {
                     pass.kept_min = pass.kept_min.min(d);
