@@ -1,13 +1,19 @@
 //! P's leases (SPEC §4): grant, renew, complete, release, reap — exactly once each.
 //!
-//! Lease ids are handed out in a row, so live leases sit in a dense window indexed by
-//! `id - base`: a heartbeat's sorted ids renew with sequential memory access and no hashing.
-//! The window only ever holds O(live) slots: when stragglers keep its front alive while later
-//! leases come and go, they move to a small side map. Renewal never touches the expiry index;
-//! the index is a timing wheel of buckets `min(I/10, 100 ms)` wide, each remembering its earliest
-//! deadline, so an idle reaper tick is O(1) and a tick that expires k leases costs O(k) (SPEC P4).
-//! An index entry whose lease was renewed since is moved to the bucket of its current deadline
-//! when its old bucket comes due, at most once per extension period.
+//! A lease lives in slot `id mod capacity` of a power-of-two table; the slot keeps the id's
+//! high bits (its generation), so finding a lease is one index and one comparison under any
+//! pattern of grants and releases, and an id whose slot has since been reused is lost, never
+//! another lease (ids are never handed out twice: SPEC §3). Ids are handed out in a row,
+//! skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's sorted
+//! ids stay nearly consecutive on the wire. A renewal reads and writes one aligned 32-byte
+//! record (generation, holder, deadline, grant time, index position) and never touches the
+//! expiry index. The index is a timing wheel of buckets `min(I/10, 100 ms)` wide holding each
+//! live lease's slot once, each bucket remembering its earliest deadline, so an idle reaper tick
+//! is O(1) and a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work
+//! budget and carries the rest over. An index entry whose lease was renewed since is moved to
+//! the bucket of its current deadline when its old bucket comes due, at most once per extension
+//! period, touching only the lease's 32-byte record. The table doubles before live leases fill
+//! 7/8 of its slots.
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -24,7 +30,7 @@ use crate::config::LeaseConfig;
 use crate::digest::PromptDigest;
 use crate::wire::Message;
 use crate::{LeaseId, Nanos};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -124,34 +130,46 @@ impl LeaseStats {
     }
 }
 
-/// The hot part of a lease, touched by every renewal. `deadline == 0` marks a vacant slot.
+/// The hot part of a lease, touched by every renewal and by the reaper: one aligned half cache
+/// line. `deadline == 0` marks a vacant slot.
 #[derive(Debug, Clone, Copy)]
-struct Slot {
+#[repr(C, align(32))]
+struct Hot {
+    /// The lease id's high bits: `id = gen << shift | slot`.
+    gen: u32,
+    /// SPEC S5: who owns the lease; 0 until an engine first names it.
+    holder: u32,
     deadline: u64,
-    /// SPEC P9: the latest deadline a renewal may set.
-    cap: u64,
-    /// SPEC S5: who owns the lease; `None` until an engine first names it.
-    holder: Option<Holder>,
+    /// Grant time; SPEC P9's cap is `granted + max(max_lifetime, L)`.
+    granted: u64,
+    /// Where the lease's one expiry-index entry is: ring bucket and position in it.
+    bucket: u32,
+    pos: u32,
 }
 
-const VACANT: Slot = Slot { deadline: 0, cap: 0, holder: None };
+const VACANT: Hot = Hot { gen: 0, holder: 0, deadline: 0, granted: 0, bucket: 0, pos: 0 };
 
-impl Slot {
-    /// SPEC S5: whether `holder` may act on this live lease; the first to ask owns it.
-    fn admit(&mut self, holder: Holder) -> bool {
-        *self.holder.get_or_insert(holder) == holder
-    }
-}
-
+/// The cold part of a lease: what a release and a completion need, and the payload.
 #[derive(Debug)]
-struct Entry<T> {
-    payload: T,
-    granted: Nanos,
+struct Cold<T> {
     /// SPEC S4: the prompt the lease's KV belongs to.
     digest: PromptDigest,
     blocks: u32,
+    payload: Option<T>,
+}
+
+impl<T> Cold<T> {
+    const VACANT: Cold<T> = Cold { digest: PromptDigest([0; 16]), blocks: 0, payload: None };
+
+    fn slots(n: usize) -> Vec<Cold<T>> {
+        (0..n).map(|_| Self::VACANT).collect()
+    }
+}
+
+/// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
+#[derive(Debug, Default)]
+struct Aux {
     readers: u32,
-    /// SPEC P8: consumers expected (0 until the first completion says) and those that reported.
     expected: u32,
     done: Vec<u32>,
 }
@@ -159,21 +177,48 @@ struct Entry<T> {
 /// Payloads of released leases that readers still hold, by lease id: (payload, readers).
 type Parked<T> = HashMap<LeaseId, (T, u32)>;
 
+/// Expiry-index entries per [`LeaseTable::tick_budget`] that keep one tick well under SPEC P4's
+/// 100 µs at 10^6 leases on the benchmark machine (about 40 µs; see BENCHMARKS.md).
+pub const REAP_BUDGET: usize = 1024;
+
+/// The table grows (doubling) before live leases would fill more than this share of its slots.
+const MAX_LOAD_NUM: usize = 7;
+const MAX_LOAD_DEN: usize = 8;
+const MIN_SLOTS: usize = 16;
+
+/// A reaper pass over the current bucket, interrupted by its work budget or still running.
+#[derive(Debug, Clone, Copy)]
+struct Pass {
+    bucket: usize,
+    /// Entries at `[next, len)` have been looked at in this pass.
+    next: usize,
+    /// Earliest deadline among the entries the pass kept.
+    kept_min: u64,
+    /// Earliest deadline filed into this bucket since the pass began.
+    filed_min: u64,
+}
+
 /// P's lease table for one engine.
+///
+/// A lease lives in slot `id mod capacity` (the capacity is a power of two) and the slot keeps
+/// the rest of the id, so a lookup is one index and one comparison, and an id whose slot was
+/// reused is lost, never another lease. Ids still increase by one per grant except where the next slot
+/// is taken by a lease still live from a previous turn, which is skipped: ids granted in a row
+/// stay nearly consecutive and the wire's delta encoding keeps about one byte per id.
 #[derive(Debug)]
 pub struct LeaseTable<T> {
     lease: u64,
     extension: u64,
     max_lifetime: Option<u64>,
+    /// Never handed out twice (SPEC §3 fencing token); ids only increase.
     next_id: LeaseId,
-    /// Id of `slots[0]`.
-    base: LeaseId,
-    slots: VecDeque<Slot>,
-    entries: VecDeque<Option<Entry<T>>>,
-    /// Live leases in the window.
-    window_live: usize,
-    /// Live leases that fell below `base`.
-    side: HashMap<LeaseId, (Slot, Entry<T>)>,
+    /// `capacity - 1`, and `log2(capacity)`.
+    mask: u64,
+    shift: u32,
+    hot: Vec<Hot>,
+    cold: Vec<Cold<T>>,
+    live: usize,
+    aux: HashMap<LeaseId, Aux>,
     parked: Parked<T>,
     wheel: Wheel,
     leased_blocks: u64,
@@ -184,6 +229,20 @@ pub struct LeaseTable<T> {
 
 impl<T> LeaseTable<T> {
     pub fn new(cfg: &LeaseConfig) -> Self {
+        Self::with_capacity(cfg, 0)
+    }
+
+    /// A table sized for `live` leases at once, so it never grows (a doubling moves every
+    /// lease, holding the table for about 50 ms at 10^6). Each lease pins at least one block,
+    /// so an engine's block count bounds its live leases.
+    pub fn with_capacity(cfg: &LeaseConfig, live: usize) -> Self {
+        let slots = live
+            .saturating_mul(MAX_LOAD_DEN)
+            .div_ceil(MAX_LOAD_NUM)
+            .saturating_add(1)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << 31)
+            .clamp(MIN_SLOTS, 1 << 31);
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let width = nanos(cfg.reap_granularity()).max(1);
         let horizon = nanos(cfg.lease_duration.max(cfg.extension));
@@ -192,11 +251,12 @@ impl<T> LeaseTable<T> {
             extension: nanos(cfg.extension),
             max_lifetime: cfg.max_lifetime.map(nanos),
             next_id: 1,
-            base: 1,
-            slots: VecDeque::new(),
-            entries: VecDeque::new(),
-            window_live: 0,
-            side: HashMap::new(),
+            mask: slots as u64 - 1,
+            shift: slots.trailing_zeros(),
+            hot: vec![VACANT; slots],
+            cold: Cold::slots(slots),
+            live: 0,
+            aux: HashMap::new(),
             parked: HashMap::new(),
             wheel: Wheel::new(width, horizon),
             leased_blocks: 0,
@@ -229,19 +289,33 @@ impl<T> LeaseTable<T> {
     /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
     /// lease.
     pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
+        if (self.live + 1) * MAX_LOAD_DEN > self.hot.len() * MAX_LOAD_NUM {
+            self.grow();
+        }
+        // Skip ids whose slot a lease of an earlier turn still holds; the load bound keeps a
+        // free slot, and skips to about live / (capacity - live) per grant on average. A slot
+        // keeps 32 bits of generation: past them the table grows (after 2^36 grants at least).
+        loop {
+            if self.next_id >> self.shift > u64::from(u32::MAX) {
+                self.grow();
+            } else if self.hot[(self.next_id & self.mask) as usize].deadline != 0 {
+                self.next_id += 1;
+            } else {
+                break;
+            }
+        }
         let id = self.next_id;
         self.next_id += 1;
-        let deadline = now.0.saturating_add(lifetime.as_nanos() as u64).max(1);
-        let cap = match self.max_lifetime {
-            Some(m) => now.0.saturating_add(m.max(self.lease)),
-            None => u64::MAX,
-        };
-        self.slots.push_back(Slot { deadline, cap, holder: None });
-        self.entries.push_back(Some(Entry { payload, granted: now, digest, blocks, readers: 0, expected: 0, done: Vec::new() }));
-        self.window_live += 1;
+        let s = (id & self.mask) as usize;
+        let deadline = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX)).max(1);
+        self.hot[s] = Hot { gen: (id >> self.shift) as u32, holder: 0, deadline, granted: now.0, bucket: 0, pos: 0 };
+        self.cold[s].digest = digest;
+        self.cold[s].blocks = blocks;
+        self.cold[s].payload = Some(payload);
+        self.live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
-        self.wheel.insert(id, deadline);
+        self.file(s, deadline, self.wheel.cursor);
         id
     }
 
@@ -260,21 +334,27 @@ impl<T> LeaseTable<T> {
         released: &mut Vec<Released<T>>,
     ) -> usize {
         let target = now.0.saturating_add(self.extension);
+        let who = holder.0.get();
+        let shift = self.shift;
+        let life = self.max_lifetime.map(|m| m.max(self.lease));
         let mut renewed = 0;
         for &id in ids {
-            let Some(slot) = self.slot_mut(id).filter(|s| s.holder.is_none_or(|h| h == holder)) else {
+            let s = (id & self.mask) as usize;
+            let h = &mut self.hot[s];
+            if h.deadline == 0 || u64::from(h.gen) != id >> shift || id == 0 || (h.holder != 0 && h.holder != who) {
                 lost.push(id);
-                continue;
-            };
-            slot.holder = Some(holder);
-            if slot.deadline <= now.0 {
-                lost.push(id);
-                self.end(id, ReleaseReason::Expired, now, released);
                 continue;
             }
-            let want = target.min(slot.cap);
-            if want > slot.deadline {
-                slot.deadline = want;
+            h.holder = who;
+            if h.deadline <= now.0 {
+                lost.push(id);
+                self.end(s, ReleaseReason::Expired, now, released);
+                continue;
+            }
+            let cap = life.map_or(u64::MAX, |m| h.granted.saturating_add(m));
+            let want = target.min(cap);
+            if want > h.deadline {
+                h.deadline = want;
             }
             if want < target {
                 lost.push(id);
@@ -319,14 +399,14 @@ impl<T> LeaseTable<T> {
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         for &id in ids {
-            match self.live_deadline(id) {
+            match self.find(id) {
                 None => lost.push(id),
-                Some(_) if !self.admit(id, holder) => lost.push(id),
-                Some(d) if d <= now.0 => {
+                Some(s) if !self.admit(s, holder) => lost.push(id),
+                Some(s) if self.hot[s].deadline <= now.0 => {
                     lost.push(id);
-                    self.end(id, ReleaseReason::Expired, now, released);
+                    self.end(s, ReleaseReason::Expired, now, released);
                 }
-                Some(_) => self.end(id, ReleaseReason::Released, now, released),
+                Some(s) => self.end(s, ReleaseReason::Released, now, released),
             }
         }
     }
@@ -345,23 +425,33 @@ impl<T> LeaseTable<T> {
         now: Nanos,
         released: &mut Vec<Released<T>>,
     ) -> Completion {
-        match self.live_deadline(id) {
+        let s = match self.find(id) {
             None => return Completion::Lost,
-            Some(_) if self.entry_mut(id).is_some_and(|e| e.digest != digest) => return Completion::Lost,
-            Some(_) if !self.admit(id, holder) => return Completion::Lost,
-            Some(d) if d <= now.0 => {
-                self.end(id, ReleaseReason::Expired, now, released);
+            Some(s) if self.cold[s].digest != digest => return Completion::Lost,
+            Some(s) if !self.admit(s, holder) => return Completion::Lost,
+            Some(s) if self.hot[s].deadline <= now.0 => {
+                self.end(s, ReleaseReason::Expired, now, released);
                 return Completion::Lost;
             }
-            Some(_) => {}
-        }
-        let Some(entry) = self.entry_mut(id) else { return Completion::Lost };
-        entry.expected = entry.expected.max(n.max(1));
-        if !entry.done.contains(&consumer) {
-            entry.done.push(consumer);
-        }
-        if entry.done.len() >= entry.expected as usize {
-            self.end(id, ReleaseReason::Transferred, now, released);
+            Some(s) => s,
+        };
+        // One expected consumer and nothing recorded yet (the common case): no bookkeeping.
+        let done = match self.aux.get_mut(&id) {
+            None if n <= 1 => true,
+            aux => {
+                let a = match aux {
+                    Some(a) => a,
+                    None => self.aux.entry(id).or_default(),
+                };
+                a.expected = a.expected.max(n.max(1));
+                if !a.done.contains(&consumer) {
+                    a.done.push(consumer);
+                }
+                a.done.len() >= a.expected as usize
+            }
+        };
+        if done {
+            self.end(s, ReleaseReason::Transferred, now, released);
             Completion::Transferred
         } else {
             Completion::Pending
@@ -371,15 +461,15 @@ impl<T> LeaseTable<T> {
     /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live, or
     /// that another holder owns (S5).
     pub fn begin_read(&mut self, holder: Holder, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> Option<ReadTicket> {
-        match self.live_deadline(id) {
+        match self.find(id) {
             None => None,
-            Some(_) if !self.admit(id, holder) => None,
-            Some(d) if d <= now.0 => {
-                self.end(id, ReleaseReason::Expired, now, released);
+            Some(s) if !self.admit(s, holder) => None,
+            Some(s) if self.hot[s].deadline <= now.0 => {
+                self.end(s, ReleaseReason::Expired, now, released);
                 None
             }
             Some(_) => {
-                self.entry_mut(id)?.readers += 1;
+                self.aux.entry(id).or_default().readers += 1;
                 Some(ReadTicket { lease_id: id })
             }
         }
@@ -389,8 +479,13 @@ impl<T> LeaseTable<T> {
     /// being read and this was its last reader: only now may its blocks be reused.
     pub fn end_read(&mut self, ticket: ReadTicket) -> Option<T> {
         let id = ticket.lease_id;
-        if let Some(entry) = self.entry_mut(id) {
-            entry.readers = entry.readers.saturating_sub(1);
+        if self.find(id).is_some() {
+            if let Some(a) = self.aux.get_mut(&id) {
+                a.readers = a.readers.saturating_sub(1);
+                if a.readers == 0 && a.done.is_empty() && a.expected == 0 {
+                    self.aux.remove(&id);
+                }
+            }
             return None;
         }
         let (_, readers) = self.parked.get_mut(&id)?;
@@ -401,60 +496,70 @@ impl<T> LeaseTable<T> {
         None
     }
 
-    /// SPEC P4: release every lease whose deadline ≤ `now`, as `expired`.
+    /// SPEC P4: release every lease whose deadline ≤ `now`, as `expired`, however long it takes.
     pub fn tick(&mut self, now: Nanos, released: &mut Vec<Released<T>>) {
-        let mut due = std::mem::take(&mut self.wheel.scratch);
-        loop {
-            due.clear();
-            if !self.wheel.take_due(now.0, &mut due) {
-                break;
-            }
-            for &id in &due {
-                match self.live_deadline(id) {
-                    None => {}
-                    Some(d) if d <= now.0 => self.end(id, ReleaseReason::Expired, now, released),
-                    Some(d) => self.wheel.insert(id, d),
-                }
-            }
+        while self.tick_budget(now, usize::MAX, released) {}
+    }
+
+    /// SPEC P4 with a bound on the time the table is held: like [`LeaseTable::tick`], but looks
+    /// at no more than `max_work` expiry-index entries (each released, refiled or kept; see
+    /// [`REAP_BUDGET`]). Returns
+    /// whether work is left: then tick again soon (the lock released in between); what is left
+    /// carries over, and [`LeaseTable::next_expiry`] says it is due.
+    pub fn tick_budget(&mut self, now: Nanos, max_work: usize, released: &mut Vec<Released<T>>) -> bool {
+        let start = released.len();
+        self.wheel.expired.clear();
+        let more = self.reap(now.0, max_work.max(1), released);
+        self.wheel.backlog = more.then_some(now.0);
+        // Buckets are visited in deadline order; within one, hand leases out in deadline order
+        // too (then by id), whatever order their entries were filed in.
+        let keys = std::mem::take(&mut self.wheel.expired);
+        if released.len() - start != keys.len() || keys.windows(2).all(|w| w[0] <= w[1]) {
+            // In order already (or not only expiries: left as they are).
+        } else if keys.windows(2).all(|w| w[0] >= w[1]) {
+            // A bucket filed in grant order and visited from its end.
+            released[start..].reverse();
+        } else {
+            let mut tail: Vec<((u64, LeaseId), Released<T>)> = keys.iter().copied().zip(released.drain(start..)).collect();
+            tail.sort_by_key(|(k, _)| *k);
+            released.extend(tail.into_iter().map(|(_, r)| r));
         }
-        self.wheel.scratch = due;
+        self.wheel.expired = keys;
+        more
     }
 
     /// When the next lease may expire: the driver's reaper need not tick before then. A lower
-    /// bound (renewals are not reflected until that bucket is visited), never later than the truth.
+    /// bound (renewals are not reflected until that bucket is visited), never later than the
+    /// truth; while a budgeted tick left work over, the time of that tick.
     pub fn next_expiry(&self) -> Option<Nanos> {
+        if let Some(t) = self.wheel.backlog {
+            return Some(Nanos(t));
+        }
         self.wheel.earliest().map(Nanos)
     }
 
     /// Engine shutdown: release every live lease as `shutdown`.
     pub fn shutdown(&mut self, now: Nanos, released: &mut Vec<Released<T>>) {
-        let ids: Vec<LeaseId> = (0..self.slots.len() as u64)
-            .filter(|&i| self.slots[i as usize].deadline != 0)
-            .map(|i| self.base + i)
-            .chain(self.side.keys().copied())
-            .collect();
-        for id in ids {
-            self.end(id, ReleaseReason::Shutdown, now, released);
+        for s in 0..self.hot.len() {
+            if self.hot[s].deadline != 0 {
+                self.end(s, ReleaseReason::Shutdown, now, released);
+            }
         }
     }
 
     /// The payload of a live lease.
     pub fn get(&self, id: LeaseId) -> Option<&T> {
-        if id >= self.base {
-            let i = usize::try_from(id - self.base).ok()?;
-            return self.entries.get(i)?.as_ref().map(|e| &e.payload);
-        }
-        self.side.get(&id).map(|(_, e)| &e.payload)
+        self.cold[self.find(id)?].payload.as_ref()
     }
 
     /// The current deadline of a live lease (it may already be past, awaiting the reaper).
     pub fn deadline(&self, id: LeaseId) -> Option<Nanos> {
-        self.live_deadline(id).map(Nanos)
+        self.find(id).map(|s| Nanos(self.hot[s].deadline))
     }
 
     /// Live leases (`kvlease_leases_active`).
     pub fn live(&self) -> usize {
-        self.window_live + self.side.len()
+        self.live
     }
 
     /// Blocks pinned by live leases (`kvlease_leased_blocks`).
@@ -471,78 +576,208 @@ impl<T> LeaseTable<T> {
         &self.stats
     }
 
-    fn live_deadline(&self, id: LeaseId) -> Option<u64> {
-        let d =
-            if id >= self.base { self.slots.get(usize::try_from(id - self.base).ok()?)?.deadline } else { self.side.get(&id)?.0.deadline };
-        (d != 0).then_some(d)
+    /// Lease slots (a power of two; live leases fill at most 7/8 of them).
+    pub fn capacity(&self) -> usize {
+        self.hot.len()
     }
 
-    /// SPEC S5 for a live lease: see [`Slot::admit`].
-    fn admit(&mut self, id: LeaseId, holder: Holder) -> bool {
-        self.slot_mut(id).is_some_and(|s| s.admit(holder))
+    /// The slot of a live lease.
+    fn find(&self, id: LeaseId) -> Option<usize> {
+        let s = (id & self.mask) as usize;
+        let h = &self.hot[s];
+        (id != 0 && h.deadline != 0 && u64::from(h.gen) == id >> self.shift).then_some(s)
     }
 
-    fn slot_mut(&mut self, id: LeaseId) -> Option<&mut Slot> {
-        let slot =
-            if id >= self.base { self.slots.get_mut(usize::try_from(id - self.base).ok()?)? } else { &mut self.side.get_mut(&id)?.0 };
-        (slot.deadline != 0).then_some(slot)
+    /// The id of the lease in slot `s`.
+    fn id_of(&self, s: usize) -> LeaseId {
+        u64::from(self.hot[s].gen) << self.shift | s as u64
     }
 
-    fn entry_mut(&mut self, id: LeaseId) -> Option<&mut Entry<T>> {
-        if id >= self.base {
-            return self.entries.get_mut(usize::try_from(id - self.base).ok()?)?.as_mut();
+    /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
+    fn admit(&mut self, s: usize, holder: Holder) -> bool {
+        let h = &mut self.hot[s].holder;
+        if *h == 0 {
+            *h = holder.0.get();
         }
-        self.side.get_mut(&id).map(|(_, e)| e)
+        *h == holder.0.get()
     }
 
     /// Ends a live lease: the one place a release happens and is counted (SPEC P3).
-    fn end(&mut self, id: LeaseId, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
-        let entry = if id >= self.base {
-            let Some(i) = usize::try_from(id - self.base).ok().filter(|&i| i < self.slots.len()) else { return };
-            if self.slots[i].deadline == 0 {
-                return;
-            }
-            self.slots[i] = VACANT;
-            self.window_live -= 1;
-            let Some(entry) = self.entries[i].take() else { return };
-            self.compact();
-            entry
-        } else {
-            let Some((_, entry)) = self.side.remove(&id) else { return };
-            entry
-        };
-        self.leased_blocks -= u64::from(entry.blocks);
+    fn end(&mut self, s: usize, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
+        let h = self.hot[s];
+        if h.deadline == 0 {
+            return;
+        }
+        let id = self.id_of(s);
+        self.unfile(s);
+        self.hot[s] = VACANT;
+        let payload = self.cold[s].payload.take();
+        let blocks = self.cold[s].blocks;
+        self.live -= 1;
+        self.leased_blocks -= u64::from(blocks);
         self.stats.released[reason as usize] += 1;
-        let payload = if entry.readers > 0 {
-            self.parked.insert(id, (entry.payload, entry.readers));
-            None
-        } else {
-            Some(entry.payload)
+        let readers = if self.aux.is_empty() { 0 } else { self.aux.remove(&id).map_or(0, |a| a.readers) };
+        let payload = match payload {
+            Some(p) if readers > 0 => {
+                self.parked.insert(id, (p, readers));
+                None
+            }
+            p => p,
         };
-        released.push(Released { lease_id: id, reason, payload, blocks: entry.blocks, held: now.since(entry.granted) });
+        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(h.granted)) });
     }
 
-    /// Drops vacant slots off the front; moves live stragglers to the side map when the window
-    /// is mostly holes, so memory stays O(live) whatever the lifetimes.
-    fn compact(&mut self) {
-        while let Some(front) = self.slots.front().copied() {
-            let sparse = self.slots.len() > 1024 && self.slots.len() > 4 * self.window_live;
-            if front.deadline != 0 && !sparse {
-                break;
+    /// Doubles the slots; each live lease moves to `id mod` the new capacity, where no other
+    /// can be (two ids equal mod 2c are equal mod c).
+    fn grow(&mut self) {
+        let cap = self.hot.len() * 2;
+        let (mask, shift) = (cap as u64 - 1, self.shift + 1);
+        let mut hot = vec![VACANT; cap];
+        let mut cold = Cold::slots(cap);
+        for s in 0..self.hot.len() {
+            if self.hot[s].deadline != 0 {
+                let id = self.id_of(s);
+                let t = (id & mask) as usize;
+                hot[t] = Hot { gen: (id >> shift) as u32, ..self.hot[s] };
+                cold[t] = std::mem::replace(&mut self.cold[s], Cold::VACANT);
             }
-            self.slots.pop_front();
-            if let Some(Some(entry)) = self.entries.pop_front() {
-                self.side.insert(self.base, (front, entry));
-                self.window_live -= 1;
-            }
-            self.base += 1;
         }
+        let (old, old_shift) = (&self.hot, self.shift);
+        for b in &mut self.wheel.buckets {
+            for e in &mut b.slots {
+                let id = u64::from(old[*e as usize].gen) << old_shift | u64::from(*e);
+                *e = (id & mask) as u32;
+            }
+        }
+        self.hot = hot;
+        self.cold = cold;
+        self.mask = mask;
+        self.shift = shift;
+    }
+
+    /// Files slot `s` under `deadline`, in a bucket no earlier than `lo`.
+    fn file(&mut self, s: usize, deadline: u64, lo: u64) {
+        let w = &mut self.wheel;
+        let ring = w.buckets.len() as u64;
+        // Past the horizon an entry waits in the furthest bucket and is refiled when visited.
+        let k = (deadline / w.width).clamp(lo, w.cursor + ring - 1).max(lo);
+        let r = (k % ring) as usize;
+        let b = &mut w.buckets[r];
+        b.min = b.min.min(deadline);
+        self.hot[s].bucket = r as u32;
+        self.hot[s].pos = b.slots.len() as u32;
+        b.slots.push(s as u32);
+        w.len += 1;
+        if let Some(p) = w.pass.as_mut().filter(|p| p.bucket == r) {
+            p.filed_min = p.filed_min.min(deadline);
+        }
+    }
+
+    /// Removes slot `s`'s expiry-index entry.
+    fn unfile(&mut self, s: usize) {
+        let (bucket, pos) = (self.hot[s].bucket, self.hot[s].pos);
+        let b = &mut self.wheel.buckets[bucket as usize];
+        let pos = pos as usize;
+        if b.slots.get(pos) != Some(&(s as u32)) {
+            debug_assert!(false, "expiry index out of step for slot {s}");
+            return;
+        }
+        b.slots.swap_remove(pos);
+        if let Some(&moved) = b.slots.get(pos) {
+            self.hot[moved as usize].pos = pos as u32;
+        }
+        self.wheel.len -= 1;
+    }
+
+    /// The reaper (SPEC P4): visits due buckets in order, at most `budget` entries; each entry
+    /// is released if its lease expired, refiled under its current deadline if the lease was
+    /// renewed, or kept. Returns whether work is left.
+    fn reap(&mut self, now: u64, budget: usize, released: &mut Vec<Released<T>>) -> bool {
+        let ring = self.wheel.buckets.len() as u64;
+        let now_k = now / self.wheel.width;
+        let mut work = 0;
+        if self.wheel.len == 0 {
+            self.wheel.cursor = self.wheel.cursor.max(now_k);
+            self.wheel.pass = None;
+            return false;
+        }
+        // After a long gap every bucket is due: visit each once, not once per elapsed width.
+        if now_k >= self.wheel.cursor + ring {
+            self.wheel.cursor = now_k + 1 - ring;
+            self.wheel.pass = None;
+        }
+        while self.wheel.cursor <= now_k {
+            let cursor = self.wheel.cursor;
+            let r = (cursor % ring) as usize;
+            if cursor < now_k {
+                // The cursor leaves this bucket: everything in it goes, expired or refiled
+                // (also entries filed here from past the horizon).
+                self.wheel.pass = None;
+                while let Some(&s) = self.wheel.buckets[r].slots.last() {
+                    if work >= budget {
+                        return true;
+                    }
+                    work += 1;
+                    let (s, d) = (s as usize, self.hot[s as usize].deadline);
+                    if d <= now {
+                        self.wheel.expired.push((d, self.id_of(s)));
+                        self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                    } else {
+                        self.unfile(s);
+                        self.file(s, d, cursor + 1);
+                    }
+                }
+                self.wheel.buckets[r].min = u64::MAX;
+                self.wheel.cursor += 1;
+                continue;
+            }
+            // The current bucket: release what expired, refile what was renewed past it, keep
+            // the rest; a pass interrupted by the budget resumes where it stopped.
+            let mut pass = match self.wheel.pass {
+                Some(p) if p.bucket == r => p,
+                _ => {
+                    if self.wheel.buckets[r].min > now {
+                        return false;
+                    }
+                    Pass { bucket: r, next: self.wheel.buckets[r].slots.len(), kept_min: u64::MAX, filed_min: u64::MAX }
+                }
+            };
+            pass.next = pass.next.min(self.wheel.buckets[r].slots.len());
+            self.wheel.pass = Some(pass);
+            while pass.next > 0 {
+                if work >= budget {
+                    self.wheel.pass = Some(Pass { filed_min: self.wheel.pass.map_or(u64::MAX, |p| p.filed_min), ..pass });
+                    return true;
+                }
+                work += 1;
+                pass.next -= 1;
+                let Some(&s) = self.wheel.buckets[r].slots.get(pass.next) else { continue };
+                let (s, d) = (s as usize, self.hot[s as usize].deadline);
+                if d <= now {
+                    self.wheel.expired.push((d, self.id_of(s)));
+                    self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                } else if d / self.wheel.width == cursor {
+                    pass.kept_min = pass.kept_min.min(d);
+                } else {
+                    self.unfile(s);
+                    self.file(s, d, cursor);
+                }
+            }
+            let filed_min = self.wheel.pass.take().map_or(u64::MAX, |p| p.filed_min);
+            let b = &mut self.wheel.buckets[r];
+            b.min = if b.slots.is_empty() { u64::MAX } else { pass.kept_min.min(filed_min) };
+            if b.min > now {
+                return false;
+            }
+        }
+        false
     }
 }
 
 /// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor.
-/// Entries are lease ids filed under a deadline no later than their lease's; entries for leases
-/// that have since been released are dropped when their bucket is visited.
+/// Each live lease has exactly one entry (its slot), filed under a deadline no later than its
+/// lease's and removed when the lease ends; a renewed lease's entry is moved to the bucket of
+/// its current deadline when its old bucket comes due, at most once per extension period.
 #[derive(Debug)]
 struct Wheel {
     width: u64,
@@ -550,63 +785,26 @@ struct Wheel {
     /// Absolute index (`deadline / width`) of the earliest bucket not yet fully visited.
     cursor: u64,
     len: usize,
-    scratch: Vec<LeaseId>,
+    pass: Option<Pass>,
+    /// Set while a budgeted tick left work over: that tick's time.
+    backlog: Option<u64>,
+    /// (deadline, id) of each lease the running tick expired, in the order it released them.
+    expired: Vec<(u64, LeaseId)>,
 }
 
 #[derive(Debug, Clone)]
 struct Bucket {
+    /// No later than the earliest deadline filed here.
     min: u64,
-    ids: Vec<LeaseId>,
+    slots: Vec<u32>,
 }
 
-const EMPTY: Bucket = Bucket { min: u64::MAX, ids: Vec::new() };
+const EMPTY: Bucket = Bucket { min: u64::MAX, slots: Vec::new() };
 
 impl Wheel {
     fn new(width: u64, horizon: u64) -> Wheel {
         let n = (horizon / width).saturating_add(3).min(1 << 16) as usize;
-        Wheel { width, buckets: vec![EMPTY; n], cursor: 0, len: 0, scratch: Vec::new() }
-    }
-
-    fn insert(&mut self, id: LeaseId, deadline: u64) {
-        let ring = self.buckets.len() as u64;
-        // Past the horizon an entry waits in the furthest bucket and is refiled when visited.
-        let k = (deadline / self.width).clamp(self.cursor, self.cursor + ring - 1);
-        let b = &mut self.buckets[(k % ring) as usize];
-        b.min = b.min.min(deadline);
-        b.ids.push(id);
-        self.len += 1;
-    }
-
-    /// Moves the entries of one due bucket (one whose earliest deadline ≤ now, or one the
-    /// cursor passes) into `out`.
-    /// Returns false when no bucket is due.
-    fn take_due(&mut self, now: u64, out: &mut Vec<LeaseId>) -> bool {
-        let ring = self.buckets.len() as u64;
-        let now_k = now / self.width;
-        if self.len == 0 {
-            self.cursor = self.cursor.max(now_k);
-            return false;
-        }
-        // After a long gap every bucket is due: visit each once, not once per elapsed width.
-        if now_k >= self.cursor + ring {
-            self.cursor = now_k + 1 - ring;
-        }
-        while self.cursor <= now_k {
-            let b = &mut self.buckets[(self.cursor % ring) as usize];
-            // A bucket the cursor is leaving may still hold far entries filed at the horizon:
-            // they are taken too and refiled, never left to wait a whole turn of the ring.
-            if b.min <= now || (self.cursor < now_k && !b.ids.is_empty()) {
-                self.len -= b.ids.len();
-                std::mem::swap(out, &mut b.ids);
-                b.min = u64::MAX;
-                return true;
-            }
-            if self.cursor == now_k {
-                break;
-            }
-            self.cursor += 1;
-        }
-        false
+        Wheel { width, buckets: vec![EMPTY; n], cursor: 0, len: 0, pass: None, backlog: None, expired: Vec::new() }
     }
 
     fn earliest(&self) -> Option<u64> {
@@ -614,6 +812,6 @@ impl Wheel {
             return None;
         }
         let ring = self.buckets.len() as u64;
-        (0..ring).map(|i| self.buckets[((self.cursor + i) % ring) as usize].min).find(|&m| m != u64::MAX)
+        (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| !b.slots.is_empty()).map(|b| b.min).min()
     }
 }

@@ -91,13 +91,14 @@ fn p3_release_happens_once_under_the_first_reason() {
     assert_eq!(t.stats().released, [1, 1, 2, 0]);
 }
 
-/// SPEC P3: shutdown releases whatever is live as `shutdown`, including leases in the side map.
+/// SPEC P3: shutdown releases whatever is live as `shutdown`, including a lease granted long
+/// before, whose slot later grants skipped on every turn of the table.
 #[test]
 fn p3_shutdown_releases_everything_live() {
     let mut t = table();
     let old = t.grant(secs(0.0), 1, DIGEST, "old");
     let mut rel = Vec::new();
-    // Push `old` out of the dense window: many short-lived leases after it.
+    // Many short-lived leases after `old`: the grants wrap around the table past its slot.
     for i in 0..5000 {
         let id = t.grant(secs(0.0), 1, DIGEST, "tmp");
         if i % 2 == 0 {
@@ -288,10 +289,10 @@ fn p9_max_lifetime_caps_renewals() {
     assert!(rel.is_empty());
 }
 
-/// Memory stays O(live): one lease kept alive while a million come and go does not grow the
-/// dense window (it moves to the side map).
+/// Memory stays O(live): one lease kept alive while 200,000 come and go keeps its slot and its
+/// renewals, and the table does not grow.
 #[test]
-fn window_stays_small_behind_a_long_lived_lease() {
+fn table_stays_small_behind_a_long_lived_lease() {
     let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
     let keep = t.grant(Nanos(0), 1, DIGEST, 0);
     let mut rel = Vec::new();
@@ -300,6 +301,7 @@ fn window_stays_small_behind_a_long_lived_lease() {
         t.complete(D, id, 0, 1, DIGEST, Nanos(0), &mut rel);
     }
     assert_eq!(t.live(), 1);
+    assert_eq!(t.capacity(), 16, "never more than two leases live");
     assert_eq!(t.get(keep), Some(&0));
     let mut lost = Vec::new();
     assert_eq!(t.renew(D, &[keep], secs(25.0), &mut lost, &mut rel), 1);
@@ -421,4 +423,196 @@ fn s4_completion_for_another_prompt_is_not_confirmed() {
     assert!(rel.is_empty());
     assert_eq!(t.live(), 1);
     assert_eq!(t.complete(D, a, 0, 1, PromptDigest::of(&[1, 2, 3]), secs(1.0), &mut rel), Completion::Transferred);
+}
+
+/// Memory follows the live count, not the grant pattern: 100 leases kept alive while a million
+/// come and go never need more than the slots for the peak (SPEC P3 exactly once all along).
+#[test]
+fn capacity_follows_peak_live_under_churn() {
+    let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
+    let keep: Vec<u64> = (0..100).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
+    let mut rel = Vec::new();
+    let mut window = std::collections::VecDeque::new();
+    for i in 0..1_000_000u32 {
+        window.push_back(t.grant(Nanos(0), 1, DIGEST, i));
+        if window.len() > 50 {
+            let id = window.pop_front().unwrap();
+            t.complete(D, id, 0, 1, DIGEST, Nanos(0), &mut rel);
+        }
+    }
+    assert_eq!(t.live(), 150);
+    assert!(t.capacity() <= 256, "capacity {} for 150 live", t.capacity());
+    for (i, &id) in keep.iter().enumerate() {
+        assert_eq!(t.get(id), Some(&(i as u32)));
+    }
+    assert_eq!(t.renew(D, &keep, secs(25.0), &mut Vec::new(), &mut rel), 100);
+}
+
+/// SPEC §3 fencing token: a lease id is never handed out again, and an id whose slot a later
+/// lease took over is lost to every operation, never taken for that lease — also across growth
+/// of the table.
+#[test]
+fn stale_id_of_a_reused_slot_is_lost_not_another_lease() {
+    let mut t = table();
+    let mut rel = Vec::new();
+    let old = t.grant(secs(0.0), 1, DIGEST, "old");
+    t.release(D, &[old], secs(0.0), &mut Vec::new(), &mut rel);
+    // Grant until some lease sits in the old lease's slot (ids equal mod the capacity).
+    let cap = t.capacity() as u64;
+    let mut ids = Vec::new();
+    let reuser = loop {
+        let id = t.grant(secs(0.0), 1, DIGEST, "new");
+        ids.push(id);
+        if id % cap == old % cap {
+            break id;
+        }
+    };
+    assert_ne!(reuser, old);
+    let mut lost = Vec::new();
+    assert_eq!(t.renew(D, &[old], secs(15.0), &mut lost, &mut rel), 0);
+    assert_eq!(lost, vec![old]);
+    assert_eq!(t.deadline(old), None);
+    assert_eq!(t.get(old), None);
+    assert!(t.begin_read(D, old, secs(1.0), &mut rel).is_none());
+    assert_eq!(t.complete(D, old, 0, 1, DIGEST, secs(1.0), &mut rel), Completion::Lost);
+    t.release(D, &[old], secs(1.0), &mut lost, &mut rel);
+    assert_eq!(rel.len(), 1, "only the first release of `old`");
+    assert_eq!(t.deadline(reuser), Some(secs(30.0)), "the new lease is untouched");
+    assert_eq!(t.get(reuser), Some(&"new"));
+}
+
+mod id_scheme {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Grant(u8),
+        End(usize),
+        Probe(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1u8..40).prop_map(Op::Grant),
+            3 => any::<usize>().prop_map(Op::End),
+            2 => any::<usize>().prop_map(Op::Probe),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+        /// SPEC §3, P6 against a model, through growth and slot reuse: ids never repeat; every
+        /// id that was released (or never issued) is lost to renew, release, read and
+        /// completion and leaves the live leases as they were; every live id finds its own
+        /// payload.
+        #[test]
+        fn model_ids_unique_and_stale_ids_lost(ops in prop::collection::vec(op(), 1..120)) {
+            let mut t: LeaseTable<u64> = LeaseTable::new(&LeaseConfig::default());
+            let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut dead: Vec<u64> = Vec::new();
+            let mut issued: BTreeSet<u64> = BTreeSet::new();
+            let mut rel = Vec::new();
+            let now = secs(1.0);
+            for op in ops {
+                match op {
+                    Op::Grant(n) => {
+                        for _ in 0..n {
+                            let tag = issued.len() as u64;
+                            let id = t.grant(now, 1, DIGEST, tag);
+                            prop_assert!(issued.insert(id), "id {} handed out twice", id);
+                            live.insert(id, tag);
+                        }
+                    }
+                    Op::End(i) => {
+                        if let Some((&id, _)) = live.iter().nth(i % live.len().max(1)) {
+                            t.release(D, &[id], now, &mut Vec::new(), &mut rel);
+                            live.remove(&id);
+                            dead.push(id);
+                        }
+                    }
+                    Op::Probe(i) => {
+                        let stale = if dead.is_empty() || i % 4 == 0 { issued.last().map_or(1, |l| l + 1 + (i % 1000) as u64) } else { dead[i % dead.len()] };
+                        let mut lost = Vec::new();
+                        prop_assert_eq!(t.renew(D, &[stale], now, &mut lost, &mut rel), 0);
+                        prop_assert_eq!(&lost, &vec![stale]);
+                        t.release(D, &[stale], now, &mut lost, &mut rel);
+                        prop_assert_eq!(lost.len(), 2);
+                        prop_assert!(t.begin_read(D, stale, now, &mut rel).is_none());
+                        prop_assert_eq!(t.complete(D, stale, 0, 1, DIGEST, now, &mut rel), Completion::Lost);
+                        prop_assert_eq!(t.get(stale), None);
+                    }
+                }
+                prop_assert_eq!(t.live(), live.len());
+                prop_assert_eq!(rel.len(), dead.len(), "exactly the released ones were released");
+                for (&id, &tag) in &live {
+                    prop_assert_eq!(t.get(id), Some(&tag));
+                    prop_assert_eq!(t.deadline(id), Some(secs(31.0)));
+                }
+            }
+        }
+
+        /// SPEC P4 with a work budget: ticks of any budget, repeated while they report work
+        /// left, leave no lease with a deadline ≤ now; no tick does more than its budget's worth;
+        /// `next_expiry` is never later than the earliest live deadline.
+        #[test]
+        fn budgeted_ticks_reap_everything_and_next_expiry_is_never_late(
+            steps in prop::collection::vec((0u64..120, 1usize..8, prop::collection::vec(0usize..64, 0..4)), 1..80),
+        ) {
+            let cfg = LeaseConfig::with_lease_secs(0.6).unwrap(); // E = 0.4 s, buckets of 10 ms
+            let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+            let mut ids = Vec::new();
+            let mut rel = Vec::new();
+            let mut now = Nanos(0);
+            for (ms, budget, renew) in steps {
+                now = now + Duration::from_millis(ms);
+                for _ in 0..3 {
+                    ids.push(t.grant(now, 1, DIGEST, ()));
+                }
+                let pick: Vec<u64> = renew.iter().filter_map(|&i| ids.get(i).copied()).collect();
+                t.renew(D, &pick, now, &mut Vec::new(), &mut rel);
+                rel.clear();
+                let before = t.live();
+                let more = t.tick_budget(now, budget, &mut rel);
+                prop_assert!(rel.len() <= budget, "{} released on a budget of {}", rel.len(), budget);
+                prop_assert_eq!(before - rel.len(), t.live());
+                if more {
+                    prop_assert_eq!(t.next_expiry(), Some(now));
+                }
+                let mut guard = 0;
+                while t.tick_budget(now, budget, &mut rel) {
+                    guard += 1;
+                    prop_assert!(guard < 100_000);
+                }
+                let earliest = ids.iter().filter_map(|&id| t.deadline(id)).min();
+                for &id in &ids {
+                    if let Some(d) = t.deadline(id) {
+                        prop_assert!(d > now, "lease {} due {:?} survived budgeted ticks at {:?}", id, d, now);
+                    }
+                }
+                if let Some(e) = earliest {
+                    prop_assert!(t.next_expiry().is_some_and(|n| n <= e), "next_expiry {:?} later than {:?}", t.next_expiry(), e);
+                }
+            }
+        }
+    }
+}
+
+/// A table sized for its most live leases never grows (a doubling holds the table while it
+/// moves every lease), and still takes more when asked.
+#[test]
+fn with_capacity_never_grows_up_to_its_size() {
+    let mut t: LeaseTable<u32> = LeaseTable::with_capacity(&LeaseConfig::default(), 1000);
+    let cap = t.capacity();
+    assert!((1000 * 8 / 7..=4096).contains(&cap), "capacity {cap}");
+    let ids: Vec<u64> = (0..1000).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
+    assert_eq!(t.capacity(), cap);
+    t.grant(Nanos(0), 1, DIGEST, 1000);
+    assert!(t.capacity() >= cap);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(t.get(*id), Some(&(i as u32)));
+    }
+    assert_eq!(LeaseTable::<()>::with_capacity(&LeaseConfig::default(), 0).capacity(), 16);
 }
