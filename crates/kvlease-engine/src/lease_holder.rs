@@ -37,7 +37,14 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
     let prompt_digest = PromptDigest::of(&done.prompt);
     let lease_id = grant(inner, blocks, block_ids.len(), prompt_digest, None);
     let remote = remote_kv(inner, &done.client_id, block_ids, done.prompt.len() as u32, lease_id, prompt_digest);
-    let params = remote.to_json(inner.cfg.secret.as_deref());
+    let mut params = remote.to_json(inner.cfg.secret.as_deref());
+    // SPEC §10: vLLM's `remote_blocks_expiry_time`, when the lease would lapse without a
+    // heartbeat, on this engine's monotonic clock (s). Informational: D keeps the lease alive by
+    // heartbeats and learns of its loss from `LeaseLost`, never from this time.
+    if let serde_json::Value::Object(o) = &mut params {
+        let expiry = (inner.now() + inner.cfg.transfer.lease.lease_duration).0 as f64 / 1e9;
+        o.insert("remote_blocks_expiry_time".into(), serde_json::json!(expiry));
+    }
     let first = done.first_token;
     if first != crate::model::EOS {
         let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });

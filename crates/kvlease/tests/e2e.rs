@@ -125,6 +125,11 @@ async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     assert_eq!(status, 200, "{body}");
     let params = body["kv_transfer_params"].clone();
     assert!(params["kvlease_signature"].is_string(), "{params}");
+    // SPEC §10: vLLM's field names, so a router written for vLLM passes them through.
+    for key in ["remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "remote_num_tokens"] {
+        assert!(!params[key].is_null(), "{key} missing: {params}");
+    }
+    assert!(params["remote_blocks_expiry_time"].as_f64().is_some_and(|t| t > 0.0), "{params}");
     let mut altered = params.clone();
     altered["remote_lease_id"] = json!(params["remote_lease_id"].as_u64().unwrap_or(0) + 1);
     let mut unsigned = params.clone();

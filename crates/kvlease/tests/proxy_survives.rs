@@ -160,6 +160,10 @@ async fn two_p_three_d_one_d_killed_one_p_paused_no_wrong_answer_no_stranded_lea
             metric(&p.url, "kvlease_leased_blocks").await == 0.0
         })
         .await;
+        // No lease held to expiry because a leg was refused: a lease expires only when its
+        // decoder died holding it — at most one per request in flight at the kill (4 + 6).
+        let expired = metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await;
+        assert!(expired <= 10.0, "{}: {expired} leases expired; only the killed decoder's in-flight ones may", p.name);
     }
 }
 
