@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one test command (README): formatting, lints, every test — over the tcp transport and
 # over NIXL. Installs what it needs: libclang (bindgen, for the NIXL bindings) and the NIXL
-# libraries from PyPI (cached outside the repo by scripts/install-nixl.sh).
+# libraries from PyPI (cached outside the repo by scripts/install-nixl.sh), a Prometheus server
+# (scripts/install-prometheus.sh) and the OpenAI Python SDK.
 #
 # NIXL tests must run: if NIXL cannot be installed the run fails, loudly. Set
 # KVLEASE_SKIP_NIXL=1 to run everything else on a machine that cannot have NIXL.
@@ -22,6 +23,10 @@ else
     export UCX_TLS=tcp KVLEASE_REQUIRE_NIXL=1
     features=(--all-features)
 fi
+
+echo "== fetch a Prometheus server (tests/observability.rs scrapes P and D with it)"
+KVLEASE_PROMETHEUS=$(scripts/install-prometheus.sh | tail -n 1)
+export KVLEASE_PROMETHEUS
 
 echo "== install the OpenAI Python SDK (tests/vllm_sdk.rs drives kvlease with it)"
 if ! python3 -c "import openai" 2>/dev/null; then

@@ -209,6 +209,7 @@ impl EngineHandle {
             let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
             lock(&inner.renewer).track(&internal, &remote, rk.lease_id, inner.now());
             inner.renewer_wake.notify_one();
+            tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
         }
         // Multi-turn (SPEC B2, B3, B4): the decoder's cached turn, read if it covers a prefix of
         // this prompt and will outlive the read; renewed from now until the read completes.

@@ -9,7 +9,7 @@ use crate::pool::Blocks;
 use crate::state::{lock, Inner, Lease};
 use crate::{FinishReason, GenerateEvent};
 use kvlease_core::digest::PromptDigest;
-use kvlease_core::lease_table::{ReadTicket, Released};
+use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released};
 use kvlease_core::peers::agent_holder;
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadGate, ReadPermit};
@@ -35,7 +35,7 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
     }
     let block_ids = blocks.ids().to_vec();
     let prompt_digest = PromptDigest::of(&done.prompt);
-    let lease_id = grant(inner, blocks, block_ids.len(), prompt_digest, None);
+    let lease_id = grant(inner, &done.client_id, blocks, block_ids.len(), prompt_digest, None);
     let remote = remote_kv(inner, &done.client_id, block_ids, done.prompt.len() as u32, lease_id, prompt_digest);
     let mut params = remote.to_json(inner.cfg.secret.as_deref());
     // SPEC §10: vLLM's `remote_blocks_expiry_time`, when the lease would lapse without a
@@ -70,7 +70,7 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
     let block_ids = blocks.ids()[..used].to_vec();
     let digest = PromptDigest::of(tokens);
     let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
-    let lease_id = grant(inner, blocks, used, digest, Some(ttl));
+    let lease_id = grant(inner, client_id, blocks, used, digest, Some(ttl));
     inner.metrics.turns_kept.fetch_add(1, Relaxed);
     let remote = remote_kv(inner, client_id, block_ids, tokens.len() as u32, lease_id, digest);
     let expiry = (inner.now() + ttl).0 as f64 / 1e9;
@@ -78,12 +78,12 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
 }
 
 /// Grants a lease on `blocks` (`n` of them named in the params) for `lifetime` (L when `None`).
-fn grant(inner: &Inner, blocks: Blocks, n: usize, digest: PromptDigest, lifetime: Option<std::time::Duration>) -> u64 {
+fn grant(inner: &Inner, request: &str, blocks: Blocks, n: usize, digest: PromptDigest, lifetime: Option<std::time::Duration>) -> u64 {
     let mut sorted = blocks.ids().to_vec();
     sorted.sort_unstable();
     let lease_id = {
         let mut table = lock(&inner.leases);
-        let lease = Lease { blocks, sorted };
+        let lease = Lease { blocks, sorted, request: request.to_owned() };
         let id = match lifetime {
             Some(t) => table.grant_for(inner.now(), t, n as u32, digest, lease),
             None => table.grant(inner.now(), n as u32, digest, lease),
@@ -95,6 +95,8 @@ fn grant(inner: &Inner, blocks: Blocks, n: usize, digest: PromptDigest, lifetime
     // The new deadline may come before whatever the reaper sleeps until.
     inner.reaper_wake.notify_one();
     inner.metrics.leases_granted.fetch_add(1, Relaxed);
+    let lifetime_s = lifetime.unwrap_or(inner.cfg.transfer.lease.lease_duration).as_secs_f64();
+    tracing::debug!(request = %request, lease_id, blocks = n, lifetime_s, "lease granted");
     lease_id
 }
 
@@ -145,6 +147,14 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     for r in &released {
         inner.metrics.released(r.reason).fetch_add(1, Relaxed);
         inner.metrics.lease_hold.observe(r.held.as_secs_f64());
+        let request = r.payload.as_ref().map_or("", |l| l.request.as_str());
+        let (lease_id, reason, held_s) = (r.lease_id, r.reason.as_str(), r.held.as_secs_f64());
+        if r.reason == ReleaseReason::Expired {
+            // The one release an operator may need to explain: no heartbeat came in time.
+            tracing::info!(request = %request, lease_id, reason, held_s, "lease ended");
+        } else {
+            tracing::debug!(request = %request, lease_id, reason, held_s, "lease ended");
+        }
     }
     let table = lock(&inner.leases);
     inner.metrics.leases_active.store(table.live() as i64, Relaxed);

@@ -46,6 +46,8 @@ pub(crate) struct Rank {
 pub(crate) struct Lease {
     pub blocks: Blocks,
     pub sorted: Vec<u32>,
+    /// The request the lease was granted for, for the log.
+    pub request: String,
 }
 
 /// A pull's wait for one `ReadDoneAck`: (our rank, P's agent, lease id).

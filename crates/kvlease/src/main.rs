@@ -48,8 +48,18 @@ struct Cli {
     /// `sim`, error (the simulated engines' own logs are in each seed's trace instead).
     #[arg(long, global = true)]
     log_level: Option<tracing::Level>,
+    /// Log format: `text` (for people) or `json` (one object per line, for log pipelines; lease
+    /// lines carry `request` and `lease_id` as fields).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -262,7 +272,11 @@ fn main() -> ExitCode {
     };
     let cli = Cli::parse_from(argv);
     let default_level = if matches!(cli.command, Command::Sim(_)) { tracing::Level::ERROR } else { tracing::Level::INFO };
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level.unwrap_or(default_level)).init();
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(cli.log_level.unwrap_or(default_level));
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+    }
     for note in notes {
         tracing::warn!("{note}");
     }

@@ -67,12 +67,24 @@ impl Proc {
     }
 
     fn start_with_secret(name: &str, args: &[&str], banner: &str, secret: Option<&str>) -> Proc {
+        Proc::start_logging_to(name, args, banner, secret, Stdio::inherit())
+    }
+
+    /// `kvlease serve` with these extra flags (its log level and format among them) and the
+    /// cluster secret, its logs (stderr) going to `logs`.
+    pub fn serve_logging_to(name: &str, extra: &[&str], logs: Stdio) -> Proc {
+        let mut args = vec!["serve", "--port", "0", "--engine-id", name];
+        args.extend_from_slice(extra);
+        Proc::start_logging_to(name, &args, "kvlease serve listening on ", Some(SECRET), logs)
+    }
+
+    fn start_logging_to(name: &str, args: &[&str], banner: &str, secret: Option<&str>, logs: Stdio) -> Proc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlease"));
         cmd.args(args).env_remove("KVLEASE_TRANSFER_SECRET");
         if let Some(secret) = secret {
             cmd.env("KVLEASE_TRANSFER_SECRET", secret);
         }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn kvlease");
+        let mut child = cmd.stdout(Stdio::piped()).stderr(logs).spawn().expect("spawn kvlease");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
