@@ -1,12 +1,16 @@
 # Sourced by scripts/demo.sh and scripts/bench-proxy.sh: build the kvlease binary, run
 # `kvlease` processes in the background, wait for their start-up lines, stop them all on exit.
 #
-#   build_kvlease               # sets BIN
+#   build_kvlease               # sets BIN (KVLEASE_BIN=path: that binary, nothing built)
 #   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}
 #   started_line NAME BANNER    # waits (10 s at most) for the start-up line; prints it, or fails
 #   ON_STOP='echo stopped'      # optional: run after everything was stopped
 
 build_kvlease() {
+  if [[ -n ${KVLEASE_BIN:-} ]]; then
+    BIN=$KVLEASE_BIN # a binary built already (e.g. target/debug/kvlease)
+    return
+  fi
   cargo build --release -p kvlease "$@"
   BIN=${CARGO_TARGET_DIR:-target}/release/kvlease
 }
