@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# What disaggregation costs on one machine: requests/s of one engine alone (a) against
-# requests/s through the proxy (b: P leg, D leg, KV pull over TCP, lease granted and released),
-# both measured in the same run with `kvlease load`, and the ratio b/a. The synthetic model does
-# no compute (--prefill-ms-per-token 0 --decode-ms-per-token 0), so this measures the serving
-# machinery, not a model. Afterwards P must hold no lease and every lease must be `transferred`.
+# What disaggregation costs on one machine, and what a serving client sees: one engine alone (a)
+# against the proxy in front of P and D (b: P leg, D leg, KV pull over TCP, lease granted and
+# released), measured in the same run with `kvlease load`:
+#
+#  1. throughput: REQUESTS requests at CONCURRENCY, not streamed and streamed, zero compute; with
+#     the CPU time (utime + stime from /proc/PID/stat) each process spent per request;
+#  2. latency at concurrency 1, zero compute, not streamed and streamed (TTFT, ITL, TPOT);
+#  3. the same at concurrency 1 with a realistic decode time (--decode-ms-per-token $DECODE_MS):
+#     the client must see inter-token gaps of about DECODE_MS.
+#
+# Afterwards P must hold no lease and every lease must be `transferred`.
 #
 #   scripts/bench-proxy.sh                      # 5000 requests, concurrency 16, max_tokens 8
 #   REQUESTS=5000 CONCURRENCY=32 scripts/bench-proxy.sh
+#   KVLEASE_BIN=/path/to/kvlease scripts/bench-proxy.sh   # another build (before/after), no cargo
 #
 # Everything listens on free loopback ports and is stopped on exit.
 set -euo pipefail
@@ -17,12 +24,20 @@ CONCURRENCY=${CONCURRENCY:-16}
 MAX_TOKENS=${MAX_TOKENS:-8}
 PROMPT_WORDS=${PROMPT_WORDS:-32}
 WARMUP=${WARMUP:-200}
+LATENCY_REQUESTS=${LATENCY_REQUESTS:-1000}
+DECODE_MS=${DECODE_MS:-20}
+DECODE_REQUESTS=${DECODE_REQUESTS:-50}
+DECODE_TOKENS=${DECODE_TOKENS:-32}
 
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
 
-echo "== cargo build --release -p kvlease"
 source scripts/lib/procs.sh
-build_kvlease --quiet
+if [[ -n ${KVLEASE_BIN:-} ]]; then
+  BIN=$KVLEASE_BIN
+else
+  echo "== cargo build --release -p kvlease"
+  build_kvlease --quiet
+fi
 
 # A shared secret, so kv_transfer_params are signed and checked as in a real cluster.
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
@@ -35,43 +50,82 @@ url_of() {
   echo "${line%% *}"
 }
 
-ENGINE=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token 0 --decode-ms-per-token 0)
-launch single "${ENGINE[@]}" --engine-id bench-single
-launch p "${ENGINE[@]}" --engine-id bench-p
-launch d "${ENGINE[@]}" --engine-id bench-d
-SINGLE=$(url_of single "kvlease serve listening on ")
-P=$(url_of p "kvlease serve listening on ")
-D=$(url_of d "kvlease serve listening on ")
-p_hp=${P#http://}
-d_hp=${D#http://}
-launch proxy proxy --host 127.0.0.1 --port 0 \
-  --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
-  --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}"
-PROXY=$(url_of proxy "kvlease proxy listening on ")
-echo "single engine $SINGLE | P $P | D $D | proxy $PROXY"
+# cluster SUFFIX DECODE_MS: one engine, P, D and a proxy in front of P and D; sets
+# SINGLE$SUFFIX, P$SUFFIX, PROXY$SUFFIX.
+cluster() {
+  local sfx=$1 engine=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token 0 --decode-ms-per-token "$2")
+  launch "single$sfx" "${engine[@]}" --engine-id "bench-single$sfx"
+  launch "p$sfx" "${engine[@]}" --engine-id "bench-p$sfx"
+  launch "d$sfx" "${engine[@]}" --engine-id "bench-d$sfx"
+  local single p d
+  single=$(url_of "single$sfx" "kvlease serve listening on ")
+  p=$(url_of "p$sfx" "kvlease serve listening on ")
+  d=$(url_of "d$sfx" "kvlease serve listening on ")
+  local p_hp=${p#http://} d_hp=${d#http://}
+  launch "proxy$sfx" proxy --host 127.0.0.1 --port 0 \
+    --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
+    --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}"
+  printf -v "SINGLE$sfx" %s "$single"
+  printf -v "P$sfx" %s "$p"
+  printf -v "PROXY$sfx" %s "$(url_of "proxy$sfx" "kvlease proxy listening on ")"
+  echo "decode ${2} ms/token: single engine $single | P $p | D $d | proxy $(eval echo "\$PROXY$sfx")"
+}
+cluster "" 0
+cluster _slow "$DECODE_MS"
 
-# load URL REQUESTS: one `kvlease load` run; prints its summary line.
+# load URL REQUESTS CONCURRENCY MAX_TOKENS [--stream]: one `kvlease load` run; prints its summary.
 load() {
-  "$BIN" load --url "$1" --requests "$2" --concurrency "$CONCURRENCY" --max-tokens "$MAX_TOKENS" \
-    --prompt-words "$PROMPT_WORDS" --timeout-secs 30 --max-run-secs 60 || {
+  "$BIN" load --url "$1" --requests "$2" --concurrency "$3" --max-tokens "$4" "${@:5}" \
+    --prompt-words "$PROMPT_WORDS" --timeout-secs 30 --max-run-secs 120 || {
     echo "error: requests to $1 failed" >&2
     return 1
   }
 }
-rps_of() { sed -n 's/.* rps=\([0-9.]*\).*/\1/p' <<<"$1"; }
+field() { sed -n "s/.* $2=\([0-9.a-zA-Z]*\).*/\1/p" <<<"$1"; }
+
+# cpu_ticks NAME...: utime + stime of these processes, in clock ticks.
+cpu_ticks() {
+  local t=0 n
+  for n in "$@"; do t=$((t + $(awk '{ print $14 + $15 }' "/proc/${PID[$n]}/stat"))); done
+  echo "$t"
+}
+HZ=$(getconf CLK_TCK)
+# cpu_us_per_request TICKS_BEFORE TICKS_AFTER: microseconds of CPU per request.
+cpu_us() { awk -v a="$1" -v b="$2" -v hz="$HZ" -v n="$REQUESTS" 'BEGIN { printf "%.0f", (b - a) * 1e6 / hz / n }'; }
 
 echo "== warm-up: $WARMUP requests each"
-load "$SINGLE" "$WARMUP" >/dev/null
-load "$PROXY" "$WARMUP" >/dev/null
+load "$SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+load "$PROXY" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+load "$PROXY_slow" 16 16 2 >/dev/null
 
-echo "== $REQUESTS requests, concurrency $CONCURRENCY, max_tokens $MAX_TOKENS, $PROMPT_WORDS-word prompts"
-A=$(load "$SINGLE" "$REQUESTS")
-echo "(a) single engine:     $A"
-B=$(load "$PROXY" "$REQUESTS")
-echo "(b) proxy P -> D:      $B"
-RPS_A=$(rps_of "$A")
-RPS_B=$(rps_of "$B")
-awk -v a="$RPS_A" -v b="$RPS_B" 'BEGIN { printf "rps direct=%s  rps via proxy=%s  ratio b/a=%.3f\n", a, b, (a > 0 ? b / a : 0) }'
+echo "== 1. throughput: $REQUESTS requests, concurrency $CONCURRENCY, max_tokens $MAX_TOKENS, $PROMPT_WORDS-word prompts, zero compute"
+for stream in "" --stream; do
+  s0=$(cpu_ticks single)
+  A=$(load "$SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS" $stream)
+  s1=$(cpu_ticks single)
+  p0=$(cpu_ticks p); d0=$(cpu_ticks d); x0=$(cpu_ticks proxy)
+  B=$(load "$PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS" $stream)
+  p1=$(cpu_ticks p); d1=$(cpu_ticks d); x1=$(cpu_ticks proxy)
+  echo "(a) single engine ${stream:-(not streamed)}: $A"
+  echo "(b) proxy P -> D  ${stream:-(not streamed)}: $B"
+  awk -v a="$(field "$A" rps)" -v b="$(field "$B" rps)" 'BEGIN { printf "rps direct=%s  rps via proxy=%s  ratio b/a=%.3f\n", a, b, (a > 0 ? b / a : 0) }'
+  cs=$(cpu_us "$s0" "$s1"); cp=$(cpu_us "$p0" "$p1"); cd=$(cpu_us "$d0" "$d1"); cx=$(cpu_us "$x0" "$x1")
+  awk -v s="$cs" -v p="$cp" -v d="$cd" -v x="$cx" 'BEGIN { printf "CPU us/request: single %d | P %d + D %d + proxy %d = %d (%.2fx single)\n", s, p, d, x, p + d + x, (s > 0 ? (p + d + x) / s : 0) }'
+done
+
+echo "== 2. latency: $LATENCY_REQUESTS requests, concurrency 1, max_tokens $MAX_TOKENS, zero compute"
+for url in "$SINGLE" "$PROXY"; do
+  what=$([[ $url == "$SINGLE" ]] && echo "(a) single engine" || echo "(b) proxy P -> D ")
+  N=$(load "$url" "$LATENCY_REQUESTS" 1 "$MAX_TOKENS")
+  S=$(load "$url" "$LATENCY_REQUESTS" 1 "$MAX_TOKENS" --stream)
+  echo "$what not streamed: $N"
+  echo "$what streamed:     $S"
+  awk -v n="$(field "$N" p50_ms)" -v s="$(field "$S" p50_ms)" 'BEGIN { printf "p50 streamed / not streamed = %.2f\n", (n > 0 ? s / n : 0) }'
+done
+
+echo "== 3. decode $DECODE_MS ms/token: $DECODE_REQUESTS requests, concurrency 1, max_tokens $DECODE_TOKENS, streamed"
+echo "(a) single engine: $(load "$SINGLE_slow" "$DECODE_REQUESTS" 1 "$DECODE_TOKENS" --stream)"
+echo "(b) proxy P -> D:  $(load "$PROXY_slow" "$DECODE_REQUESTS" 1 "$DECODE_TOKENS" --stream)"
 
 # metric URL NAME: the value of one sample of P's /metrics.
 metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }

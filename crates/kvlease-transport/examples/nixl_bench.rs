@@ -13,9 +13,15 @@
 //!     median GB/s of several repetitions (after one warm-up repetition, which for NIXL also
 //!     pays the first READ's connection wire-up, reported separately);
 //! (b) notification round trip: D notifies P, P echoes, 2000 times after 100 warm-up ones;
-//!     median and p99.
+//!     median and p99;
+//! (c) idle CPU: the process's utime + stime over 3 s with both agents idle, as % of one core
+//!     (two agents: an engine's share is about half).
+//!
+//! The NIXL agents' polling can be set for experiments: `NIXL_BENCH_ACTIVE_POLL_US`,
+//! `NIXL_BENCH_IDLE_POLL_US`, `NIXL_BENCH_XFER_POLL_US`, `NIXL_BENCH_PROGRESS_DELAY_US`
+//! (defaults: `NixlOptions::default()`).
 
-use kvlease_transport::nixl::{self, NixlAgent};
+use kvlease_transport::nixl::{self, NixlAgent, NixlOptions};
 use kvlease_transport::tcp::TcpAgent;
 use kvlease_transport::{Agent, AgentEvent, BlockArena, OpenGate, ReadOp, Segment};
 use std::sync::Arc;
@@ -46,6 +52,38 @@ struct Results {
     gbps: f64,
     rtt_median_us: f64,
     rtt_p99_us: f64,
+    idle_cpu_pct: f64,
+}
+
+/// `NixlOptions::default()` with the polling overridden from `NIXL_BENCH_*` variables.
+fn nixl_options(secret: Option<Vec<u8>>) -> NixlOptions {
+    let us = |var: &str, default: Duration| {
+        std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_micros).unwrap_or(default)
+    };
+    let d = NixlOptions::default();
+    NixlOptions {
+        secret,
+        active_poll: us("NIXL_BENCH_ACTIVE_POLL_US", d.active_poll),
+        idle_poll: us("NIXL_BENCH_IDLE_POLL_US", d.idle_poll),
+        xfer_poll: us("NIXL_BENCH_XFER_POLL_US", d.xfer_poll),
+        progress_delay_us: std::env::var("NIXL_BENCH_PROGRESS_DELAY_US").ok().and_then(|v| v.parse().ok()).unwrap_or(d.progress_delay_us),
+        ..d
+    }
+}
+
+/// This process's utime + stime, in seconds.
+fn cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<f64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+    let hz = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<f64>().ok())
+        .unwrap_or(100.0);
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / hz
 }
 
 fn gbps(bytes: usize, d: Duration) -> f64 {
@@ -63,8 +101,12 @@ async fn nixl_pair() -> Result<Pair, String> {
     let arena = || BlockArena::new(BLOCKS, SEGMENT);
     // With a secret, as deployed: every notification is sealed and opened (SPEC S2).
     let secret = || Some(b"bench secret".to_vec());
-    let p = NixlAgent::start("bench-nixl-p".into(), arena(), Arc::new(OpenGate), p_tx, secret()).await.map_err(|e| e.to_string())?;
-    let d = NixlAgent::start("bench-nixl-d".into(), arena(), Arc::new(OpenGate), d_tx, secret()).await.map_err(|e| e.to_string())?;
+    let p = NixlAgent::start_with("bench-nixl-p".into(), arena(), Arc::new(OpenGate), p_tx, nixl_options(secret()))
+        .await
+        .map_err(|e| e.to_string())?;
+    let d = NixlAgent::start_with("bench-nixl-d".into(), arena(), Arc::new(OpenGate), d_tx, nixl_options(secret()))
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(Pair { p, p_events, d, d_events })
 }
 
@@ -146,7 +188,19 @@ async fn run(label: &str, start_pair: impl std::future::Future<Output = Result<P
     }
     echo.abort();
     rtts.sort_by(f64::total_cmp);
-    Ok(Results { start, first_read, gbps: median(runs), rtt_median_us: rtts[rtts.len() / 2], rtt_p99_us: rtts[rtts.len() * 99 / 100] })
+    // Idle: past the agents' active linger, nothing sent.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (c0, t0) = (cpu_secs(), Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle_cpu_pct = (cpu_secs() - c0) / t0.elapsed().as_secs_f64() * 100.0;
+    Ok(Results {
+        start,
+        first_read,
+        gbps: median(runs),
+        rtt_median_us: rtts[rtts.len() / 2],
+        rtt_p99_us: rtts[rtts.len() * 99 / 100],
+        idle_cpu_pct,
+    })
 }
 
 fn env(name: &str) -> String {
@@ -186,15 +240,17 @@ async fn main() {
         TOTAL / MIB
     );
     println!("  notification round trip: {ROUND_TRIPS} after {WARM_UP_TRIPS} warm-up");
-    println!("  backend  start     first 1 MiB read  pull GB/s  rtt median µs  rtt p99 µs");
+    println!("  nixl polling: {:?}", nixl_options(None));
+    println!("  backend  start     first 1 MiB read  pull GB/s  rtt median µs  rtt p99 µs  idle CPU % (both agents)");
     for (label, r) in [("nixl", &nixl), ("tcp", &tcp)] {
         println!(
-            "  {label:<7} {:>6.0} ms {:>13.1} ms {:>10.2} {:>14.1} {:>11.1}",
+            "  {label:<7} {:>6.0} ms {:>13.1} ms {:>10.2} {:>14.1} {:>11.1} {:>10.2}",
             r.start.as_secs_f64() * 1e3,
             r.first_read.as_secs_f64() * 1e3,
             r.gbps,
             r.rtt_median_us,
-            r.rtt_p99_us
+            r.rtt_p99_us,
+            r.idle_cpu_pct
         );
     }
 }

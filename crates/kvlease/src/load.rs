@@ -8,10 +8,15 @@
 //! carries no error); anything else — another status, a transport error, a timeout — fails.
 //!
 //! Output: one summary line on stdout,
-//! `requests=N ok=N failed=N seconds=S rps=R p50_ms=… p99_ms=…` (rps counts successful requests;
-//! latencies are those of successful requests, `NaN` if there were none), then a JSON line with
-//! the same numbers if `--json`; failures by kind go to stderr. The command fails (exit code 1)
-//! if any request failed.
+//! `requests=N ok=N failed=N seconds=S rps=R p50_ms=… p90_ms=… p99_ms=… out_tok_s=…` (rps and
+//! output tokens/s count successful requests; latencies are those of successful requests, `NaN` if
+//! there were none). With `--stream` the line goes on with the figures vLLM's serving benchmark
+//! reports, each as p50/p90/p99: `ttft_*` (time to first token: request sent to the first event
+//! carrying text), `itl_*` (inter-token latency: every gap between two events carrying text, all
+//! requests pooled) and `tpot_*` (time per output token after the first, per request:
+//! `(latency - ttft) / (tokens - 1)`, requests of one token left out). Then a JSON line with the
+//! same numbers if `--json`; failures by kind go to stderr. The command fails (exit code 1) if
+//! any request failed.
 
 use crate::InvalidConfig;
 use anyhow::Context;
@@ -159,9 +164,21 @@ impl Plan {
     }
 }
 
+/// What one successful request measured.
+#[derive(Debug, Default)]
+struct Timing {
+    latency: Duration,
+    /// Output tokens: events carrying text when streamed, else `usage.completion_tokens`.
+    tokens: u64,
+    /// Streamed only: when the first event carrying text arrived.
+    ttft: Option<Duration>,
+    /// Streamed only: the gaps between consecutive events carrying text.
+    itl: Vec<Duration>,
+}
+
 /// How one request ended.
 enum Outcome {
-    Ok(Duration),
+    Ok(Timing),
     /// A failure kind: `http_503`, `timeout`, `connect`, `bad_body`, `stream_error`, ….
     Failed(String),
 }
@@ -169,7 +186,7 @@ enum Outcome {
 /// What every worker reports.
 #[derive(Default)]
 struct Tally {
-    latencies: Vec<Duration>,
+    timings: Vec<Timing>,
     failures: BTreeMap<String, usize>,
 }
 
@@ -178,6 +195,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let plan = Arc::new(Plan::new(&args)?);
     let client = reqwest::Client::builder()
         .no_proxy()
+        .tcp_nodelay(true)
         .timeout(plan.timeout)
         .connect_timeout(plan.timeout)
         .pool_max_idle_per_host(plan.concurrency)
@@ -197,7 +215,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
                     break;
                 }
                 match one(&client, &plan, i).await {
-                    Outcome::Ok(d) => tally.latencies.push(d),
+                    Outcome::Ok(t) => tally.timings.push(t),
                     Outcome::Failed(kind) => *tally.failures.entry(kind).or_default() += 1,
                 }
             }
@@ -207,7 +225,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let mut all = Tally::default();
     while let Some(joined) = workers.join_next().await {
         let t = joined.context("a load worker panicked")?;
-        all.latencies.extend(t.latencies);
+        all.timings.extend(t.timings);
         for (k, n) in t.failures {
             *all.failures.entry(k).or_default() += n;
         }
@@ -217,7 +235,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     if started < plan.requests {
         all.failures.insert("not_started_run_deadline".into(), plan.requests - started);
     }
-    let summary = Summary::new(plan.requests, all.latencies, elapsed);
+    let summary = Summary::new(plan.requests, all.timings, elapsed, plan.stream);
     println!("{}", summary.line());
     if args.json {
         println!("{}", summary.json(&all.failures));
@@ -234,23 +252,109 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
 /// Sends request `index` and reads its whole answer.
 async fn one(client: &reqwest::Client, plan: &Plan, index: usize) -> Outcome {
     let t0 = Instant::now();
-    let resp = match client.post(&plan.endpoint).json(&plan.body(index)).send().await {
+    let mut resp = match client.post(&plan.endpoint).json(&plan.body(index)).send().await {
         Ok(r) => r,
         Err(e) => return Outcome::Failed(transport_kind(&e).into()),
     };
     let status = resp.status().as_u16();
-    let text = match resp.text().await {
-        Ok(t) => t,
-        Err(e) => return Outcome::Failed(transport_kind(&e).into()),
-    };
-    if status != 200 {
-        return Outcome::Failed(format!("http_{status}"));
+    if !plan.stream || status != 200 {
+        let text = match resp.text().await {
+            Ok(t) => t,
+            Err(e) => return Outcome::Failed(transport_kind(&e).into()),
+        };
+        if status != 200 {
+            return Outcome::Failed(format!("http_{status}"));
+        }
+        return match json_complete(&text) {
+            Ok(tokens) => {
+                Outcome::Ok(Timing { latency: t0.elapsed(), tokens: tokens.unwrap_or(plan.max_tokens.into()), ..Timing::default() })
+            }
+            Err(kind) => Outcome::Failed(kind.into()),
+        };
     }
-    let complete = if plan.stream { stream_complete(&text) } else { json_complete(&text) };
-    match complete {
-        Ok(()) => Outcome::Ok(t0.elapsed()),
+    // Streamed: each event timed as its bytes arrive.
+    let mut sse = SseTimer::new(t0);
+    loop {
+        match resp.chunk().await {
+            Ok(Some(bytes)) => {
+                if let Err(kind) = sse.feed(&bytes, Instant::now()) {
+                    return Outcome::Failed(kind.into());
+                }
+            }
+            Ok(None) => break,
+            Err(e) => return Outcome::Failed(transport_kind(&e).into()),
+        }
+    }
+    match sse.finish() {
+        Ok(mut timing) => {
+            timing.latency = t0.elapsed();
+            Outcome::Ok(timing)
+        }
         Err(kind) => Outcome::Failed(kind.into()),
     }
+}
+
+/// Reads an SSE answer as it arrives: JSON events without an `error`, ending with
+/// `data: [DONE]`; times each event that carries text.
+struct SseTimer {
+    t0: Instant,
+    pending: Vec<u8>,
+    last: Option<Instant>,
+    timing: Timing,
+    done: bool,
+}
+
+impl SseTimer {
+    fn new(t0: Instant) -> SseTimer {
+        SseTimer { t0, pending: Vec::new(), last: None, timing: Timing::default(), done: false }
+    }
+
+    /// Bytes that arrived at `at`.
+    fn feed(&mut self, bytes: &[u8], at: Instant) -> Result<(), &'static str> {
+        self.pending.extend_from_slice(bytes);
+        let mut start = 0;
+        while let Some(nl) = self.pending[start..].iter().position(|&b| b == b'\n') {
+            let line = &self.pending[start..start + nl];
+            start += nl + 1;
+            let Some(data) = line.strip_prefix(b"data:") else { continue };
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                self.done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_slice(data).map_err(|_| "bad_stream")?;
+            if v.get("error").is_some() {
+                return Err("stream_error");
+            }
+            if carries_text(&v) {
+                self.timing.tokens += 1;
+                match self.last {
+                    None => self.timing.ttft = Some(at - self.t0),
+                    Some(prev) => self.timing.itl.push(at - prev),
+                }
+                self.last = Some(at);
+            }
+        }
+        self.pending.drain(..start);
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Timing, &'static str> {
+        if self.done {
+            Ok(self.timing)
+        } else {
+            Err("stream_truncated")
+        }
+    }
+}
+
+/// An event with a choice carrying text (`text` of a completion, `delta.content` of a chat).
+fn carries_text(v: &Value) -> bool {
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else { return false };
+    choices.iter().any(|c| {
+        let text = c.get("text").or_else(|| c.get("delta").and_then(|d| d.get("content")));
+        text.and_then(Value::as_str).is_some_and(|t| !t.is_empty())
+    })
 }
 
 fn transport_kind(e: &reqwest::Error) -> &'static str {
@@ -263,34 +367,48 @@ fn transport_kind(e: &reqwest::Error) -> &'static str {
     }
 }
 
-/// A non-streaming answer: a JSON object with at least one choice.
-fn json_complete(text: &str) -> Result<(), &'static str> {
+/// A non-streaming answer: a JSON object with at least one choice; its
+/// `usage.completion_tokens` if it has one.
+fn json_complete(text: &str) -> Result<Option<u64>, &'static str> {
     let v: Value = serde_json::from_str(text).map_err(|_| "bad_body")?;
     match v.get("choices").and_then(Value::as_array) {
-        Some(c) if !c.is_empty() => Ok(()),
+        Some(c) if !c.is_empty() => Ok(v.pointer("/usage/completion_tokens").and_then(Value::as_u64)),
         _ => Err("bad_body"),
     }
 }
 
-/// A streamed answer: JSON chunks without an `error`, ending with `data: [DONE]`.
-fn stream_complete(text: &str) -> Result<(), &'static str> {
-    let mut done = false;
-    for line in text.lines() {
-        let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        let v: Value = serde_json::from_str(data).map_err(|_| "bad_stream")?;
-        if v.get("error").is_some() {
-            return Err("stream_error");
+/// p50, p90, p99 of some durations, in milliseconds (NaN when there are none).
+#[derive(Debug, Clone, Copy)]
+struct Percentiles([f64; 3]);
+
+impl Percentiles {
+    const AT: [(f64, &'static str); 3] = [(0.50, "p50"), (0.90, "p90"), (0.99, "p99")];
+
+    fn of(mut xs: Vec<Duration>) -> Percentiles {
+        xs.sort_unstable();
+        Percentiles(Self::AT.map(|(p, _)| percentile_ms(&xs, p)))
+    }
+
+    /// ` {name}_p50_ms=… {name}_p90_ms=… {name}_p99_ms=…`
+    fn fields(&self, name: &str) -> String {
+        Self::AT.iter().zip(self.0).map(|((_, at), v)| format!(" {name}_{at}_ms={v:.2}")).collect()
+    }
+
+    fn json(&self, name: &str, into: &mut serde_json::Map<String, Value>) {
+        for ((_, at), v) in Self::AT.iter().zip(self.0) {
+            // NaN (no successful request) is not JSON: it becomes null.
+            let key = if name.is_empty() { format!("{at}_ms") } else { format!("{name}_{at}_ms") };
+            into.insert(key, if v.is_finite() { json!(v) } else { Value::Null });
         }
     }
-    if done {
-        Ok(())
-    } else {
-        Err("stream_truncated")
-    }
+}
+
+/// The streaming figures of a finished run.
+#[derive(Debug)]
+struct StreamSummary {
+    ttft: Percentiles,
+    itl: Percentiles,
+    tpot: Percentiles,
 }
 
 /// The numbers of a finished run.
@@ -299,19 +417,31 @@ struct Summary {
     requests: usize,
     ok: usize,
     seconds: f64,
-    p50_ms: f64,
-    p99_ms: f64,
+    latency: Percentiles,
+    tokens: u64,
+    stream: Option<StreamSummary>,
 }
 
 impl Summary {
-    fn new(requests: usize, mut latencies: Vec<Duration>, elapsed: Duration) -> Summary {
-        latencies.sort_unstable();
+    fn new(requests: usize, timings: Vec<Timing>, elapsed: Duration, stream: bool) -> Summary {
+        let stream = stream.then(|| StreamSummary {
+            ttft: Percentiles::of(timings.iter().filter_map(|t| t.ttft).collect()),
+            itl: Percentiles::of(timings.iter().flat_map(|t| t.itl.iter().copied()).collect()),
+            tpot: Percentiles::of(
+                timings
+                    .iter()
+                    .filter(|t| t.tokens > 1)
+                    .filter_map(|t| t.ttft.map(|ttft| t.latency.saturating_sub(ttft) / (t.tokens - 1) as u32))
+                    .collect(),
+            ),
+        });
         Summary {
             requests,
-            ok: latencies.len(),
+            ok: timings.len(),
             seconds: elapsed.as_secs_f64(),
-            p50_ms: percentile_ms(&latencies, 0.50),
-            p99_ms: percentile_ms(&latencies, 0.99),
+            latency: Percentiles::of(timings.iter().map(|t| t.latency).collect()),
+            tokens: timings.iter().map(|t| t.tokens).sum(),
+            stream,
         }
     }
 
@@ -319,41 +449,58 @@ impl Summary {
         self.requests - self.ok
     }
 
-    /// Successful requests per second.
-    fn rps(&self) -> f64 {
+    fn per_second(&self, n: f64) -> f64 {
         if self.seconds > 0.0 {
-            self.ok as f64 / self.seconds
+            n / self.seconds
         } else {
             0.0
         }
     }
 
+    /// Successful requests per second.
+    fn rps(&self) -> f64 {
+        self.per_second(self.ok as f64)
+    }
+
+    /// Output tokens of successful requests per second.
+    fn out_tok_s(&self) -> f64 {
+        self.per_second(self.tokens as f64)
+    }
+
     fn line(&self) -> String {
-        format!(
-            "requests={} ok={} failed={} seconds={:.3} rps={:.1} p50_ms={:.2} p99_ms={:.2}",
+        let [p50, p90, p99] = self.latency.0;
+        let mut line = format!(
+            "requests={} ok={} failed={} seconds={:.3} rps={:.1} p50_ms={p50:.2} p90_ms={p90:.2} p99_ms={p99:.2} out_tok_s={:.1}",
             self.requests,
             self.ok,
             self.failed(),
             self.seconds,
             self.rps(),
-            self.p50_ms,
-            self.p99_ms
-        )
+            self.out_tok_s(),
+        );
+        if let Some(s) = &self.stream {
+            line += &(s.ttft.fields("ttft") + &s.itl.fields("itl") + &s.tpot.fields("tpot"));
+        }
+        line
     }
 
     fn json(&self, failures: &BTreeMap<String, usize>) -> Value {
-        // NaN (no successful request) is not JSON: it becomes null.
-        let num = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
-        json!({
-            "requests": self.requests,
-            "ok": self.ok,
-            "failed": self.failed(),
-            "seconds": self.seconds,
-            "rps": self.rps(),
-            "p50_ms": num(self.p50_ms),
-            "p99_ms": num(self.p99_ms),
-            "failures": failures,
-        })
+        let mut m = serde_json::Map::new();
+        m.insert("requests".into(), json!(self.requests));
+        m.insert("ok".into(), json!(self.ok));
+        m.insert("failed".into(), json!(self.failed()));
+        m.insert("seconds".into(), json!(self.seconds));
+        m.insert("rps".into(), json!(self.rps()));
+        m.insert("output_tokens".into(), json!(self.tokens));
+        m.insert("out_tok_s".into(), json!(self.out_tok_s()));
+        self.latency.json("", &mut m);
+        if let Some(s) = &self.stream {
+            s.ttft.json("ttft", &mut m);
+            s.itl.json("itl", &mut m);
+            s.tpot.json("tpot", &mut m);
+        }
+        m.insert("failures".into(), json!(failures));
+        Value::Object(m)
     }
 }
 
@@ -390,21 +537,46 @@ mod tests {
 
     #[test]
     fn answers_are_checked_for_completeness() {
-        assert!(json_complete(r#"{"choices":[{"text":"x"}]}"#).is_ok());
+        assert_eq!(json_complete(r#"{"choices":[{"text":"x"}]}"#), Ok(None));
+        assert_eq!(json_complete(r#"{"choices":[{"text":"x"}],"usage":{"completion_tokens":3}}"#), Ok(Some(3)));
         assert_eq!(json_complete(r#"{"choices":[]}"#), Err("bad_body"));
         assert_eq!(json_complete("nope"), Err("bad_body"));
-        assert!(stream_complete("data: {\"choices\":[]}\n\ndata: [DONE]\n\n").is_ok());
-        assert_eq!(stream_complete("data: {\"choices\":[]}\n\n"), Err("stream_truncated"));
-        assert_eq!(stream_complete("data: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n"), Err("stream_error"));
+        let stream = |parts: &[&str]| {
+            let mut sse = SseTimer::new(Instant::now());
+            for p in parts {
+                sse.feed(p.as_bytes(), Instant::now())?;
+            }
+            sse.finish().map(|t| t.tokens)
+        };
+        assert_eq!(stream(&["data: {\"choices\":[]}\n\ndata: [DONE]\n\n"]), Ok(0));
+        assert_eq!(stream(&["data: {\"choices\":[]}\n\n"]), Err("stream_truncated"));
+        assert_eq!(stream(&["data: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n"]), Err("stream_error"));
+        // Events split anywhere across reads; completion text and chat deltas both count.
+        let events = "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n\
+                      data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n";
+        let (a, b) = events.split_at(20);
+        assert_eq!(stream(&[a, b]), Ok(2));
     }
 
     #[test]
-    fn summary_line_and_json() {
-        let s = Summary::new(4, vec![Duration::from_millis(2), Duration::from_millis(4)], Duration::from_secs(2));
-        assert_eq!(s.line(), "requests=4 ok=2 failed=2 seconds=2.000 rps=1.0 p50_ms=2.00 p99_ms=4.00");
-        let none = Summary::new(1, vec![], Duration::from_secs(1));
-        assert!(none.line().ends_with("p50_ms=NaN p99_ms=NaN"), "{}", none.line());
-        assert_eq!(none.json(&BTreeMap::new())["p50_ms"], Value::Null);
+    fn streaming_figures_follow_vllms_definitions() {
+        let ms = Duration::from_millis;
+        // Two requests: 3 tokens (ttft 10, gaps 2 and 4, latency 20) and 1 token (ttft 5).
+        let timings = vec![
+            Timing { latency: ms(20), tokens: 3, ttft: Some(ms(10)), itl: vec![ms(2), ms(4)] },
+            Timing { latency: ms(6), tokens: 1, ttft: Some(ms(5)), itl: vec![] },
+        ];
+        let s = Summary::new(2, timings, Duration::from_secs(2), true);
+        let st = s.stream.as_ref().expect("streaming figures");
+        assert_eq!(st.ttft.0, [5.0, 10.0, 10.0]);
+        assert_eq!(st.itl.0, [2.0, 4.0, 4.0]);
+        // (20 - 10) / (3 - 1); the one-token request has no TPOT.
+        assert_eq!(st.tpot.0, [5.0, 5.0, 5.0]);
+        assert_eq!(s.out_tok_s(), 2.0);
+        let line = s.line();
+        assert!(line.contains(" out_tok_s=2.0 ttft_p50_ms=5.00 ttft_p90_ms=10.00 ttft_p99_ms=10.00 itl_p50_ms=2.00"), "{line}");
+        assert!(line.ends_with("tpot_p50_ms=5.00 tpot_p90_ms=5.00 tpot_p99_ms=5.00"), "{line}");
+        assert_eq!(s.json(&BTreeMap::new())["tpot_p99_ms"], json!(5.0));
     }
 
     #[test]

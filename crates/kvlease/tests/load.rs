@@ -35,6 +35,18 @@ fn load_sends_all_requests_to_a_real_server_and_prints_the_summary() {
         assert!(field(summary, "rps") > 0.0, "{summary:?}");
         let (p50, p99) = (field(summary, "p50_ms"), field(summary, "p99_ms"));
         assert!(p50 > 0.0 && p99 >= p50, "{summary:?}");
+        // 20 answers of max_tokens (8) tokens each.
+        assert!(field(summary, "out_tok_s") > 0.0, "{summary:?}");
+        if extra.contains(&"--stream") {
+            // vLLM's serving figures: time to first token, inter-token latency, time per output token.
+            for f in ["ttft", "itl", "tpot"] {
+                let (p50, p99) = (field(summary, &format!("{f}_p50_ms")), field(summary, &format!("{f}_p99_ms")));
+                assert!(p50 >= 0.0 && p99 >= p50 && p50.is_finite(), "{f}: {summary:?}");
+            }
+            assert!(field(summary, "ttft_p50_ms") <= p50, "{summary:?}");
+        } else {
+            assert!(!summary.contains("ttft_"), "{summary:?}");
+        }
         let json: serde_json::Value = serde_json::from_str(lines.next().expect("JSON line")).expect("JSON");
         assert_eq!((json["requests"].as_u64(), json["ok"].as_u64(), json["failed"].as_u64()), (Some(20), Some(20), Some(0)));
     }
