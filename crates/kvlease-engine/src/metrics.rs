@@ -78,6 +78,9 @@ pub struct Metrics {
     pub lease_renewals: AtomicU64,
     pub leases_released: [AtomicU64; 4],
     pub lease_lost: AtomicU64,
+    /// Of those, the ones P said had ended (`LeaseLost`, or ended under the read): KV freed
+    /// under a request that still wanted it.
+    pub lease_ended_by_prefill: AtomicU64,
     pub heartbeats_sent: AtomicU64,
     pub heartbeats_received: AtomicU64,
     pub heartbeat_lateness: Histogram,
@@ -109,6 +112,7 @@ impl Default for Metrics {
             lease_renewals: AtomicU64::new(0),
             leases_released: Default::default(),
             lease_lost: AtomicU64::new(0),
+            lease_ended_by_prefill: AtomicU64::new(0),
             heartbeats_sent: AtomicU64::new(0),
             heartbeats_received: AtomicU64::new(0),
             heartbeat_lateness: Histogram::new(&[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
@@ -164,6 +168,12 @@ impl Metrics {
             "counter",
             "Leases found lost before or during a read (D).",
             self.lease_lost.load(Relaxed).to_string(),
+        );
+        one(
+            "kvlease_lease_ended_by_prefill_total",
+            "counter",
+            "Of the leases found lost, those the prefill engine said had ended (D): KV freed under a waiting request.",
+            self.lease_ended_by_prefill.load(Relaxed).to_string(),
         );
         one("kvlease_heartbeats_sent_total", "counter", "Heartbeat messages sent.", self.heartbeats_sent.load(Relaxed).to_string());
         one(

@@ -278,7 +278,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             }
         }
         Verdict::Recompute(why) => {
-            lost(inner, &seq);
+            lost(inner, &seq, &why);
             if seq.read_turn.take().is_some() {
                 tracing::info!(request = %seq.client_id, "cached turn not usable ({why}); prefilling the whole prompt");
                 inner.metrics.turns_recomputed.fetch_add(1, Relaxed);
@@ -304,7 +304,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             }
         }
         Verdict::Fail(why) => {
-            lost(inner, &seq);
+            lost(inner, &seq, &why);
             tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
             lease_holder::free_after_reads(inner, blocks);
             seq.fail(RequestError {
@@ -318,10 +318,13 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
 }
 
 /// The request's remote KV will not be used: stop renewing (releasing P's lease) and count it.
-fn lost(inner: &Inner, seq: &Seq) {
+fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
     lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
     inner.renewer_wake.notify_one();
     inner.metrics.lease_lost.fetch_add(1, Relaxed);
+    if matches!(why, PullLost::LeaseLost | PullLost::EndedUnderRead) {
+        inner.metrics.lease_ended_by_prefill.fetch_add(1, Relaxed);
+    }
 }
 
 /// One forward step: every request waiting for prefill is prefilled, every decoding request

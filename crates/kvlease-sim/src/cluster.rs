@@ -280,13 +280,25 @@ async fn start(cfg: EngineConfig, w: &Shared) -> Option<EngineHandle> {
 
 /// Everything a request produces on one engine.
 pub(crate) async fn collect(engine: &EngineHandle, req: GenerateRequest) -> Result<(Answer, Option<serde_json::Value>), String> {
+    collect_timed(engine, req).await.map(|(answer, params, _)| (answer, params))
+}
+
+/// [`collect`], with when the first token came (virtual time).
+pub(crate) async fn collect_timed(
+    engine: &EngineHandle,
+    req: GenerateRequest,
+) -> Result<(Answer, Option<serde_json::Value>, Option<Instant>), String> {
     let mut stream = engine.submit(req).map_err(|e| e.message)?;
     let mut tokens = Vec::new();
+    let mut first = None;
     while let Some(ev) = stream.next().await {
         match ev {
-            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Token { id, .. } => {
+                first.get_or_insert_with(Instant::now);
+                tokens.push(id)
+            }
             GenerateEvent::Done { finish_reason, kv_transfer_params, .. } => {
-                return Ok(((tokens, Some(finish_reason)), kv_transfer_params))
+                return Ok(((tokens, Some(finish_reason)), kv_transfer_params, first))
             }
             GenerateEvent::Failed(e) => return Err(e.message),
             GenerateEvent::Logprobs { .. } => {}

@@ -14,7 +14,7 @@
 
 pub mod cluster;
 
-use cluster::{collect, request, Answer, Req};
+use cluster::{collect, collect_timed, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;
 use kvlease_core::pull::PlantedBug;
 use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
@@ -64,6 +64,9 @@ pub struct Scenario {
     pub loss: f64,
     /// When D crashes (it stops everything, for good; no new work is routed to it).
     pub d_crash: Option<Duration>,
+    /// When D stops being heard by P, and for how long (a stalled process, a link flap): every
+    /// message between them is lost meanwhile; D keeps its queue.
+    pub d_pause: Option<(Duration, Duration)>,
 }
 
 impl Default for Scenario {
@@ -80,6 +83,7 @@ impl Default for Scenario {
             delay: Duration::from_millis(1),
             loss: 0.01,
             d_crash: Some(Duration::from_secs(400)),
+            d_pause: None,
         }
     }
 }
@@ -101,6 +105,15 @@ pub struct Report {
     /// Seconds after D's crash until P held no lease.
     pub reclaim_after_crash: Option<f64>,
     pub peak_leased_blocks: u64,
+    /// Time to first token, arrival at P to D's first token, of requests D answered (s).
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    /// Heartbeat messages D sent (the price of a short lease).
+    pub heartbeats: u64,
+    /// Leases D found lost when it came to read them: KV P freed under a request that still
+    /// wanted it, while D was alive (each a prefill wasted). A fixed timeout never checks: its
+    /// premature frees are garbage instead.
+    pub premature_frees: u64,
 }
 
 /// Tokens per block of the simulated model; a request generates this many tokens.
@@ -157,6 +170,18 @@ struct Tally {
     arrived: u64,
     correct: u64,
     garbage: u64,
+    /// Seconds from arrival to D's first token, per answered request.
+    ttft: Vec<f64>,
+}
+
+/// The `q` quantile of `xs` (nearest rank), 0 when empty.
+fn quantile(xs: &mut [f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    let i = ((xs.len() as f64 * q).ceil() as usize).clamp(1, xs.len()) - 1;
+    xs[i]
 }
 
 async fn run(sc: Scenario, policy: Policy) -> Report {
@@ -210,18 +235,35 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
             let Ok((_, Some(params))) = collect(&p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
             let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
-            let Ok((got, _)) = collect(&d, request(format!("r{n}"), &r, params)).await else { return };
+            let Ok((got, _, first)) = collect_timed(&d, request(format!("r{n}"), &r, params)).await else { return };
             drop(d);
+            let ttft = first.map(|f| (f - (t0 + r.at)).as_secs_f64());
             let want: Answer = match collect(&local, request(format!("l{n}"), &r, json!({}))).await {
                 Ok((a, _)) => a,
                 Err(_) => return,
             };
             let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+            t.ttft.extend(ttft);
             if got == want {
                 t.correct += 1;
             } else {
                 t.garbage += 1;
             }
+        });
+    }
+    // The pause: every link between P's and D's agents cut, then healed.
+    if let Some((at, len)) = sc.d_pause {
+        let links: Vec<(String, String)> = {
+            let d = d_slot.lock().unwrap_or_else(|e| e.into_inner());
+            let ds = d.as_ref().map(|d| d.agent_names()).unwrap_or_default();
+            p.agent_names().into_iter().flat_map(|a| ds.iter().map(move |b| (a.clone(), b.clone()))).collect()
+        };
+        let net = net.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(t0 + at).await;
+            links.iter().for_each(|(a, b)| net.partition(a, b, true));
+            tokio::time::sleep(len).await;
+            links.iter().for_each(|(a, b)| net.partition(a, b, false));
         });
     }
     // Sample P's pinned blocks every 100 ms; crash D when due.
@@ -233,6 +275,8 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
         if let Some(c) = sc.d_crash.filter(|c| crashed_at.is_none() && now >= *c) {
             if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
                 report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
+                report.heartbeats = d.metrics().heartbeats_sent.load(Relaxed);
+                report.premature_frees = d.metrics().lease_ended_by_prefill.load(Relaxed);
                 d.kill();
             }
             crashed_at = Some(c);
@@ -248,11 +292,15 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
         now += step;
     }
     clients.abort_all();
-    let tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
     // Requests D decoded from its own recompute are counted there; the rest were pulled.
     if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
         report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
+        report.heartbeats = d.metrics().heartbeats_sent.load(Relaxed);
+        report.premature_frees = d.metrics().lease_ended_by_prefill.load(Relaxed);
     }
+    report.ttft_p50 = quantile(&mut tally.ttft, 0.5);
+    report.ttft_p99 = quantile(&mut tally.ttft, 0.99);
     report.arrived = tally.arrived;
     report.garbage = tally.garbage;
     report.served = tally.correct.saturating_sub(report.recomputed);

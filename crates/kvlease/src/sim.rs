@@ -7,7 +7,7 @@
 //! command that replays it.
 
 use clap::Args;
-use kvlease_sim::{simulate, Policy, Scenario};
+use kvlease_sim::{simulate, Policy, Report, Scenario};
 use std::time::Duration;
 
 #[derive(Args, Debug)]
@@ -24,9 +24,34 @@ pub struct SimArgs {
     /// Chance that any message between P and D is lost.
     #[arg(long, default_value_t = 0.01)]
     loss: f64,
-    /// When D crashes, in simulated seconds (0: never).
+    /// When D crashes, in simulated seconds (0: never). A crashed decoder's leases are dead
+    /// weight: P keeps their blocks pinned until they time out ("dead block·s").
     #[arg(long, default_value_t = 400)]
     crash_at: u64,
+    /// When P stops hearing D, in simulated seconds (0: never): a stalled decoder process or a
+    /// flapping link, `--pause-secs` long. D keeps its queue; a lease must outlive the silence
+    /// (its extension E = 2L/3 must exceed the pause) or the request's prefill is wasted.
+    #[arg(long, default_value_t = 250)]
+    pause_at: u64,
+    /// How long the pause lasts, seconds.
+    #[arg(long, default_value_t = 12.0)]
+    pause_secs: f64,
+    /// Sweep kvlease's lease over these `kv_lease_duration` values (seconds, comma-separated;
+    /// a default list without values), print the trade-off and recommend a value for this
+    /// traffic: the shortest lease that served no wrong answer and freed the KV of at most
+    /// --max-premature of the requests under a live decoder.
+    #[arg(long, num_args = 0..=1, value_delimiter = ',', default_missing_value = "2,5,10,15,20,30,60,120,240,480")]
+    sweep: Option<Vec<f64>>,
+    /// With --sweep: the share of requests whose KV may be freed under a live decoder (and
+    /// recomputed) for a lease to be recommended; stragglers of a partition's reconnection.
+    #[arg(long, default_value_t = 0.0)]
+    max_premature: f64,
+    /// With --sweep: also write the trade-off as an SVG chart to this file.
+    #[arg(long)]
+    chart: Option<std::path::PathBuf>,
+    /// Print one JSON object per policy (and the recommendation) instead of the table.
+    #[arg(long)]
+    json: bool,
     /// Run the real engines of a seeded cluster under faults instead (seeds --seed.. --seed+--seeds).
     #[arg(long)]
     cluster: bool,
@@ -86,41 +111,219 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
     if !valid {
         anyhow::bail!("--rate must be > 0, --loss in [0, 1), --seconds ≥ 1");
     }
+    if !(a.pause_secs.is_finite() && a.pause_secs >= 0.0) {
+        anyhow::bail!("--pause-secs must be a number of seconds ≥ 0");
+    }
+    if !(0.0..=1.0).contains(&a.max_premature) {
+        anyhow::bail!("--max-premature must be a fraction in [0, 1]");
+    }
+    if let Some(values) = &a.sweep {
+        if values.is_empty() || values.iter().any(|v| !(v.is_finite() && *v >= 1.0 && *v <= 86_400.0)) {
+            anyhow::bail!("--sweep takes kv_lease_duration values in seconds, each in [1, 86400]");
+        }
+    }
     let sc = Scenario {
         seed: a.seed,
         duration: Duration::from_secs(a.seconds),
         rate: a.rate,
         loss: a.loss,
         d_crash: (a.crash_at > 0).then(|| Duration::from_secs(a.crash_at)),
+        d_pause: (a.pause_at > 0 && a.pause_secs > 0.0).then(|| (Duration::from_secs(a.pause_at), Duration::from_secs_f64(a.pause_secs))),
         ..Scenario::default()
     };
-    println!(
-        "{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D crashes at {}",
-        a.seconds,
-        a.rate,
-        sc.surge_factor,
-        sc.blocks,
-        sc.d_slots,
-        sc.decode_time,
-        a.loss,
-        if a.crash_at > 0 { format!("{} s", a.crash_at) } else { "never".into() }
-    );
-    println!(
-        "{:<14} {:>8} {:>8} {:>8} {:>10} {:>16} {:>14}",
-        "policy", "arrived", "served", "garbage", "recomputed", "reclaimed after", "dead block·s"
-    );
-    for policy in [Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::Lease(30.0)] {
+    let policies: Vec<Policy> = match &a.sweep {
+        Some(values) => values.iter().map(|v| Policy::Lease(*v)).collect(),
+        None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::Lease(30.0)],
+    };
+    let at = |t: u64| if t > 0 { format!("{t} s") } else { "never".into() };
+    if !a.json {
+        println!(
+            "{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D silent for {} s at {}, D crashes at {}",
+            a.seconds,
+            a.rate,
+            sc.surge_factor,
+            sc.blocks,
+            sc.d_slots,
+            sc.decode_time,
+            a.loss,
+            a.pause_secs,
+            at(a.pause_at),
+            at(a.crash_at)
+        );
+        println!(
+            "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13} {:>9} {:>9} {:>11}",
+            "policy",
+            "arrived",
+            "served",
+            "garbage",
+            "premature",
+            "recomputed",
+            "reclaimed after",
+            "dead block·s",
+            "TTFT p50",
+            "TTFT p99",
+            "heartbeats"
+        );
+    }
+    let mut reports = Vec::new();
+    for policy in policies {
         let r = simulate(&sc, policy);
         let reclaim = match (sc.d_crash, r.reclaim_after_crash) {
             (None, _) => "-".to_string(),
             (Some(_), Some(s)) => format!("{s:.1} s"),
             (Some(_), None) => "not in time".to_string(),
         };
+        if a.json {
+            println!("{}", report_json(&r));
+        } else {
+            println!(
+                "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13.0} {:>7.2} s {:>7.2} s {:>11}",
+                r.policy,
+                r.arrived,
+                r.served,
+                r.garbage,
+                r.premature_frees,
+                r.recomputed,
+                reclaim,
+                r.dead_block_seconds,
+                r.ttft_p50,
+                r.ttft_p99,
+                r.heartbeats
+            );
+        }
+        reports.push((policy, r));
+    }
+    if a.sweep.is_some() {
+        let pick = recommend(&reports, a.max_premature);
+        if a.json {
+            println!("{}", serde_json::json!({"recommended_kv_lease_duration": pick}));
+        } else {
+            match pick {
+                Some(l) => println!(
+                    "recommended kv_lease_duration: {l} (the shortest lease that served no wrong answer and freed the KV of at most {} % of requests under a live decoder on this traffic; \
+                     keep E = 2L/3 = {:.1} s above the longest silence you expect from a live decoder)",
+                    a.max_premature * 100.0,
+                    l * 2.0 / 3.0
+                ),
+                None => println!("no swept value kept every live decoder's KV: sweep longer leases"),
+            }
+        }
+        if let Some(path) = &a.chart {
+            std::fs::write(path, sweep_chart(&reports, pick))?;
+            if !a.json {
+                println!("chart: {}", path.display());
+            }
+        }
+    } else if a.chart.is_some() {
+        anyhow::bail!("--chart goes with --sweep");
+    }
+    if !a.json {
+        println!("garbage: decoded from KV blocks P had already freed (vLLM #21570); premature: leases D found lost when it came to read");
         println!(
-            "{:<14} {:>8} {:>8} {:>8} {:>10} {:>16} {:>14.0}",
-            r.policy, r.arrived, r.served, r.garbage, r.recomputed, reclaim, r.dead_block_seconds
+            "(KV P freed under a live decoder's request); recomputed: prompts D computed itself (a premature free, or a lost message);"
+        );
+        println!("dead block·s: KV pinned for a crashed D; TTFT: arrival at P to D's first token");
+    }
+    Ok(())
+}
+
+/// The shortest swept lease that served no wrong answer and freed the KV of at most
+/// `max_premature` of the requests under a live decoder.
+fn recommend(reports: &[(Policy, Report)], max_premature: f64) -> Option<f64> {
+    reports
+        .iter()
+        .filter(|(_, r)| r.garbage == 0 && r.premature_frees as f64 <= max_premature * r.arrived as f64)
+        .filter_map(|(p, _)| match p {
+            Policy::Lease(l) => Some(*l),
+            Policy::Fixed(_) => None,
+        })
+        .min_by(f64::total_cmp)
+}
+
+fn report_json(r: &Report) -> serde_json::Value {
+    serde_json::json!({
+        "policy": r.policy, "arrived": r.arrived, "served": r.served, "garbage": r.garbage,
+        "premature_frees": r.premature_frees, "recomputed": r.recomputed, "reclaim_after_crash_s": r.reclaim_after_crash,
+        "dead_block_seconds": r.dead_block_seconds, "peak_leased_blocks": r.peak_leased_blocks,
+        "ttft_p50_s": r.ttft_p50, "ttft_p99_s": r.ttft_p99, "heartbeats": r.heartbeats,
+    })
+}
+
+/// The sweep as an SVG chart: dead block·s (after the crash) and premature frees (during the
+/// pause) against the lease, on a log axis, the recommendation marked.
+fn sweep_chart(reports: &[(Policy, Report)], pick: Option<f64>) -> String {
+    let pts: Vec<(f64, f64, f64)> = reports
+        .iter()
+        .filter_map(|(p, r)| match p {
+            Policy::Lease(l) => Some((*l, r.dead_block_seconds, (r.premature_frees + r.garbage) as f64)),
+            Policy::Fixed(_) => None,
+        })
+        .collect();
+    let (w, h, l, r, t, b) = (760.0, 380.0, 80.0, 80.0, 50.0, 60.0);
+    let (lo, hi) = pts.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| (lo.min(p.0), hi.max(p.0)));
+    let span = (hi.ln() - lo.ln()).max(1e-9);
+    let x = |v: f64| l + (w - l - r) * (v.ln() - lo.ln()) / span;
+    let max_dead = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
+    let max_wasted = pts.iter().map(|p| p.2).fold(1.0, f64::max) * 1.1;
+    let yd = |v: f64| h - b - (h - t - b) * v / max_dead;
+    let yw = |v: f64| h - b - (h - t - b) * v / max_wasted;
+    let mut o = String::new();
+    use std::fmt::Write as _;
+    let _ = write!(
+        o,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12"><rect width="{w}" height="{h}" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15" font-weight="bold">kv_lease_duration: dead blocks after a crash against KV freed under a live decoder</text>"##,
+        w / 2.0
+    );
+    let _ = write!(o, r##"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/>"##, h - b, w - r, h - b);
+    let _ = write!(
+        o,
+        r##"<line x1="{l}" y1="{t}" x2="{l}" y2="{}" stroke="#1f5fbf"/><line x1="{}" y1="{t}" x2="{}" y2="{}" stroke="#b00020"/>"##,
+        h - b,
+        w - r,
+        w - r,
+        h - b
+    );
+    for p in &pts {
+        let _ = write!(o, r##"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"##, x(p.0), h - b + 16.0, p.0);
+    }
+    let _ = write!(
+        o,
+        r##"<text x="{}" y="{}" text-anchor="middle">kv_lease_duration L, seconds (log scale)</text>"##,
+        (l + w - r) / 2.0,
+        h - b + 36.0
+    );
+    for i in 0..=4 {
+        let (d, wv) = (max_dead * f64::from(i) / 4.0, max_wasted * f64::from(i) / 4.0);
+        let label = if max_dead >= 1e6 { format!("{:.1}M", d / 1e6) } else { format!("{d:.0}") };
+        let _ = write!(o, r##"<text x="{}" y="{:.1}" text-anchor="end" fill="#1f5fbf">{label}</text>"##, l - 6.0, yd(d) + 4.0);
+        let _ = write!(o, r##"<text x="{}" y="{:.1}" fill="#b00020">{wv:.0}</text>"##, w - r + 6.0, yw(wv) + 4.0);
+    }
+    let mid = (t + h - b) / 2.0;
+    let _ = write!(
+        o,
+        r##"<text x="18" y="{mid}" transform="rotate(-90 18 {mid})" text-anchor="middle" fill="#1f5fbf">dead block·s after the crash</text>"##
+    );
+    let _ = write!(
+        o,
+        r##"<text x="{}" y="{mid}" transform="rotate(90 {} {mid})" text-anchor="middle" fill="#b00020">premature frees (live decoder)</text>"##,
+        w - 18.0,
+        w - 18.0
+    );
+    let line = |ys: Vec<f64>| pts.iter().zip(ys).map(|(p, y)| format!("{:.1},{y:.1}", x(p.0))).collect::<Vec<_>>().join(" ");
+    let dead = line(pts.iter().map(|p| yd(p.1)).collect());
+    let freed = line(pts.iter().map(|p| yw(p.2)).collect());
+    let _ = write!(o, r##"<polyline points="{dead}" fill="none" stroke="#1f5fbf" stroke-width="2"/>"##);
+    let _ = write!(o, r##"<polyline points="{freed}" fill="none" stroke="#b00020" stroke-width="2" stroke-dasharray="6,3"/>"##);
+    if let Some(pick) = pick {
+        let _ = write!(
+            o,
+            r##"<line x1="{0:.1}" y1="{t}" x2="{0:.1}" y2="{1}" stroke="#070" stroke-dasharray="3,3"/><text x="{2:.1}" y="{3}" fill="#070">recommended: {pick} s</text>"##,
+            x(pick),
+            h - b,
+            x(pick) + 4.0,
+            t + 14.0
         );
     }
-    println!("garbage: decoded from KV blocks P had already freed (vLLM #21570); dead block·s: KV pinned for a crashed D");
-    Ok(())
+    o.push_str("</svg>\n");
+    o
 }

@@ -169,3 +169,28 @@ fn oversized_pool_and_absurd_sizes_are_refused_at_start_up() {
         }
     }
 }
+
+/// Issue 13: `kvlease sim --sweep --json` shows both failures the lease is chosen between — a
+/// lease shorter than a decoder's silence frees live decoders' KV, a long one pins a crashed
+/// decoder's blocks — and recommends the shortest lease that frees no live decoder's KV.
+#[test]
+fn sim_sweep_shows_the_trade_off_and_recommends_a_lease() {
+    let out = kvlease()
+        .args(["sim", "--seconds", "200", "--pause-at", "60", "--pause-secs", "5", "--crash-at", "150", "--loss", "0"])
+        .args(["--sweep", "2,30", "--json"])
+        .output()
+        .expect("kvlease sim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
+    let [short, long, pick] = lines.as_slice() else { panic!("two policies and a recommendation: {lines:?}") };
+    assert_eq!(short["policy"], "lease 2 s");
+    assert!(short["premature_frees"].as_u64().is_some_and(|n| n > 0), "a 5 s silence outlives E = 1.3 s: {short}");
+    assert_eq!(long["premature_frees"], 0, "E = 20 s outlives it: {long}");
+    for r in [short, long] {
+        assert_eq!(r["garbage"], 0, "a lease never serves freed KV: {r}");
+    }
+    let dead = |r: &serde_json::Value| r["dead_block_seconds"].as_f64().expect("dead block·s");
+    assert!(dead(long) > 5.0 * dead(short), "a long lease pins a crashed decoder's blocks longer: {short} {long}");
+    assert_eq!(pick["recommended_kv_lease_duration"], 30.0);
+}
