@@ -17,6 +17,9 @@
 //! `(latency - ttft) / (tokens - 1)`, requests of one token left out). Then a JSON line with the
 //! same numbers if `--json`; failures by kind go to stderr. The command fails (exit code 1) if
 //! any request failed.
+//!
+//! While it runs, a terminal on stderr gets a progress line redrawn every second; `--csv FILE`
+//! writes the same per-second series to a file.
 
 use crate::InvalidConfig;
 use anyhow::Context;
@@ -59,6 +62,10 @@ pub struct LoadArgs {
     /// Also print the summary as one JSON line.
     #[arg(long)]
     json: bool,
+    /// Write the run's per-second series to this CSV file: `second,ok,failed,rps,out_tok_s,
+    /// p50_ms,p99_ms` (requests that ended in that second; latencies of the successful ones).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
 
 /// Words the prompts are made of.
@@ -183,6 +190,85 @@ enum Outcome {
     Failed(String),
 }
 
+/// What ended in the current second, for the progress line and the CSV series.
+#[derive(Default)]
+struct Live {
+    failed: usize,
+    tokens: u64,
+    latencies: Vec<Duration>,
+    /// All requests ended so far.
+    ended: usize,
+}
+
+impl Live {
+    fn record(live: &std::sync::Mutex<Live>, outcome: &Outcome) {
+        let mut l = live.lock().unwrap_or_else(|e| e.into_inner());
+        l.ended += 1;
+        match outcome {
+            Outcome::Ok(t) => {
+                l.latencies.push(t.latency);
+                l.tokens += t.tokens;
+            }
+            Outcome::Failed(_) => l.failed += 1,
+        }
+    }
+}
+
+/// Every second (and once at the end, for the last part of a second): a row of the CSV series
+/// and, on a terminal, the progress line.
+async fn report_live(
+    live: Arc<std::sync::Mutex<Live>>,
+    csv: Option<std::fs::File>,
+    requests: usize,
+    stop: Arc<tokio::sync::Notify>,
+) -> anyhow::Result<()> {
+    use std::io::{IsTerminal, Write};
+    let mut csv = csv.map(std::io::BufWriter::new);
+    if let Some(f) = csv.as_mut() {
+        writeln!(f, "second,ok,failed,rps,out_tok_s,p50_ms,p99_ms").context("cannot write the CSV file")?;
+    }
+    let tty = std::io::stderr().is_terminal();
+    let start = Instant::now();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_secs(1), Duration::from_secs(1));
+    let mut last = start;
+    for second in 1u64.. {
+        let done = tokio::select! {
+            _ = tick.tick() => false,
+            _ = stop.notified() => true,
+        };
+        let now = Instant::now();
+        let span = now.duration_since(last).as_secs_f64().max(1e-9);
+        last = now;
+        let (mut lat, failed, tokens, ended) = {
+            let mut l = live.lock().unwrap_or_else(|e| e.into_inner());
+            (std::mem::take(&mut l.latencies), std::mem::take(&mut l.failed), std::mem::take(&mut l.tokens), l.ended)
+        };
+        lat.sort_unstable();
+        let (ok, p50, p99) = (lat.len(), percentile_ms(&lat, 0.5), percentile_ms(&lat, 0.99));
+        if let Some(f) = csv.as_mut() {
+            let ms = |v: f64| if v.is_nan() { String::new() } else { format!("{v:.2}") };
+            writeln!(f, "{second},{ok},{failed},{:.1},{:.1},{},{}", ok as f64 / span, tokens as f64 / span, ms(p50), ms(p99))
+                .and_then(|()| f.flush())
+                .context("cannot write the CSV file")?;
+        }
+        if tty {
+            let line = format!(
+                "{:>5.0} s  {ended}/{requests} done  {:.0} req/s  p50 {p50:.1} ms  failed {failed}",
+                start.elapsed().as_secs_f64(),
+                ok as f64 / span
+            );
+            eprint!("\r\x1b[2K{line}");
+            if done {
+                eprintln!();
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// What every worker reports.
 #[derive(Default)]
 struct Tally {
@@ -201,12 +287,19 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
         .pool_max_idle_per_host(plan.concurrency)
         .build()
         .context("cannot build the HTTP client")?;
+    let csv = match &args.csv {
+        Some(path) => Some(std::fs::File::create(path).with_context(|| format!("--csv: cannot create {}", path.display()))?),
+        None => None,
+    };
+    let live = Arc::new(std::sync::Mutex::new(Live::default()));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let reporter = tokio::spawn(report_live(live.clone(), csv, plan.requests, stop.clone()));
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let deadline = start + plan.max_run;
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..plan.concurrency {
-        let (plan, client, next) = (plan.clone(), client.clone(), next.clone());
+        let (plan, client, next, live) = (plan.clone(), client.clone(), next.clone(), live.clone());
         workers.spawn(async move {
             let mut tally = Tally::default();
             while Instant::now() < deadline {
@@ -214,7 +307,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
                 if i >= plan.requests {
                     break;
                 }
-                match one(&client, &plan, i).await {
+                let outcome = one(&client, &plan, i).await;
+                Live::record(&live, &outcome);
+                match outcome {
                     Outcome::Ok(t) => tally.timings.push(t),
                     Outcome::Failed(kind) => *tally.failures.entry(kind).or_default() += 1,
                 }
@@ -231,6 +326,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
         }
     }
     let elapsed = start.elapsed();
+    stop.notify_one();
+    reporter.await.context("the progress reporter panicked")??;
     let started = next.load(Ordering::Relaxed).min(plan.requests);
     if started < plan.requests {
         all.failures.insert("not_started_run_deadline".into(), plan.requests - started);

@@ -61,3 +61,26 @@ fn load_fails_with_exit_1_when_requests_fail() {
     assert!(stdout.starts_with("requests=20 ok=0 failed=20 "), "{stdout:?}");
     assert!(stderr.contains("failures: connect=20"), "{stderr:?}");
 }
+
+/// Issue 13: `--csv` writes the run's per-second series: a header, then one row per second whose
+/// counts add up to the run's.
+#[test]
+fn load_writes_its_per_second_series_as_csv() {
+    let engine = Proc::serve("load-csv", &["--decode-ms-per-token", "20"]);
+    let path = std::env::temp_dir().join(format!("kvlease-load-{}.csv", std::process::id()));
+    let (code, stdout, stderr) = load(&engine.url, &["--csv", path.to_str().expect("utf-8 path"), "--max-tokens", "20"]);
+    assert_eq!(code, Some(0), "stdout {stdout:?} stderr {stderr:?}");
+    let text = std::fs::read_to_string(&path).expect("the CSV file");
+    let _ = std::fs::remove_file(&path);
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("second,ok,failed,rps,out_tok_s,p50_ms,p99_ms"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    // 20 requests of 20 tokens at 20 ms each, 4 at a time: about two seconds.
+    assert!(rows.len() >= 2, "a row per second: {text}");
+    let ok: u64 = rows.iter().map(|r| r[1].parse::<u64>().expect("ok count")).sum();
+    let failed: u64 = rows.iter().map(|r| r[2].parse::<u64>().expect("failed count")).sum();
+    assert_eq!((ok, failed), (20, 0), "{text}");
+    for r in rows.iter().filter(|r| r[1] != "0") {
+        assert!(r[5].parse::<f64>().is_ok_and(|p50| p50 >= 400.0), "20 tokens × 20 ms: {r:?}");
+    }
+}
