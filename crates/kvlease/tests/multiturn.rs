@@ -265,10 +265,12 @@ async fn b1_b2_d7_turn_past_its_ttl_is_recomputed_and_freed_on_d() {
 /// SPEC B4, S4, D7: a next turn whose history no longer extends the cached turn (the client
 /// edited an earlier message), and a turn sent under another conversation's id (so P is handed
 /// that conversation's cached turn): P reads neither, prefills the whole prompt, and the replies
-/// are the local ones. Every block comes back on both sides.
+/// are the local ones. As the proxy hands a turn out once, nobody will read those turns: P
+/// releases them on D at once (`released`), long before their 60 s TTL. P is left holding
+/// nothing; D keeps only the two conversations' new turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn b4_s4_d7_history_that_does_not_extend_the_cached_turn_is_recomputed() {
-    let (p, d, local) = bidirectional("mtprefix", 2.5, 1.2, &[]);
+async fn b4_s4_d7_history_that_does_not_extend_the_cached_turn_is_recomputed_and_released() {
+    let (p, d, local) = bidirectional("mtprefix", 60.0, 1.2, &[]);
     let proxy = Proc::proxy(&[&p], &[&d]);
     // Edited history: the first user message changed, the reply kept.
     let mut edited = Conversation::new("edited", Api { chat: true, stream: true });
@@ -292,8 +294,13 @@ async fn b4_s4_d7_history_that_does_not_extend_the_cached_turn_is_recomputed() {
     assert_eq!(metric(&p.url, "kvlease_turns_recomputed_total").await, 2.0);
     assert_eq!(metric(&p.url, "kvlease_turn_tokens_read_total").await, 0.0, "nothing was read");
     until_nothing_held(&p.url, DEADLINE).await;
-    until_nothing_held(&d.url, DEADLINE).await;
+    until("D frees the two turns nobody will read", DEADLINE, || async {
+        metric(&d.url, "kvlease_leases_released_total{reason=\"released\"}").await == 2.0
+    })
+    .await;
+    assert_eq!(metric(&d.url, "kvlease_leases_active").await, 2.0, "the new turns of both conversations");
     assert_eq!(metric(&d.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 0.0);
+    assert_eq!(metric(&d.url, "kvlease_leases_released_total{reason=\"expired\"}").await, 0.0);
 }
 
 /// SPEC B3, D7: the next turn waits on a busy P (`--max-num-seqs 1`, a slow local request
