@@ -1,5 +1,6 @@
-# Sourced by scripts/demo.sh and scripts/bench-proxy.sh: build the kvlease binary, run
-# `kvlease` processes in the background, wait for their start-up lines, stop them all on exit.
+# Sourced by scripts/demo.sh, scripts/bench-proxy.sh and scripts/bench-multiturn.sh: build the
+# kvlease binary, run `kvlease` processes in the background, wait for their start-up lines, stop
+# them all on exit.
 #
 #   build_kvlease               # sets BIN (KVLEASE_BIN=path: that binary, nothing built)
 #   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}

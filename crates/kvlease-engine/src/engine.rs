@@ -232,8 +232,8 @@ impl EngineHandle {
 
     /// SPEC B2, B3, B4: whether this prefill reads the conversation so far from the decoder
     /// that keeps it: the blocks to read and how many tokens they cover, tracked by the renewer
-    /// from now on (B3). A turn not read is recomputed; one too short to be worth reading is
-    /// released at once, as the router hands a turn's params out once.
+    /// from now on (B3). A turn not read is recomputed; one too short to be worth reading, or not
+    /// of this prompt, is released at once, as the router hands a turn's params out once.
     fn plan_turn(&self, turn: &TurnKv, prompt: &[u32], internal: &str) -> Result<Option<(RemoteKv, usize)>, RequestError> {
         let inner = &self.inner;
         let rk = &turn.kv;
@@ -277,8 +277,10 @@ impl EngineHandle {
             TurnPlan::Recompute(why) => {
                 tracing::info!(engine = %rk.engine_id, "not reading the cached turn ({why}); prefilling the whole prompt");
                 inner.metrics.turns_recomputed.fetch_add(1, Ordering::Relaxed);
-                if let NoReuse::BelowThreshold { .. } = why {
-                    // This conversation's turn, not worth a read: free the decoder's blocks now.
+                if matches!(why, NoReuse::BelowThreshold { .. } | NoReuse::NotAPrefix) {
+                    // The router hands a turn's params out once: a turn not worth a read, or
+                    // not of this prompt, nobody will read. Free the decoder's blocks now, not
+                    // at its TTL (an expiring one goes by itself).
                     let mut renewer = lock(&inner.renewer);
                     renewer.track(internal, &remote, rk.lease_id, now);
                     renewer.untrack(internal, Untrack::Abandoned);

@@ -699,9 +699,7 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
         match next {
             Ok(Some(Ok(b))) => {
                 if let Some((kept, _)) = &mut seen {
-                    if kept.len() + b.len() <= MAX_CAPTURED {
-                        kept.extend_from_slice(&b);
-                    }
+                    keep_for_capture(kept, &b, sse);
                 }
                 Some((Ok(b), (Some(up), busy, seen)))
             }
@@ -730,8 +728,24 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
 /// What to do with the `kv_transfer_params` a decoder's answer carries (its cached turn).
 type Capture = Box<dyn FnOnce(Value) + Send>;
 
-/// Answers longer than this are relayed but not searched for a cached turn.
+/// Bytes of an answer kept to search for its cached turn: a whole answer longer than this is
+/// relayed but not searched; of a stream, the last this many bytes are kept.
 const MAX_CAPTURED: usize = 4 << 20;
+
+/// Keeps what `turn_params` will search: a whole answer up to [`MAX_CAPTURED`], or at least a
+/// stream's last half of that (D names its cached turn in the last chunk, however long the
+/// answer; a line cut at the front does not parse and is skipped). The front is dropped half the
+/// bound at a time, so each byte is moved at most once.
+fn keep_for_capture(kept: &mut Vec<u8>, piece: &[u8], sse: bool) {
+    if kept.len() + piece.len() <= MAX_CAPTURED {
+        kept.extend_from_slice(piece);
+    } else if sse {
+        let piece = &piece[piece.len().saturating_sub(MAX_CAPTURED / 2)..];
+        let over = (kept.len() + piece.len()).saturating_sub(MAX_CAPTURED / 2).min(kept.len());
+        kept.drain(..over);
+        kept.extend_from_slice(piece);
+    }
+}
 
 /// The `kv_transfer_params` of a whole answer (JSON) or of its last SSE chunk that has them.
 fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
@@ -760,6 +774,28 @@ mod tests {
         );
         assert_eq!(turn_params(stream.as_bytes(), true), Some(params));
         assert_eq!(turn_params(b"data: {\"kv_transfer_params\": null}\n\n", true), None);
+    }
+
+    /// SPEC B1: a stream longer than the capture bound still has its cached turn found (in its
+    /// last chunk); a whole answer over the bound is not searched.
+    #[test]
+    fn b1_a_long_stream_still_names_its_cached_turn() {
+        let params = json!({"do_remote_decode": true, "remote_lease_id": 9});
+        let token = format!("data: {}\n\n", json!({"choices": [{"text": " lease"}]})).repeat(1000);
+        let last = format!("data: {}\n\ndata: [DONE]\n\n", json!({"choices": [], "kv_transfer_params": params}));
+        let mut kept = Vec::new();
+        let mut sent = 0;
+        while sent <= 2 * MAX_CAPTURED {
+            keep_for_capture(&mut kept, token.as_bytes(), true);
+            sent += token.len();
+        }
+        keep_for_capture(&mut kept, last.as_bytes(), true);
+        assert!(kept.len() <= MAX_CAPTURED);
+        assert_eq!(turn_params(&kept, true), Some(params));
+        let mut whole = Vec::new();
+        keep_for_capture(&mut whole, &vec![b' '; MAX_CAPTURED], false);
+        keep_for_capture(&mut whole, b"{}", false);
+        assert_eq!(whole.len(), MAX_CAPTURED, "a whole answer over the bound is not kept");
     }
 
     /// The proxy's turn cache: single use, dropped when stale, bounded.

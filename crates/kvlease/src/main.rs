@@ -148,6 +148,10 @@ struct ServeArgs {
     /// then, or at a second SIGTERM, what is left is cut. Leases are released either way.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout: f64,
+    /// Test hook, hidden: wait this many milliseconds between finding a lease safe to read and
+    /// reading it, so process tests can end a lease under a read. Never set in production.
+    #[arg(long, hide = true, value_name = "MS")]
+    debug_read_delay_ms: Option<u64>,
     #[command(flatten)]
     http: HttpArgs,
 }
@@ -425,6 +429,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         model,
         transport: args.transport.into(),
         secret,
+        debug_read_delay: args.debug_read_delay_ms.map(Duration::from_millis),
         ..EngineConfig::default()
     })
 }
