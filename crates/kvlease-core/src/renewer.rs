@@ -187,33 +187,48 @@ impl Order {
         }
     }
 
-    /// Folds late ids in and drops tombstones: afterwards `ids` is every tracked lease, sorted.
+    /// Folds late ids in and drops tombstones, in place: afterwards `ids` is every tracked
+    /// lease, sorted. One pass forward to close the holes, one backward to merge the late ids.
     fn settle(&mut self) {
-        if self.dead == 0 && self.late.is_empty() {
+        if self.dead > 0 {
+            let mut w = 0;
+            for r in 0..self.ids.len() {
+                if self.handles[r] != FREE {
+                    self.ids[w] = self.ids[r];
+                    self.handles[w] = self.handles[r];
+                    w += 1;
+                }
+            }
+            self.ids.truncate(w);
+            self.handles.truncate(w);
+            self.dead = 0;
+        }
+        if self.late.is_empty() {
             return;
         }
-        let n = self.len();
-        let mut ids = Vec::with_capacity(n);
-        let mut handles = Vec::with_capacity(n);
-        let mut late = std::mem::take(&mut self.late).into_iter().peekable();
-        for (&id, &h) in self.ids.iter().zip(&self.handles) {
-            if h == FREE {
-                continue;
-            }
-            while let Some((l, lh)) = late.next_if(|(l, _)| *l < id) {
-                ids.push(l);
-                handles.push(lh);
-            }
-            ids.push(id);
-            handles.push(h);
+        let old = self.ids.len();
+        let n = old + self.late.len();
+        if n > self.ids.capacity() {
+            // Room for an eighth more, as `insert` grows.
+            self.ids.reserve_exact(n + n / 8 - old);
+            self.handles.reserve_exact(n + n / 8 - old);
         }
-        for (l, lh) in late {
-            ids.push(l);
-            handles.push(lh);
+        self.ids.resize(n, 0);
+        self.handles.resize(n, FREE);
+        // Merge from the back: the largest remaining of either side goes to the end.
+        let mut r = old;
+        let mut w = n;
+        for (&l, &lh) in std::mem::take(&mut self.late).iter().rev() {
+            while r > 0 && self.ids[r - 1] > l {
+                r -= 1;
+                w -= 1;
+                self.ids[w] = self.ids[r];
+                self.handles[w] = self.handles[r];
+            }
+            w -= 1;
+            self.ids[w] = l;
+            self.handles[w] = lh;
         }
-        self.ids = ids;
-        self.handles = handles;
-        self.dead = 0;
     }
 
     /// Every tracked lease's entry, sorted by lease id.
