@@ -51,6 +51,9 @@ struct Tracked {
     acked_until: u64,
 }
 
+/// A heartbeat sent: engine, seq, sent at, what it named (lease, the model's serial).
+type SentBeat = (usize, u64, u64, Vec<(LeaseId, u64)>);
+
 fn remote(engine: usize) -> Remote {
     Remote { engine_id: ENGINES[engine].into(), host: "127.0.0.1".into(), port: 7000, incarnation: 11 }
 }
@@ -77,8 +80,7 @@ proptest! {
             serial += 1;
             model.insert(format!("keep{i}"), Tracked { engine: i, lease: KEEP, serial, acked_until: 0 });
         }
-        // Heartbeats sent: (engine, seq, sent at, what each named: (lease, serial)).
-        let mut sent: Vec<(usize, u64, u64, Vec<(LeaseId, u64)>)> = Vec::new();
+        let mut sent: Vec<SentBeat> = Vec::new();
         let mut lost_expected: BTreeSet<(String, LeaseId)> = BTreeSet::new();
         let mut releases: BTreeSet<(usize, LeaseId)> = BTreeSet::new();
 
@@ -212,7 +214,7 @@ proptest! {
                 }
             }
             prop_assert_eq!(r.tracked(), model.len());
-            for (req, _) in &model {
+            for req in model.keys() {
                 prop_assert!(r.is_tracked(req));
             }
         }
