@@ -171,6 +171,10 @@ impl Order {
     }
 
     fn get(&self, id: LeaseId) -> Option<u32> {
+        if self.ids.last().is_none_or(|&last| last < id) {
+            // Above every id here, late ones included (a late id is below the last on arrival).
+            return None;
+        }
         match self.ids.binary_search(&id) {
             Ok(i) if self.handles[i] != FREE => Some(self.handles[i]),
             _ => self.late.get(&id).copied(),
@@ -490,10 +494,11 @@ impl Renewer {
             return;
         }
         let e = self.engine_index(remote, now);
-        let known = self.peers.get(&remote.engine_id).map(|p| p.incarnation);
         let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) else { return };
         let moved = engine.host != remote.host || engine.port != remote.port;
-        let reborn = engine.link == Link::Ready && remote.incarnation != 0 && known.is_some_and(|i| i != remote.incarnation);
+        let reborn = engine.link == Link::Ready
+            && remote.incarnation != 0
+            && self.peers.get(&remote.engine_id).is_some_and(|p| p.incarnation != remote.incarnation);
         if moved || reborn {
             engine.host = remote.host.clone();
             engine.port = remote.port;
