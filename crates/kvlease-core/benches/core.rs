@@ -24,46 +24,15 @@ use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{Holder, LeaseTable, Released, REAP_BUDGET as BUDGET};
 use kvlease_core::wire::{encode_heartbeat, Message};
 use kvlease_core::Nanos;
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 
-/// Counts the bytes held by allocations made while `COUNTING` is set (net of frees then).
-struct Counting;
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static HELD: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            HELD.fetch_add(l.size() as isize, Relaxed);
-        }
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        if COUNTING.load(Relaxed) {
-            HELD.fetch_sub(l.size() as isize, Relaxed);
-        }
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            HELD.fetch_add(new as isize - l.size() as isize, Relaxed);
-        }
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "common/counting.rs"]
+mod counting;
+use counting::{counted, Counting, HELD};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
-
-/// Runs `f` with the allocator counting.
-fn counted<R>(f: impl FnOnce() -> R) -> R {
-    COUNTING.store(true, Relaxed);
-    let r = f();
-    COUNTING.store(false, Relaxed);
-    r
-}
 
 const K: usize = 1000;
 const SEC: u64 = 1_000_000_000;

@@ -91,26 +91,273 @@ enum Link {
     },
 }
 
+/// A tracked request: 40 bytes and its request id's bytes, in one slab (`Renewer::entries`),
+/// found by request id through [`RequestIndex`] and by lease id through its engine's [`Order`].
+/// It keeps no acknowledgement of its own: which heartbeats named it follows from its lease id
+/// and `since` (see [`Sent`]), so acknowledging a heartbeat costs nothing per id.
 #[derive(Debug)]
-struct Tracked {
-    request_id: String,
+struct Entry {
+    /// Empty for a free slot.
+    request_id: Box<str>,
+    lease_id: LeaseId,
     incarnation: u64,
-    /// P holds this lease at least until then, on our clock (send time of an acked heartbeat + E).
-    acked_until: Nanos,
+    /// Index of its engine in `Renewer::engines`; `FREE` for a free slot.
+    engine: u32,
+    /// The engine's heartbeat seq when tracking started (low 32 bits): every heartbeat of a
+    /// later seq whose id range holds the lease named it.
+    since: u32,
+}
+
+const FREE: u32 = u32::MAX;
+
+/// One heartbeat sent and not yet older than E: the sorted ids `lo..=hi` it named (all tracked
+/// leases of the engine in that range at the time, or only `ids` for a read renewal).
+#[derive(Debug)]
+struct Sent {
+    seq: u64,
+    at: Nanos,
+    lo: LeaseId,
+    hi: LeaseId,
+    ids: Option<Box<[LeaseId]>>,
+    acked: bool,
+}
+
+impl Sent {
+    fn named(&self, e: &Entry) -> bool {
+        // 32 bits of seq: wrong only for a request tracked across 2^31 heartbeats to its engine.
+        let after = (self.seq as u32).wrapping_sub(e.since) as i32 > 0;
+        after
+            && self.lo <= e.lease_id
+            && e.lease_id <= self.hi
+            && self.ids.as_ref().is_none_or(|ids| ids.binary_search(&e.lease_id).is_ok())
+    }
+}
+
+/// An engine's tracked leases in lease-id order (what a heartbeat names), each with its entry:
+/// a sorted array that ids granted in a row (the usual case) append to, with tombstones for
+/// untracked ones and a small map for ids that arrive out of order; both are folded in by
+/// [`Order::settle`] before each heartbeat round, in one pass.
+#[derive(Debug, Default)]
+struct Order {
+    ids: Vec<LeaseId>,
+    /// `handles[i]` is the entry of `ids[i]`, or `FREE` once untracked.
+    handles: Vec<u32>,
+    dead: usize,
+    late: BTreeMap<LeaseId, u32>,
+}
+
+impl Order {
+    fn len(&self) -> usize {
+        self.ids.len() - self.dead + self.late.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn insert(&mut self, id: LeaseId, handle: u32) {
+        if self.ids.last().is_none_or(|&last| last < id) {
+            if self.ids.len() == self.ids.capacity() {
+                // Grow by an eighth, not double: the array is most of the renewer's memory.
+                let more = self.ids.len() / 8 + 16;
+                self.ids.reserve_exact(more);
+                self.handles.reserve_exact(more);
+            }
+            self.ids.push(id);
+            self.handles.push(handle);
+        } else {
+            self.late.insert(id, handle);
+        }
+    }
+
+    fn get(&self, id: LeaseId) -> Option<u32> {
+        if self.ids.last().is_none_or(|&last| last < id) {
+            // Above every id here, late ones included (a late id is below the last on arrival).
+            return None;
+        }
+        match self.ids.binary_search(&id) {
+            Ok(i) if self.handles[i] != FREE => Some(self.handles[i]),
+            _ => self.late.get(&id).copied(),
+        }
+    }
+
+    fn remove(&mut self, id: LeaseId) -> Option<u32> {
+        match self.ids.binary_search(&id) {
+            Ok(i) if self.handles[i] != FREE => {
+                self.dead += 1;
+                Some(std::mem::replace(&mut self.handles[i], FREE))
+            }
+            _ => self.late.remove(&id),
+        }
+    }
+
+    /// Folds late ids in and drops tombstones, in place: afterwards `ids` is every tracked
+    /// lease, sorted. One pass forward to close the holes, one backward to merge the late ids.
+    fn settle(&mut self) {
+        if self.dead > 0 {
+            let mut w = 0;
+            for r in 0..self.ids.len() {
+                if self.handles[r] != FREE {
+                    self.ids[w] = self.ids[r];
+                    self.handles[w] = self.handles[r];
+                    w += 1;
+                }
+            }
+            self.ids.truncate(w);
+            self.handles.truncate(w);
+            self.dead = 0;
+        }
+        if self.late.is_empty() {
+            return;
+        }
+        let old = self.ids.len();
+        let n = old + self.late.len();
+        if n > self.ids.capacity() {
+            // Room for an eighth more, as `insert` grows.
+            self.ids.reserve_exact(n + n / 8 - old);
+            self.handles.reserve_exact(n + n / 8 - old);
+        }
+        self.ids.resize(n, 0);
+        self.handles.resize(n, FREE);
+        // Merge from the back: the largest remaining of either side goes to the end.
+        let mut r = old;
+        let mut w = n;
+        for (&l, &lh) in std::mem::take(&mut self.late).iter().rev() {
+            while r > 0 && self.ids[r - 1] > l {
+                r -= 1;
+                w -= 1;
+                self.ids[w] = self.ids[r];
+                self.handles[w] = self.handles[r];
+            }
+            w -= 1;
+            self.ids[w] = l;
+            self.handles[w] = lh;
+        }
+    }
+
+    /// Every tracked lease's entry, sorted by lease id.
+    fn handles(&mut self) -> &[u32] {
+        self.settle();
+        &self.handles
+    }
+
+    fn bytes(&self) -> usize {
+        self.ids.capacity() * 8 + self.handles.capacity() * 4 + self.late.len() * 24
+    }
+}
+
+/// Request id → entry: open addressing over 8-byte slots (the entry's index and 32 bits of the
+/// id's hash), linear probing, deletion by backward shift; the key is the entry's own
+/// `request_id`, so a request id is stored once. Keyed hashing (std's `RandomState`): request
+/// ids come from clients.
+#[derive(Debug)]
+struct RequestIndex {
+    slots: Vec<u64>,
+    len: usize,
+    hasher: std::collections::hash_map::RandomState,
+}
+
+const EMPTY: u64 = u64::MAX;
+
+impl RequestIndex {
+    fn new() -> RequestIndex {
+        RequestIndex { slots: Vec::new(), len: 0, hasher: Default::default() }
+    }
+
+    fn hash(&self, key: &str) -> u32 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(key) as u32
+    }
+
+    fn mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    /// The slot holding `key`, and its entry.
+    fn find(&self, key: &str, entries: &[Entry]) -> Option<(usize, u32)> {
+        if self.len == 0 {
+            return None;
+        }
+        let hash = self.hash(key);
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        loop {
+            let s = self.slots[i];
+            if s == EMPTY {
+                return None;
+            }
+            let handle = s as u32;
+            if (s >> 32) as u32 == hash && entries.get(handle as usize).is_some_and(|e| &*e.request_id == key) {
+                return Some((i, handle));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Files `handle` under `key` (not already present).
+    fn insert(&mut self, key: &str, handle: u32) {
+        if (self.len + 1) * 8 > self.slots.len() * 7 {
+            self.grow();
+        }
+        let hash = self.hash(key);
+        self.put(u64::from(hash) << 32 | u64::from(handle));
+        self.len += 1;
+    }
+
+    fn put(&mut self, slot: u64) {
+        let mask = self.mask();
+        let mut i = (slot >> 32) as usize & mask;
+        while self.slots[i] != EMPTY {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = slot;
+    }
+
+    fn grow(&mut self) {
+        let cap = (self.slots.len() * 2).max(16);
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; cap]);
+        for s in old.into_iter().filter(|&s| s != EMPTY) {
+            self.put(s);
+        }
+    }
+
+    fn remove_at(&mut self, mut hole: usize) {
+        let mask = self.mask();
+        self.slots[hole] = EMPTY;
+        self.len -= 1;
+        let mut j = (hole + 1) & mask;
+        while self.slots[j] != EMPTY {
+            let home = (self.slots[j] >> 32) as usize & mask;
+            // Move slot j back into the hole unless its home lies cyclically in (hole, j].
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[j];
+                self.slots[j] = EMPTY;
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.slots.capacity() * 8
+    }
 }
 
 #[derive(Debug)]
 struct RemoteEngine {
+    name: String,
     host: String,
     port: u16,
     link: Link,
     /// Consecutive handshake failures, for back-off.
     failures: u32,
-    leases: BTreeMap<LeaseId, Tracked>,
+    leases: Order,
     next_due: Nanos,
     seq: u64,
-    /// Heartbeats awaiting acknowledgement: (seq, sent at, ids).
-    inflight: VecDeque<(u64, Nanos, Vec<LeaseId>)>,
+    /// Heartbeats sent within E, oldest first.
+    sent: VecDeque<Sent>,
+    /// Acknowledgements of heartbeats up to this seq are ignored (sent before a reconnect).
+    ack_floor: u64,
     /// Leases to release, with the incarnation that granted them (a release is never sent to
     /// another incarnation, where the same id names someone else's lease) and when the release
     /// was first seen by `poll` (after E it is pointless: P has expired the lease itself).
@@ -123,6 +370,14 @@ struct RemoteEngine {
     probe_seq: u64,
 }
 
+impl RemoteEngine {
+    /// Acknowledgements of what was sent so far no longer count (the link is new).
+    fn reconnect(&mut self) {
+        self.link = Link::Unknown;
+        self.ack_floor = self.seq;
+    }
+}
+
 /// How often the clock offset toward an engine is measured again while the link lives.
 const CLOCK_REFRESH: Duration = Duration::from_secs(30);
 
@@ -132,13 +387,22 @@ const FORGET_AFTER_MIN: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// D's lease renewer for one engine: all remote P engines, all tracked requests.
+///
+/// Built for 10^6 tracked requests across 100s of P engines (issue #11): a heartbeat round of an
+/// engine reads its sorted lease-id array once and encodes it; an acknowledgement marks its
+/// heartbeat acknowledged and touches no lease; a request costs one slab entry, 8 bytes of
+/// request index and 12 bytes of order (over the tables' spare room), and its request id once.
 #[derive(Debug)]
 pub struct Renewer {
     interval: Duration,
     extension: Duration,
     max_notif_bytes: usize,
-    engines: BTreeMap<String, RemoteEngine>,
-    requests: BTreeMap<String, (String, LeaseId)>,
+    /// Engines by index (an entry names its engine by index); `None` once forgotten.
+    engines: Vec<Option<RemoteEngine>>,
+    by_name: BTreeMap<String, u32>,
+    entries: Vec<Entry>,
+    free: Vec<u32>,
+    requests: RequestIndex,
     lost: Vec<(String, LeaseId)>,
     peers: Peers,
 }
@@ -167,68 +431,138 @@ impl Renewer {
             interval: cfg.heartbeat_interval,
             extension: cfg.extension,
             max_notif_bytes: cfg.max_notif_bytes,
-            engines: BTreeMap::new(),
-            requests: BTreeMap::new(),
+            engines: Vec::new(),
+            by_name: BTreeMap::new(),
+            entries: Vec::new(),
+            free: Vec::new(),
+            requests: RequestIndex::new(),
             lost: Vec::new(),
             peers: Peers::default(),
         }
     }
 
-    /// SPEC D1: start renewing `lease_id` for `request_id` now, as it enters the scheduler.
-    /// SPEC D5: a known engine seen at new coordinates or with a new incarnation is reconnected.
-    pub fn track(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) {
-        if self.requests.contains_key(request_id) {
-            return;
+    fn engine_mut(&mut self, engine_id: &str) -> Option<&mut RemoteEngine> {
+        let i = *self.by_name.get(engine_id)?;
+        self.engines.get_mut(i as usize)?.as_mut()
+    }
+
+    fn engine(&self, engine_id: &str) -> Option<&RemoteEngine> {
+        let i = *self.by_name.get(engine_id)?;
+        self.engines.get(i as usize)?.as_ref()
+    }
+
+    /// The index of `remote`'s engine, known or new.
+    fn engine_index(&mut self, remote: &Remote, now: Nanos) -> u32 {
+        if let Some(&i) = self.by_name.get(&remote.engine_id) {
+            return i;
         }
-        let engine = self.engines.entry(remote.engine_id.clone()).or_insert_with(|| RemoteEngine {
+        let engine = RemoteEngine {
+            name: remote.engine_id.clone(),
             host: remote.host.clone(),
             port: remote.port,
             link: Link::Unknown,
             failures: 0,
-            leases: BTreeMap::new(),
+            leases: Order::default(),
             next_due: now,
             seq: 0,
-            inflight: VecDeque::new(),
+            sent: VecDeque::new(),
+            ack_floor: 0,
             to_release: BTreeMap::new(),
             renew_for_read: BTreeSet::new(),
             idle_since: None,
             next_probe: now + CLOCK_REFRESH,
             probe_seq: 0,
-        });
+        };
+        let i = match self.engines.iter().position(Option::is_none) {
+            Some(i) => {
+                self.engines[i] = Some(engine);
+                i
+            }
+            None => {
+                self.engines.push(Some(engine));
+                self.engines.len() - 1
+            }
+        };
+        self.by_name.insert(remote.engine_id.clone(), i as u32);
+        i as u32
+    }
+
+    /// SPEC D1: start renewing `lease_id` for `request_id` now, as it enters the scheduler.
+    /// SPEC D5: a known engine seen at new coordinates or with a new incarnation is reconnected.
+    pub fn track(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) {
+        if self.requests.find(request_id, &self.entries).is_some() {
+            return;
+        }
+        let e = self.engine_index(remote, now);
+        let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) else { return };
         let moved = engine.host != remote.host || engine.port != remote.port;
-        let known = self.peers.get(&remote.engine_id).map(|p| p.incarnation);
-        let reborn = engine.link == Link::Ready && remote.incarnation != 0 && known.is_some_and(|i| i != remote.incarnation);
+        let reborn = engine.link == Link::Ready
+            && remote.incarnation != 0
+            && self.peers.get(&remote.engine_id).is_some_and(|p| p.incarnation != remote.incarnation);
         if moved || reborn {
             engine.host = remote.host.clone();
             engine.port = remote.port;
-            engine.link = Link::Unknown;
             engine.failures = 0;
-            engine.inflight.clear();
+            engine.reconnect();
         }
-        // The same id from another incarnation of P: the older grant is certainly dead.
-        let stale = engine.leases.get(&lease_id).is_some_and(|t| t.incarnation != remote.incarnation);
         if engine.leases.is_empty() {
             // The first lease toward an idle engine is renewed at once: D learns it is live early.
             engine.next_due = engine.next_due.min(now);
         }
-        if stale {
-            self.lose(&remote.engine_id, lease_id, false);
+        let since = engine.seq as u32;
+        if let Some(old) = engine.leases.get(lease_id) {
+            // The same id from another incarnation of P: the older grant is certainly dead. From
+            // the same one, the new request takes the lease over.
+            if self.entries[old as usize].incarnation != remote.incarnation {
+                self.lose(e, lease_id, false);
+            } else {
+                self.untrack_handle(old);
+            }
         }
-        let Some(engine) = self.engines.get_mut(&remote.engine_id) else { return };
-        engine
-            .leases
-            .insert(lease_id, Tracked { request_id: request_id.to_string(), incarnation: remote.incarnation, acked_until: Nanos::ZERO });
-        self.requests.insert(request_id.to_string(), (remote.engine_id.clone(), lease_id));
+        let entry = Entry { request_id: request_id.into(), lease_id, incarnation: remote.incarnation, engine: e, since };
+        let handle = match self.free.pop() {
+            Some(h) => {
+                self.entries[h as usize] = entry;
+                h
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.requests.insert(request_id, handle);
+        if let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) {
+            engine.leases.insert(lease_id, handle);
+        }
+    }
+
+    /// Stops tracking entry `handle` everywhere; returns what it was.
+    fn untrack_handle(&mut self, handle: u32) -> Option<Entry> {
+        let e = self.entries.get(handle as usize)?;
+        if e.engine == FREE {
+            return None;
+        }
+        if let Some((slot, _)) = self.requests.find(&e.request_id, &self.entries) {
+            self.requests.remove_at(slot);
+        }
+        let free = Entry { request_id: Box::default(), lease_id: 0, incarnation: 0, engine: FREE, since: 0 };
+        let e = std::mem::replace(&mut self.entries[handle as usize], free);
+        self.free.push(handle);
+        if let Some(engine) = self.engines.get_mut(e.engine as usize).and_then(Option::as_mut) {
+            engine.leases.remove(e.lease_id);
+            engine.renew_for_read.remove(&e.lease_id);
+        }
+        Some(e)
     }
 
     /// SPEC D4: stop tracking a request; `Abandoned` queues a `Release` to P.
     pub fn untrack(&mut self, request_id: &str, how: Untrack) {
-        let Some((engine_id, lease_id)) = self.requests.remove(request_id) else { return };
-        let Some(engine) = self.engines.get_mut(&engine_id) else { return };
-        let Some(t) = engine.leases.remove(&lease_id) else { return };
-        engine.renew_for_read.remove(&lease_id);
+        let Some((_, handle)) = self.requests.find(request_id, &self.entries) else { return };
+        let Some(e) = self.untrack_handle(handle) else { return };
         if how == Untrack::Abandoned {
-            engine.to_release.insert(lease_id, (t.incarnation, None));
+            if let Some(engine) = self.engines.get_mut(e.engine as usize).and_then(Option::as_mut) {
+                engine.to_release.insert(e.lease_id, (e.incarnation, None));
+            }
         }
     }
 
@@ -236,20 +570,27 @@ impl Renewer {
     /// granted by another incarnation of that engine are lost (SPEC §3), and the peer registry
     /// learns the engine's incarnation and agents.
     pub fn handshake_done(&mut self, engine_id: &str, result: Result<Handshook, ()>, now: Nanos) -> HandshakeTaken {
-        let pending = self.engines.get(engine_id).is_some_and(|e| e.link == Link::Pending);
-        if !pending {
+        let pending = self.engine(engine_id).is_some_and(|e| e.link == Link::Pending);
+        let (true, Some(&index)) = (pending, self.by_name.get(engine_id)) else {
             return HandshakeTaken { taken: false, drop_agents: result.map(|h| h.agents).unwrap_or_default() };
-        }
-        let Some(engine) = self.engines.get_mut(engine_id) else { return HandshakeTaken::default() };
+        };
+        let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) else { return HandshakeTaken::default() };
         match result {
             Ok(Handshook { incarnation, agents }) => {
                 engine.link = Link::Ready;
                 engine.failures = 0;
                 engine.next_due = now;
-                let stale: Vec<LeaseId> =
-                    engine.leases.iter().filter(|(_, t)| t.incarnation != 0 && t.incarnation != incarnation).map(|(id, _)| *id).collect();
+                let entries = &self.entries;
+                let stale: Vec<LeaseId> = engine
+                    .leases
+                    .handles()
+                    .iter()
+                    .map(|&h| &entries[h as usize])
+                    .filter(|t| t.incarnation != 0 && t.incarnation != incarnation)
+                    .map(|t| t.lease_id)
+                    .collect();
                 for id in stale {
-                    self.lose(engine_id, id, false);
+                    self.lose(index, id, false);
                 }
                 let drop_agents = self.peers.learned(engine_id, incarnation, agents);
                 HandshakeTaken { taken: true, drop_agents }
@@ -270,10 +611,9 @@ impl Renewer {
     pub fn introduced(&mut self, engine_id: &str, incarnation: u64, agents: Vec<String>) -> Vec<String> {
         let old = self.peers.get(engine_id).map(|p| p.incarnation);
         if old.is_some_and(|i| i != incarnation) {
-            if let Some(engine) = self.engines.get_mut(engine_id) {
+            if let Some(engine) = self.engine_mut(engine_id) {
                 if engine.link == Link::Ready {
-                    engine.link = Link::Unknown;
-                    engine.inflight.clear();
+                    engine.reconnect();
                 }
             }
         }
@@ -283,10 +623,9 @@ impl Renewer {
     /// The connection to `engine_id` broke: handshake again before the next heartbeat. Returns
     /// the agents whose connections to drop.
     pub fn disconnected(&mut self, engine_id: &str) -> Vec<String> {
-        if let Some(engine) = self.engines.get_mut(engine_id) {
+        if let Some(engine) = self.engine_mut(engine_id) {
             if engine.link == Link::Ready {
-                engine.link = Link::Unknown;
-                engine.inflight.clear();
+                engine.reconnect();
             }
         }
         self.peers.forget(engine_id)
@@ -313,54 +652,64 @@ impl Renewer {
     }
 
     /// A message from a rank of P engine `engine_id`, at `now`: acknowledgements, lost leases,
-    /// clock probe answers.
+    /// clock probe answers. An acknowledgement marks its heartbeat acknowledged (every lease it
+    /// named is then live until its send time + E): no work per lease id.
     pub fn on_message(&mut self, engine_id: &str, msg: &Message, now: Nanos) {
+        let Some(&index) = self.by_name.get(engine_id) else {
+            if let Message::ClockPong { t0, t1, t2, .. } = msg {
+                let sample = crate::clock::ClockSample { t0: *t0, t1: *t1, t2: *t2, t3: now.0 };
+                self.peers.clock_sample(engine_id, sample);
+            }
+            return;
+        };
         match msg {
             Message::ClockPong { t0, t1, t2, .. } => {
                 let sample = crate::clock::ClockSample { t0: *t0, t1: *t1, t2: *t2, t3: now.0 };
                 self.peers.clock_sample(engine_id, sample);
             }
             Message::HeartbeatAck { seq, lost_ids } => {
-                let extension = self.extension;
-                let Some(engine) = self.engines.get_mut(engine_id) else { return };
-                if let Some(pos) = engine.inflight.iter().position(|(s, _, _)| s == seq) {
-                    let (_, sent_at, ids) = &engine.inflight[pos];
-                    let until = *sent_at + extension;
-                    for id in ids {
-                        if lost_ids.binary_search(id).is_err() {
-                            if let Some(t) = engine.leases.get_mut(id) {
-                                t.acked_until = t.acked_until.max(until);
-                            }
-                        }
+                let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) else { return };
+                if *seq > engine.ack_floor {
+                    if let Ok(pos) = engine.sent.binary_search_by_key(seq, |s| s.seq) {
+                        // Ranks ack the same heartbeat each; one is enough, the others change nothing.
+                        engine.sent[pos].acked = true;
                     }
-                    // Ranks ack the same heartbeat each; keep it for the others until it ages out.
                 }
                 for id in lost_ids {
-                    self.lose(engine_id, *id, true);
+                    self.lose(index, *id, true);
                 }
             }
             Message::LeaseLost { lease_ids } => {
                 for id in lease_ids {
-                    self.lose(engine_id, *id, false);
+                    self.lose(index, *id, false);
                 }
             }
             _ => {}
         }
     }
 
+    /// Until when P is known to hold entry `e`'s lease: the latest acknowledged heartbeat that
+    /// named it, sent at t, proves t + E; `None` when none within E did.
+    fn acked_until(&self, engine: &RemoteEngine, e: &Entry) -> Option<Nanos> {
+        engine.sent.iter().rev().find(|s| s.acked && s.named(e)).map(|s| s.at + self.extension)
+    }
+
     /// SPEC D6: may the request's lease be read now, finishing within `budget`?
     /// `RenewFirst` queues a renewal of it for the next [`Renewer::poll`].
     pub fn read_check(&mut self, request_id: &str, budget: Duration, now: Nanos) -> ReadCheck {
-        let Some((engine_id, lease_id)) = self.requests.get(request_id) else { return ReadCheck::Untracked };
-        let Some(engine) = self.engines.get_mut(engine_id) else { return ReadCheck::Untracked };
-        let Some(t) = engine.leases.get(lease_id) else { return ReadCheck::Untracked };
-        if t.acked_until > now + budget {
+        let Some((_, handle)) = self.requests.find(request_id, &self.entries) else { return ReadCheck::Untracked };
+        let e = &self.entries[handle as usize];
+        let Some(engine) = self.engines.get(e.engine as usize).and_then(Option::as_ref) else { return ReadCheck::Untracked };
+        if self.acked_until(engine, e).is_some_and(|t| t > now + budget) {
             return ReadCheck::Safe;
         }
         if matches!(engine.link, Link::Failed { .. }) {
             return ReadCheck::Unreachable;
         }
-        engine.renew_for_read.insert(*lease_id);
+        let (lease_id, index) = (e.lease_id, e.engine);
+        if let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) {
+            engine.renew_for_read.insert(lease_id);
+        }
         ReadCheck::RenewFirst
     }
 
@@ -369,10 +718,12 @@ impl Renewer {
         for (request_id, lease_id) in self.lost.drain(..) {
             out.push(Action::Lost { request_id, lease_id });
         }
-        for (engine_id, engine) in &mut self.engines {
+        for &index in self.by_name.values() {
+            let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) else { continue };
+            let engine_id = &engine.name;
             // An ack of a heartbeat sent more than E ago proves nothing any more: forget it.
-            while engine.inflight.front().is_some_and(|(_, sent, _)| *sent + self.extension <= now) {
-                engine.inflight.pop_front();
+            while engine.sent.front().is_some_and(|s| s.at + self.extension <= now) {
+                engine.sent.pop_front();
             }
             for (_, queued) in engine.to_release.values_mut() {
                 queued.get_or_insert(now);
@@ -413,14 +764,14 @@ impl Renewer {
                         });
                     }
                     if !engine.leases.is_empty() && now >= engine.next_due {
-                        let ids: Vec<LeaseId> = engine.leases.keys().copied().collect();
                         let lateness = now.since(engine.next_due);
                         engine.next_due = now + self.interval;
                         engine.renew_for_read.clear();
-                        send_heartbeats(engine_id, engine, ids, now, self.max_notif_bytes, SendKind::Heartbeat { lateness }, out);
+                        engine.leases.settle();
+                        send_round(engine, now, self.max_notif_bytes, SendKind::Heartbeat { lateness }, out);
                     } else if !engine.renew_for_read.is_empty() {
                         let ids: Vec<LeaseId> = std::mem::take(&mut engine.renew_for_read).into_iter().collect();
-                        send_heartbeats(engine_id, engine, ids, now, self.max_notif_bytes, SendKind::ReadRenewal, out);
+                        send_for_read(engine, ids, now, self.max_notif_bytes, out);
                     }
                 }
                 _ => {}
@@ -429,14 +780,15 @@ impl Renewer {
             engine.idle_since = if idle { engine.idle_since.or(Some(now)) } else { None };
         }
         let forget_after = self.forget_after();
-        let stale: Vec<String> = self
-            .engines
+        let stale: Vec<(String, u32)> = self
+            .by_name
             .iter()
-            .filter(|(_, e)| e.idle_since.is_some_and(|t| now.since(t) >= forget_after))
-            .map(|(id, _)| id.clone())
+            .filter(|(_, &i)| self.engines[i as usize].as_ref().is_some_and(|e| e.idle_since.is_some_and(|t| now.since(t) >= forget_after)))
+            .map(|(id, &i)| (id.clone(), i))
             .collect();
-        for engine_id in stale {
-            self.engines.remove(&engine_id);
+        for (engine_id, index) in stale {
+            self.by_name.remove(&engine_id);
+            self.engines[index as usize] = None;
             let agents = self.peers.forget(&engine_id);
             out.push(Action::Forget { engine_id, agents });
         }
@@ -449,7 +801,8 @@ impl Renewer {
         }
         let forget_after = self.forget_after();
         self.engines
-            .values()
+            .iter()
+            .flatten()
             .filter_map(|e| match e.link {
                 Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
                 Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
@@ -468,47 +821,73 @@ impl Renewer {
 
     /// Requests being renewed.
     pub fn tracked(&self) -> usize {
-        self.requests.len()
+        self.requests.len
     }
 
     /// Whether a request is tracked.
     pub fn is_tracked(&self, request_id: &str) -> bool {
-        self.requests.contains_key(request_id)
+        self.requests.find(request_id, &self.entries).is_some()
     }
 
     /// Whether the handshake with `engine_id` has completed.
     pub fn is_ready(&self, engine_id: &str) -> bool {
-        matches!(self.engines.get(engine_id).map(|e| e.link), Some(Link::Ready))
+        matches!(self.engine(engine_id).map(|e| e.link), Some(Link::Ready))
+    }
+
+    /// Bytes the renewer's own tables hold for tracked requests (the slab, the request index, the
+    /// engines' sorted lease ids and heartbeats in flight), request ids' bytes not counted: for
+    /// the benches' memory per tracked request.
+    pub fn table_bytes(&self) -> usize {
+        let engines: usize = self
+            .engines
+            .iter()
+            .flatten()
+            .map(|e| {
+                e.leases.bytes()
+                    + e.sent.iter().map(|s| std::mem::size_of::<Sent>() + s.ids.as_ref().map_or(0, |i| i.len() * 8)).sum::<usize>()
+            })
+            .sum();
+        self.entries.capacity() * std::mem::size_of::<Entry>() + self.free.capacity() * 4 + self.requests.bytes() + engines
     }
 
     /// Stops tracking a lost lease and reports it. `release`: P may still hold it (a renewal
     /// capped by P9 is acknowledged as lost), so free it now; pointless when P said it is gone.
-    fn lose(&mut self, engine_id: &str, lease_id: LeaseId, release: bool) {
-        let Some(engine) = self.engines.get_mut(engine_id) else { return };
-        let Some(t) = engine.leases.remove(&lease_id) else { return };
-        engine.renew_for_read.remove(&lease_id);
+    fn lose(&mut self, engine: u32, lease_id: LeaseId, release: bool) {
+        let Some(handle) = self.engines.get(engine as usize).and_then(Option::as_ref).and_then(|e| e.leases.get(lease_id)) else { return };
+        let Some(t) = self.untrack_handle(handle) else { return };
         if release {
-            engine.to_release.insert(lease_id, (t.incarnation, None));
+            if let Some(engine) = self.engines.get_mut(engine as usize).and_then(Option::as_mut) {
+                engine.to_release.insert(lease_id, (t.incarnation, None));
+            }
         }
-        self.requests.remove(&t.request_id);
-        self.lost.push((t.request_id, lease_id));
+        self.lost.push((t.request_id.into(), lease_id));
     }
 }
 
-fn send_heartbeats(
-    engine_id: &str,
-    engine: &mut RemoteEngine,
-    ids: Vec<LeaseId>,
-    now: Nanos,
-    max_bytes: usize,
-    kind: SendKind,
-    out: &mut Vec<Action>,
-) {
+/// A heartbeat round: every tracked lease of `engine` (settled, so `ids` is sorted), in as
+/// many messages as `max_bytes` needs.
+fn send_round(engine: &mut RemoteEngine, now: Nanos, max_bytes: usize, kind: SendKind, out: &mut Vec<Action>) {
+    let ids = &engine.leases.ids;
+    for range in heartbeat_chunks(ids, max_bytes) {
+        engine.seq += 1;
+        let chunk = &ids[range];
+        let mut bytes = Vec::with_capacity(chunk.len() * 2 + 24);
+        encode_heartbeat(engine.seq, chunk, &mut bytes);
+        let (lo, hi) = (chunk[0], chunk[chunk.len() - 1]);
+        engine.sent.push_back(Sent { seq: engine.seq, at: now, lo, hi, ids: None, acked: false });
+        out.push(Action::Send { engine_id: engine.name.clone(), bytes, kind });
+    }
+}
+
+/// SPEC D6: a renewal of just these (sorted) leases, about to be read.
+fn send_for_read(engine: &mut RemoteEngine, ids: Vec<LeaseId>, now: Nanos, max_bytes: usize, out: &mut Vec<Action>) {
     for range in heartbeat_chunks(&ids, max_bytes) {
         engine.seq += 1;
+        let chunk = &ids[range];
         let mut bytes = Vec::new();
-        encode_heartbeat(engine.seq, &ids[range.clone()], &mut bytes);
-        engine.inflight.push_back((engine.seq, now, ids[range].to_vec()));
-        out.push(Action::Send { engine_id: engine_id.to_string(), bytes, kind });
+        encode_heartbeat(engine.seq, chunk, &mut bytes);
+        let (lo, hi) = (chunk[0], chunk[chunk.len() - 1]);
+        engine.sent.push_back(Sent { seq: engine.seq, at: now, lo, hi, ids: Some(chunk.into()), acked: false });
+        out.push(Action::Send { engine_id: engine.name.clone(), bytes, kind: SendKind::ReadRenewal });
     }
 }

@@ -9,7 +9,7 @@ use crate::pool::Blocks;
 use crate::state::{lock, Inner, Lease};
 use crate::{FinishReason, GenerateEvent};
 use kvlease_core::digest::PromptDigest;
-use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released};
+use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released, REAP_BUDGET};
 use kvlease_core::peers::agent_holder;
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadGate, ReadPermit};
@@ -190,8 +190,8 @@ pub(crate) fn shutdown(inner: &Inner) {
     lock(&inner.quarantine).drain().for_each(drop);
 }
 
-/// SPEC P4: the reaper. It ticks the lease table when the table's next expiry is due (a lower
-/// bound, never later than the truth) and hands back quarantined blocks when their hold ends;
+/// SPEC P4: the reaper. It ticks the lease table, [`REAP_BUDGET`] leases at a time, when the
+/// table's next expiry is due (a lower bound, never later than the truth) and hands back quarantined blocks when their hold ends;
 /// between the two it sleeps, so an idle engine has no timer running at all. A grant wakes it
 /// (the new deadline may be the earliest); renewals only move deadlines later.
 pub(crate) async fn reaper(inner: Arc<Inner>) {
@@ -199,10 +199,13 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
     loop {
         let now = inner.now();
         let mut released = Vec::new();
-        let next_expiry = {
+        // A bounded tick (issue #11): at most REAP_BUDGET leases per hold of the table's lock,
+        // so renewals and reads wait for at most one budget; what is left carries over to the
+        // next round of this loop, at once.
+        let (more, next_expiry) = {
             let mut table = lock(&inner.leases);
-            table.tick(now, &mut released);
-            table.next_expiry()
+            let more = table.tick_budget(now, REAP_BUDGET, &mut released);
+            (more, table.next_expiry())
         };
         settle(&inner, released);
         let mut out = Vec::new();
@@ -212,6 +215,10 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
             q.next_release()
         };
         drop(out);
+        if more {
+            tokio::task::yield_now().await;
+            continue;
+        }
         let next = match (next_expiry, next_release) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

@@ -60,6 +60,35 @@ async fn p4_unread_lease_expires_on_an_idle_engine() {
     assert_eq!(p.metrics().kv_blocks_free.load(Relaxed), 256);
 }
 
+/// SPEC P4 with the reaper's bounded tick (issue #11): more leases than one `REAP_BUDGET` expire
+/// together; the reaper ticks a budget at a time, carrying the rest over at once, and every lease
+/// is released as expired within L plus the reaper's granularity, none stranded.
+#[tokio::test(start_paused = true)]
+async fn p4_budgeted_reaper_expires_more_than_one_budget() {
+    let n = kvlease_core::lease_table::REAP_BUDGET * 3 / 2;
+    let net = MemNetwork::new();
+    let mut cfg = on_mem(config(0.6, 1), &net);
+    cfg.num_gpu_blocks = (n * 2) as u32;
+    cfg.max_num_seqs = n;
+    let p = engine(cfg).await;
+    let t0 = tokio::time::Instant::now();
+    let mut all = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let p = p.clone();
+        all.spawn(async move { run(&p, "a b", 1, prefill_params()).await.map(|(_, params)| params.is_some()) });
+    }
+    while let Some(r) = all.join_next().await {
+        assert_eq!(r.unwrap(), Ok(true));
+    }
+    let granted = t0.elapsed();
+    assert_eq!(p.metrics().leases_active.load(Relaxed), n as i64);
+    until("every lease expired", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    let took = t0.elapsed();
+    // The last grant + L + the reaper's granularity (10 ms) + the poll of `until` (10 ms).
+    assert!(took <= granted + Duration::from_millis(600 + 10 + 10), "expired late: {took:?} (granted by {granted:?})");
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), n as u64);
+}
+
 /// SPEC D1, D3, P2: a request waits on a busy D (one running slot, a slow decode) far longer
 /// than the lease; D's heartbeats, sent from their own task, keep P's blocks alive, and the
 /// pull succeeds without recompute. Under virtual time, on the in-memory transport.
