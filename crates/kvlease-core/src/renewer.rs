@@ -829,6 +829,16 @@ impl Renewer {
         self.requests.find(request_id, &self.entries).is_some()
     }
 
+    /// Whether a request already renews `lease_id` as granted by this `incarnation` of
+    /// `engine_id`. A second request naming the same lease (a replayed or retried decode leg on
+    /// this engine) must neither take it over from the first nor release it under it.
+    pub fn tracks_lease(&self, engine_id: &str, lease_id: LeaseId, incarnation: u64) -> bool {
+        self.engine(engine_id)
+            .and_then(|e| e.leases.get(lease_id))
+            .and_then(|h| self.entries.get(h as usize))
+            .is_some_and(|t| t.incarnation == incarnation)
+    }
+
     /// Whether the handshake with `engine_id` has completed.
     pub fn is_ready(&self, engine_id: &str) -> bool {
         matches!(self.engine(engine_id).map(|e| e.link), Some(Link::Ready))

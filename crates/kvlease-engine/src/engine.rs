@@ -176,6 +176,23 @@ impl EngineHandle {
                 role = KvRole::Local;
             }
         }
+        if let KvRole::DecodeRemote(rk) = &role {
+            // A replay of params another request of this engine is already pulling with: it
+            // must not take the lease over from the first (which would then recompute), so it
+            // computes the prompt itself. (Two replays racing here are still safe: the later
+            // takes the lease over and the earlier recomputes.)
+            if lock(&inner.renewer).tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
+                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
+                    return Err(RequestError::bad_request(
+                        Some("kv_transfer_params"),
+                        "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
+                    ));
+                }
+                tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
+                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                role = KvRole::Local;
+            }
+        }
         let blocks_needed = scheduler::blocks_needed(&role, prompt.len(), req.max_tokens, m.block_size);
         if blocks_needed > inner.pool.total() as usize {
             return Err(RequestError::bad_request(

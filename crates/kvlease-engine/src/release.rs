@@ -68,6 +68,11 @@ impl EngineHandle {
         let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
         {
             let mut r = lock(&inner.renewer);
+            // A refused replay of params another request here is pulling with: the lease is
+            // that request's, not this one's to release.
+            if r.tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
+                return false;
+            }
             r.track(&internal, &remote, rk.lease_id, inner.now());
             r.untrack(&internal, Untrack::Abandoned);
         }

@@ -150,6 +150,42 @@ async fn d4_abort_on_d_releases_the_lease_at_once() {
     busy.abort();
 }
 
+/// SPEC S5, O3: a replay of params another request on this D is still waiting to pull with
+/// neither takes the lease over nor releases it (refused): the replay computes its prompt
+/// itself, and the first request still reads P's blocks (`transferred`, no recompute of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_o3_a_replayed_or_refused_replay_leaves_the_first_readers_lease_alone() {
+    let p = engine(config(30.0, 1)).await;
+    let local = engine(config(30.0, 1)).await;
+    let mut dcfg = config(30.0, 1);
+    dcfg.max_num_seqs = 1;
+    dcfg.model.decode_ms_per_token = 50.0;
+    let d = engine(dcfg).await;
+    let busy = {
+        let d = d.clone();
+        tokio::spawn(async move { run(&d, "first", 20, None).await })
+    };
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    let first = {
+        let (d, params) = (d.clone(), params.clone());
+        tokio::spawn(async move { run(&d, PROMPT, 6, params).await })
+    };
+    until("the first request renews", Duration::from_secs(5), || p.metrics().heartbeats_received.load(Relaxed) >= 1).await;
+    // Refused before admission (as a bad field would be): not this replay's lease to release.
+    assert!(!d.release_refused(params.as_ref()), "a refused replay released the first request's lease");
+    // Admitted: computed locally, the lease left to the first request.
+    let (replayed, _) = run(&d, PROMPT, 6, params).await.unwrap();
+    let (want, _) = run(&local, PROMPT, 6, None).await.unwrap();
+    assert_eq!(replayed, want);
+    let (got, _) = first.await.unwrap().unwrap();
+    assert_eq!(got, want);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
+    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1, "only the replay computed its prompt");
+    assert_eq!(d.metrics().lease_lost.load(Relaxed), 0);
+    busy.abort();
+}
+
 /// SPEC D6, D7: a lease that expired before D could read is detected (LeaseLost / refused read),
 /// the bytes are never used, and with `recompute` the output is still the local one; with `fail`
 /// the request fails with a clear 503.
