@@ -163,8 +163,7 @@ impl EngineHandle {
             // never read.
             if !rk.describes(&prompt) {
                 if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::bad_request(
-                        Some("kv_transfer_params"),
+                    return Err(RequestError::not_its_params(
                         "kv_transfer_params belong to another prompt (kvlease_prompt_digest does not match this prompt); not reading them (kv_load_failure_policy=fail)",
                     ));
                 }
@@ -183,8 +182,7 @@ impl EngineHandle {
             // takes the lease over and the earlier recomputes.)
             if lock(&inner.renewer).tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
                 if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::bad_request(
-                        Some("kv_transfer_params"),
+                    return Err(RequestError::not_its_params(
                         "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
                     ));
                 }

@@ -209,8 +209,19 @@ pub struct RequestError {
 }
 
 impl RequestError {
+    /// The `code` of a refusal because the request's `kv_transfer_params` are not its own (SPEC
+    /// S4: another prompt's; or a replay of params another request here is reading with): the
+    /// lease they name belongs to another request, so refusing this one must not release it
+    /// (SPEC O3 releases only a refused request's own lease).
+    pub const NOT_ITS_PARAMS: &'static str = "kv_transfer_params_not_this_requests";
+
     pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> RequestError {
         RequestError { status: 400, code: "invalid_request_error", param, message: message.into() }
+    }
+
+    /// A 400 naming `kv_transfer_params` that belong to another request ([`Self::NOT_ITS_PARAMS`]).
+    pub fn not_its_params(message: impl Into<String>) -> RequestError {
+        RequestError { code: Self::NOT_ITS_PARAMS, ..RequestError::bad_request(Some("kv_transfer_params"), message) }
     }
 
     pub fn unavailable(message: impl Into<String>) -> RequestError {

@@ -204,9 +204,11 @@ async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endp
     let fields = body::json_object(parts, body).await?;
     // SPEC O3: a request that carries P's params and is refused before admission (bad field,
     // wrong model, over length, bad params) releases P's lease at once. Params that do not
-    // verify (forged, S1) never cause a release: `release_refused` checks the signature.
+    // verify (forged, S1) never cause a release: `release_refused` checks the signature; nor do
+    // params that are not the request's own (another prompt's, S4, or a replay).
     let refused = |e: ApiError| {
-        if engine.release_refused(fields.get("kv_transfer_params")) {
+        let its_own = e.code.as_deref() != Some(kvlease_engine::RequestError::NOT_ITS_PARAMS);
+        if its_own && engine.release_refused(fields.get("kv_transfer_params")) {
             tracing::info!(request_id = %rid, "refused before admission: released the prefill engine's lease");
         }
         e

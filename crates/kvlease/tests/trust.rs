@@ -72,6 +72,13 @@ async fn s4_params_of_another_prompt_fail_clearly_under_fail_policy() {
     assert_eq!(body["error"]["param"], "kv_transfer_params", "{body}");
     assert!(body["error"]["message"].as_str().unwrap_or("").contains("another prompt"), "{body}");
     assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
+    // The refusal released nothing (SPEC O3 releases only a refused request's own lease): B's
+    // own request still reads B's KV.
+    let local = Proc::serve_with_secret("s4f-local", &[], None);
+    let want_b = text(&local.url, &completion(PROMPT_B, 8, None)).await;
+    assert_eq!(text(&d.url, &completion(PROMPT_B, 8, Some(&params_b))).await, want_b);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 0.0, "B pulled its own KV");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
 }
 
 /// SPEC S5: a lease belongs to the first engine that renews it. D1 holds a request queued behind
