@@ -133,7 +133,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
     };
     let policies: Vec<Policy> = match &a.sweep {
         Some(values) => values.iter().map(|v| Policy::Lease(*v)).collect(),
-        None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::Lease(30.0)],
+        None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::VllmLease(30.0), Policy::Lease(30.0)],
     };
     let at = |t: u64| if t > 0 { format!("{t} s") } else { "never".into() };
     if !a.json {
@@ -151,7 +151,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
             at(a.crash_at)
         );
         println!(
-            "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13} {:>9} {:>9} {:>11}",
+            "{:<16} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13} {:>9} {:>9} {:>11}",
             "policy",
             "arrived",
             "served",
@@ -177,7 +177,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
             println!("{}", report_json(&r));
         } else {
             println!(
-                "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13.0} {:>7.2} s {:>7.2} s {:>11}",
+                "{:<16} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13.0} {:>7.2} s {:>7.2} s {:>11}",
                 r.policy,
                 r.arrived,
                 r.served,
@@ -235,7 +235,7 @@ fn recommend(reports: &[(Policy, Report)], max_premature: f64) -> Option<f64> {
         .filter(|(_, r)| r.garbage == 0 && r.premature_frees as f64 <= max_premature * r.arrived as f64)
         .filter_map(|(p, _)| match p {
             Policy::Lease(l) => Some(*l),
-            Policy::Fixed(_) => None,
+            Policy::Fixed(_) | Policy::VllmLease(_) => None,
         })
         .min_by(f64::total_cmp)
 }
@@ -256,7 +256,7 @@ fn sweep_chart(reports: &[(Policy, Report)], pick: Option<f64>) -> String {
         .iter()
         .filter_map(|(p, r)| match p {
             Policy::Lease(l) => Some((*l, r.dead_block_seconds, (r.premature_frees + r.garbage) as f64)),
-            Policy::Fixed(_) => None,
+            Policy::Fixed(_) | Policy::VllmLease(_) => None,
         })
         .collect();
     let (w, h, l, r, t, b) = (760.0, 380.0, 80.0, 80.0, 50.0, 60.0);
