@@ -206,8 +206,9 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
         let (more, next_expiry) = {
             let mut table = lock(&inner.leases);
             if inner.cfg.planted_bug == Some(PlantedBug::VllmLease) {
-                // Simulator only (`kvlease sim`'s vLLM lease): vLLM's head-only sweep (#58222).
-                (false, table.tick_head_only(now, &mut released))
+                // Simulator only (`kvlease sim`'s vLLM lease): vLLM's head-only sweep (#58222),
+                // run at least every granularity (the head may be released before its deadline).
+                (false, table.tick_head_only(now, &mut released).map(|d| d.min(now + granularity)))
             } else {
                 let more = table.tick_budget(now, REAP_BUDGET, &mut released);
                 (more, table.next_expiry())

@@ -300,8 +300,8 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             tokio::time::sleep_until(t0 + r.at).await;
             tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
             // The router: P round-robin; D round-robin or least-loaded among those alive.
-            let p = &ps[(n as usize - 1) % ps.len()];
             let p_idx = (n as usize - 1) % ps.len();
+            let p = &ps[p_idx];
             let j = {
                 let alive = d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().map(Option::is_some).collect::<Vec<_>>();
                 let mut load = load.lock().unwrap_or_else(|e| e.into_inner());

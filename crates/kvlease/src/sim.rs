@@ -168,7 +168,11 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
         let engines = if a.prefills == 1 && a.decoders == 1 {
             String::new()
         } else {
-            format!("{} P, {} D ({:?} routing; d0 crashes), ", a.prefills, a.decoders, a.routing)
+            let routing = match a.routing {
+                RoutingArg::RoundRobin => "round-robin",
+                RoutingArg::LeastLoaded => "least-loaded",
+            };
+            format!("{} P, {} D ({routing} routing; d0 crashes), ", a.prefills, a.decoders)
         };
         println!(
             "{engines}{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D silent for {} s at {}, D crashes at {}",
