@@ -70,7 +70,8 @@ pub struct Scenario {
     /// One-way network delay and the chance a message is lost.
     pub delay: Duration,
     pub loss: f64,
-    /// When D crashes (it stops everything, for good; no new work is routed to it).
+    /// When D (the first decoder, d0) crashes: it stops everything, for good; no new work is
+    /// routed to it.
     pub d_crash: Option<Duration>,
     /// When D stops being heard by P, and for how long (a stalled process, a link flap): every
     /// message between them is lost meanwhile; D keeps its queue.
@@ -273,7 +274,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     // Arrivals up to the end, or, with a single decoder, up to its crash (the router then has
     // nowhere to send them).
     let stop_arrivals = if n_d > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
-    let routing = sc.routing;
+    let (routing, crashes) = (sc.routing, sc.d_crash.is_some());
     let mut t = Duration::ZERO;
     let mut n = 0u64;
     loop {
@@ -318,7 +319,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             };
             let _done = Unload(load, j);
             let Ok((_, Some(params))) = collect(p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
-            if j == 0 {
+            if j == 0 && crashes {
                 let id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
                 let blocks = params.get("remote_block_ids").map_or(0, param_blocks);
                 doomed.lock().unwrap_or_else(|e| e.into_inner()).push((p_idx, id, blocks));
