@@ -172,7 +172,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
                 RoutingArg::RoundRobin => "round-robin",
                 RoutingArg::LeastLoaded => "least-loaded",
             };
-            format!("{} P, {} D ({routing} routing; d0 crashes), ", a.prefills, a.decoders)
+            format!("{} P, {} D ({routing} routing; the crash is d0's), ", a.prefills, a.decoders)
         };
         println!(
             "{engines}{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D silent for {} s at {}, D crashes at {}",
