@@ -528,6 +528,28 @@ impl<T> LeaseTable<T> {
         more
     }
 
+    /// **Simulator only** (`kvlease sim`'s `vllm-lease` policy; never on the real path): vLLM's
+    /// expiry sweep as vLLM implements it (vLLM #58222), head-only in grant order. Leases are
+    /// visited oldest grant first and the sweep stops at the first live one whose deadline has
+    /// not passed: an expired lease granted after a renewed one stays pinned until every lease
+    /// granted before it has ended. Returns the head's deadline (when this sweep can next free
+    /// anything; a grant or release may make it sooner), `None` when no lease is live.
+    /// O(live log live) per call: fine for a simulation, not for SPEC P4.
+    #[doc(hidden)]
+    pub fn tick_head_only(&mut self, now: Nanos, released: &mut Vec<Released<T>>) -> Option<Nanos> {
+        let mut live: Vec<(LeaseId, usize)> =
+            (0..self.hot.len()).filter(|&s| self.hot[s].deadline != 0).map(|s| (self.id_of(s), s)).collect();
+        live.sort_unstable();
+        for (_, s) in live {
+            let d = self.hot[s].deadline;
+            if d > now.0 {
+                return Some(Nanos(d));
+            }
+            self.end(s, ReleaseReason::Expired, now, released);
+        }
+        None
+    }
+
     /// When the next lease may expire: the driver's reaper need not tick before then. A lower
     /// bound (renewals are not reflected until that bucket is visited), never later than the
     /// truth; while a budgeted tick left work over, the time of that tick.
@@ -813,5 +835,40 @@ impl Wheel {
         }
         let ring = self.buckets.len() as u64;
         (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| !b.slots.is_empty()).map(|b| b.min).min()
+    }
+}
+
+#[cfg(test)]
+mod head_only_tests {
+    use super::*;
+
+    /// The planted vLLM sweep (vLLM #58222): an expired lease behind a renewed one is not freed
+    /// until the one before it ends; the real reaper frees it on time.
+    #[test]
+    fn head_only_sweep_frees_late_behind_a_renewed_head() {
+        let cfg = LeaseConfig::with_lease_secs(30.0).unwrap();
+        let s = Nanos(1_000_000_000);
+        let sec = |x: u64| Duration::from_secs(x);
+        let run = |head_only: bool| {
+            let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+            let head = t.grant(s, 4, PromptDigest([1; 16]), 1);
+            let behind = t.grant(s, 4, PromptDigest([2; 16]), 2);
+            let holder = t.holder("d");
+            let mut released = Vec::new();
+            // D keeps renewing only the head.
+            let mut now = s;
+            while now < s + sec(60) {
+                now = now + sec(5);
+                t.on_message(holder, &Message::Heartbeat { seq: 1, lease_ids: vec![head] }, now, &mut released);
+                if head_only {
+                    t.tick_head_only(now, &mut released);
+                } else {
+                    t.tick(now, &mut released);
+                }
+            }
+            (t.get(head).is_some(), t.get(behind).is_some())
+        };
+        assert_eq!(run(false), (true, false), "the real reaper frees the expired lease");
+        assert_eq!(run(true), (true, true), "the head-only sweep stops at the renewed head");
     }
 }

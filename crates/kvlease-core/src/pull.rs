@@ -127,6 +127,20 @@ pub enum PlantedBug {
     /// vLLM before leases: no renewal, no liveness check, no confirmation; D reads when it gets
     /// to the request and uses whatever it read (the `fixed` policy of `kvlease sim`).
     FixedTimeout,
+    /// vLLM's lease as vLLM implements it (the `vllm-lease` policy of `kvlease sim`): D renews
+    /// by heartbeats as kvlease's does, but there is no lease-lost answer D acts on and no
+    /// confirmation — D reads when it gets to the request and uses whatever it read, like
+    /// [`PlantedBug::FixedTimeout`] — and P's expiry sweep is head-only in grant order (vLLM
+    /// #58222; `LeaseTable::tick_head_only`).
+    VllmLease,
+}
+
+impl PlantedBug {
+    /// Reads without a liveness check and uses the bytes without P's confirmation (vLLM's
+    /// unfenced reads, with or without its lease).
+    fn unconfirmed(self) -> bool {
+        matches!(self, PlantedBug::FixedTimeout | PlantedBug::VllmLease)
+    }
 }
 
 impl Pull {
@@ -158,7 +172,7 @@ impl Pull {
         };
         let lost = match answer {
             ReadCheck::Safe => return Step::Read,
-            _ if self.planted == Some(PlantedBug::FixedTimeout) => return Step::Read,
+            _ if self.planted.is_some_and(PlantedBug::unconfirmed) => return Step::Read,
             ReadCheck::Untracked => PullLost::LeaseLost,
             ReadCheck::Unreachable => PullLost::Unreachable { engine_id: self.engine_id.clone() },
             ReadCheck::RenewFirst if now < until => return Step::Wait { until, renew: true },
@@ -230,14 +244,16 @@ impl Pull {
     /// [`PlantedBug::SkipReadDoneAck`] it never does.
     pub fn awaits_acks(&self) -> bool {
         matches!(self.state, State::AwaitAcks { .. })
-            && !matches!(self.planted, Some(PlantedBug::SkipReadDoneAck | PlantedBug::FixedTimeout))
+            && !matches!(self.planted, Some(PlantedBug::SkipReadDoneAck | PlantedBug::FixedTimeout | PlantedBug::VllmLease))
     }
 
     /// The driver's wait reached the deadline this pull gave it (or, with the planted bug, it
     /// skipped the wait for `ReadDoneAck`s): the verdict.
     pub fn on_deadline(&mut self) -> Verdict {
         let lost = match self.state {
-            State::AwaitAcks { .. } if matches!(self.planted, Some(PlantedBug::SkipReadDoneAck | PlantedBug::FixedTimeout)) => {
+            State::AwaitAcks { .. }
+                if matches!(self.planted, Some(PlantedBug::SkipReadDoneAck | PlantedBug::FixedTimeout | PlantedBug::VllmLease)) =>
+            {
                 return self.finish(Ok(()))
             }
             State::AwaitAcks { .. } => PullLost::NoReadDoneAck,
@@ -262,7 +278,7 @@ impl Pull {
         match self.planted {
             Some(PlantedBug::IgnoreVerdict) => return Verdict::Use,
             // vLLM before leases used whatever it read, but not what it could not read.
-            Some(PlantedBug::FixedTimeout) if !unread => return Verdict::Use,
+            Some(PlantedBug::FixedTimeout | PlantedBug::VllmLease) if !unread => return Verdict::Use,
             _ => {}
         }
         match outcome {

@@ -11,6 +11,7 @@ use crate::{FinishReason, GenerateEvent};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released, REAP_BUDGET};
 use kvlease_core::peers::agent_holder;
+use kvlease_core::pull::PlantedBug;
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadGate, ReadPermit};
 use std::sync::atomic::Ordering::Relaxed;
@@ -204,8 +205,14 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
         // next round of this loop, at once.
         let (more, next_expiry) = {
             let mut table = lock(&inner.leases);
-            let more = table.tick_budget(now, REAP_BUDGET, &mut released);
-            (more, table.next_expiry())
+            if inner.cfg.planted_bug == Some(PlantedBug::VllmLease) {
+                // Simulator only (`kvlease sim`'s vLLM lease): vLLM's head-only sweep (#58222),
+                // run at least every granularity (the head may be released before its deadline).
+                (false, table.tick_head_only(now, &mut released).map(|d| d.min(now + granularity)))
+            } else {
+                let more = table.tick_budget(now, REAP_BUDGET, &mut released);
+                (more, table.next_expiry())
+            }
         };
         settle(&inner, released);
         let mut out = Vec::new();

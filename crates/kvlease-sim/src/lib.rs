@@ -6,8 +6,11 @@
 //!   real engines: `fixed` — P holds blocks until the read or a single timeout (vLLM's old 480 s,
 //!   or a short one), D never renews and reads whenever it gets to the request, with reads that,
 //!   as NIXL's do, land whatever P did with the blocks meanwhile (vLLM #21570: garbage with
-//!   HTTP 200); `lease` — kvlease: a short lease, heartbeats from arrival, acknowledged reads,
-//!   recompute on a lost lease (`kvlease sim`).
+//!   HTTP 200); `vLLM lease` — vLLM's lease as vLLM implements it: D's heartbeats renew P's
+//!   leases, but P's expiry sweep is head-only in grant order (vLLM #58222: an expired lease
+//!   behind a renewed one waits) and D reads whatever is in the blocks, with no lease-lost
+//!   answer acted on and no confirmation; `lease` — kvlease: a short lease, heartbeats from
+//!   arrival, acknowledged reads, recompute on a lost lease (`kvlease sim`).
 //!
 //! Everything is deterministic: the same seed gives the same result, so a failing seed is a
 //! test that can be replayed forever.
@@ -30,6 +33,10 @@ use tokio::time::Instant;
 pub enum Policy {
     /// A single timeout of this many seconds; no renewal; D reads without checking.
     Fixed(f64),
+    /// vLLM's lease as vLLM implements it: renewed by heartbeats, but swept head-only in grant
+    /// order (vLLM #58222) and read unfenced, with no lease-lost verdict (a planted behaviour
+    /// of the engines, simulator only: [`PlantedBug::VllmLease`]).
+    VllmLease(f64),
     /// kvlease: a lease of this many seconds, renewed by heartbeats, reads acknowledged.
     Lease(f64),
 }
@@ -38,6 +45,7 @@ impl Policy {
     pub fn name(&self) -> String {
         match self {
             Policy::Fixed(s) => format!("fixed {s} s"),
+            Policy::VllmLease(s) => format!("vLLM lease {s} s"),
             Policy::Lease(s) => format!("lease {s} s"),
         }
     }
@@ -62,11 +70,29 @@ pub struct Scenario {
     /// One-way network delay and the chance a message is lost.
     pub delay: Duration,
     pub loss: f64,
-    /// When D crashes (it stops everything, for good; no new work is routed to it).
+    /// When D (the first decoder, d0) crashes: it stops everything, for good; no new work is
+    /// routed to it.
     pub d_crash: Option<Duration>,
     /// When D stops being heard by P, and for how long (a stalled process, a link flap): every
     /// message between them is lost meanwhile; D keeps its queue.
     pub d_pause: Option<(Duration, Duration)>,
+    /// Prefill engines; requests go to them round-robin.
+    pub prefills: usize,
+    /// Decode engines; the first is the one that crashes (`d_crash`); after the crash the
+    /// router sends the others everything.
+    pub decoders: usize,
+    /// How the router picks a decoder.
+    pub routing: Routing,
+}
+
+/// How the router picks a decoder for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Routing {
+    /// In turn, skipping a crashed decoder.
+    #[default]
+    RoundRobin,
+    /// The live decoder with the fewest requests routed to it and not finished (ties in turn).
+    LeastLoaded,
 }
 
 impl Default for Scenario {
@@ -84,6 +110,9 @@ impl Default for Scenario {
             loss: 0.01,
             d_crash: Some(Duration::from_secs(400)),
             d_pause: None,
+            prefills: 1,
+            decoders: 1,
+            routing: Routing::RoundRobin,
         }
     }
 }
@@ -122,7 +151,7 @@ const GENERATED: u32 = 8;
 
 fn engine_config(sc: &Scenario, policy: Policy, net: &MemNetwork, name: &str, port: u16, blocks: u32, slots: usize) -> EngineConfig {
     let secs = match policy {
-        Policy::Fixed(s) | Policy::Lease(s) => s,
+        Policy::Fixed(s) | Policy::VllmLease(s) | Policy::Lease(s) => s,
     };
     let prompt = sc.blocks * BLOCK_SIZE;
     let mut cfg = EngineConfig {
@@ -144,7 +173,11 @@ fn engine_config(sc: &Scenario, policy: Policy, net: &MemNetwork, name: &str, po
             ..ModelConfig::default()
         },
         incarnation: Some(sc.seed.wrapping_mul(2).wrapping_add(u64::from(port))),
-        planted_bug: matches!(policy, Policy::Fixed(_)).then_some(PlantedBug::FixedTimeout),
+        planted_bug: match policy {
+            Policy::Fixed(_) => Some(PlantedBug::FixedTimeout),
+            Policy::VllmLease(_) => Some(PlantedBug::VllmLease),
+            Policy::Lease(_) => None,
+        },
         ..EngineConfig::default()
     };
     let mut lease = LeaseConfig::with_lease_secs(secs).unwrap_or_default();
@@ -156,7 +189,8 @@ fn engine_config(sc: &Scenario, policy: Policy, net: &MemNetwork, name: &str, po
     cfg
 }
 
-/// Runs one policy on a scenario, on the real engines: one P, one D, under virtual time.
+/// Runs one policy on a scenario, on the real engines (`prefills` P, `decoders` D; one of each
+/// by default), under virtual time.
 pub fn simulate(sc: &Scenario, policy: Policy) -> Report {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build() {
         Ok(rt) => rt,
@@ -184,31 +218,63 @@ fn quantile(xs: &mut [f64], q: f64) -> f64 {
     xs[i]
 }
 
+/// The blocks a lease's KV params name (`remote_block_ids`, flat or one list per KV group).
+fn param_blocks(v: &serde_json::Value) -> u64 {
+    match v {
+        serde_json::Value::Array(xs) => xs.iter().map(param_blocks).sum(),
+        serde_json::Value::Number(_) => 1,
+        _ => 0,
+    }
+}
+
+/// D's counters that the report sums over decoders.
+fn d_counters(d: &EngineHandle) -> [u64; 3] {
+    let m = d.metrics();
+    [m.recomputed_requests.load(Relaxed), m.heartbeats_sent.load(Relaxed), m.lease_ended_by_prefill.load(Relaxed)]
+}
+
 async fn run(sc: Scenario, policy: Policy) -> Report {
     let mut report = Report { policy: policy.name(), ..Report::default() };
+    let (n_p, n_d) = (sc.prefills.max(1), sc.decoders.max(1));
     let net = MemNetwork::new();
     net.set_faults(Faults { seed: sc.seed, loss: sc.loss, delay: (sc.delay, sc.delay), unfenced: true, ..Faults::default() });
-    // P has room for every request of the run; D for its slots.
+    // Each P has room for every request of the run; each D for its slots.
     let p_blocks = (sc.rate * sc.surge_factor * sc.duration.as_secs_f64()) as u32 * sc.blocks + sc.blocks;
     let d_blocks = (sc.d_slots as u32 + 1) * (sc.blocks + GENERATED.div_ceil(BLOCK_SIZE) + 1);
     // The local reference: same model, no compute time (answers do not depend on it).
     let mut local_cfg = engine_config(&sc, Policy::Lease(30.0), &MemNetwork::new(), "local", 0, 64 * (sc.blocks + 4), 64);
     local_cfg.model.decode_ms_per_token = 0.0;
-    let (Ok(p), Ok(d), Ok(local)) = (
-        EngineHandle::start(engine_config(&sc, policy, &net, "p", 5000, p_blocks.max(sc.blocks), 64)).await,
-        EngineHandle::start(engine_config(&sc, policy, &net, "d", 5001, d_blocks, sc.d_slots)).await,
-        EngineHandle::start(EngineConfig { planted_bug: None, ..local_cfg }).await,
-    ) else {
-        return report;
-    };
+    let Ok(local) = EngineHandle::start(EngineConfig { planted_bug: None, ..local_cfg }).await else { return report };
+    // The first P and D keep the names and ports of the one-P-one-D runs: same seed, same table.
+    let mut ps = Vec::new();
+    for i in 0..n_p {
+        let (name, port) = if i == 0 { ("p".to_string(), 5000) } else { (format!("p{i}"), 5100 + i as u16) };
+        let Ok(p) = EngineHandle::start(engine_config(&sc, policy, &net, &name, port, p_blocks.max(sc.blocks), 64)).await else {
+            return report;
+        };
+        ps.push(p);
+    }
+    let mut ds = Vec::new();
+    for j in 0..n_d {
+        let (name, port) = if j == 0 { ("d".to_string(), 5001) } else { (format!("d{j}"), 5200 + j as u16) };
+        let Ok(d) = EngineHandle::start(engine_config(&sc, policy, &net, &name, port, d_blocks, sc.d_slots)).await else { return report };
+        ds.push(Some(d));
+    }
+    let ps = Arc::new(ps);
     let t0 = Instant::now();
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let d_slot = Arc::new(Mutex::new(Some(d.clone())));
-    drop(d);
+    // Decoders by index; the crashed one (d0) is taken out.
+    let d_slots = Arc::new(Mutex::new(ds));
+    // Requests routed to each decoder and not finished (least-loaded routing).
+    let load = Arc::new(Mutex::new(vec![0usize; n_d]));
+    // Leases P granted for requests routed to the decoder that crashes: (P, lease, blocks).
+    let doomed: Arc<Mutex<Vec<(usize, u64, u64)>>> = Arc::new(Mutex::new(Vec::new()));
     let mut rng = cluster::Rng(sc.seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut clients = tokio::task::JoinSet::new();
-    // Arrivals up to the crash (the router then sends D nothing more) or the end.
-    let stop_arrivals = sc.d_crash.unwrap_or(sc.duration).min(sc.duration);
+    // Arrivals up to the end, or, with a single decoder, up to its crash (the router then has
+    // nowhere to send them).
+    let stop_arrivals = if n_d > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
+    let (routing, crashes) = (sc.routing, sc.d_crash.is_some());
     let mut t = Duration::ZERO;
     let mut n = 0u64;
     loop {
@@ -229,12 +295,36 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             d: 0,
             later: Vec::new(),
         };
-        let (p, d_slot, local, tally) = (p.clone(), d_slot.clone(), local.clone(), tally.clone());
+        let (ps, d_slots, local, tally, load, doomed) =
+            (ps.clone(), d_slots.clone(), local.clone(), tally.clone(), load.clone(), doomed.clone());
         clients.spawn(async move {
             tokio::time::sleep_until(t0 + r.at).await;
             tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
-            let Ok((_, Some(params))) = collect(&p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
-            let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+            // The router: P round-robin; D round-robin or least-loaded among those alive.
+            let p_idx = (n as usize - 1) % ps.len();
+            let p = &ps[p_idx];
+            let j = {
+                let alive = d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().map(Option::is_some).collect::<Vec<_>>();
+                let mut load = load.lock().unwrap_or_else(|e| e.into_inner());
+                let first = (n as usize - 1) % n_d;
+                let pick = match routing {
+                    Routing::RoundRobin => (0..n_d).map(|k| (first + k) % n_d).find(|&k| alive[k]),
+                    Routing::LeastLoaded => (0..n_d).map(|k| (first + k) % n_d).filter(|&k| alive[k]).min_by_key(|&k| load[k]),
+                };
+                // A single decoder that crashed: the request still reaches P (as before the
+                // router learns of it) and its lease is dead weight.
+                let j = pick.unwrap_or(0);
+                load[j] += 1;
+                j
+            };
+            let _done = Unload(load, j);
+            let Ok((_, Some(params))) = collect(p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
+            if j == 0 && crashes {
+                let id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
+                let blocks = params.get("remote_block_ids").map_or(0, param_blocks);
+                doomed.lock().unwrap_or_else(|e| e.into_inner()).push((p_idx, id, blocks));
+            }
+            let Some(d) = d_slots.lock().unwrap_or_else(|e| e.into_inner())[j].clone() else { return };
             let Ok((got, _, first)) = collect_timed(&d, request(format!("r{n}"), &r, params)).await else { return };
             drop(d);
             let ttft = first.map(|f| (f - (t0 + r.at)).as_secs_f64());
@@ -251,12 +341,12 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             }
         });
     }
-    // The pause: every link between P's and D's agents cut, then healed.
+    // The pause: every link between the P and D engines' agents cut, then healed.
     if let Some((at, len)) = sc.d_pause {
         let links: Vec<(String, String)> = {
-            let d = d_slot.lock().unwrap_or_else(|e| e.into_inner());
-            let ds = d.as_ref().map(|d| d.agent_names()).unwrap_or_default();
-            p.agent_names().into_iter().flat_map(|a| ds.iter().map(move |b| (a.clone(), b.clone()))).collect()
+            let ds = d_slots.lock().unwrap_or_else(|e| e.into_inner());
+            let d_agents: Vec<String> = ds.iter().flatten().flat_map(|d| d.agent_names()).collect();
+            ps.iter().flat_map(|p| p.agent_names()).flat_map(|a| d_agents.iter().map(move |b| (a.clone(), b.clone()))).collect()
         };
         let net = net.clone();
         tokio::spawn(async move {
@@ -269,23 +359,26 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     // Sample P's pinned blocks every 100 ms; crash D when due.
     let step = Duration::from_millis(100);
     let mut crashed_at: Option<Duration> = None;
+    let mut counters = [0u64; 3];
     let mut now = Duration::ZERO;
     while now < sc.duration {
         tokio::time::sleep_until(t0 + now).await;
         if let Some(c) = sc.d_crash.filter(|c| crashed_at.is_none() && now >= *c) {
-            if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
-                report.heartbeats = d.metrics().heartbeats_sent.load(Relaxed);
-                report.premature_frees = d.metrics().lease_ended_by_prefill.load(Relaxed);
+            if let Some(d) = d_slots.lock().unwrap_or_else(|e| e.into_inner())[0].take() {
+                counters = d_counters(&d);
                 d.kill();
             }
             crashed_at = Some(c);
         }
-        let blocks = p.metrics().leased_blocks.load(Relaxed).max(0) as u64;
+        let blocks: u64 = ps.iter().map(|p| p.metrics().leased_blocks.load(Relaxed).max(0) as u64).sum();
         report.peak_leased_blocks = report.peak_leased_blocks.max(blocks);
         if let Some(c) = crashed_at {
-            report.dead_block_seconds += blocks as f64 * step.as_secs_f64();
-            if p.live_leases() == 0 && report.reclaim_after_crash.is_none() {
+            // Blocks P still pins for the crashed decoder (a released lease never comes back).
+            let mut doomed = doomed.lock().unwrap_or_else(|e| e.into_inner());
+            doomed.retain(|(p, id, _)| ps[*p].holds_lease(*id));
+            let dead: u64 = doomed.iter().map(|(_, _, b)| b).sum();
+            report.dead_block_seconds += dead as f64 * step.as_secs_f64();
+            if doomed.is_empty() && report.reclaim_after_crash.is_none() {
                 report.reclaim_after_crash = Some((now - c).as_secs_f64());
             }
         }
@@ -294,15 +387,24 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     clients.abort_all();
     let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
     // Requests D decoded from its own recompute are counted there; the rest were pulled.
-    if let Some(d) = d_slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        report.recomputed = d.metrics().recomputed_requests.load(Relaxed);
-        report.heartbeats = d.metrics().heartbeats_sent.load(Relaxed);
-        report.premature_frees = d.metrics().lease_ended_by_prefill.load(Relaxed);
+    for d in d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().flatten() {
+        counters.iter_mut().zip(d_counters(d)).for_each(|(a, b)| *a += b);
     }
+    [report.recomputed, report.heartbeats, report.premature_frees] = counters;
     report.ttft_p50 = quantile(&mut tally.ttft, 0.5);
     report.ttft_p99 = quantile(&mut tally.ttft, 0.99);
     report.arrived = tally.arrived;
     report.garbage = tally.garbage;
     report.served = tally.correct.saturating_sub(report.recomputed);
     report
+}
+
+/// Takes a finished (or abandoned) request off its decoder's load.
+struct Unload(Arc<Mutex<Vec<usize>>>, usize);
+
+impl Drop for Unload {
+    fn drop(&mut self) {
+        let mut load = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        load[self.1] = load[self.1].saturating_sub(1);
+    }
 }

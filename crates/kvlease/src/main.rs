@@ -70,7 +70,7 @@ enum Command {
     Proxy(ProxyArgs),
     /// Send closed-loop load to /v1/completions and print requests/s and latency percentiles.
     Load(load::LoadArgs),
-    /// Simulate fixed timeouts and leases side by side on one seeded workload (virtual time).
+    /// Simulate fixed timeouts, vLLM's lease and kvlease's lease side by side on one seeded workload (virtual time).
     Sim(sim::SimArgs),
 }
 

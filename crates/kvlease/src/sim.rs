@@ -1,13 +1,14 @@
-//! `kvlease sim`: the policies of SPEC §1 side by side on one seeded, simulated workload — a
-//! traffic surge that queues requests on D far longer than a short timeout, then a D crash —
-//! driving the same protocol core as `serve` (see kvlease-sim).
+//! `kvlease sim`: the policies of SPEC §1 (and vLLM's lease as vLLM implements it) side by side
+//! on one seeded, simulated workload — a traffic surge that queues requests on D far longer than
+//! a short timeout, a silence, then a D crash — driving the same protocol core as `serve` (see
+//! kvlease-sim).
 //!
 //! `kvlease sim --cluster`: the real engines of several P and D under deterministic simulation,
 //! faults drawn from each seed, every invariant checked; a failing seed prints its trace and the
 //! command that replays it.
 
 use clap::Args;
-use kvlease_sim::{simulate, Policy, Report, Scenario};
+use kvlease_sim::{simulate, Policy, Report, Routing, Scenario};
 use std::time::Duration;
 
 #[derive(Args, Debug)]
@@ -25,17 +26,29 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.01)]
     loss: f64,
     /// When D crashes, in simulated seconds (0: never). A crashed decoder's leases are dead
-    /// weight: P keeps their blocks pinned until they time out ("dead block·s").
+    /// weight: P keeps their blocks pinned until they time out ("dead block·s"). With several
+    /// decoders only the first (d0) crashes and the router sends the others everything after.
     #[arg(long, default_value_t = 400)]
     crash_at: u64,
     /// When P stops hearing D, in simulated seconds (0: never): a stalled decoder process or a
-    /// flapping link, `--pause-secs` long. D keeps its queue; a lease must outlive the silence
+    /// flapping link, `--pause-secs` long (every P–D link is cut). D keeps its queue; a lease must outlive the silence
     /// (its extension E = 2L/3 must exceed the pause) or the request's prefill is wasted.
     #[arg(long, default_value_t = 250)]
     pause_at: u64,
     /// How long the pause lasts, seconds.
     #[arg(long, default_value_t = 12.0)]
     pause_secs: f64,
+    /// Prefill engines; the router sends them requests in turn. --rate is the total.
+    #[arg(long, default_value_t = 1)]
+    prefills: usize,
+    /// Decode engines (each with 4 slots of 0.9 s); the first is the one that crashes. --rate
+    /// is the total, so more decoders means shorter queues at the same rate.
+    #[arg(long, default_value_t = 1)]
+    decoders: usize,
+    /// How the router picks a decoder: in turn (round-robin) or the one with the fewest
+    /// requests not yet finished (least-loaded).
+    #[arg(long, value_enum, default_value_t = RoutingArg::RoundRobin)]
+    routing: RoutingArg,
     /// Sweep kvlease's lease over these `kv_lease_duration` values (seconds, comma-separated;
     /// a default list without values), print the trade-off and recommend a value for this
     /// traffic: the shortest lease that served no wrong answer and freed the KV of at most
@@ -61,6 +74,12 @@ pub struct SimArgs {
     /// With --cluster: print each seed's trace, not only a failing one's.
     #[arg(long)]
     trace: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum RoutingArg {
+    RoundRobin,
+    LeastLoaded,
 }
 
 /// `--cluster`: runs the seeds; the first that breaks an invariant is reported and fails.
@@ -114,6 +133,9 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
     if !(a.pause_secs.is_finite() && a.pause_secs >= 0.0) {
         anyhow::bail!("--pause-secs must be a number of seconds ≥ 0");
     }
+    if !(1..=64).contains(&a.prefills) || !(1..=64).contains(&a.decoders) {
+        anyhow::bail!("--prefills and --decoders take 1 to 64 engines");
+    }
     if !(0.0..=1.0).contains(&a.max_premature) {
         anyhow::bail!("--max-premature must be a fraction in [0, 1]");
     }
@@ -129,16 +151,31 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
         loss: a.loss,
         d_crash: (a.crash_at > 0).then(|| Duration::from_secs(a.crash_at)),
         d_pause: (a.pause_at > 0 && a.pause_secs > 0.0).then(|| (Duration::from_secs(a.pause_at), Duration::from_secs_f64(a.pause_secs))),
+        prefills: a.prefills,
+        decoders: a.decoders,
+        routing: match a.routing {
+            RoutingArg::RoundRobin => Routing::RoundRobin,
+            RoutingArg::LeastLoaded => Routing::LeastLoaded,
+        },
         ..Scenario::default()
     };
     let policies: Vec<Policy> = match &a.sweep {
         Some(values) => values.iter().map(|v| Policy::Lease(*v)).collect(),
-        None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::Lease(30.0)],
+        None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::VllmLease(30.0), Policy::Lease(30.0)],
     };
     let at = |t: u64| if t > 0 { format!("{t} s") } else { "never".into() };
     if !a.json {
+        let engines = if a.prefills == 1 && a.decoders == 1 {
+            String::new()
+        } else {
+            let routing = match a.routing {
+                RoutingArg::RoundRobin => "round-robin",
+                RoutingArg::LeastLoaded => "least-loaded",
+            };
+            format!("{} P, {} D ({routing} routing; the crash is d0's), ", a.prefills, a.decoders)
+        };
         println!(
-            "{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D silent for {} s at {}, D crashes at {}",
+            "{engines}{} s simulated, {} req/s (×{} from 100 s to 160 s), {} blocks each, D: {} slots × {:?}, loss {}, D silent for {} s at {}, D crashes at {}",
             a.seconds,
             a.rate,
             sc.surge_factor,
@@ -151,7 +188,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
             at(a.crash_at)
         );
         println!(
-            "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13} {:>9} {:>9} {:>11}",
+            "{:<16} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13} {:>9} {:>9} {:>11}",
             "policy",
             "arrived",
             "served",
@@ -177,7 +214,7 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
             println!("{}", report_json(&r));
         } else {
             println!(
-                "{:<14} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13.0} {:>7.2} s {:>7.2} s {:>11}",
+                "{:<16} {:>8} {:>8} {:>8} {:>10} {:>10} {:>16} {:>13.0} {:>7.2} s {:>7.2} s {:>11}",
                 r.policy,
                 r.arrived,
                 r.served,
@@ -222,7 +259,8 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
         println!(
             "(KV P freed under a live decoder's request); recomputed: prompts D computed itself (a premature free, or a lost message);"
         );
-        println!("dead block·s: KV pinned for a crashed D; TTFT: arrival at P to D's first token");
+        println!("dead block·s: KV pinned for a crashed D; TTFT: arrival at P to D's first token; vLLM lease: renewed by heartbeats,");
+        println!("but P's expiry sweep is head-only in grant order (vLLM #58222) and D reads unconfirmed, with no lease-lost answer");
     }
     Ok(())
 }
@@ -235,7 +273,7 @@ fn recommend(reports: &[(Policy, Report)], max_premature: f64) -> Option<f64> {
         .filter(|(_, r)| r.garbage == 0 && r.premature_frees as f64 <= max_premature * r.arrived as f64)
         .filter_map(|(p, _)| match p {
             Policy::Lease(l) => Some(*l),
-            Policy::Fixed(_) => None,
+            Policy::Fixed(_) | Policy::VllmLease(_) => None,
         })
         .min_by(f64::total_cmp)
 }
@@ -256,7 +294,7 @@ fn sweep_chart(reports: &[(Policy, Report)], pick: Option<f64>) -> String {
         .iter()
         .filter_map(|(p, r)| match p {
             Policy::Lease(l) => Some((*l, r.dead_block_seconds, (r.premature_frees + r.garbage) as f64)),
-            Policy::Fixed(_) => None,
+            Policy::Fixed(_) | Policy::VllmLease(_) => None,
         })
         .collect();
     let (w, h, l, r, t, b) = (760.0, 380.0, 80.0, 80.0, 50.0, 60.0);

@@ -170,6 +170,25 @@ fn oversized_pool_and_absurd_sizes_are_refused_at_start_up() {
     }
 }
 
+/// `kvlease sim` puts vLLM's lease beside fixed timeouts and kvlease's on the same traffic, and
+/// runs several engines (`--prefills`, `--decoders`, `--routing`).
+#[test]
+fn sim_table_has_vllms_lease_and_runs_several_engines() {
+    let out = kvlease()
+        .args(["sim", "--seconds", "60", "--crash-at", "30", "--pause-at", "0", "--loss", "0"])
+        .args(["--prefills", "2", "--decoders", "2", "--routing", "least-loaded", "--json"])
+        .output()
+        .expect("kvlease sim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
+    let names: Vec<&str> = lines.iter().filter_map(|l| l["policy"].as_str()).collect();
+    assert_eq!(names, ["fixed 480 s", "fixed 30 s", "vLLM lease 30 s", "lease 30 s"]);
+    for r in &lines {
+        assert!(r["arrived"].as_u64().is_some_and(|n| n > 100), "arrivals go on after d0's crash: {r}");
+    }
+}
+
 /// Issue 13: `kvlease sim --sweep --json` shows both failures the lease is chosen between — a
 /// lease shorter than a decoder's silence frees live decoders' KV, a long one pins a crashed
 /// decoder's blocks — and recommends the shortest lease that frees no live decoder's KV.
