@@ -143,6 +143,8 @@ pub struct Report {
     /// wanted it, while D was alive (each a prefill wasted). A fixed timeout never checks: its
     /// premature frees are garbage instead.
     pub premature_frees: u64,
+    /// KV blocks pinned on the P engines, sampled once per simulated second (for a chart).
+    pub pinned: Vec<u64>,
 }
 
 /// Tokens per block of the simulated model; a request generates this many tokens.
@@ -372,6 +374,9 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
         }
         let blocks: u64 = ps.iter().map(|p| p.metrics().leased_blocks.load(Relaxed).max(0) as u64).sum();
         report.peak_leased_blocks = report.peak_leased_blocks.max(blocks);
+        if now.subsec_nanos() == 0 {
+            report.pinned.push(blocks);
+        }
         if let Some(c) = crashed_at {
             // Blocks P still pins for the crashed decoder (a released lease never comes back).
             let mut doomed = doomed.lock().unwrap_or_else(|e| e.into_inner());

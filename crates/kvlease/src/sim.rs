@@ -59,7 +59,8 @@ pub struct SimArgs {
     /// recomputed) for a lease to be recommended; stragglers of a partition's reconnection.
     #[arg(long, default_value_t = 0.0)]
     max_premature: f64,
-    /// With --sweep: also write the trade-off as an SVG chart to this file.
+    /// Also write an SVG chart to this file: with --sweep the trade-off, else the KV blocks each
+    /// policy pins on P over the run, side by side, the surge, the silence and the crash marked.
     #[arg(long)]
     chart: Option<std::path::PathBuf>,
     /// Print one JSON object per policy (and the recommendation) instead of the table.
@@ -251,8 +252,11 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
                 println!("chart: {}", path.display());
             }
         }
-    } else if a.chart.is_some() {
-        anyhow::bail!("--chart goes with --sweep");
+    } else if let Some(path) = &a.chart {
+        std::fs::write(path, timeline_chart(&reports, &sc))?;
+        if !a.json {
+            println!("chart: {}", path.display());
+        }
     }
     if !a.json {
         println!("garbage: decoded from KV blocks P had already freed (vLLM #21570); premature: leases D found lost when it came to read");
@@ -362,6 +366,73 @@ fn sweep_chart(reports: &[(Policy, Report)], pick: Option<f64>) -> String {
             t + 14.0
         );
     }
+    o.push_str("</svg>\n");
+    o
+}
+
+/// The policies' runs as an SVG chart: one panel per policy, the KV blocks pinned on P each
+/// simulated second, on a common scale, with the surge, the decoder's silence and its crash marked.
+fn timeline_chart(reports: &[(Policy, Report)], sc: &Scenario) -> String {
+    use std::fmt::Write as _;
+    let (w, l, r, top, ph, gap) = (900.0, 70.0, 20.0, 60.0, 110.0, 34.0);
+    let h = top + reports.len() as f64 * (ph + gap) + 30.0;
+    let t_end = sc.duration.as_secs_f64().max(1.0);
+    let max = reports.iter().flat_map(|(_, r)| r.pinned.iter().copied()).max().unwrap_or(1).max(1) as f64 * 1.1;
+    let x = |t: f64| l + (w - l - r) * t / t_end;
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12"><rect width="{w}" height="{h}" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15" font-weight="bold">KV blocks pinned on P, same traffic, each policy (seed {})</text>"##,
+        w / 2.0,
+        sc.seed
+    );
+    for (k, (_, rep)) in reports.iter().enumerate() {
+        let y0 = top + k as f64 * (ph + gap);
+        let y = |v: f64| y0 + ph - ph * v / max;
+        let band = |o: &mut String, a: f64, b: f64, colour: &str, label: &str| {
+            let _ = write!(o, r##"<rect x="{:.1}" y="{y0}" width="{:.1}" height="{ph}" fill="{colour}"/>"##, x(a), (x(b) - x(a)).max(1.0));
+            if k == 0 {
+                let _ = write!(o, r##"<text x="{:.1}" y="{}" fill="#555">{label}</text>"##, x(a) + 3.0, y0 + 12.0);
+            }
+        };
+        if let Some((a, b)) = sc.surge {
+            band(&mut o, a.as_secs_f64(), b.as_secs_f64(), "#fff3d6", "surge");
+        }
+        if let Some((at, len)) = sc.d_pause {
+            band(&mut o, at.as_secs_f64(), (at + len).as_secs_f64(), "#e0e8ff", "D silent");
+        }
+        if let Some(c) = sc.d_crash {
+            let xc = x(c.as_secs_f64());
+            let _ = write!(o, r##"<line x1="{xc:.1}" y1="{y0}" x2="{xc:.1}" y2="{}" stroke="#c00" stroke-dasharray="5,3"/>"##, y0 + ph);
+            if k == 0 {
+                let _ = write!(o, r##"<text x="{:.1}" y="{}" fill="#c00">D crashes</text>"##, xc + 3.0, y0 + 12.0);
+            }
+        }
+        let _ = write!(o, r##"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/>"##, y0 + ph, w - r, y0 + ph);
+        let _ = write!(o, r##"<line x1="{l}" y1="{y0}" x2="{l}" y2="{}" stroke="black"/>"##, y0 + ph);
+        let _ = write!(o, r##"<text x="{}" y="{}" text-anchor="end">{:.0}</text>"##, l - 5.0, y0 + 4.0, max);
+        let _ = write!(o, r##"<text x="{}" y="{}" text-anchor="end">0</text>"##, l - 5.0, y0 + ph + 4.0);
+        let pts: Vec<String> = rep.pinned.iter().enumerate().map(|(i, v)| format!("{:.1},{:.1}", x(i as f64), y(*v as f64))).collect();
+        let _ = write!(o, r##"<polyline points="{}" fill="none" stroke="#1f5fbf" stroke-width="1.5"/>"##, pts.join(" "));
+        let dead = format!("{:.1}M dead block·s", rep.dead_block_seconds / 1e6);
+        let _ = write!(
+            o,
+            r##"<text x="{}" y="{}" font-weight="bold">{}</text><text x="{}" y="{}" text-anchor="end" fill="#444">{} garbage, {} premature, {dead}</text>"##,
+            l,
+            y0 - 6.0,
+            rep.policy,
+            w - r,
+            y0 - 6.0,
+            rep.garbage,
+            rep.premature_frees
+        );
+    }
+    let axis = top + reports.len() as f64 * (ph + gap) - gap;
+    let step = if t_end > 300.0 { 60 } else { 20 };
+    for t in (0..=t_end as u64).step_by(step) {
+        let _ = write!(o, r##"<text x="{:.1}" y="{}" text-anchor="middle" fill="#444">{t}</text>"##, x(t as f64), axis + 16.0);
+    }
+    let _ = write!(o, r##"<text x="{}" y="{}" text-anchor="end" fill="#444">simulated seconds</text>"##, w - r, axis + 30.0);
     o.push_str("</svg>\n");
     o
 }

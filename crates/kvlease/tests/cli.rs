@@ -174,11 +174,20 @@ fn oversized_pool_and_absurd_sizes_are_refused_at_start_up() {
 /// runs several engines (`--prefills`, `--decoders`, `--routing`).
 #[test]
 fn sim_table_has_vllms_lease_and_runs_several_engines() {
+    let chart = std::env::temp_dir().join(format!("kvlease-sim-{}.svg", std::process::id()));
     let out = kvlease()
         .args(["sim", "--seconds", "60", "--crash-at", "30", "--pause-at", "0", "--loss", "0"])
-        .args(["--prefills", "2", "--decoders", "2", "--routing", "least-loaded", "--json"])
+        .args(["--prefills", "2", "--decoders", "2", "--routing", "least-loaded", "--json", "--chart"])
+        .arg(&chart)
         .output()
         .expect("kvlease sim");
+    // The side-by-side chart: a panel per policy.
+    let svg = std::fs::read_to_string(&chart).expect("the chart");
+    let _ = std::fs::remove_file(&chart);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{svg}");
+    for policy in ["fixed 480 s", "fixed 30 s", "vLLM lease 30 s", "lease 30 s"] {
+        assert!(svg.contains(&format!(">{policy}<")), "no panel for {policy}");
+    }
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let lines: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
