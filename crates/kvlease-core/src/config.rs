@@ -146,7 +146,7 @@ impl LeaseConfig {
                 }
             },
         };
-        Ok(LeaseConfig {
+        let cfg = LeaseConfig {
             lease_duration: lease,
             heartbeat_interval: interval,
             extension: lease * 2 / 3,
@@ -156,7 +156,18 @@ impl LeaseConfig {
             kv_recompute_threshold,
             load_failure_policy,
             max_notif_bytes,
-        })
+        };
+        if cfg.bidirectional && cfg.decoder_kv_blocks_ttl <= cfg.read_budget() {
+            // SPEC B2: P reads a cached turn only if it outlives the read budget; a TTL that
+            // short means no turn is ever read back, only held.
+            warnings.push(format!(
+                "kv_connector_extra_config: decoder_kv_blocks_ttl ({} s) is not above the read budget (kv_lease_duration/6 = {} s): \
+                 no cached turn would ever be read back, only held; raise it or lower kv_lease_duration",
+                cfg.decoder_kv_blocks_ttl.as_secs_f64(),
+                cfg.read_budget().as_secs_f64()
+            ));
+        }
+        Ok(cfg)
     }
 }
 
@@ -382,6 +393,15 @@ mod tests {
         }
         assert!(matches!(KvTransferConfig::parse("{not json"), Err(ConfigError::Json(_))));
         assert!(matches!(KvTransferConfig::parse("[]"), Err(ConfigError::Json(_))));
+    }
+
+    #[test]
+    fn a_cached_turn_ttl_no_read_could_use_is_warned_about() {
+        let cfg = r#"{"kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_lease_duration":60,"decoder_kv_blocks_ttl":5}}"#;
+        let (_, warnings) = KvTransferConfig::parse(cfg).unwrap();
+        assert!(warnings.iter().any(|w| w.contains("decoder_kv_blocks_ttl")), "{warnings:?}");
+        let fine = r#"{"kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_lease_duration":60,"decoder_kv_blocks_ttl":60}}"#;
+        assert!(KvTransferConfig::parse(fine).unwrap().1.is_empty());
     }
 
     #[test]
