@@ -307,6 +307,11 @@ impl EngineHandle {
         }
     }
 
+    /// The model's context length (`--max-model-len`): prompt plus generated tokens.
+    pub fn max_model_len(&self) -> u32 {
+        self.inner.cfg.model.max_model_len
+    }
+
     pub fn model_name(&self) -> &str {
         &self.inner.cfg.model.name
     }

@@ -268,10 +268,16 @@ fn submit_choices(engine: &EngineHandle, rid: &str, c: &Completion) -> Result<Ve
         for j in 0..n {
             let index = i as u32 * c.n + j;
             let first = index == 0;
+            // vLLM's chat default: up to the rest of the context (at least one token; a prompt
+            // that fills the context is refused by the engine naming its length).
+            let max_tokens = match c.max_tokens_to_context {
+                true => engine.max_model_len().saturating_sub(choice::prompt_len(prompt)).max(1),
+                false => c.max_tokens,
+            };
             let stream = engine.submit(GenerateRequest {
                 request_id: if first { rid.to_owned() } else { format!("{rid}-{index}") },
                 prompt: prompt.clone(),
-                max_tokens: c.max_tokens,
+                max_tokens,
                 ignore_eos: c.ignore_eos,
                 kv_transfer_params: if first { c.kv_transfer_params.clone() } else { None },
                 sampling: c.sampling(j),

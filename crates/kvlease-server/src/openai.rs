@@ -34,6 +34,9 @@ pub struct Completion {
     /// One or more prompts (completions accepts a list; chat has one).
     pub prompts: Vec<Prompt>,
     pub max_tokens: u32,
+    /// Chat without `max_tokens`/`max_completion_tokens`: as in vLLM, up to the rest of the
+    /// model's context (`--max-model-len` minus the prompt) rather than `max_tokens`.
+    pub max_tokens_to_context: bool,
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
@@ -356,11 +359,12 @@ fn common(
         Some(k) if k < -1 => return Err(ApiError::invalid("top_k", format!("`top_k` must be -1 (disabled) or at least 1, got {k}"))),
         Some(k) => u32::try_from(k).unwrap_or(u32::MAX),
     };
+    let max_tokens_to_context = max.is_none() && endpoint == Endpoint::Chat;
     let max_tokens = max.unwrap_or(DEFAULT_MAX_TOKENS);
     let min_tokens = match f.int("min_tokens")? {
         None => 0,
         Some(m) if m < 0 => return Err(ApiError::invalid("min_tokens", format!("`min_tokens` must be at least 0, got {m}"))),
-        Some(m) if m > i128::from(max_tokens) => {
+        Some(m) if m > i128::from(max_tokens) && !max_tokens_to_context => {
             return Err(ApiError::invalid("min_tokens", format!("`min_tokens` ({m}) must be at most `max_tokens` ({max_tokens})")))
         }
         Some(m) => m as u32,
@@ -433,6 +437,7 @@ fn common(
         model,
         prompts,
         max_tokens,
+        max_tokens_to_context,
         stream,
         include_usage,
         ignore_eos,

@@ -193,3 +193,30 @@ async fn seeded_sampling_n_and_logprobs_disaggregated_equal_local() {
     assert_eq!(content[0]["top_logprobs"].as_array().map(Vec::len), Some(2));
     until("P holds no lease", Duration::from_secs(5), || async { metric(&c.p.url, "kvlease_leased_blocks").await == 0.0 }).await;
 }
+
+/// SPEC §10, as vLLM: a chat without `max_tokens` generates up to the rest of the context
+/// (`--max-model-len` minus the prompt), not 16 tokens; completions keep OpenAI's 16; through
+/// the proxy the answer equals the local one (D7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_without_max_tokens_runs_to_the_end_of_the_context_as_in_vllm() {
+    let cfg = lease_config(30.0);
+    let short = ["--max-model-len", "96", "--kv-transfer-config", &cfg];
+    let p = Proc::serve("ctx-p", &short);
+    let d = Proc::serve("ctx-d", &short);
+    let local = Proc::serve("ctx-local", &["--max-model-len", "96"]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    let chat = json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": "tell me about leases"}], "ignore_eos": true});
+    let (status, want) = post(&format!("{}/v1/chat/completions", local.url), &chat).await;
+    assert_eq!(status, 200, "{want}");
+    let (prompt, completion) =
+        (want["usage"]["prompt_tokens"].as_u64().expect("prompt"), want["usage"]["completion_tokens"].as_u64().expect("completion"));
+    assert_eq!(prompt + completion, 96, "up to the end of the context: {want}");
+    assert_eq!(want["choices"][0]["finish_reason"], "length");
+    let (status, got) = post(&format!("{}/v1/chat/completions", proxy.url), &chat).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+    let completion = json!({"model": "kvlease-synthetic", "prompt": "tell me about leases", "ignore_eos": true});
+    let (status, body) = post(&format!("{}/v1/completions", local.url), &completion).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 16, "completions keep OpenAI's default");
+}
