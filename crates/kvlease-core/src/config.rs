@@ -46,6 +46,9 @@ pub struct LeaseConfig {
     pub max_notif_bytes: usize,
 }
 
+/// The most D waits for P's `ReadDoneAck`s after its reads ([`LeaseConfig::read_done_ack_wait`]).
+pub const READ_DONE_ACK_WAIT_MAX: Duration = Duration::from_secs(2);
+
 impl LeaseConfig {
     /// SPEC P4: how late after its deadline a lease may be reaped, min(I/10, 100 ms).
     pub fn reap_granularity(&self) -> Duration {
@@ -63,6 +66,15 @@ impl LeaseConfig {
     /// acknowledged lease is caught by P's `ReadDoneAck`.
     pub fn read_timeout(&self) -> Duration {
         self.read_budget().max(Duration::from_secs(1))
+    }
+
+    /// How long D waits for P's `ReadDoneAck`s once its reads have landed: P answers a
+    /// `ReadDone` at once, so the wait only covers a lost message, a round trip and a busy P.
+    /// Capped at 2 s whatever the lease: under loss, a wait that grew with L (E/4) held a decode
+    /// slot for L/6 per lost acknowledgement, so longer leases served fewer requests. Giving up
+    /// costs one prefill (the bytes are never used unconfirmed).
+    pub fn read_done_ack_wait(&self) -> Duration {
+        self.read_timeout().min(READ_DONE_ACK_WAIT_MAX)
     }
 
     /// How long D waits for P's answer to a renewal or a read completion before giving up on the

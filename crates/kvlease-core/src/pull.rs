@@ -7,10 +7,11 @@
 //!    granted the lease (a restarted P reuses lease ids), then the reads run, at most
 //!    `read_timeout`;
 //! 3. **waiting for `ReadDoneAck`s**: the bytes are used only if P confirms, for every read, that
-//!    the lease was live when it completed; at most `read_timeout`. P answers a `ReadDone` at
-//!    once, so a longer wait only holds a slot of D for a lost message: under 20 % loss, waiting
-//!    E (20 s) per lost acknowledgement cut D's throughput tenfold in the simulator; recomputing
-//!    after the read timeout costs one prefill.
+//!    the lease was live when it completed; at most `read_done_ack_wait` (the read timeout,
+//!    capped at 2 s). P answers a `ReadDone` at once, so a longer wait only holds a slot of D
+//!    for a lost message: under 20 % loss, waiting E (20 s) per lost acknowledgement cut D's
+//!    throughput tenfold in the simulator, and a wait of E/4 made longer leases serve fewer
+//!    requests under 1 % loss; giving up costs one prefill.
 //!
 //! The driver carries out the waits and the reads; every decision — what to wait for, until
 //! when, whether the bytes may be used, and what the request does when they may not
@@ -106,6 +107,8 @@ pub struct Pull {
     incarnation: u64,
     read_budget: Duration,
     read_timeout: Duration,
+    /// How long P's `ReadDoneAck`s are waited for once the reads landed.
+    ack_after_read: Duration,
     ack_wait: Duration,
     policy: LoadFailurePolicy,
     state: State,
@@ -153,6 +156,7 @@ impl Pull {
             incarnation,
             read_budget: cfg.read_budget(),
             read_timeout: cfg.read_timeout(),
+            ack_after_read: cfg.read_done_ack_wait(),
             ack_wait,
             policy: cfg.load_failure_policy,
             state: State::AwaitLive { until: now + ack_wait },
@@ -219,7 +223,7 @@ impl Pull {
             _ if timed_out => Err(PullLost::ReadTimedOut { after: self.read_timeout }),
             Err(e) => Err(PullLost::ReadFailed(e)),
             Ok(n) => {
-                let until = now + self.read_timeout;
+                let until = now + self.ack_after_read;
                 self.state = State::AwaitAcks { until, want: n, live: 0 };
                 return Ok(until);
             }
@@ -328,6 +332,20 @@ mod tests {
         let (plan, until) = p.begin_read(Some((7, 2)), 8, 1, T0).unwrap();
         assert_eq!(plan.len(), 2, "T1: one read per overlapping P rank");
         assert_eq!(until, T0 + cfg().read_timeout());
+    }
+
+    /// SPEC D6: once the reads landed, P's confirmations are waited for at most 2 s whatever
+    /// the lease (a lost one costs a prefill, not L/6 of a decode slot); then the pull recomputes.
+    #[test]
+    fn d6_read_done_acks_are_waited_for_briefly_whatever_the_lease() {
+        for secs in [3.0, 30.0, 480.0] {
+            let c = LeaseConfig::with_lease_secs(secs).unwrap();
+            let mut p = Pull::new(&c, "p", 7, T0);
+            p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
+            let until = p.reads_done(Ok(1), false, T0).unwrap();
+            assert_eq!(until, T0 + c.read_timeout().min(Duration::from_secs(2)), "L = {secs} s");
+            assert_eq!(p.on_deadline(), Verdict::Recompute(PullLost::NoReadDoneAck));
+        }
     }
 
     /// SPEC D6: the bytes are used only when every read completion was confirmed live.
