@@ -214,11 +214,24 @@ type TurnEntries = (std::collections::BTreeMap<String, (Value, tokio::time::Inst
 const MAX_CONVERSATIONS: usize = 10_000;
 
 impl Turns {
-    /// The conversation's cached turn, once; `None` if there is none or it has expired.
-    fn take(&self, conversation: &str) -> Option<Value> {
+    /// The conversation's cached turn, once, with when it goes stale; `None` if there is none
+    /// or it has expired.
+    fn take(&self, conversation: &str) -> Option<(Value, tokio::time::Instant)> {
         let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let (params, until) = e.0.remove(conversation)?;
-        (tokio::time::Instant::now() < until).then_some(params)
+        (tokio::time::Instant::now() < until).then_some((params, until))
+    }
+
+    /// A taken turn no prefill got to read (no prefiller reached, or the request was a batch):
+    /// back in the cache for the conversation's next request, with its own deadline, unless a
+    /// newer turn came meanwhile.
+    fn put_back(&self, conversation: &str, (params, until): (Value, tokio::time::Instant)) {
+        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *e;
+        if !map.contains_key(conversation) {
+            map.insert(conversation.to_owned(), (params, until));
+            order.push_back(conversation.to_owned());
+        }
     }
 
     /// D's params for the conversation's turn, kept until a second before its TTL runs out.
@@ -455,10 +468,16 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     }
     let prefill_leg = |request: &Map<String, Value>| {
         let mut leg = prefill_leg(request);
-        if let Some(t) = &turn {
+        if let Some((t, _)) = &turn {
             leg.insert("kv_transfer_params".into(), t.clone());
         }
         leg
+    };
+    // No prefill read the turn: the conversation keeps it (D still holds the blocks).
+    let give_back = || {
+        if let (Some(c), Some(t)) = (conversation.as_deref(), turn.clone()) {
+            p.turns.put_back(c, t);
+        }
     };
     // D's answer names the turn it keeps: remembered for the conversation's next request.
     let keep = |conversation: Option<String>| -> Option<Capture> {
@@ -478,6 +497,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     let batched =
         request.get("prompt").and_then(Value::as_array).is_some_and(|a| a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()));
     if batched {
+        give_back();
         let mut local = request;
         local.remove("kv_transfer_params");
         let decoder = p.decode.pick(None).ok_or_else(|| ApiError::unavailable("no decoder"))?;
@@ -487,32 +507,41 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     }
     // P leg: one retry on another prefiller if the first could not be reached (it never got the
     // request, so nothing was leased).
-    let (prefiller, p_resp) = {
+    let p_leg = async {
         let first = p.prefill.pick(None).ok_or_else(|| ApiError::unavailable("no prefiller"))?;
         let _busy = Outstanding::new(first.clone());
         match send(p, &first, path, rid, auth, &prefill_leg(&request)).await {
-            Ok(r) if !turned_away_unread(&r) => (first.up.clone(), r),
+            Ok(r) if !turned_away_unread(&r) => Ok((first.up.clone(), r)),
             Ok(r) => match p.prefill.pick(Some(&first.up)) {
                 Some(second) => {
                     p.retries.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request_id = %rid, "{} turned the prefill leg away (503); retrying on {}", first.up, second.up);
                     let _busy = Outstanding::new(second.clone());
-                    (second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?)
+                    Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
                 }
-                None => (first.up.clone(), r),
+                None => Ok((first.up.clone(), r)),
             },
             Err(e) => match p.prefill.pick(Some(&first.up)) {
                 Some(second) => {
                     p.retries.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request_id = %rid, "prefill leg failed before its first byte ({}); retrying on {}", e.message, second.up);
                     let _busy = Outstanding::new(second.clone());
-                    (second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?)
+                    Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
                 }
-                None => return Err(e),
+                None => Err(e),
             },
         }
     };
+    let (prefiller, p_resp) = match p_leg.await {
+        Ok(leg) => leg,
+        Err(e) => {
+            give_back();
+            return Err(e);
+        }
+    };
     if !p_resp.status().is_success() {
+        // P answered an error: it did not read the turn (it releases a turn it tracked).
+        give_back();
         return relay_whole(&prefiller, p_resp).await;
     }
     let p_json: Value = p_resp
@@ -812,6 +841,27 @@ mod tests {
             t.put(format!("c{i}"), json!({"remote_blocks_ttl_remaining": 100.0}));
         }
         assert!(t.take("c0").is_none() && t.take(&format!("c{}", MAX_CONVERSATIONS + 4)).is_some(), "the oldest went");
+    }
+
+    /// A turn taken for a request whose prefill never read it goes back, with its own deadline,
+    /// unless a newer turn of the conversation came meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_no_prefill_read_goes_back_with_its_deadline() {
+        let t = Turns::default();
+        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 1}));
+        let taken = t.take("c").expect("cached");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        t.put_back("c", taken);
+        let again = t.take("c").expect("given back");
+        assert_eq!(again.0["n"], 1);
+        t.put_back("c", again);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(t.take("c").is_none(), "still stale a second before its first TTL, not a new one");
+        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 1}));
+        let old = t.take("c").expect("cached");
+        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 2}));
+        t.put_back("c", old);
+        assert_eq!(t.take("c").expect("the newer").0["n"], 2, "a newer turn wins");
     }
 
     #[test]
