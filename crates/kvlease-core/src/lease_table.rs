@@ -475,6 +475,12 @@ impl<T> LeaseTable<T> {
         }
     }
 
+    /// The payload of a lease released while readers still hold its blocks (it comes back from
+    /// [`LeaseTable::end_read`] when the last one ends); `None` for any other id.
+    pub fn parked_payload(&self, id: LeaseId) -> Option<&T> {
+        self.parked.get(&id).map(|(p, _)| p)
+    }
+
     /// SPEC P5: a read ended. Returns the lease's payload if the lease was released while it was
     /// being read and this was its last reader: only now may its blocks be reused.
     pub fn end_read(&mut self, ticket: ReadTicket) -> Option<T> {

@@ -145,10 +145,12 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     if released.is_empty() {
         return;
     }
+    let table = lock(&inner.leases);
     for r in &released {
         inner.metrics.released(r.reason).fetch_add(1, Relaxed);
         inner.metrics.lease_hold.observe(r.held.as_secs_f64());
-        let request = r.payload.as_ref().map_or("", |l| l.request.as_str());
+        // The payload, or, while a reader still holds the blocks, the table's parked copy.
+        let request = r.payload.as_ref().or_else(|| table.parked_payload(r.lease_id)).map_or("", |l| l.request.as_str());
         let (lease_id, reason, held_s) = (r.lease_id, r.reason.as_str(), r.held.as_secs_f64());
         if r.reason == ReleaseReason::Expired {
             // The one release an operator may need to explain: no heartbeat came in time.
@@ -157,7 +159,6 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
             tracing::debug!(request = %request, lease_id, reason, held_s, "lease ended");
         }
     }
-    let table = lock(&inner.leases);
     inner.metrics.leases_active.store(table.live() as i64, Relaxed);
     inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
     drop(table);
