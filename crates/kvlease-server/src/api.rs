@@ -31,7 +31,7 @@ pub const REQUEST_ID: &str = "x-request-id";
 const MAX_REQUEST_ID_LEN: usize = 512;
 
 /// How `kvlease serve` exposes its engine over HTTP.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ServeOptions {
     pub http: HttpLimits,
     /// The engine listens beyond loopback without a cluster secret (`--insecure`, SPEC S3):
@@ -43,21 +43,6 @@ pub struct ServeOptions {
     pub served_model_names: Vec<String>,
     /// vLLM's `--api-key`: `/v1/*` requires `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
-    /// Reported by `/tokenize` (the engine checks it).
-    pub max_model_len: u32,
-}
-
-impl Default for ServeOptions {
-    fn default() -> Self {
-        ServeOptions {
-            http: HttpLimits::default(),
-            insecure: false,
-            drain: Arc::default(),
-            served_model_names: Vec::new(),
-            api_key: None,
-            max_model_len: kvlease_engine::ModelConfig::default().max_model_len,
-        }
-    }
 }
 
 #[derive(Clone)]
@@ -68,7 +53,6 @@ struct AppState {
     drain: Arc<Drain>,
     names: Arc<Vec<String>>,
     api_key: Option<Arc<str>>,
-    max_model_len: u32,
 }
 
 impl AppState {
@@ -102,7 +86,6 @@ pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
         drain: options.drain.clone(),
         names: Arc::new(names),
         api_key: options.api_key.as_deref().map(Arc::from),
-        max_model_len: options.max_model_len,
     };
     Router::new()
         .route("/v1/completions", post(completions))
@@ -362,10 +345,20 @@ async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
         .iter()
         .map(|name| {
             json!({"id": name, "object": "model", "created": st.started, "owned_by": "kvlease", "root": root,
-                   "parent": null, "max_model_len": st.max_model_len})
+                   "parent": null, "max_model_len": st.engine.max_model_len()})
         })
         .collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+impl AppState {
+    /// A `model` field, if any, must name a model this engine serves (404 otherwise).
+    fn check_model(&self, fields: &serde_json::Map<String, serde_json::Value>) -> Result<(), ApiError> {
+        match fields.get("model").and_then(serde_json::Value::as_str) {
+            Some(m) if !self.serves(m) => Err(ApiError::model_not_found(m)),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// vLLM's `POST /tokenize`: `{prompt}` or `{messages}` (the chat template applied) →
@@ -374,11 +367,7 @@ async fn tokenize(State(st): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let result = async {
         let fields = body::json_object(&parts, body).await?;
-        if let Some(m) = fields.get("model").and_then(serde_json::Value::as_str) {
-            if !st.serves(m) {
-                return Err(ApiError::model_not_found(m));
-            }
-        }
+        st.check_model(&fields)?;
         let tokens: Vec<u32> = if fields.contains_key("messages") {
             let mut chat = fields.clone();
             chat.remove("model");
@@ -395,7 +384,7 @@ async fn tokenize(State(st): State<AppState>, req: Request) -> Response {
         };
         let strs: Vec<String> = tokens.iter().map(|&t| kvlease_engine::model::detokenize(t)).collect();
         let want_strs = fields.get("return_token_strs").and_then(serde_json::Value::as_bool) == Some(true);
-        Ok(json!({"count": tokens.len(), "max_model_len": st.max_model_len, "tokens": tokens, "token_strs": if want_strs { json!(strs) } else { json!(null) }}))
+        Ok(json!({"count": tokens.len(), "max_model_len": st.engine.max_model_len(), "tokens": tokens, "token_strs": if want_strs { json!(strs) } else { json!(null) }}))
     }
     .await;
     result.map(|v| axum::Json(v).into_response()).unwrap_or_else(IntoResponse::into_response)
@@ -406,11 +395,7 @@ async fn detokenize(State(st): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let result = async {
         let fields = body::json_object(&parts, body).await?;
-        if let Some(m) = fields.get("model").and_then(serde_json::Value::as_str) {
-            if !st.serves(m) {
-                return Err(ApiError::model_not_found(m));
-            }
-        }
+        st.check_model(&fields)?;
         let bad =
             || ApiError::invalid("tokens", format!("`tokens` must be a list of token ids in 0..{}", kvlease_engine::model::VOCAB_SIZE));
         let ids = fields.get("tokens").and_then(serde_json::Value::as_array).ok_or_else(bad)?;
@@ -423,7 +408,7 @@ async fn detokenize(State(st): State<AppState>, req: Request) -> Response {
                 Err(_) => bytes.extend_from_slice(kvlease_engine::model::detokenize(t).as_bytes()),
             }
         }
-        Ok(json!({"prompt": String::from_utf8_lossy(&bytes)}))
+        Ok::<_, ApiError>(json!({"prompt": String::from_utf8_lossy(&bytes)}))
     }
     .await;
     result.map(|v| axum::Json(v).into_response()).unwrap_or_else(IntoResponse::into_response)

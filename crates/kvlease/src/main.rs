@@ -583,14 +583,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
-    let options = ServeOptions {
-        http: limits,
-        insecure,
-        drain: drain.clone(),
-        served_model_names: served_names(&args),
-        api_key,
-        max_model_len: args.max_model_len,
-    };
+    let options = ServeOptions { http: limits, insecure, drain: drain.clone(), served_model_names: served_names(&args), api_key };
     let server = kvlease_server::serve(engine.clone(), listener, options, async move {
         drain_on_signal(signals, &drain, drain_timeout).await;
         let _ = stopped_tx.send(());

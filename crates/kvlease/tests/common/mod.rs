@@ -141,26 +141,7 @@ pub async fn post(url: &str, body: &Value) -> (u16, Value) {
 
 /// POSTs a streaming request; returns the concatenated text of the SSE chunks.
 pub async fn post_stream(url: &str, body: &Value, chat: bool) -> String {
-    let r = client().post(url).json(body).send().await.expect("send");
-    assert_eq!(r.status().as_u16(), 200);
-    let text = r.text().await.expect("body");
-    let mut out = String::new();
-    let mut done = false;
-    for line in text.lines() {
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
-        assert!(v.get("error").is_none(), "stream failed: {v}");
-        for c in v["choices"].as_array().into_iter().flatten() {
-            let piece = if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() };
-            out.push_str(piece.unwrap_or(""));
-        }
-    }
-    assert!(done, "stream ended without [DONE]");
-    out
+    post_stream_params(url, body, chat).await.0
 }
 
 /// The text of a non-streaming completion or chat completion.
