@@ -62,6 +62,14 @@ impl Proc {
         Proc::start("proxy", &refs, "kvlease proxy listening on ")
     }
 
+    /// `kvlease proxy --etcd URL`: routing to the engines registered in etcd, with these extra
+    /// flags, its logs (stderr) going to `logs`.
+    pub fn proxy_etcd(etcd: &str, extra: &[&str], logs: Stdio) -> Proc {
+        let mut args = vec!["proxy", "--host", "127.0.0.1", "--port", "0", "--etcd", etcd];
+        args.extend_from_slice(extra);
+        Proc::start_logging_to("proxy", &args, "kvlease proxy listening on ", Some(SECRET), logs)
+    }
+
     fn start(name: &str, args: &[&str], banner: &str) -> Proc {
         Proc::start_with_secret(name, args, banner, Some(SECRET))
     }

@@ -1,0 +1,354 @@
+//! Cluster membership through etcd (issue 12 part 3): `kvlease serve --etcd` registers the
+//! engine under an etcd lease and keeps it alive ([`Registrar`]); `kvlease proxy --etcd` reads
+//! the registrations under the prefix and routes to them ([`Membership`], used by the proxy).
+//!
+//! The client speaks etcd v3's JSON gateway (`POST /v3/...`, keys and values in base64, 64-bit
+//! numbers as strings) over the reqwest client the proxy already has, rather than the gRPC API:
+//! the `etcd-client` crate brings tonic and prost and compiles etcd's protos at build time (so
+//! needs `protoc`), for five unary calls. Everything etcd answers is outside input: nothing from
+//! it is unwrapped, and a registration that does not parse is skipped with a warning naming its
+//! key.
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use serde_json::{json, Value};
+use std::fmt;
+use std::time::Duration;
+
+/// Where registrations live unless `--etcd-prefix` says otherwise.
+pub const DEFAULT_PREFIX: &str = "/kvlease/";
+
+/// How long one etcd call may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// An etcd call that failed: unreachable, an error answer, or an answer that does not parse.
+#[derive(Debug, Clone)]
+pub struct EtcdError(pub String);
+
+impl fmt::Display for EtcdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for EtcdError {}
+
+/// A client for one etcd endpoint's JSON gateway.
+#[derive(Clone, Debug)]
+pub struct Etcd {
+    client: reqwest::Client,
+    base: String,
+}
+
+impl Etcd {
+    /// `url` is the client URL etcd listens on (`--advertise-client-urls`), e.g.
+    /// `http://10.0.0.1:2379`.
+    pub fn new(url: &str) -> Result<Etcd, EtcdError> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| EtcdError(format!("--etcd {url:?} is not a URL: {e}")))?;
+        if parsed.scheme() != "http" || parsed.host_str().is_none() {
+            return Err(EtcdError(format!("--etcd {url:?} must be an http:// URL with a host (TLS to etcd is not supported)")));
+        }
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(CALL_TIMEOUT)
+            .timeout(CALL_TIMEOUT)
+            .build()
+            .map_err(|e| EtcdError(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Etcd { client, base: url.trim_end_matches('/').to_string() })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
+    /// One gateway call: the answer's JSON, or the error it names.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| EtcdError(format!("etcd {} unreachable: {}", self.base, crate::proxy::cause(&e))))?;
+        let status = r.status();
+        let v: Value = r.json().await.map_err(|e| EtcdError(format!("etcd {path} answered {status} with no JSON: {e}")))?;
+        match v.get("error").or_else(|| v.get("message")) {
+            Some(e) => Err(EtcdError(format!("etcd {path}: {}", e.as_str().unwrap_or("error")))),
+            None if !status.is_success() => Err(EtcdError(format!("etcd {path} answered {status}"))),
+            None => Ok(v),
+        }
+    }
+
+    /// A new lease of `ttl` (whole seconds, at least 1): its id.
+    pub async fn grant(&self, ttl: Duration) -> Result<i64, EtcdError> {
+        let v = self.call("/v3/lease/grant", json!({"TTL": ttl.as_secs().max(1)})).await?;
+        int(&v["ID"]).filter(|id| *id != 0).ok_or_else(|| EtcdError(format!("etcd granted no lease id: {v}")))
+    }
+
+    /// Renews the lease once: `true` while it lives, `false` if etcd no longer knows it (it
+    /// expired, or etcd lost its data).
+    pub async fn keep_alive(&self, id: i64) -> Result<bool, EtcdError> {
+        let v = self.call("/v3/lease/keepalive", json!({"ID": id.to_string()})).await?;
+        Ok(int(&v["result"]["TTL"]).is_some_and(|ttl| ttl > 0))
+    }
+
+    /// Ends the lease now, and with it every key put under it.
+    pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
+        self.call("/v3/lease/revoke", json!({"ID": id.to_string()})).await.map(drop)
+    }
+
+    pub async fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<(), EtcdError> {
+        let body = json!({"key": B64.encode(key), "value": B64.encode(value), "lease": lease.to_string()});
+        self.call("/v3/kv/put", body).await.map(drop)
+    }
+
+    /// Every key under `prefix`, with its value; a key or value that is not base64 is skipped
+    /// with a warning.
+    pub async fn range_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, EtcdError> {
+        let v = self.call("/v3/kv/range", json!({"key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix))})).await?;
+        let kvs = match v.get("kvs") {
+            None | Some(Value::Null) => return Ok(Vec::new()),
+            Some(Value::Array(kvs)) => kvs,
+            Some(other) => return Err(EtcdError(format!("etcd range answered kvs {other}"))),
+        };
+        let decode = |f: &Value| f.as_str().and_then(|s| B64.decode(s).ok());
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| {
+                let key = decode(&kv["key"]).map(|k| String::from_utf8_lossy(&k).into_owned());
+                match (key, kv.get("value").map_or(Some(Vec::new()), decode)) {
+                    (Some(k), Some(v)) => Some((k, v)),
+                    (k, _) => {
+                        tracing::warn!(key = %k.as_deref().unwrap_or("?"), "etcd: skipping an entry that is not base64");
+                        None
+                    }
+                }
+            })
+            .collect())
+    }
+}
+
+/// A gateway int64: a JSON string of digits (or a number).
+fn int(v: &Value) -> Option<i64> {
+    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_i64())
+}
+
+/// The end of the range of keys starting with `prefix` (etcd's `--prefix`): the prefix with its
+/// last byte below 0xff incremented.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every key
+}
+
+/// What an engine registers: enough for a router to reach it and pair it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// `prefill`, `decode` or `both` (from `kv_role`: producer, consumer, both).
+    pub role: Role,
+    /// The engine's OpenAI API, e.g. `http://10.0.0.5:8100`.
+    pub url: String,
+    pub engine_id: String,
+    /// The KV side channel, `host:port`.
+    pub kv_addr: String,
+    pub tp_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+impl Registration {
+    pub fn to_json(&self) -> Vec<u8> {
+        json!({"role": self.role.as_str(), "url": self.url, "engine_id": self.engine_id, "kv_addr": self.kv_addr, "tp_size": self.tp_size})
+            .to_string()
+            .into_bytes()
+    }
+
+    /// A registration as read back from etcd; why not, if it does not parse.
+    pub fn parse(raw: &[u8]) -> Result<Registration, String> {
+        let v: Value = serde_json::from_slice(raw).map_err(|e| format!("not JSON: {e}"))?;
+        let text = |f: &str| v.get(f).and_then(Value::as_str).filter(|s| !s.is_empty()).ok_or_else(|| format!("no string `{f}`"));
+        let role = match text("role")? {
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            "both" => Role::Both,
+            other => return Err(format!("role {other:?} is none of prefill, decode, both")),
+        };
+        let url = text("url")?.to_string();
+        upstream_of(&url)?;
+        let tp_size = v.get("tp_size").and_then(Value::as_u64).and_then(|t| u32::try_from(t).ok()).filter(|t| *t > 0);
+        Ok(Registration {
+            role,
+            url,
+            engine_id: text("engine_id")?.to_string(),
+            kv_addr: text("kv_addr")?.to_string(),
+            tp_size: tp_size.ok_or("no positive `tp_size`")?,
+        })
+    }
+
+    /// Where the proxy sends this engine's legs.
+    pub fn upstream(&self) -> Result<crate::Upstream, String> {
+        upstream_of(&self.url)
+    }
+}
+
+fn upstream_of(url: &str) -> Result<crate::Upstream, String> {
+    let u = reqwest::Url::parse(url).map_err(|e| format!("url {url:?}: {e}"))?;
+    if u.scheme() != "http" {
+        return Err(format!("url {url:?} is not http://"));
+    }
+    let host = u.host_str().ok_or_else(|| format!("url {url:?} has no host"))?;
+    let port = u.port_or_known_default().ok_or_else(|| format!("url {url:?} has no port"))?;
+    Ok(crate::Upstream { host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
+}
+
+/// Keeps one engine registered: a lease of `ttl`, renewed every third of it; the registration put
+/// again under a new lease whenever etcd no longer knows the old one (it expired while etcd was
+/// unreachable, or etcd came back without its data). [`Registrar::deregister`] ends it.
+pub struct Registrar {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Option<i64>>,
+    etcd: Etcd,
+}
+
+impl Registrar {
+    pub fn start(etcd: Etcd, key: String, registration: &Registration, ttl: Duration) -> Registrar {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let value = registration.to_json();
+        let client = etcd.clone();
+        let task = tokio::spawn(async move {
+            let renew = (ttl / 3).max(Duration::from_millis(100));
+            let mut lease: Option<i64> = None;
+            let mut failing = false;
+            loop {
+                let step = async {
+                    match lease {
+                        Some(id) => match client.keep_alive(id).await {
+                            Ok(true) => Ok(Some(id)),
+                            Ok(false) => {
+                                tracing::warn!(%key, "etcd no longer knows this engine's lease: registering again");
+                                register(&client, &key, &value, ttl).await.map(Some)
+                            }
+                            Err(e) => Err((Some(id), e)),
+                        },
+                        None => register(&client, &key, &value, ttl).await.map(Some),
+                    }
+                };
+                let wait = match tokio::select! { r = step => r, _ = stopped.changed() => return lease } {
+                    Ok(id) => {
+                        if failing || lease != id {
+                            tracing::info!(%key, etcd = %client.url(), "registered in etcd");
+                        }
+                        failing = false;
+                        lease = id;
+                        renew
+                    }
+                    Err((kept, e)) => {
+                        if !failing {
+                            tracing::warn!(%key, "etcd: {e}; still serving, retrying");
+                        }
+                        failing = true;
+                        lease = kept;
+                        renew.min(Duration::from_secs(1))
+                    }
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    _ = stopped.changed() => return lease,
+                }
+            }
+        });
+        Registrar { stop, task, etcd }
+    }
+
+    /// Removes the registration now (the lease revoked), so routers stop sending new requests
+    /// before the engine drains. If etcd cannot be reached, the registration ends with its lease.
+    pub async fn deregister(self) {
+        let _ = self.stop.send(true);
+        let Ok(Some(lease)) = self.task.await else { return };
+        match self.etcd.revoke(lease).await {
+            Ok(()) => tracing::info!("deregistered from etcd"),
+            Err(e) => tracing::warn!("could not deregister from etcd ({e}): the registration ends with its lease"),
+        }
+    }
+}
+
+/// A fresh lease and the registration put under it.
+async fn register(etcd: &Etcd, key: &str, value: &[u8], ttl: Duration) -> Result<i64, (Option<i64>, EtcdError)> {
+    let id = etcd.grant(ttl).await.map_err(|e| (None, e))?;
+    match etcd.put(key, value, id).await {
+        Ok(()) => Ok(id),
+        Err(e) => {
+            let _ = etcd.revoke(id).await;
+            Err((None, e))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_end_increments_the_last_byte() {
+        assert_eq!(prefix_end("/kvlease/"), b"/kvlease0");
+        assert_eq!(prefix_end("a"), b"b");
+    }
+
+    #[test]
+    fn registrations_round_trip_and_malformed_ones_say_why() {
+        let r = Registration {
+            role: Role::Decode,
+            url: "http://[::1]:8200".into(),
+            engine_id: "d1".into(),
+            kv_addr: "[::1]:5600".into(),
+            tp_size: 2,
+        };
+        assert_eq!(Registration::parse(&r.to_json()).unwrap(), r);
+        assert_eq!(r.upstream().unwrap(), crate::Upstream { host: "::1".into(), port: 8200 });
+        for (raw, why) in [
+            (&b"nope"[..], "not JSON"),
+            (br#"{"role":"router","url":"http://a:1","engine_id":"e","kv_addr":"a:2","tp_size":1}"#, "role"),
+            (br#"{"role":"prefill","url":"ftp://a:1","engine_id":"e","kv_addr":"a:2","tp_size":1}"#, "http"),
+            (br#"{"role":"prefill","url":"http://a:1","engine_id":"e","kv_addr":"a:2","tp_size":0}"#, "tp_size"),
+            (br#"{"role":"prefill","url":"http://a:1","kv_addr":"a:2","tp_size":1}"#, "engine_id"),
+        ] {
+            let e = Registration::parse(raw).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
+    fn gateway_numbers_are_strings() {
+        assert_eq!(int(&json!("4111120361763744773")), Some(4111120361763744773));
+        assert_eq!(int(&json!(5)), Some(5));
+        assert_eq!(int(&Value::Null), None);
+    }
+}
