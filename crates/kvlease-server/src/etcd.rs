@@ -272,7 +272,7 @@ impl Registrar {
                     }
                     Err((kept, e)) => {
                         if !failing {
-                            tracing::warn!(%key, "etcd: {e}; still serving, retrying");
+                            tracing::warn!(%key, "{e}; still serving, retrying");
                         }
                         failing = true;
                         lease = kept;

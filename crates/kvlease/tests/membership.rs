@@ -28,18 +28,6 @@ struct EtcdServer {
     dir: PathBuf,
 }
 
-fn etcd_binary() -> String {
-    if let Ok(p) = std::env::var("KVLEASE_ETCD") {
-        return p;
-    }
-    let on_path = Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    assert!(
-        on_path.is_ok_and(|s| s.success()),
-        "no etcd server: run `export KVLEASE_ETCD=$(scripts/install-etcd.sh)` (scripts/test.sh does)"
-    );
-    "etcd".into()
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
 }
@@ -56,7 +44,7 @@ impl EtcdServer {
     /// Starts etcd on its ports with an empty data directory; waits until it answers.
     async fn spawn(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        let child = Command::new(etcd_binary())
+        let child = Command::new(server_binary("KVLEASE_ETCD", "etcd", "scripts/install-etcd.sh"))
             .args(["--name", "default", "--data-dir"])
             .arg(&self.dir)
             .args(["--listen-client-urls", &self.url, "--advertise-client-urls", &self.url])

@@ -135,6 +135,18 @@ impl Drop for Proc {
     }
 }
 
+/// A third-party server a test runs (Prometheus, etcd): the binary `env_var` names (set by
+/// `scripts/test.sh`, which fetches it with `install`), else `name` on the PATH; without either
+/// the test fails and says how to get it.
+pub fn server_binary(env_var: &str, name: &str, install: &str) -> String {
+    if let Ok(p) = std::env::var(env_var) {
+        return p;
+    }
+    let on_path = Command::new(name).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    assert!(on_path.is_ok_and(|s| s.success()), "no {name} server: run `export {env_var}=$({install})` (scripts/test.sh does)");
+    name.into()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().timeout(DEADLINE).build().expect("client")
 }
