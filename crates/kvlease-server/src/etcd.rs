@@ -73,7 +73,7 @@ impl Etcd {
         let status = r.status();
         let v: Value = r.json().await.map_err(|e| EtcdError(format!("etcd {path} answered {status} with no JSON: {e}")))?;
         match v.get("error").or_else(|| v.get("message")) {
-            Some(e) => Err(EtcdError(format!("etcd {path}: {}", e.as_str().unwrap_or("error")))),
+            Some(e) => Err(EtcdError(format!("etcd {path}: {}", e.as_str().map_or_else(|| e.to_string(), str::to_owned)))),
             None if !status.is_success() => Err(EtcdError(format!("etcd {path} answered {status}"))),
             None => Ok(v),
         }

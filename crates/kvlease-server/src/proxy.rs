@@ -167,6 +167,9 @@ impl Pool {
     /// leave (their requests in flight finish).
     fn set(&self, upstreams: Vec<Upstream>) {
         let mut cur = self.instances.write().unwrap_or_else(|e| e.into_inner());
+        if cur.len() == upstreams.len() && cur.iter().zip(&upstreams).all(|(i, up)| i.up == *up) {
+            return;
+        }
         let next: Vec<Arc<Instance>> = upstreams
             .into_iter()
             .map(|up| {
