@@ -33,20 +33,31 @@ impl fmt::Display for EtcdError {
 
 impl std::error::Error for EtcdError {}
 
-/// A client for one etcd endpoint's JSON gateway.
+/// A client for an etcd cluster's JSON gateway, through one member at a time: the one that last
+/// answered, the next one when it cannot be reached.
 #[derive(Clone, Debug)]
 pub struct Etcd {
     client: reqwest::Client,
-    base: String,
+    members: Vec<String>,
+    /// Index in `members` of the one to try first.
+    current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    list: String,
 }
 
 impl Etcd {
-    /// `url` is the client URL etcd listens on (`--advertise-client-urls`), e.g.
-    /// `http://10.0.0.1:2379`.
-    pub fn new(url: &str) -> Result<Etcd, EtcdError> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| EtcdError(format!("--etcd {url:?} is not a URL: {e}")))?;
-        if parsed.scheme() != "http" || parsed.host_str().is_none() {
-            return Err(EtcdError(format!("--etcd {url:?} must be an http:// URL with a host (TLS to etcd is not supported)")));
+    /// `urls`: the members' client URLs (`--advertise-client-urls`), comma-separated, e.g.
+    /// `http://10.0.0.1:2379,http://10.0.0.2:2379`.
+    pub fn new(urls: &str) -> Result<Etcd, EtcdError> {
+        let mut members = Vec::new();
+        for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            let parsed = reqwest::Url::parse(url).map_err(|e| EtcdError(format!("--etcd {url:?} is not a URL: {e}")))?;
+            if parsed.scheme() != "http" || parsed.host_str().is_none() {
+                return Err(EtcdError(format!("--etcd {url:?} must be an http:// URL with a host (TLS to etcd is not supported)")));
+            }
+            members.push(url.trim_end_matches('/').to_string());
+        }
+        if members.is_empty() {
+            return Err(EtcdError(format!("--etcd {urls:?} names no URL")));
         }
         let client = reqwest::Client::builder()
             .no_proxy()
@@ -54,22 +65,38 @@ impl Etcd {
             .timeout(CALL_TIMEOUT)
             .build()
             .map_err(|e| EtcdError(format!("cannot build the HTTP client: {e}")))?;
-        Ok(Etcd { client, base: url.trim_end_matches('/').to_string() })
+        Ok(Etcd { client, list: members.join(","), members, current: Default::default() })
     }
 
+    /// The members, comma-separated.
     pub fn url(&self) -> &str {
-        &self.base
+        &self.list
     }
 
-    /// One gateway call: the answer's JSON, or the error it names.
+    /// One gateway call: the answer's JSON, or the error it names. A member that cannot be
+    /// reached, or answers 5xx (e.g. it has no leader), is skipped for the next; the one that
+    /// answers is tried first from then on.
     async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
-        let r = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| EtcdError(format!("etcd {} unreachable: {}", self.base, crate::proxy::cause(&e))))?;
+        use std::sync::atomic::Ordering;
+        let first = self.current.load(Ordering::Relaxed);
+        let mut unreachable = Vec::new();
+        let mut answer = None;
+        for k in 0..self.members.len() {
+            let i = (first + k) % self.members.len();
+            let member = &self.members[i];
+            match self.client.post(format!("{member}{path}")).json(&body).send().await {
+                Ok(r) if r.status().is_server_error() && k + 1 < self.members.len() => {
+                    unreachable.push(format!("{member}: answered {}", r.status()));
+                }
+                Ok(r) => {
+                    self.current.store(i, Ordering::Relaxed);
+                    answer = Some(r);
+                    break;
+                }
+                Err(e) => unreachable.push(format!("{member}: {}", crate::proxy::cause(&e))),
+            }
+        }
+        let Some(r) = answer else { return Err(EtcdError(format!("etcd unreachable ({})", unreachable.join("; ")))) };
         let status = r.status();
         let v: Value = r.json().await.map_err(|e| EtcdError(format!("etcd {path} answered {status} with no JSON: {e}")))?;
         match v.get("error").or_else(|| v.get("message")) {

@@ -152,9 +152,9 @@ struct ServeArgs {
     /// reading it, so process tests can end a lease under a read. Never set in production.
     #[arg(long, hide = true, value_name = "MS")]
     debug_read_delay_ms: Option<u64>,
-    /// Register this engine in etcd (its client URL, e.g. http://10.0.0.1:2379) under a lease of
-    /// --etcd-ttl, kept alive while it serves and revoked when it drains; routers started with
-    /// `kvlease proxy --etcd` find it there.
+    /// Register this engine in etcd (its members' client URLs, comma-separated, e.g.
+    /// http://10.0.0.1:2379) under a lease of --etcd-ttl, kept alive while it serves and revoked
+    /// when it drains; routers started with `kvlease proxy --etcd` find it there.
     #[arg(long, value_name = "URL")]
     etcd: Option<String>,
     #[command(flatten)]
@@ -258,7 +258,7 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
-    /// Route to the engines registered in etcd (its client URL) instead of the --prefiller-* and
+    /// Route to the engines registered in etcd (its members' client URLs, comma-separated) instead of the --prefiller-* and
     /// --decoder-* lists: read every --health-interval; the last known set is kept while etcd is
     /// unreachable (`/health` and `kvlease_proxy_etcd_up` say so).
     #[arg(long, value_name = "URL", conflicts_with_all = ["prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports"])]

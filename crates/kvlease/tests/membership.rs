@@ -89,16 +89,17 @@ impl Drop for EtcdServer {
     }
 }
 
-/// An engine registered in `etcd` as `role` (`kv_producer`, `kv_consumer`), with `extra` flags.
-fn engine(name: &str, role: &str, etcd: &EtcdServer, extra: &[&str]) -> Proc {
+/// An engine registered in etcd (`--etcd members`) as `role` (`kv_producer`, `kv_consumer`),
+/// with `extra` flags.
+fn engine(name: &str, role: &str, members: &str, extra: &[&str]) -> Proc {
     let cfg = format!(r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"}}"#);
-    let mut args = vec!["--kv-transfer-config", &cfg, "--etcd", &etcd.url, "--etcd-ttl", TTL];
+    let mut args = vec!["--kv-transfer-config", &cfg, "--etcd", members, "--etcd-ttl", TTL];
     args.extend_from_slice(extra);
     Proc::serve(name, &args)
 }
 
-fn proxy(etcd: &EtcdServer, logs: Stdio) -> Proc {
-    Proc::proxy_etcd(&etcd.url, &["--health-interval", "0.2", "--log-level", "warn"], logs)
+fn proxy(members: &str, logs: Stdio) -> Proc {
+    Proc::proxy_etcd(members, &["--health-interval", "0.2", "--log-level", "warn"], logs)
 }
 
 /// The upstreams the proxy routes `role` (`prefill`, `decode`) to now, as its `/metrics` lists them.
@@ -138,14 +139,14 @@ async fn decode_legs(proxy: &Proc, upstream: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_decoder_started_mid_run_takes_traffic_without_restarting_the_proxy() {
     let etcd = EtcdServer::start().await;
-    let p1 = engine("mid-p1", "kv_producer", &etcd, &[]);
-    let d1 = engine("mid-d1", "kv_consumer", &etcd, &[]);
-    let proxy = proxy(&etcd, Stdio::inherit());
+    let p1 = engine("mid-p1", "kv_producer", &etcd.url, &[]);
+    let d1 = engine("mid-d1", "kv_consumer", &etcd.url, &[]);
+    let proxy = proxy(&etcd.url, Stdio::inherit());
     until_routed(&proxy, "prefill", &[&p1]).await;
     until_routed(&proxy, "decode", &[&d1]).await;
     assert_eq!(complete(&proxy).await, 200);
 
-    let d2 = engine("mid-d2", "kv_consumer", &etcd, &[]);
+    let d2 = engine("mid-d2", "kv_consumer", &etcd.url, &[]);
     until_routed(&proxy, "decode", &[&d1, &d2]).await;
     for _ in 0..6 {
         assert_eq!(complete(&proxy).await, 200);
@@ -160,10 +161,10 @@ async fn a_new_decoder_started_mid_run_takes_traffic_without_restarting_the_prox
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_decoder_leaves_the_routing_set_within_the_etcd_lease_ttl() {
     let etcd = EtcdServer::start().await;
-    let p1 = engine("kill-p1", "kv_producer", &etcd, &[]);
-    let mut d1 = engine("kill-d1", "kv_consumer", &etcd, &[]);
-    let d2 = engine("kill-d2", "kv_consumer", &etcd, &[]);
-    let proxy = proxy(&etcd, Stdio::inherit());
+    let p1 = engine("kill-p1", "kv_producer", &etcd.url, &[]);
+    let mut d1 = engine("kill-d1", "kv_consumer", &etcd.url, &[]);
+    let d2 = engine("kill-d2", "kv_consumer", &etcd.url, &[]);
+    let proxy = proxy(&etcd.url, Stdio::inherit());
     until_routed(&proxy, "prefill", &[&p1]).await;
     until_routed(&proxy, "decode", &[&d1, &d2]).await;
 
@@ -188,7 +189,7 @@ async fn a_sigkilled_decoder_leaves_the_routing_set_within_the_etcd_lease_ttl() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_engine_deregisters_before_it_turns_requests_away() {
     let etcd = EtcdServer::start().await;
-    let d1 = engine("drain-d1", "kv_consumer", &etcd, &["--decode-ms-per-token", "20"]);
+    let d1 = engine("drain-d1", "kv_consumer", &etcd.url, &["--decode-ms-per-token", "20"]);
     until("d1 registered", DEADLINE, || async { etcd.keys().await == [format!("{PREFIX}drain-d1")] }).await;
 
     // A local request of ~1.5 s keeps d1 draining (alive) after the signal.
@@ -218,9 +219,9 @@ async fn a_draining_engine_deregisters_before_it_turns_requests_away() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_the_proxy_keeps_its_last_set_and_says_so_and_engines_register_again_when_it_returns() {
     let mut etcd = EtcdServer::start().await;
-    let p1 = engine("down-p1", "kv_producer", &etcd, &[]);
-    let d1 = engine("down-d1", "kv_consumer", &etcd, &[]);
-    let proxy = proxy(&etcd, Stdio::inherit());
+    let p1 = engine("down-p1", "kv_producer", &etcd.url, &[]);
+    let d1 = engine("down-d1", "kv_consumer", &etcd.url, &[]);
+    let proxy = proxy(&etcd.url, Stdio::inherit());
     until_routed(&proxy, "prefill", &[&p1]).await;
     until_routed(&proxy, "decode", &[&d1]).await;
     assert_eq!(metric(&proxy.url, "kvlease_proxy_etcd_up").await, 1.0);
@@ -247,6 +248,21 @@ async fn etcd_down_the_proxy_keeps_its_last_set_and_says_so_and_engines_register
     assert_eq!(complete(&proxy).await, 200);
 }
 
+/// `--etcd` with several members: one that cannot be reached (first in the list here) is skipped
+/// for the next, by engines and proxy alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_member_that_cannot_be_reached_is_skipped_for_the_next() {
+    let etcd = EtcdServer::start().await;
+    let members = format!("http://127.0.0.1:{},{}", free_port(), etcd.url);
+    let p1 = engine("members-p1", "kv_producer", &members, &[]);
+    let d1 = engine("members-d1", "kv_consumer", &members, &[]);
+    let proxy = proxy(&members, Stdio::inherit());
+    until_routed(&proxy, "prefill", &[&p1]).await;
+    until_routed(&proxy, "decode", &[&d1]).await;
+    assert_eq!(metric(&proxy.url, "kvlease_proxy_etcd_up").await, 1.0);
+    assert_eq!(complete(&proxy).await, 200);
+}
+
 /// A registration that does not parse (outside input) is skipped with a warning naming its key;
 /// the proxy routes to the well-formed ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,10 +278,10 @@ async fn a_malformed_registration_is_skipped_with_a_warning_naming_its_key() {
     )
     .await
     .expect("put");
-    let p1 = engine("junk-p1", "kv_producer", &etcd, &[]);
-    let d1 = engine("junk-d1", "kv_consumer", &etcd, &[]);
+    let p1 = engine("junk-p1", "kv_producer", &etcd.url, &[]);
+    let d1 = engine("junk-d1", "kv_consumer", &etcd.url, &[]);
     let log = std::env::temp_dir().join(format!("kvlease-membership-proxy-{}.log", std::process::id()));
-    let proxy = proxy(&etcd, Stdio::from(std::fs::File::create(&log).expect("log file")));
+    let proxy = proxy(&etcd.url, Stdio::from(std::fs::File::create(&log).expect("log file")));
     until_routed(&proxy, "prefill", &[&p1]).await;
     until_routed(&proxy, "decode", &[&d1]).await;
     assert_eq!(complete(&proxy).await, 200);
