@@ -1,11 +1,11 @@
 //! Cluster membership through etcd (issue 12 part 3): `kvlease serve --etcd` registers the
-//! engine under an etcd lease and keeps it alive ([`Registrar`]); `kvlease proxy --etcd` reads
-//! the registrations under the prefix and routes to them ([`Membership`], used by the proxy).
+//! engine under an etcd lease and keeps it alive ([`Registrar`]); `kvlease proxy --etcd` follows
+//! the registrations under the prefix ([`follow`]: a read, then a watch) and routes to them.
 //!
 //! The client speaks etcd v3's JSON gateway (`POST /v3/...`, keys and values in base64, 64-bit
-//! numbers as strings) over the reqwest client the proxy already has, rather than the gRPC API:
-//! the `etcd-client` crate brings tonic and prost and compiles etcd's protos at build time (so
-//! needs `protoc`), for five unary calls. Everything etcd answers is outside input: nothing from
+//! numbers as strings, a watch as one JSON message per line) over the reqwest client the proxy
+//! already has, rather than the gRPC API: the `etcd-client` crate brings tonic and prost and
+//! compiles etcd's protos at build time (so needs `protoc`), for six calls. Everything etcd answers is outside input: nothing from
 //! it is unwrapped, and a registration that does not parse is skipped with a warning naming its
 //! key.
 
@@ -62,7 +62,6 @@ impl Etcd {
         let client = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(CALL_TIMEOUT)
-            .timeout(CALL_TIMEOUT)
             .build()
             .map_err(|e| EtcdError(format!("cannot build the HTTP client: {e}")))?;
         Ok(Etcd { client, list: members.join(","), members, current: Default::default() })
@@ -73,10 +72,22 @@ impl Etcd {
         &self.list
     }
 
-    /// One gateway call: the answer's JSON, or the error it names. A member that cannot be
-    /// reached, or answers 5xx (e.g. it has no leader), is skipped for the next; the one that
-    /// answers is tried first from then on.
+    /// One gateway call: the answer's JSON, or the error it names.
     async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let r = self.send(path, &body, Some(CALL_TIMEOUT)).await?;
+        let status = r.status();
+        let v: Value = r.json().await.map_err(|e| EtcdError(format!("etcd {path} answered {status} with no JSON: {e}")))?;
+        match v.get("error").or_else(|| v.get("message")) {
+            Some(e) => Err(EtcdError(format!("etcd {path}: {}", e.as_str().map_or_else(|| e.to_string(), str::to_owned)))),
+            None if !status.is_success() => Err(EtcdError(format!("etcd {path} answered {status}"))),
+            None => Ok(v),
+        }
+    }
+
+    /// POSTs `body` to a member, as long as `timeout` (the whole answer) if given. A member that
+    /// cannot be reached, or answers 5xx (e.g. it has no leader), is skipped for the next; the one
+    /// that answers is tried first from then on.
+    async fn send(&self, path: &str, body: &Value, timeout: Option<Duration>) -> Result<reqwest::Response, EtcdError> {
         use std::sync::atomic::Ordering;
         let first = self.current.load(Ordering::Relaxed);
         let mut unreachable = Vec::new();
@@ -84,7 +95,11 @@ impl Etcd {
         for k in 0..self.members.len() {
             let i = (first + k) % self.members.len();
             let member = &self.members[i];
-            match self.client.post(format!("{member}{path}")).json(&body).send().await {
+            let mut req = self.client.post(format!("{member}{path}")).json(body);
+            if let Some(t) = timeout {
+                req = req.timeout(t);
+            }
+            match req.send().await {
                 Ok(r) if r.status().is_server_error() && k + 1 < self.members.len() => {
                     unreachable.push(format!("{member}: answered {}", r.status()));
                 }
@@ -96,14 +111,7 @@ impl Etcd {
                 Err(e) => unreachable.push(format!("{member}: {}", crate::proxy::cause(&e))),
             }
         }
-        let Some(r) = answer else { return Err(EtcdError(format!("etcd unreachable ({})", unreachable.join("; ")))) };
-        let status = r.status();
-        let v: Value = r.json().await.map_err(|e| EtcdError(format!("etcd {path} answered {status} with no JSON: {e}")))?;
-        match v.get("error").or_else(|| v.get("message")) {
-            Some(e) => Err(EtcdError(format!("etcd {path}: {}", e.as_str().map_or_else(|| e.to_string(), str::to_owned)))),
-            None if !status.is_success() => Err(EtcdError(format!("etcd {path} answered {status}"))),
-            None => Ok(v),
-        }
+        answer.ok_or_else(|| EtcdError(format!("etcd unreachable ({})", unreachable.join("; "))))
     }
 
     /// A new lease of `ttl` (whole seconds, at least 1): its id.
@@ -129,17 +137,17 @@ impl Etcd {
         self.call("/v3/kv/put", body).await.map(drop)
     }
 
-    /// Every key under `prefix`, with its value; a key or value that is not base64 is skipped
-    /// with a warning.
-    pub async fn range_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, EtcdError> {
+    /// Every key under `prefix`, with its value, and the revision they were read at; a key or
+    /// value that is not base64 is skipped with a warning.
+    pub async fn range_prefix(&self, prefix: &str) -> Result<(Vec<(String, Vec<u8>)>, i64), EtcdError> {
         let v = self.call("/v3/kv/range", json!({"key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix))})).await?;
+        let revision = int(&v["header"]["revision"]).ok_or_else(|| EtcdError(format!("etcd range answered no revision: {v}")))?;
         let kvs = match v.get("kvs") {
-            None | Some(Value::Null) => return Ok(Vec::new()),
+            None | Some(Value::Null) => return Ok((Vec::new(), revision)),
             Some(Value::Array(kvs)) => kvs,
             Some(other) => return Err(EtcdError(format!("etcd range answered kvs {other}"))),
         };
-        let decode = |f: &Value| f.as_str().and_then(|s| B64.decode(s).ok());
-        Ok(kvs
+        let kvs = kvs
             .iter()
             .filter_map(|kv| {
                 let key = decode(&kv["key"]).map(|k| String::from_utf8_lossy(&k).into_owned());
@@ -151,7 +159,185 @@ impl Etcd {
                     }
                 }
             })
-            .collect())
+            .collect();
+        Ok((kvs, revision))
+    }
+
+    /// How many keys are under `prefix` (a quorum read: also proves etcd answers).
+    pub async fn count_prefix(&self, prefix: &str) -> Result<usize, EtcdError> {
+        let body = json!({"key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix)), "count_only": true});
+        let v = self.call("/v3/kv/range", body).await?;
+        Ok(int(&v["count"]).and_then(|n| usize::try_from(n).ok()).unwrap_or(0))
+    }
+
+    /// Watches the keys under `prefix` from `revision` on.
+    pub async fn watch_prefix(&self, prefix: &str, revision: i64) -> Result<Watch, EtcdError> {
+        let body = json!({"create_request": {"key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix)), "start_revision": revision.to_string()}});
+        // The answer streams for as long as the watch lives: no timeout on it, only on its start.
+        let r = tokio::time::timeout(CALL_TIMEOUT, self.send("/v3/watch", &body, None))
+            .await
+            .map_err(|_| EtcdError(format!("etcd {} did not answer a watch within {CALL_TIMEOUT:?}", self.list)))??;
+        if !r.status().is_success() {
+            return Err(EtcdError(format!("etcd /v3/watch answered {}", r.status())));
+        }
+        Ok(Watch { body: Box::pin(r.bytes_stream()), buf: Vec::new() })
+    }
+}
+
+fn decode(f: &Value) -> Option<Vec<u8>> {
+    f.as_str().and_then(|s| B64.decode(s).ok())
+}
+
+/// A change under a watched prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Put(String, Vec<u8>),
+    Delete(String),
+}
+
+/// Longest watch message accepted (a message lists one revision's events).
+const MAX_WATCH_MESSAGE: usize = 4 << 20;
+
+/// An etcd watch: the gateway streams one JSON message per line.
+pub struct Watch {
+    body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>>,
+    buf: Vec<u8>,
+}
+
+impl Watch {
+    /// The next changes. An error ends the watch (etcd gone, the watch cancelled or compacted
+    /// past, a message that does not parse): read the keys again and watch anew. Cancel-safe.
+    pub async fn next(&mut self) -> Result<Vec<Change>, EtcdError> {
+        use futures_util::StreamExt;
+        loop {
+            while let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                let changes = watch_message(&line)?;
+                if !changes.is_empty() {
+                    return Ok(changes);
+                }
+            }
+            if self.buf.len() > MAX_WATCH_MESSAGE {
+                return Err(EtcdError(format!("etcd sent a watch message over {MAX_WATCH_MESSAGE} bytes")));
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                Some(Err(e)) => return Err(EtcdError(format!("etcd watch broke: {}", crate::proxy::cause(&e)))),
+                None => return Err(EtcdError("etcd closed the watch".into())),
+            }
+        }
+    }
+}
+
+/// The changes one watch message carries (none for a blank line, the watch's creation or a
+/// progress notice).
+fn watch_message(line: &[u8]) -> Result<Vec<Change>, EtcdError> {
+    if line.trim_ascii().is_empty() {
+        return Ok(Vec::new());
+    }
+    let v: Value = serde_json::from_slice(line).map_err(|e| EtcdError(format!("etcd watch message is not JSON: {e}")))?;
+    if let Some(e) = v.get("error") {
+        return Err(EtcdError(format!("etcd watch: {e}")));
+    }
+    let r = &v["result"];
+    if r["canceled"] == true || int(&r["compact_revision"]).is_some_and(|c| c > 0) {
+        return Err(EtcdError(format!("etcd cancelled the watch: {r}")));
+    }
+    let mut changes = Vec::new();
+    for e in r["events"].as_array().into_iter().flatten() {
+        let Some(key) = decode(&e["kv"]["key"]).map(|k| String::from_utf8_lossy(&k).into_owned()) else {
+            tracing::warn!("etcd: skipping a watch event whose key is not base64");
+            continue;
+        };
+        if e["type"] == "DELETE" {
+            changes.push(Change::Delete(key));
+            continue;
+        }
+        match e["kv"].get("value").map_or(Some(Vec::new()), decode) {
+            Some(value) => changes.push(Change::Put(key, value)),
+            None => tracing::warn!(%key, "etcd: skipping a watch event whose value is not base64"),
+        }
+    }
+    Ok(changes)
+}
+
+/// What [`follow`] reports.
+pub enum Seen<'a> {
+    /// Every key under the prefix now, with its value.
+    Keys(&'a std::collections::BTreeMap<String, Vec<u8>>),
+    /// etcd could not be read; the last keys reported are all that is known.
+    Unreachable(&'a EtcdError),
+}
+
+/// Follows the keys under `prefix`: reads them all, then watches from that revision, reporting
+/// the whole set at each change. Every `interval` a count of the keys (a quorum read) checks that
+/// etcd still answers, even when a watch just stalls, and that the watch missed nothing (else the
+/// keys are read again); the set is reported then too. Unreachable: reported, retried every
+/// `interval`. Ends when `report` returns false.
+pub async fn follow(etcd: &Etcd, prefix: &str, interval: Duration, mut report: impl FnMut(Seen<'_>) -> bool) {
+    loop {
+        let started = async {
+            let (kvs, revision) = etcd.range_prefix(prefix).await?;
+            Ok::<_, EtcdError>((kvs, etcd.watch_prefix(prefix, revision + 1).await?))
+        };
+        let (mut keys, mut watch) = match started.await {
+            Ok((kvs, watch)) => {
+                let keys: std::collections::BTreeMap<String, Vec<u8>> = kvs.into_iter().collect();
+                if !report(Seen::Keys(&keys)) {
+                    return;
+                }
+                (keys, watch)
+            }
+            Err(e) => {
+                if !report(Seen::Unreachable(&e)) {
+                    return;
+                }
+                tokio::time::sleep(interval).await;
+                continue;
+            }
+        };
+        let mut probe = tokio::time::interval(interval);
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        probe.tick().await;
+        loop {
+            tokio::select! {
+                changes = watch.next() => match changes {
+                    Ok(changes) => {
+                        for c in changes {
+                            match c {
+                                Change::Put(k, v) => keys.insert(k, v),
+                                Change::Delete(k) => keys.remove(&k),
+                            };
+                        }
+                        if !report(Seen::Keys(&keys)) {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!("{e}: reading the keys again");
+                        break;
+                    }
+                },
+                _ = probe.tick() => match etcd.count_prefix(prefix).await {
+                    Ok(n) if n == keys.len() => {
+                        if !report(Seen::Keys(&keys)) {
+                            return;
+                        }
+                    }
+                    Ok(n) => {
+                        tracing::debug!(watched = keys.len(), counted = n, "etcd: the watch and a count disagree: reading the keys again");
+                        break;
+                    }
+                    Err(e) => {
+                        if !report(Seen::Unreachable(&e)) {
+                            return;
+                        }
+                        tokio::time::sleep(interval).await;
+                        break;
+                    }
+                },
+            }
+        }
     }
 }
 
@@ -369,6 +555,30 @@ mod tests {
         ] {
             let e = Registration::parse(raw).unwrap_err();
             assert!(e.contains(why), "{e}");
+        }
+    }
+
+    /// The gateway's watch messages (etcd 3.4's, as captured): creation and progress carry no
+    /// change; a lease that expires is a DELETE; a cancelled or compacted watch ends it.
+    #[test]
+    fn watch_messages_become_changes() {
+        let created = br#"{"result":{"header":{"revision":"1"},"created":true}}"#;
+        assert_eq!(watch_message(created).unwrap(), []);
+        assert_eq!(watch_message(b"\n").unwrap(), []);
+        let put = br#"{"result":{"header":{"revision":"2"},"events":[{"kv":{"key":"L2t2bGVhc2UvYQ==","mod_revision":"2","value":"aGk=","lease":"7"}}]}}"#;
+        assert_eq!(watch_message(put).unwrap(), [Change::Put("/kvlease/a".into(), b"hi".to_vec())]);
+        let del =
+            br#"{"result":{"header":{"revision":"3"},"events":[{"type":"DELETE","kv":{"key":"L2t2bGVhc2UvYQ==","mod_revision":"3"}}]}}"#;
+        assert_eq!(watch_message(del).unwrap(), [Change::Delete("/kvlease/a".into())]);
+        let bad_key = br#"{"result":{"events":[{"kv":{"key":"%%%","value":"aGk="}}]}}"#;
+        assert_eq!(watch_message(bad_key).unwrap(), [], "skipped, not fatal");
+        for end in [
+            &br#"{"result":{"canceled":true,"cancel_reason":"x"}}"#[..],
+            br#"{"result":{"compact_revision":"9"}}"#,
+            br#"{"error":{"grpc_code":14}}"#,
+            b"{nope",
+        ] {
+            assert!(watch_message(end).is_err(), "{}", String::from_utf8_lossy(end));
         }
     }
 

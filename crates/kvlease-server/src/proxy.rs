@@ -74,8 +74,9 @@ pub struct ProxyConfig {
     pub membership: Option<Membership>,
 }
 
-/// Where the proxy reads the engines it routes to: the registrations under `prefix` in etcd,
-/// read every `--health-interval`. While etcd cannot be reached the last set read is kept.
+/// Where the proxy finds the engines it routes to: the registrations under `prefix` in etcd,
+/// watched (and checked every `--health-interval`). While etcd cannot be reached the last set
+/// read is kept.
 #[derive(Debug, Clone)]
 pub struct Membership {
     pub etcd: crate::etcd::Etcd,
@@ -415,26 +416,25 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
 /// How long after etcd answers again the proxy lets engines join but not leave.
 const ETCD_RECOVERY_GRACE: Duration = Duration::from_secs(3);
 
-/// Reads the registrations under the prefix every `interval` and routes to them: prefill and
-/// both-role engines as prefillers, decode and both-role ones as decoders. A registration that
-/// does not parse is skipped with a warning naming its key (once). While etcd cannot be read the
-/// last set is kept, and `/health` and `kvlease_proxy_etcd_up` say so; for
-/// [`ETCD_RECOVERY_GRACE`] after it answers again, engines join but none leaves (an etcd that
-/// came back without its data is empty until the engines, retrying every second, register
-/// again). Ends with the proxy.
+/// Follows the registrations under the prefix ([`crate::etcd::follow`]: a watch, checked every
+/// `interval`) and routes to them: prefill and both-role engines as prefillers, decode and
+/// both-role ones as decoders. A registration that does not parse is skipped with a warning
+/// naming its key (once per value). While etcd cannot be read the last set is kept, and
+/// `/health` and `kvlease_proxy_etcd_up` say so; for [`ETCD_RECOVERY_GRACE`] after it answers
+/// again, engines join but none leaves (an etcd that came back without its data is empty until
+/// the engines, retrying every second, register again). Ends with the proxy.
 async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duration) {
     let mut warned: std::collections::HashSet<(String, Vec<u8>)> = Default::default();
     let mut was_down = false;
     let mut grace_until: Option<tokio::time::Instant> = None;
-    loop {
-        let read = m.etcd.range_prefix(&m.prefix).await;
-        let Some(proxy) = p.upgrade() else { return };
-        let Some(state) = &proxy.etcd else { return };
-        match read {
-            Ok(kvs) => {
+    crate::etcd::follow(&m.etcd, &m.prefix, interval, |seen| {
+        let Some(proxy) = p.upgrade() else { return false };
+        let Some(state) = &proxy.etcd else { return false };
+        match seen {
+            crate::etcd::Seen::Keys(keys) => {
                 let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-                for (key, raw) in kvs {
-                    match crate::etcd::Registration::parse(&raw).and_then(|r| Ok((r.upstream()?, r))) {
+                for (key, raw) in keys {
+                    match crate::etcd::Registration::parse(raw).and_then(|r| Ok((r.upstream()?, r))) {
                         Ok((up, r)) => {
                             if r.role.prefills() && !prefill.contains(&up) {
                                 prefill.push(up.clone());
@@ -444,7 +444,7 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
                             }
                         }
                         Err(why) => {
-                            if warned.insert((key.clone(), raw)) {
+                            if warned.insert((key.clone(), raw.clone())) {
                                 tracing::warn!(%key, "etcd: skipping a malformed registration: {why}");
                             }
                         }
@@ -465,7 +465,7 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
                     tracing::info!(etcd = %state.url, prefix = %m.prefix, "following the registrations in etcd");
                 }
             }
-            Err(e) => {
+            crate::etcd::Seen::Unreachable(e) => {
                 was_down = true;
                 state.failures.fetch_add(1, Ordering::Relaxed);
                 if state.up.swap(false, Ordering::AcqRel) {
@@ -477,9 +477,9 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
                 }
             }
         }
-        drop(proxy);
-        tokio::time::sleep(interval).await;
-    }
+        true
+    })
+    .await;
 }
 
 /// 200 while at least one prefiller and one decoder are healthy; else 503 saying which is missing.

@@ -259,7 +259,7 @@ struct ProxyArgs {
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
     /// Route to the engines registered in etcd (its members' client URLs, comma-separated) instead of the --prefiller-* and
-    /// --decoder-* lists: read every --health-interval; the last known set is kept while etcd is
+    /// --decoder-* lists: watched, and checked every --health-interval; the last known set is kept while etcd is
     /// unreachable (`/health` and `kvlease_proxy_etcd_up` say so).
     #[arg(long, value_name = "URL", conflicts_with_all = ["prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports"])]
     etcd: Option<String>,

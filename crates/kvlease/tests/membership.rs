@@ -65,6 +65,12 @@ impl EtcdServer {
         .await;
     }
 
+    /// SIGSTOP: etcd keeps its connections open and answers nothing (a hung member).
+    fn freeze(&self) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        assert!(Command::new("kill").args(["-STOP", &pid]).status().expect("kill").success());
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -78,7 +84,7 @@ impl EtcdServer {
 
     /// The registered keys.
     async fn keys(&self) -> Vec<String> {
-        self.client().range_prefix(PREFIX).await.expect("etcd range").into_iter().map(|(k, _)| k).collect()
+        self.client().range_prefix(PREFIX).await.expect("etcd range").0.into_iter().map(|(k, _)| k).collect()
     }
 }
 
@@ -214,7 +220,8 @@ async fn a_draining_engine_deregisters_before_it_turns_requests_away() {
 }
 
 /// etcd down: the proxy keeps routing to its last known set and says so in `/health` and
-/// `kvlease_proxy_etcd_up`; the engines keep serving. etcd back (here without its data, the worst
+/// `kvlease_proxy_etcd_up`; the engines keep serving. First etcd hangs (SIGSTOP: its watch
+/// connection stays open, silent), then it dies. etcd back (here without its data, the worst
 /// case: every lease forgotten): the engines register again and the proxy follows them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_the_proxy_keeps_its_last_set_and_says_so_and_engines_register_again_when_it_returns() {
@@ -226,6 +233,8 @@ async fn etcd_down_the_proxy_keeps_its_last_set_and_says_so_and_engines_register
     until_routed(&proxy, "decode", &[&d1]).await;
     assert_eq!(metric(&proxy.url, "kvlease_proxy_etcd_up").await, 1.0);
 
+    etcd.freeze();
+    until("the proxy to notice a silent etcd", DEADLINE, || async { metric(&proxy.url, "kvlease_proxy_etcd_up").await == 0.0 }).await;
     etcd.kill();
     // Down for longer than the engines' lease: 15 failed reads, 0.2 s apart, are 3 s > TTL.
     until("the proxy to fail 15 reads of etcd", DEADLINE, || async {
