@@ -258,9 +258,10 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
-    /// Route to the engines registered in etcd (its members' client URLs, comma-separated) instead of the --prefiller-* and
-    /// --decoder-* lists: watched, and checked every --health-interval; the last known set is kept while etcd is
-    /// unreachable (`/health` and `kvlease_proxy_etcd_up` say so).
+    /// Route to the engines registered in etcd (its members' client URLs, comma-separated)
+    /// instead of the --prefiller-* and --decoder-* lists: watched, and checked every
+    /// --health-interval; the last known set is kept while etcd is unreachable (`/health` and
+    /// `kvlease_proxy_etcd_up` say so).
     #[arg(long, value_name = "URL", conflicts_with_all = ["prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports"])]
     etcd: Option<String>,
     #[command(flatten)]
@@ -599,7 +600,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine_id = cfg.engine_id.clone();
     let role = cfg.transfer.kv_role;
     let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
+    let etcd = etcd_target(&args)?;
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
+    // The listener is bound: a router that finds the engine at once is answered as soon as the
+    // server runs.
+    let registrar = etcd.map(|(etcd, host)| register(etcd, &host, &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
     announce(format!(
@@ -607,10 +612,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         host_port(&args.host, http.port()),
         engine.kv_addr()
     ));
-    let registrar = match &args.etcd {
-        Some(url) => Some(register(url, &args, role, &engine_id, (http.port(), engine.kv_addr().port()))?),
-        None => None,
-    };
     let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
@@ -636,31 +637,35 @@ fn seconds(v: f64, flag: &str) -> Result<Duration, InvalidConfig> {
     }
 }
 
+/// `--etcd`, checked before anything starts: the client, and the address to register (the
+/// advertised one, else `--host`, which must then not be a wildcard).
+fn etcd_target(args: &ServeArgs) -> Result<Option<(kvlease_server::etcd::Etcd, String)>, InvalidConfig> {
+    let Some(url) = &args.etcd else { return Ok(None) };
+    let etcd = kvlease_server::etcd::Etcd::new(url).map_err(|e| InvalidConfig(e.0))?;
+    let host = match side_channel_host(args.advertise_host)? {
+        Some(ip) => ip.to_string(),
+        None if args.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()) => {
+            return Err(InvalidConfig(format!(
+                "--etcd: --host {} is not an address others can reach; give --advertise-host, the IP routers and engines reach this one at",
+                args.host
+            )))
+        }
+        None => args.host.clone(),
+    };
+    Ok(Some((etcd, host)))
+}
+
 /// Registers the engine in etcd under `--etcd-prefix` + engine id: its role (from `kv_role`),
-/// the URL of its API and its side channel at the advertised address, its `tp_size`.
+/// the URL of its API and its side channel at `host`, its `tp_size`.
 fn register(
-    url: &str,
+    etcd: kvlease_server::etcd::Etcd,
+    host: &str,
     args: &ServeArgs,
     role: kvlease_core::config::KvRole,
     engine_id: &str,
     (http_port, kv_port): (u16, u16),
-) -> anyhow::Result<kvlease_server::etcd::Registrar> {
-    use kvlease_server::etcd::{Etcd, Registrar, Registration, Role};
-    let etcd = Etcd::new(url).map_err(|e| InvalidConfig(e.0))?;
-    let host = match side_channel_host(args.advertise_host)? {
-        Some(ip) => ip.to_string(),
-        None => {
-            let wildcard = args.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
-            if wildcard {
-                return Err(InvalidConfig(format!(
-                    "--etcd: --host {} is not an address others can reach; give --advertise-host, the IP routers and engines reach this one at",
-                    args.host
-                ))
-                .into());
-            }
-            args.host.clone()
-        }
-    };
+) -> kvlease_server::etcd::Registrar {
+    use kvlease_server::etcd::{Registrar, Registration, Role};
     let role = match role {
         kvlease_core::config::KvRole::Producer => Role::Prefill,
         kvlease_core::config::KvRole::Consumer => Role::Decode,
@@ -668,14 +673,14 @@ fn register(
     };
     let registration = Registration {
         role,
-        url: format!("http://{}", host_port(&host, http_port)),
+        url: format!("http://{}", host_port(host, http_port)),
         engine_id: engine_id.to_string(),
-        kv_addr: host_port(&host, kv_port),
+        kv_addr: host_port(host, kv_port),
         tp_size: args.tp_size,
     };
     let key = format!("{}{}", args.etcd_args.etcd_prefix, registration.engine_id);
-    tracing::info!(%key, role = role.as_str(), url = %registration.url, "registering in etcd at {url}");
-    Ok(Registrar::start(etcd, key, &registration, Duration::from_secs(args.etcd_ttl)))
+    tracing::info!(%key, role = role.as_str(), url = %registration.url, "registering in etcd at {}", etcd.url());
+    Registrar::start(etcd, key, &registration, Duration::from_secs(args.etcd_ttl))
 }
 
 /// SPEC O1: waits for SIGTERM (or SIGINT), then drains: new requests get 503 while those in
@@ -850,10 +855,25 @@ mod tests {
         let cli = Cli::try_parse_from(["kvlease", "serve", "--host", "0.0.0.0", "--etcd", "http://e:2379"]).unwrap();
         let Command::Serve(s) = cli.command else { panic!("expected serve") };
         assert_eq!(s.etcd_ttl, 10);
-        let e = register("http://e:2379", &s, kvlease_core::config::KvRole::Both, "e1", (1, 2)).err().expect("a wildcard host is refused");
-        assert!(e.downcast_ref::<InvalidConfig>().is_some() && e.to_string().contains("--advertise-host"), "{e}");
-        let e = register("e:2379", &s, kvlease_core::config::KvRole::Both, "e1", (1, 2)).err().expect("not a URL");
-        assert!(e.to_string().contains("--etcd"), "{e}");
+        let e = etcd_target(&s).err().expect("a wildcard host is refused");
+        assert!(e.to_string().contains("--advertise-host"), "{e}");
+        let cli = Cli::try_parse_from(["kvlease", "serve", "--etcd", "e:2379"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert!(etcd_target(&s).err().expect("not an http URL").to_string().contains("--etcd"));
+        let cli = Cli::try_parse_from([
+            "kvlease",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            "10.0.0.5",
+            "--etcd",
+            "http://e:2379,http://f:2379",
+        ])
+        .unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        let (etcd, host) = etcd_target(&s).unwrap().expect("--etcd given");
+        assert_eq!((etcd.url(), host.as_str()), ("http://e:2379,http://f:2379", "10.0.0.5"));
         assert!(Cli::try_parse_from(["kvlease", "serve", "--etcd-ttl", "0"]).is_err());
     }
 
