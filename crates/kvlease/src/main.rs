@@ -855,11 +855,11 @@ mod tests {
         let cli = Cli::try_parse_from(["kvlease", "serve", "--host", "0.0.0.0", "--etcd", "http://e:2379"]).unwrap();
         let Command::Serve(s) = cli.command else { panic!("expected serve") };
         assert_eq!(s.etcd_ttl, 10);
-        let e = etcd_target(&s).err().expect("a wildcard host is refused");
+        let e = etcd_target(&s).expect_err("a wildcard host is refused");
         assert!(e.to_string().contains("--advertise-host"), "{e}");
         let cli = Cli::try_parse_from(["kvlease", "serve", "--etcd", "e:2379"]).unwrap();
         let Command::Serve(s) = cli.command else { panic!("expected serve") };
-        assert!(etcd_target(&s).err().expect("not an http URL").to_string().contains("--etcd"));
+        assert!(etcd_target(&s).expect_err("not an http URL").to_string().contains("--etcd"));
         let cli = Cli::try_parse_from([
             "kvlease",
             "serve",
