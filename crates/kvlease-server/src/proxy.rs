@@ -126,6 +126,19 @@ struct Instance {
     failures: AtomicU64,
 }
 
+impl Instance {
+    /// In rotation, nothing counted yet.
+    fn new(up: Upstream) -> Arc<Instance> {
+        Arc::new(Instance {
+            up,
+            healthy: AtomicBool::new(true),
+            outstanding: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        })
+    }
+}
+
 /// Counts a request against its instance while alive (least-outstanding routing).
 struct Outstanding(Arc<Instance>);
 
@@ -153,9 +166,8 @@ struct Pool {
 
 impl Pool {
     fn new(role: &'static str, upstreams: Vec<Upstream>) -> Pool {
-        let pool = Pool { role, instances: std::sync::RwLock::default(), next: AtomicUsize::new(0) };
-        pool.set(upstreams);
-        pool
+        let instances = upstreams.into_iter().map(Instance::new).collect();
+        Pool { role, instances: std::sync::RwLock::new(Arc::new(instances)), next: AtomicUsize::new(0) }
     }
 
     /// The upstreams now.
@@ -171,20 +183,8 @@ impl Pool {
         if cur.len() == upstreams.len() && cur.iter().zip(&upstreams).all(|(i, up)| i.up == *up) {
             return;
         }
-        let next: Vec<Arc<Instance>> = upstreams
-            .into_iter()
-            .map(|up| {
-                cur.iter().find(|i| i.up == up).cloned().unwrap_or_else(|| {
-                    Arc::new(Instance {
-                        up,
-                        healthy: AtomicBool::new(true),
-                        outstanding: AtomicUsize::new(0),
-                        requests: AtomicU64::new(0),
-                        failures: AtomicU64::new(0),
-                    })
-                })
-            })
-            .collect();
+        let next: Vec<Arc<Instance>> =
+            upstreams.into_iter().map(|up| cur.iter().find(|i| i.up == up).cloned().unwrap_or_else(|| Instance::new(up))).collect();
         for gone in cur.iter().filter(|i| !next.iter().any(|n| n.up == i.up)) {
             tracing::info!(role = self.role, upstream = %gone.up, "left the routing set");
         }
