@@ -248,8 +248,14 @@ async fn etcd_down_the_proxy_keeps_its_last_set_and_says_so_and_engines_register
     assert_eq!(complete(&proxy).await, 200, "served through the last known set");
 
     etcd.spawn().await;
-    until("p1 and d1 registered again", DEADLINE, || async { etcd.keys().await.len() == 2 }).await;
-    until("the proxy to read etcd again", DEADLINE, || async { metric(&proxy.url, "kvlease_proxy_etcd_up").await == 1.0 }).await;
+    // The etcd that came back is empty until the engines register again: meanwhile the proxy
+    // must not drop them (it lets engines join, not leave, for a few seconds after etcd returns).
+    until("p1 and d1 registered again, and the proxy reading etcd", DEADLINE, || async {
+        let routing = (routed(&proxy, "prefill").await, routed(&proxy, "decode").await);
+        assert_eq!(routing, (vec![p1.url.clone()], vec![d1.url.clone()]), "the routing set changed while the engines registered again");
+        etcd.keys().await.len() == 2 && metric(&proxy.url, "kvlease_proxy_etcd_up").await == 1.0
+    })
+    .await;
     until_routed(&proxy, "prefill", &[&p1]).await;
     until_routed(&proxy, "decode", &[&d1]).await;
     let health: Value = client().get(format!("{}/health", proxy.url)).send().await.expect("health").json().await.expect("json");
