@@ -474,7 +474,9 @@ impl Registrar {
                         None => register(&client, &key, &value, ttl).await.map(Some),
                     }
                 };
-                let wait = match tokio::select! { r = step => r, _ = stopped.changed() => return lease } {
+                // Each step runs to its end (its calls are bounded), so a lease granted just before
+                // a deregistration is known, and revoked, rather than left to expire.
+                let wait = match step.await {
                     Ok(id) => {
                         if failing || lease != id {
                             tracing::info!(%key, etcd = %client.url(), "registered in etcd");
