@@ -225,7 +225,15 @@ fn admit(
             return;
         }
         let need = blocks_needed(&front.role, front.prompt.len(), front.max_tokens, bs);
-        let Some(blocks) = inner.pool.alloc(need) else { return };
+        let blocks = match inner.pool.alloc(need) {
+            Some(b) => b,
+            // Cached turns nobody continues give their blocks back first (SPEC B1).
+            None if lease_holder::evict_turns(inner, need) > 0 => match inner.pool.alloc(need) {
+                Some(b) => b,
+                None => return,
+            },
+            None => return,
+        };
         let Some(mut seq) = waiting.pop_front() else { return };
         // D: the prompt's KV from P; P (multi-turn): the conversation so far from a decoder.
         let source = match &seq.role {
