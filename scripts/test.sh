@@ -2,7 +2,8 @@
 # The one test command (README): formatting, lints, every test — over the tcp transport and
 # over NIXL. Installs what it needs: libclang (bindgen, for the NIXL bindings) and the NIXL
 # libraries from PyPI (cached outside the repo by scripts/install-nixl.sh), a Prometheus server
-# (scripts/install-prometheus.sh) and the OpenAI Python SDK.
+# (scripts/install-prometheus.sh), the OpenAI Python SDK, and for python/ maturin, pytest and
+# vLLM in virtual environments cached outside the repo (scripts/test-python.sh).
 #
 # NIXL tests must run: if NIXL cannot be installed the run fails, loudly. Set
 # KVLEASE_SKIP_NIXL=1 to run everything else on a machine that cannot have NIXL.
@@ -47,5 +48,8 @@ if [ "${#features[@]}" -gt 0 ]; then
     echo "== cargo test: NIXL transport, engine and end to end (UCX over TCP, one test at a time)"
     cargo test --workspace "${features[@]}" nixl -- --test-threads=1
 fi
+
+echo "== Python: the kvlease package (python/) and the vLLM connector (scripts/test-python.sh)"
+scripts/test-python.sh
 
 echo "== all tests passed in $(( $(date +%s) - started )) s"
