@@ -24,11 +24,22 @@ vLLM D renews a kvlease P and a kvlease D renews a stock vLLM P, with the same t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Iterator
 
-from kvlease._core import LeaseConfig, LeaseTable
+import secrets
+
+from kvlease._core import (
+    WIRE_VERSION,
+    LeaseConfig,
+    LeaseTable,
+    WireDecodeError,
+    decode,
+    encode_heartbeats,
+    is_kvlease_message,
+)
 
 try:  # vLLM is optional for `import kvlease`, required for this module.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -40,7 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 
 logger = logging.getLogger("kvlease.vllm")
 
-__all__ = ["KvleaseConnector", "KvleaseConnectorWorker", "LeaseBook", "lease_config_of"]
+__all__ = ["KvleaseConnector", "KvleaseConnectorScheduler", "KvleaseConnectorWorker", "LeaseBook", "lease_config_of"]
 
 
 def lease_config_of(vllm_config: Any) -> LeaseConfig:
@@ -66,7 +77,7 @@ class LeaseBook:
     vLLM).
     """
 
-    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals")
+    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of")
 
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         self.table = LeaseTable(config, capacity)
@@ -77,6 +88,9 @@ class LeaseBook:
         self._due: list[str] = []
         #: SPEC P6: heartbeat names the table did not know (unknown, released or expired).
         self.unknown_renewals = 0
+        # The binary wire names leases by the id P's scheduler put in kv_transfer_params.
+        self._req_of_wire: dict[int, str] = {}
+        self._wire_of: dict[str, int] = {}
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -115,10 +129,33 @@ class LeaseBook:
     def pop(self, req_id: str, default: Any = None) -> Any:
         """The lease ends: the read completed (or vLLM dropped the request)."""
         lease = self._lease_of.pop(req_id, None)
+        self._forget_wire(req_id)
         if lease is None:
             return default
         self.table.release(self._holder, [lease], time.monotonic_ns())
         return default
+
+    def _forget_wire(self, req_id: str) -> None:
+        wid = self._wire_of.pop(req_id, None)
+        if wid is not None:
+            self._req_of_wire.pop(wid, None)
+
+    def name_wire_id(self, req_id: str, wire_id: int) -> None:
+        """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
+        if req_id in self._lease_of:
+            self._req_of_wire[wire_id] = req_id
+            self._wire_of[req_id] = wire_id
+
+    def reqs_of_wire(self, wire_ids: list[int]) -> list[str]:
+        """Request ids for wire ids; unknown ones are counted as lost (SPEC P6)."""
+        out = []
+        for w in wire_ids:
+            r = self._req_of_wire.get(w)
+            if r is None:
+                self.unknown_renewals += 1
+            else:
+                out.append(r)
+        return out
 
     def items(self) -> list[tuple[str, float]]:
         return [(r, self[r]) for r in self._lease_of]
@@ -157,6 +194,7 @@ class LeaseBook:
         lease_of = self._lease_of
         for r in out:
             lease_of.pop(r, None)
+            self._forget_wire(r)
         return out
 
 
@@ -168,9 +206,101 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self.kvlease_config = lease_config_of(vllm_config)
         self._reqs_to_send = LeaseBook(self.kvlease_config)  # type: ignore[assignment]
 
+        self._kvlease_seq = 0
+        #: SPEC P7: binary notifications that did not decode, dropped.
+        self.kvlease_malformed = 0
+
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
         self._reqs_to_send.renew(payload.split(","))  # type: ignore[attr-defined]
+
+    # -- P: the binary wire ---------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        super().start_load_kv(metadata)
+        book = self._reqs_to_send
+        for req_id, wire_id in getattr(metadata, "kvlease_wire_ids", {}).items():
+            book.name_wire_id(req_id, wire_id)  # type: ignore[attr-defined]
+
+    def _get_new_notifs(self) -> set[str]:
+        """vLLM's notification handling, with kvlease's binary messages (magic ``KL``) taken
+        out first and applied here; vLLM's text messages go through vLLM's code unchanged."""
+        real = self.nixl_wrapper
+        text: dict[str, list[bytes]] = {}
+        released: set[str] = set()
+        for agent, msgs in real.get_new_notifs().items():
+            keep = []
+            for m in msgs:
+                if is_kvlease_message(m):
+                    released |= self._kvlease_message(m)
+                else:
+                    keep.append(m)
+            if keep:
+                text[agent] = keep
+        self.nixl_wrapper = _Replay(real, text)
+        try:
+            done = super()._get_new_notifs()
+        finally:
+            self.nixl_wrapper = real
+        return done | released
+
+    def _kvlease_message(self, data: bytes) -> set[str]:
+        """SPEC P2/D4/P6/P7 for a binary message from a kvlease D. Returns requests to free."""
+        book = self._reqs_to_send
+        try:
+            msg = decode(data)
+        except WireDecodeError:
+            self.kvlease_malformed += 1
+            return set()
+        kind = msg["type"]
+        if kind == "heartbeat":
+            book.renew(book.reqs_of_wire(msg["lease_ids"]))  # type: ignore[attr-defined]
+        elif kind == "release":
+            # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
+            freed = set()
+            for req_id in book.reqs_of_wire(msg["lease_ids"]):  # type: ignore[attr-defined]
+                book.pop(req_id)
+                self.consumer_notification_counts_by_req.pop(req_id, None)
+                self.expected_consumer_notifications_by_req.pop(req_id, None)
+                self._reqs_to_process.discard(req_id)
+                freed.add(req_id)
+            return freed
+        return set()
+
+    # -- D: binary heartbeats toward a P that advertised them -----------------------------
+    def _send_heartbeats(self, metadata: Any) -> None:
+        binary: dict[str, tuple[list[int], set[str]]] = getattr(metadata, "kvlease_hb", {}) or {}
+        if not binary:
+            return super()._send_heartbeats(metadata)
+        full = metadata.heartbeat_by_engine
+        text = {}
+        for engine_id, info in full.items():
+            if engine_id not in binary:
+                text[engine_id] = info
+                continue
+            wire_ids, covered = binary[engine_id]
+            rest = info.req_ids - covered
+            if rest:  # requests toward that P without a wire id: vLLM's text for them
+                text[engine_id] = dataclasses.replace(info, req_ids=rest)
+            if self._ensure_handshake(
+                engine_id, info.host, info.port, info.tp_size, info.dcp_size, info.pp_size,
+                self._hb_handshake_notif_only and info.pp_size > 1,
+            ) is not None:
+                continue  # handshake pending (vLLM's rule)
+            self._engine_last_active[engine_id] = time.perf_counter()
+            self._kvlease_seq += 1
+            chunks = encode_heartbeats(self._kvlease_seq, wire_ids, self.kvlease_config.max_notif_bytes)
+            self._kvlease_seq += len(chunks) - 1
+            for agent_name in self._remote_agents[engine_id].values():
+                for chunk in chunks:
+                    try:
+                        self.nixl_wrapper.send_notif(agent_name, notif_msg=chunk)
+                    except Exception:
+                        logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
+        metadata.heartbeat_by_engine = text
+        try:
+            super()._send_heartbeats(metadata)
+        finally:
+            metadata.heartbeat_by_engine = full
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         """SPEC P4: expired leases, in deadline order, O(1) when none is due. The bookkeeping
@@ -188,6 +318,83 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             done_sending.add(req_id)
 
 
+class _Replay:
+    """The NIXL wrapper as vLLM's notification loop sees it: ``get_new_notifs`` returns the
+    text messages already fetched; everything else goes to the real wrapper."""
+
+    def __init__(self, real: Any, notifs: dict[str, list[bytes]]) -> None:
+        self._real = real
+        self._notifs = notifs
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        n, self._notifs = self._notifs, {}
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull-mode scheduler side, plus the kvlease wire advertisement.
+
+    On P, a lease's ``kv_transfer_params`` also carry ``kvlease_wire`` (the wire version) and
+    ``kvlease_lease_id``: that is how a D learns that this P speaks kvlease's binary wire and
+    which id names the lease on it. A stock vLLM D ignores both keys and keeps sending ``HB:``.
+    On D, requests whose params carry them are renewed with binary heartbeats (sorted,
+    delta-encoded ids, about a byte each); the rest with vLLM's text.
+    """
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # Wire ids are never reused within a P's life; a random start keeps a restarted P from
+        # taking a dead incarnation's ids for its own (vLLM has no incarnation to fence with).
+        self._kvlease_next_id = (secrets.randbits(20) + 1) << 32
+        self._kvlease_new_ids: dict[str, int] = {}
+        self._kvlease_d: dict[str, dict[str, int]] = {}  # D: engine -> remote req id -> wire id
+        self._kvlease_d_req: dict[str, tuple[str, str]] = {}  # D: local req id -> (engine, remote)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        if delay and params is not None and params.get("do_remote_prefill"):
+            wire_id = self._kvlease_next_id
+            self._kvlease_next_id += 1
+            params["kvlease_wire"] = WIRE_VERSION
+            params["kvlease_lease_id"] = wire_id
+            self._kvlease_new_ids[request.request_id] = wire_id
+        return delay, params
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill") or p.get("kvlease_wire") != WIRE_VERSION:
+            return
+        wire_id, engine, remote = p.get("kvlease_lease_id"), p.get("remote_engine_id"), p.get("remote_request_id")
+        if not isinstance(wire_id, int) or not 0 < wire_id < 2**64 or request.request_id not in self._heartbeat_req_engine:
+            return
+        self._kvlease_d.setdefault(engine, {})[remote] = wire_id
+        self._kvlease_d_req[request.request_id] = (engine, remote)
+
+    def _stop_heartbeat(self, req_id: str) -> None:
+        super()._stop_heartbeat(req_id)
+        key = self._kvlease_d_req.pop(req_id, None)
+        if key is not None:
+            ids = self._kvlease_d.get(key[0])
+            if ids is not None:
+                ids.pop(key[1], None)
+                if not ids:
+                    del self._kvlease_d[key[0]]
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.kvlease_wire_ids, self._kvlease_new_ids = self._kvlease_new_ids, {}
+        meta.kvlease_hb = {
+            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]))
+            for e in meta.heartbeat_by_engine
+            if self._kvlease_d.get(e)
+        }
+        return meta
+
+
 class KvleaseConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull mode) with P's leases kept by kvlease's core.
 
@@ -201,12 +408,9 @@ class KvleaseConnector(NixlPullConnector):
         # NixlPullConnector.__init__ with our worker class (one NIXL agent, not two).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = KvleaseConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = KvleaseConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
 
-
-# vLLM's scheduler class, re-exported for tests that compare the two connectors.
-KvleaseConnectorScheduler = NixlPullConnectorScheduler

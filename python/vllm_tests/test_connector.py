@@ -85,7 +85,7 @@ def test_d1_d2_scheduler_heartbeat_metadata_same_as_stock(create):
 # ---------------------------------------------------------------- worker level, real NIXL
 
 
-def grant(worker, req_ids, ttl):
+def grant(worker, req_ids, ttl, wire_ids=None):
     """P's scheduler hands requests to the worker with their deadlines (vLLM's own path)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
@@ -94,6 +94,8 @@ def grant(worker, req_ids, ttl):
     meta.scheduler_clock = now
     meta.reqs_in_batch = set(req_ids)
     meta.reqs_to_send = {r: now + ttl for r in req_ids}
+    if wire_ids:
+        meta.kvlease_wire_ids = wire_ids
     worker.start_load_kv(meta)
 
 
@@ -208,3 +210,74 @@ def test_p4_idle_step_does_not_scan_live_leases(create):
         book[f"r{i}"] = time.perf_counter() + 30
     assert book.expired() == []
     assert len(book) == 10_000 and book.table.live == 10_000
+
+
+# ---------------------------------------------------------------- the binary wire
+
+
+def finished_prefill(req_id):
+    """What request_finished reads of a P-side request that finished prefill normally."""
+    from vllm.v1.request import RequestStatus
+
+    return types.SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params={"do_remote_decode": True},
+        status=RequestStatus.FINISHED_STOPPED,
+        num_computed_tokens=64,
+    )
+
+
+def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
+    """How the two sides learn: a kvlease P adds `kvlease_wire` and `kvlease_lease_id` to the
+    kv_transfer_params it returns (a stock P does not: everything else is equal); a kvlease D
+    seeing them renews that lease with kvlease's binary heartbeat; a stock D ignores them."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    stock_p = create("NixlConnector", "kv_producer", "scheduler", "p-adv")
+    kv_p = create("KvleaseConnector", "kv_producer", "scheduler", "p-adv")
+    d1, stock_params = stock_p.request_finished(finished_prefill("r1"), [1, 2])
+    d2, kv_params = kv_p.request_finished(finished_prefill("r1"), [1, 2])
+    assert d1 and d2
+    assert kv_params["kvlease_wire"] == kvlease.WIRE_VERSION
+    wire_id = kv_params["kvlease_lease_id"]
+    assert {k: v for k, v in kv_params.items() if not k.startswith("kvlease_")} == stock_params
+    meta = kv_p.build_connector_meta(SchedulerOutput.make_empty())
+    assert meta.kvlease_wire_ids == {"r1": wire_id}  # shipped to P's workers with the deadline
+
+    params = dict(kv_params, do_remote_prefill=True, do_remote_decode=False)
+    params.setdefault("tp_size", 1)
+    hb = {}
+    for name in ("NixlConnector", "KvleaseConnector"):
+        d = create(name, "kv_consumer", "scheduler", f"d-adv-{name}")
+        d.on_new_request(request("d1", **params))
+        m = d.build_connector_meta(SchedulerOutput.make_empty())
+        hb[name] = m
+    assert sorted(hb["NixlConnector"].heartbeat_by_engine["p-adv"].req_ids) == ["r1"]
+    assert not getattr(hb["NixlConnector"], "kvlease_hb", None)
+    assert hb["KvleaseConnector"].kvlease_hb == {"p-adv": ([wire_id], {"r1"})}
+
+
+def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
+    """SPEC P2 over kvlease's wire through real NIXL: a binary heartbeat naming the advertised
+    id renews the lease; a binary Release frees it at once (D4); bytes with kvlease's magic that
+    do not decode are dropped and counted (P7), and vLLM's text still works beside them."""
+    kv, _, d = p_workers
+    W = (7 << 32) + 1
+    grant(kv, ["bin-1", "bin-2"], ttl=3, wire_ids={"bin-1": W, "bin-2": W + 1})
+    before = kv._reqs_to_send["bin-1"]
+    malformed0 = kv.kvlease_malformed
+    freed = set()
+
+    def step():
+        for chunk in kvlease.encode_heartbeats(1, [W], 256):
+            d.send(0, chunk)
+        d.send(0, b"KL\x02\xff")
+        time.sleep(0.6)
+        freed.update(kv._get_new_notifs())
+
+    wait_for(lambda: kv._reqs_to_send["bin-1"] > before + 0.5, "the binary heartbeat to renew bin-1", step=step)
+    assert kv.kvlease_malformed > malformed0
+    d.send(0, kvlease.encode({"type": "release", "lease_ids": [W + 1]}))
+    wait_for(lambda: "bin-2" in freed, "the binary release to free bin-2", step=lambda: freed.update(kv._get_new_notifs()))
+    assert "bin-2" not in kv._reqs_to_send and "bin-1" in kv._reqs_to_send
+    kv._reqs_to_send.pop("bin-1")
