@@ -22,7 +22,7 @@ import time
 import types
 
 import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as bw
-from kvlease import LeaseConfig
+from kvlease import DEFAULT_MAX_NOTIF_BYTES, LeaseConfig, encode_heartbeats
 from kvlease.vllm import KvleaseConnectorWorker, LeaseBook
 
 Stock = bw.NixlBaseConnectorWorker
@@ -49,7 +49,11 @@ def worker(kind: str, n: int):
         book = LeaseBook(LeaseConfig(30), capacity=n)
         for i in range(n):
             book[f"cmpl-{i:08d}-0"] = now + 30
+        for i, r in enumerate(list(book)):
+            book.name_wire_id(r, i + 1)
         w._reqs_to_send = book
+        w.kvlease_malformed = 0
+        w.binary = lambda data: KvleaseConnectorWorker._kvlease_message(w, data)
         w.heartbeat = lambda payload: KvleaseConnectorWorker._handle_heartbeat(w, payload)
         w.reap = lambda done: KvleaseConnectorWorker._reap_expired_send_leases(w, done)
     w._reqs_to_process.update(w._reqs_to_send)
@@ -72,8 +76,8 @@ def main():
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"python {sys.version.split()[0]}, vllm {__import__('vllm').__version__}")
-    print("| live leases | vLLM heartbeat, ns/renewed lease | kvlease | ratio | vLLM idle step | kvlease idle step | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| live leases | vLLM `HB:` heartbeat, ns/renewed lease | kvlease, same `HB:` text | ratio | kvlease binary heartbeat | bytes/lease binary (text) | vLLM idle step | kvlease idle step | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         row = {}
         for kind in ("vllm", "kvlease"):
@@ -81,18 +85,26 @@ def main():
             payload = ",".join(w._reqs_to_send)
             gc.collect()
             hb = timeit(lambda: w.heartbeat(payload)) / n * 1e9
+            if kind == "kvlease":
+                msgs = encode_heartbeats(1, list(range(1, n + 1)), DEFAULT_MAX_NOTIF_BYTES)
+                row["binary"] = timeit(lambda: [w.binary(m) for m in msgs]) / n * 1e9
+                row["bytes"] = (sum(map(len, msgs)) / n, len(payload) / n)
             done = set()
             idle = timeit(lambda: w.reap(done), min_reps=5)
             assert not done, "nothing may expire in the idle measurement"
             row[kind] = (hb, idle)
             del w, payload
             gc.collect()
-        (vh, vi), (kh, ki) = row["vllm"], row["kvlease"]
+        (vh, vi), (kh, ki), kb = row["vllm"], row["kvlease"], row["binary"]
 
         def fmt(s):
             return f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
 
-        print(f"| {n:,} | {vh:.0f} | {kh:.0f} | {vh / kh:.2f}× | {fmt(vi)} | {fmt(ki)} | {vi / ki:,.0f}× |")
+        bb, tb = row["bytes"]
+        print(
+            f"| {n:,} | {vh:.0f} | {kh:.0f} | {vh / kh:.2f}× | {kb:.0f} ({vh / kb:.1f}×) | {bb:.2f} ({tb:.0f}) "
+            f"| {fmt(vi)} | {fmt(ki)} | {vi / ki:,.0f}× |"
+        )
 
 
 if __name__ == "__main__":
