@@ -281,3 +281,80 @@ def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
     wait_for(lambda: "bin-2" in freed, "the binary release to free bin-2", step=lambda: freed.update(kv._get_new_notifs()))
     assert "bin-2" not in kv._reqs_to_send and "bin-1" in kv._reqs_to_send
     kv._reqs_to_send.pop("bin-1")
+
+
+# ---------------------------------------------------------------- vLLM D workers, real handshakes
+
+
+@pytest.fixture(scope="module")
+def p_side_channels(create, p_workers):
+    """Each P worker's handshake served by its own P scheduler connector (vLLM's ZMQ side
+    channel) on a free port, as `vllm serve` wires them."""
+    from conftest import free_port
+
+    kv, stock, _ = p_workers
+    ports = {}
+    for name, w, engine in (("KvleaseConnector", kv, "p-kv"), ("NixlConnector", stock, "p-stock")):
+        sched = create(name, "kv_producer", "scheduler", engine, lease=3)
+        sched.connector_scheduler.side_channel_port = ports[engine] = free_port()
+        sched.set_xfer_handshake_metadata_pp_aware({(0, 0): w.xfer_handshake_metadata})
+    return ports
+
+
+@pytest.mark.parametrize("d_connector", ["NixlConnector", "KvleaseConnector"])
+def test_d2_vllm_d_worker_heartbeats_renew_stock_and_kvlease_p(create, p_workers, p_side_channels, d_connector):
+    """SPEC D2/P2 across implementations: a real vLLM D worker (stock, and KvleaseConnector's),
+    after vLLM's own background handshake with each P over its side channel, sends its heartbeat
+    through NIXL; both the stock vLLM P and the kvlease P renew their lease from it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, stock, _ = p_workers
+    d = create(d_connector, "kv_consumer", "worker", f"d-hs-{d_connector}", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    for w, engine in ((kv, "p-kv"), (stock, "p-stock")):
+        req = f"hs-{d_connector}-{engine}"
+        grant(w, [req], ttl=3)
+        before = w._reqs_to_send[req]
+        meta = NixlConnectorMetadata()
+        meta.heartbeat_by_engine = {
+            engine: HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels[engine], tp_size=1)
+        }
+
+        def step(meta=meta, w=w):
+            d._send_heartbeats(meta)  # the first call starts the handshake; later ones send
+            time.sleep(0.5)
+            w._get_new_notifs()
+
+        wait_for(lambda: w._reqs_to_send[req] > before + 0.3, f"{engine} renewed by a {d_connector} D", step=step)
+        assert engine in d._remote_agents  # through vLLM's real handshake
+        w._reqs_to_send.pop(req)
+
+
+def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_side_channels, monkeypatch):
+    """Both sides kvlease: the D worker renews the advertised lease with kvlease's binary
+    heartbeat (no `HB:` text at all), and the kvlease P renews from it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-bin", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, req = (9 << 32) + 5, "bin-d-1"
+    grant(kv, [req], ttl=3, wire_ids={req: W})
+    before = kv._reqs_to_send[req]
+
+    def no_text(payload):
+        raise AssertionError(f"text heartbeat {payload!r} sent to a P that advertised the binary wire")
+
+    monkeypatch.setattr(kv, "_handle_heartbeat", no_text)
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {req})}
+
+    def step():
+        d._send_heartbeats(meta)
+        time.sleep(0.5)
+        kv._get_new_notifs()
+
+    wait_for(lambda: kv._reqs_to_send[req] > before + 0.3, "the binary heartbeat from a kvlease D worker", step=step)
+    assert meta.heartbeat_by_engine["p-kv"].req_ids == {req}  # the metadata is left as it was
+    kv._reqs_to_send.pop(req)
