@@ -346,6 +346,9 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # SPEC §2: I = L/6 exactly. vLLM computes `L // 6` in whole seconds, so a lease under 6 s
+        # heartbeats on every engine step and a lease of 8 s every 1 s instead of 1.33 s.
+        self._heartbeat_interval = lease_config_of(vllm_config).heartbeat_interval
         # Wire ids are never reused within a P's life; a random start keeps a restarted P from
         # taking a dead incarnation's ids for its own (vLLM has no incarnation to fence with).
         self._kvlease_next_id = (secrets.randbits(20) + 1) << 32

@@ -82,6 +82,17 @@ def test_d1_d2_scheduler_heartbeat_metadata_same_as_stock(create):
     }
 
 
+def test_spec2_d2_heartbeat_interval_is_l_over_6_exactly(create):
+    """SPEC §2: I = L/6. vLLM's scheduler computes `L // 6` (whole seconds): with L = 3 it is 0,
+    a heartbeat on every engine step; kvlease's is 0.5 s."""
+    stock = create("NixlConnector", "kv_consumer", "scheduler", "d-int", lease=3)
+    kv = create("KvleaseConnector", "kv_consumer", "scheduler", "d-int-kv", lease=3)
+    assert stock.connector_scheduler._heartbeat_interval == 0
+    assert kv.connector_scheduler._heartbeat_interval == pytest.approx(0.5)
+    kv8 = create("KvleaseConnector", "kv_consumer", "scheduler", "d-int-8", lease=8)
+    assert kv8.connector_scheduler._heartbeat_interval == pytest.approx(8 / 6)
+
+
 # ---------------------------------------------------------------- worker level, real NIXL
 
 
