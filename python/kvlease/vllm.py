@@ -37,6 +37,7 @@ from kvlease._core import (
     LeaseTable,
     WireDecodeError,
     decode,
+    encode,
     encode_heartbeats,
     is_kvlease_message,
 )
@@ -157,6 +158,28 @@ class LeaseBook:
                 out.append(r)
         return out
 
+    def renew_wire(self, wire_ids: list[int]) -> list[int]:
+        """SPEC P2/P6 for a binary heartbeat: renews the leases the wire ids name and returns the
+        ids that are not live (unknown, released, expired, or found past their deadline now)."""
+        lost = []
+        reqs = []
+        for w in wire_ids:
+            r = self._req_of_wire.get(w)
+            if r is None or r not in self._lease_of:
+                self.unknown_renewals += 1
+                lost.append(w)
+            else:
+                reqs.append((w, r))
+        if reqs:
+            ids = [self._lease_of[r] for _, r in reqs]
+            _, lost_leases, released = self.table.renew(self._holder, ids, time.monotonic_ns())
+            if lost_leases:
+                gone = set(lost_leases)
+                lost += [w for (w, r), lease in zip(reqs, ids) if lease in gone]
+            for rel in released:  # found past their deadline: expired now
+                self._due.append(rel.payload)
+        return lost
+
     def items(self) -> list[tuple[str, float]]:
         return [(r, self[r]) for r in self._lease_of]
 
@@ -209,6 +232,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_seq = 0
         #: SPEC P7: binary notifications that did not decode, dropped.
         self.kvlease_malformed = 0
+        # P: D agents that introduced themselves (Hello with their NIXL metadata): P can answer
+        # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
+        # back to D.
+        self._kvlease_answerable: set[str] = set()
+        # D: the P agents we introduced ourselves to; wire id -> local request; lost requests.
+        self._kvlease_hello_sent: set[str] = set()
+        self._kvlease_local: dict[int, str] = {}
+        self.kvlease_lost: set[str] = set()
 
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
@@ -216,6 +247,15 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     # -- P: the binary wire ---------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
+        # SPEC D6 on D: a request whose lease P reported lost is never read; it fails its load
+        # (vLLM's kv_load_failure_policy then recomputes or fails it), blocks marked invalid.
+        lost = [r for r in metadata.reqs_to_recv if r in self.kvlease_lost]
+        for req_id in lost:
+            meta = metadata.reqs_to_recv.pop(req_id)
+            self.kvlease_lost.discard(req_id)
+            self._recving_metadata[req_id] = meta
+            self._log_failure(failure_type="kvlease_lease_lost", req_id=req_id, meta=meta)
+            self._failed_recv_reqs.put(req_id)
         super().start_load_kv(metadata)
         book = self._reqs_to_send
         for req_id, wire_id in getattr(metadata, "kvlease_wire_ids", {}).items():
@@ -231,7 +271,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             keep = []
             for m in msgs:
                 if is_kvlease_message(m):
-                    released |= self._kvlease_message(m)
+                    released |= self._kvlease_message(agent, m)
                 else:
                     keep.append(m)
             if keep:
@@ -243,8 +283,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self.nixl_wrapper = real
         return done | released
 
-    def _kvlease_message(self, data: bytes) -> set[str]:
-        """SPEC P2/D4/P6/P7 for a binary message from a kvlease D. Returns requests to free."""
+    def _kvlease_message(self, agent: str, data: bytes) -> set[str]:
+        """SPEC P2/D4/P6/P7 for a binary message from a kvlease peer. Returns requests to free."""
         book = self._reqs_to_send
         try:
             msg = decode(data)
@@ -253,7 +293,34 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return set()
         kind = msg["type"]
         if kind == "heartbeat":
-            book.renew(book.reqs_of_wire(msg["lease_ids"]))  # type: ignore[attr-defined]
+            lost = book.renew_wire(msg["lease_ids"])  # type: ignore[attr-defined]
+            sender = agent.decode() if isinstance(agent, bytes) else agent
+            if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
+                ack = encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)})
+                try:
+                    self.nixl_wrapper.send_notif(sender, notif_msg=ack)
+                except Exception:
+                    logger.debug("Failed to answer a heartbeat of %s", agent, exc_info=True)
+        elif kind == "hello":
+            # A kvlease D introduces its agent so P can answer it.
+            for md in msg["agents"][:1]:
+                try:
+                    name = self.nixl_wrapper.add_remote_agent(md)
+                    # NIXL names the agent in bytes here and in str as a notification's sender.
+                    self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
+                except Exception:
+                    logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
+        elif kind == "heartbeat_ack":
+            # SPEC D6 on D: leases P no longer holds. Never read them; fail their loads.
+            for w in msg["lost_ids"]:
+                req_id = self._kvlease_local.pop(w, None)
+                if req_id is None:
+                    continue
+                logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
+                if req_id in self._recving_metadata:
+                    self._failed_recv_reqs.put(req_id)
+                else:
+                    self.kvlease_lost.add(req_id)
         elif kind == "release":
             # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
             freed = set()
@@ -267,6 +334,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         return set()
 
     # -- D: binary heartbeats toward a P that advertised them -----------------------------
+    def _kvlease_hello(self) -> bytes:
+        """This D's NIXL agent metadata in a kvlease Hello: lets P answer our heartbeats."""
+        return _hello(self.engine_id, self.nixl_wrapper.get_agent_metadata())
+
     def _send_heartbeats(self, metadata: Any) -> None:
         binary: dict[str, tuple[list[int], set[str]]] = getattr(metadata, "kvlease_hb", {}) or {}
         if not binary:
@@ -277,7 +348,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if engine_id not in binary:
                 text[engine_id] = info
                 continue
-            wire_ids, covered = binary[engine_id]
+            wire_ids, covered, *local = binary[engine_id]
+            if local:
+                self._kvlease_local.update(local[0])
             rest = info.req_ids - covered
             if rest:  # requests toward that P without a wire id: vLLM's text for them
                 text[engine_id] = dataclasses.replace(info, req_ids=rest)
@@ -291,6 +364,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             chunks = encode_heartbeats(self._kvlease_seq, wire_ids, self.kvlease_config.max_notif_bytes)
             self._kvlease_seq += len(chunks) - 1
             for agent_name in self._remote_agents[engine_id].values():
+                if agent_name not in self._kvlease_hello_sent:
+                    self._kvlease_hello_sent.add(agent_name)
+                    self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
                 for chunk in chunks:
                     try:
                         self.nixl_wrapper.send_notif(agent_name, notif_msg=chunk)
@@ -316,6 +392,21 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             )
             self._reqs_to_process.discard(req_id)
             done_sending.add(req_id)
+
+
+def _hello(engine_id: str, agent_metadata: bytes) -> bytes:
+    return encode(
+        {
+            "type": "hello",
+            "engine_id": engine_id,
+            "incarnation": 0,
+            "agents": [agent_metadata],
+            "info": b"",
+            "t_send": time.monotonic_ns(),
+            "echo": (0, 0),
+            "auth": b"",
+        }
+    )
 
 
 class _Replay:
@@ -390,8 +481,11 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         meta.kvlease_wire_ids, self._kvlease_new_ids = self._kvlease_new_ids, {}
+        local = {}
+        for req_id, (engine, remote) in self._kvlease_d_req.items():
+            local.setdefault(engine, {})[self._kvlease_d[engine][remote]] = req_id
         meta.kvlease_hb = {
-            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]))
+            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]), local.get(e, {}))
             for e in meta.heartbeat_by_engine
             if self._kvlease_d.get(e)
         }

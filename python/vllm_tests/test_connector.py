@@ -265,7 +265,7 @@ def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
         hb[name] = m
     assert sorted(hb["NixlConnector"].heartbeat_by_engine["p-adv"].req_ids) == ["r1"]
     assert not getattr(hb["NixlConnector"], "kvlease_hb", None)
-    assert hb["KvleaseConnector"].kvlease_hb == {"p-adv": ([wire_id], {"r1"})}
+    assert hb["KvleaseConnector"].kvlease_hb == {"p-adv": ([wire_id], {"r1"}, {wire_id: "d1"})}
 
 
 def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
@@ -369,3 +369,47 @@ def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_s
     wait_for(lambda: kv._reqs_to_send[req] > before + 0.3, "the binary heartbeat from a kvlease D worker", step=step)
     assert meta.heartbeat_by_engine["p-kv"].req_ids == {req}  # the metadata is left as it was
     kv._reqs_to_send.pop(req)
+
+
+def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_side_channels):
+    """SPEC P6/D6 inside vLLM: a kvlease D introduces its NIXL agent to the kvlease P (a Hello
+    carrying its agent metadata: vLLM's pull mode gives P no way to reach D otherwise), so P can
+    answer a binary heartbeat naming a lease it no longer holds with `HeartbeatAck{lost_ids}`.
+    D then never reads that request: vLLM's load-failure path reports it failed and its blocks
+    invalid, and vLLM's kv_load_failure_policy recomputes (or fails) it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-lost", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, p_req, d_req = (11 << 32) + 1, "p-lost-1", "d-lost-1"
+    grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
+    kv._reqs_to_send.pop(p_req)  # gone on P (released): D does not know yet
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+
+    def step():
+        d._send_heartbeats(meta)
+        time.sleep(0.5)
+        kv._get_new_notifs()
+        time.sleep(0.2)
+        d._get_new_notifs()
+
+    wait_for(lambda: d_req in d.kvlease_lost, "P's LeaseLost answer to reach D", step=step)
+    # The scheduler now asks for the transfer: D must not read; the load fails cleanly.
+    recv = NixlConnectorMetadata()
+    recv.add_new_req_to_recv(
+        d_req,
+        local_block_ids=([3, 4],),
+        kv_transfer_params=dict(
+            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
+            remote_host="127.0.0.1", remote_port=p_side_channels["p-kv"], tp_size=1,
+        ),
+        awaiting_kvs=True,
+    )
+    d.start_load_kv(recv)
+    assert d_req not in d._recving_transfers  # no READ was posted
+    failed = set()
+    wait_for(lambda: d_req in failed, "the failed load", step=lambda: failed.update(d.get_transfer_results().failed_recving))
+    assert {3, 4} <= d.get_block_ids_with_load_errors()
