@@ -7,19 +7,22 @@ Load it with::
                            "kv_role": "kv_producer", ...}'
 
 Everything but the lease bookkeeping stays vLLM's (NixlConnector's pull mode: handshakes, NIXL
-reads, block accounting, the ``HB:`` heartbeats D sends). What changes, on P's worker:
+reads, block accounting, when D heartbeats). What changes:
 
-* vLLM keeps ``_reqs_to_send`` (request id -> deadline) in a dict and scans **all** of it on every
-  step for expired entries (O(live) per step, idle or not). Here that dict is a
+* P's worker: vLLM keeps ``_reqs_to_send`` (request id -> deadline) in a dict and scans **all**
+  of it on every step for expired entries (O(live) per step, idle or not). Here that dict is a
   :class:`LeaseBook`: each entry is a lease in kvlease's :class:`~kvlease.LeaseTable`, expiry
   comes from the table's timing wheel in deadline order (SPEC P4; vLLM #58222), and a step with
-  nothing due costs O(1).
-* A heartbeat renews through the table (SPEC P2: ``max(deadline, now + E)``). Request ids the
-  table does not know are counted as answered-lost (SPEC P6) — vLLM's text heartbeat has no
-  answer channel, so a stock vLLM D only sees it in P's log and metrics.
-
-D's side is vLLM's unchanged (its scheduler batches ``HB:`` heartbeats per P engine): a stock
-vLLM D renews a kvlease P and a kvlease D renews a stock vLLM P, with the same text messages.
+  nothing due costs O(1). A heartbeat renews through the table (SPEC P2); names the table does
+  not know are counted (SPEC P6).
+* The wire: P's ``kv_transfer_params`` advertise ``kvlease_wire`` and ``kvlease_lease_id``; a
+  kvlease D renews those leases with kvlease's binary heartbeat, and vLLM's ``HB:`` text
+  otherwise. A stock D ignores the keys, so either side works with a stock peer.
+* Lost leases: a kvlease D sends P a ``Hello`` carrying its NIXL agent metadata (vLLM's pull
+  mode gives P no channel back to D), P answers binary heartbeats with
+  ``HeartbeatAck{lost_ids}``, and D fails the load of a lost request through vLLM's failure path
+  instead of reading reused blocks (SPEC D6); vLLM's ``kv_load_failure_policy`` applies.
+* D's scheduler heartbeats every L/6 exactly (vLLM: ``L // 6`` whole seconds).
 """
 
 from __future__ import annotations
