@@ -53,7 +53,8 @@ def worker(kind: str, n: int):
             book.name_wire_id(r, i + 1)
         w._reqs_to_send = book
         w.kvlease_malformed = 0
-        w.binary = lambda data: KvleaseConnectorWorker._kvlease_message(w, data)
+        w._kvlease_answerable = set()  # no answer sent: the bench has no NIXL
+        w.binary = lambda data: KvleaseConnectorWorker._kvlease_message(w, "d-agent", data)
         w.heartbeat = lambda payload: KvleaseConnectorWorker._handle_heartbeat(w, payload)
         w.reap = lambda done: KvleaseConnectorWorker._reap_expired_send_leases(w, done)
     w._reqs_to_process.update(w._reqs_to_send)

@@ -239,9 +239,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
         # back to D.
         self._kvlease_answerable: set[str] = set()
-        # D: the P agents we introduced ourselves to; wire id -> local request; lost requests.
+        # D: the P agents we introduced ourselves to; per P engine, wire id -> local request (the
+        # scheduler's current map, replaced with each heartbeat); requests whose lease is lost.
         self._kvlease_hello_sent: set[str] = set()
-        self._kvlease_local: dict[int, str] = {}
+        self._kvlease_local: dict[str, dict[int, str]] = {}
         self.kvlease_lost: set[str] = set()
 
     def _handle_heartbeat(self, payload: str) -> None:
@@ -316,7 +317,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         elif kind == "heartbeat_ack":
             # SPEC D6 on D: leases P no longer holds. Never read them; fail their loads.
             for w in msg["lost_ids"]:
-                req_id = self._kvlease_local.pop(w, None)
+                req_id = next((m.pop(w) for m in self._kvlease_local.values() if w in m), None)
                 if req_id is None:
                     continue
                 logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
@@ -353,7 +354,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 continue
             wire_ids, covered, *local = binary[engine_id]
             if local:
-                self._kvlease_local.update(local[0])
+                self._kvlease_local[engine_id] = local[0]
             rest = info.req_ids - covered
             if rest:  # requests toward that P without a wire id: vLLM's text for them
                 text[engine_id] = dataclasses.replace(info, req_ids=rest)
