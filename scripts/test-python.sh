@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python side (issue 14): builds the `kvlease` package (python/, PyO3 + maturin, abi3) once
 # as a wheel, installs it into a virtual environment cached outside the repo
-# (${KVLEASE_CACHE:-~/.cache/kvlease}/py-venv, with maturin and pytest) and runs python/tests.
+# (${KVLEASE_CACHE:-~/.cache/kvlease}/py-venv, with maturin, pytest and mypy) and runs
+# python/tests and mypy's stubtest on the stubs.
 # Then, unless KVLEASE_SKIP_VLLM=1, installs vLLM into its own cached venv
 # (scripts/install-vllm.sh, ~9 GB, ~8 min the first time) and runs python/vllm_tests there
 # against real vLLM classes on CPU.
@@ -16,10 +17,10 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     "${SUDO[@]}" apt-get install -y -qq --no-install-recommends python3-venv >&2 ||
         { "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" apt-get install -y -qq --no-install-recommends python3-venv; }
 fi
-if [[ ! -x $PYV/bin/maturin || ! -x $PYV/bin/pytest ]]; then
+if [[ ! -x $PYV/bin/maturin || ! -x $PYV/bin/pytest || ! -x $PYV/bin/stubtest ]]; then
     rm -rf "$PYV"
     python3 -m venv "$PYV"
-    "$PYV/bin/python" -m pip install --disable-pip-version-check -q 'maturin>=1.7,<2' pytest
+    "$PYV/bin/python" -m pip install --disable-pip-version-check -q 'maturin>=1.7,<2' pytest mypy
 fi
 
 echo "== python: build the kvlease wheel (maturin, release; target dir python/target)"
@@ -33,6 +34,8 @@ wheel=$(ls "$wheels"/kvlease-*.whl)
 
 echo "== python: pytest python/tests (the bindings)"
 "$PYV/bin/python" -m pytest -q -p no:cacheprovider python/tests
+echo "== python: the type stubs match the module (mypy stubtest kvlease._core)"
+(cd "$wheels" && "$PYV/bin/python" -m mypy.stubtest kvlease._core)
 echo "== python: bindings built and tested in $(( $(date +%s) - started )) s"
 
 if [ "${KVLEASE_SKIP_VLLM:-0}" = 1 ]; then
