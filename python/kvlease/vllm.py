@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Iterator
 
@@ -38,10 +39,10 @@ from kvlease._core import (
     WIRE_VERSION,
     LeaseConfig,
     LeaseTable,
+    Renewer,
     WireDecodeError,
     decode,
     encode,
-    encode_heartbeats,
     is_kvlease_message,
 )
 
@@ -232,17 +233,22 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self.kvlease_config = lease_config_of(vllm_config)
         self._reqs_to_send = LeaseBook(self.kvlease_config)  # type: ignore[assignment]
 
-        self._kvlease_seq = 0
         #: SPEC P7: binary notifications that did not decode, dropped.
         self.kvlease_malformed = 0
         # P: D agents that introduced themselves (Hello with their NIXL metadata): P can answer
         # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
         # back to D.
         self._kvlease_answerable: set[str] = set()
-        # D: the P agents we introduced ourselves to; per P engine, wire id -> local request (the
-        # scheduler's current map, replaced with each heartbeat); requests whose lease is lost.
+        # D: kvlease's Renewer, polled by a thread of its own (started with the first binary
+        # heartbeat); the P agents we introduced ourselves to; requests whose lease is lost.
+        self._kvlease_renewer = Renewer(self.kvlease_config)
+        self._kvlease_lock = threading.RLock()
+        self._kvlease_thread: threading.Thread | None = None
+        self._kvlease_stop = threading.Event()
+        self._kvlease_tracked: dict[str, set[str]] = {}
+        self._kvlease_hs_pending: set[str] = set()
+        self._kvlease_handshook: set[str] = set()
         self._kvlease_hello_sent: set[str] = set()
-        self._kvlease_local: dict[str, dict[int, str]] = {}
         self.kvlease_lost: set[str] = set()
 
     def _handle_heartbeat(self, payload: str) -> None:
@@ -314,17 +320,17 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
                 except Exception:
                     logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
-        elif kind == "heartbeat_ack":
-            # SPEC D6 on D: leases P no longer holds. Never read them; fail their loads.
-            for w in msg["lost_ids"]:
-                req_id = next((m.pop(w) for m in self._kvlease_local.values() if w in m), None)
-                if req_id is None:
-                    continue
-                logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
-                if req_id in self._recving_metadata:
-                    self._failed_recv_reqs.put(req_id)
-                else:
-                    self.kvlease_lost.add(req_id)
+        elif kind in ("heartbeat_ack", "lease_lost"):
+            # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
+            # reports them lost and their loads fail (_kvlease_lost_request).
+            sender = agent.decode() if isinstance(agent, bytes) else agent
+            engine = next(
+                (e for e, agents in self._remote_agents.items() if sender in {a.decode() if isinstance(a, bytes) else a for a in agents.values()}),
+                None,
+            )
+            if engine is not None:
+                with self._kvlease_lock:
+                    self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
         elif kind == "release":
             # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
             freed = set()
@@ -338,6 +344,76 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         return set()
 
     # -- D: binary heartbeats toward a P that advertised them -----------------------------
+    def _kvlease_track(self, engine_id: str, host: str, port: int, local: dict[int, str], handshook: bool) -> None:
+        """SPEC D1/D2/D3: the requests toward ``engine_id`` that the scheduler renews now are
+        tracked by kvlease's Renewer, which a thread of this worker polls on its own timer: a
+        long forward step does not delay heartbeats (vLLM sends from the forward loop)."""
+        with self._kvlease_lock:
+            r = self._kvlease_renewer
+            now = time.monotonic_ns()
+            for wire_id, req_id in local.items():
+                r.track(req_id, engine_id, host, port, wire_id, now)
+            current = set(local.values())
+            for req_id in self._kvlease_tracked.get(engine_id, set()) - current:
+                r.untrack(req_id)  # transferred or finished: vLLM tells P itself
+            self._kvlease_tracked[engine_id] = current
+            if handshook and engine_id in self._kvlease_hs_pending:
+                self._kvlease_hs_pending.discard(engine_id)
+                r.handshake_done(engine_id, now, incarnation=0, agents=[str(a) for a in self._remote_agents[engine_id].values()])
+            if handshook:
+                self._kvlease_handshook.add(engine_id)
+        if self._kvlease_thread is None:
+            self._kvlease_thread = threading.Thread(target=self._kvlease_run, name="kvlease-renewer", daemon=True)
+            self._kvlease_thread.start()
+
+    def _kvlease_run(self) -> None:
+        """The renewer's timer: polls it when it is due and carries out what it says."""
+        r = self._kvlease_renewer
+        while not self._kvlease_stop.is_set():
+            with self._kvlease_lock:
+                now = time.monotonic_ns()
+                actions = r.poll(now)
+                for a in actions:
+                    if a.kind == "handshake":
+                        # vLLM's worker does the handshake; the renewer learns when it is done.
+                        if a.engine_id in self._kvlease_handshook:
+                            r.handshake_done(a.engine_id, now, incarnation=0, agents=[])
+                        else:
+                            self._kvlease_hs_pending.add(a.engine_id)
+                    elif a.kind == "lost":
+                        self._kvlease_lost_request(a.request_id)
+                timeout = r.poll_timeout()
+            for a in actions:
+                if a.kind == "send" and a.send_kind != "clock_probe":
+                    self._kvlease_send(a.engine_id, a.data)
+            wait = 0.1 if timeout is None else min(max((timeout - time.monotonic_ns()) / 1e9, 0.001), 0.1)
+            self._kvlease_stop.wait(wait)
+
+    def _kvlease_send(self, engine_id: str, data: bytes) -> None:
+        agents = self._remote_agents.get(engine_id) or {}
+        for agent_name in list(agents.values()):
+            try:
+                if agent_name not in self._kvlease_hello_sent:
+                    self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
+                    self._kvlease_hello_sent.add(agent_name)
+                self.nixl_wrapper.send_notif(agent_name, notif_msg=data)
+                self._engine_last_active[engine_id] = time.perf_counter()
+            except Exception:
+                logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
+
+    def _kvlease_lost_request(self, req_id: str) -> None:
+        logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
+        if req_id in self._recving_metadata:
+            self._failed_recv_reqs.put(req_id)
+        else:
+            self.kvlease_lost.add(req_id)
+
+    def shutdown(self) -> None:
+        self._kvlease_stop.set()
+        if self._kvlease_thread is not None:
+            self._kvlease_thread.join(timeout=5)
+        super().shutdown()
+
     def _kvlease_hello(self) -> bytes:
         """This D's NIXL agent metadata in a kvlease Hello: lets P answer our heartbeats."""
         return _hello(self.engine_id, self.nixl_wrapper.get_agent_metadata())
@@ -353,29 +429,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 text[engine_id] = info
                 continue
             wire_ids, covered, *local = binary[engine_id]
-            if local:
-                self._kvlease_local[engine_id] = local[0]
             rest = info.req_ids - covered
             if rest:  # requests toward that P without a wire id: vLLM's text for them
                 text[engine_id] = dataclasses.replace(info, req_ids=rest)
-            if self._ensure_handshake(
+            done = self._ensure_handshake(
                 engine_id, info.host, info.port, info.tp_size, info.dcp_size, info.pp_size,
                 self._hb_handshake_notif_only and info.pp_size > 1,
-            ) is not None:
-                continue  # handshake pending (vLLM's rule)
-            self._engine_last_active[engine_id] = time.perf_counter()
-            self._kvlease_seq += 1
-            chunks = encode_heartbeats(self._kvlease_seq, wire_ids, self.kvlease_config.max_notif_bytes)
-            self._kvlease_seq += len(chunks) - 1
-            for agent_name in self._remote_agents[engine_id].values():
-                if agent_name not in self._kvlease_hello_sent:
-                    self._kvlease_hello_sent.add(agent_name)
-                    self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
-                for chunk in chunks:
-                    try:
-                        self.nixl_wrapper.send_notif(agent_name, notif_msg=chunk)
-                    except Exception:
-                        logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
+            ) is None
+            self._kvlease_track(engine_id, info.host, info.port, local[0] if local else {}, done)
         metadata.heartbeat_by_engine = text
         try:
             super()._send_heartbeats(metadata)

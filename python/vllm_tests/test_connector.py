@@ -359,7 +359,7 @@ def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_s
     monkeypatch.setattr(kv, "_handle_heartbeat", no_text)
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {req})}
+    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
 
     def step():
         d._send_heartbeats(meta)
@@ -413,3 +413,33 @@ def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_s
     failed = set()
     wait_for(lambda: d_req in failed, "the failed load", step=lambda: failed.update(d.get_transfer_results().failed_recving))
     assert {3, 4} <= d.get_block_ids_with_load_errors()
+
+
+def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_workers, p_side_channels):
+    """SPEC D3 inside vLLM: once a kvlease D worker has handed its leases to kvlease's renewer,
+    heartbeats go out from the renewer's own thread. Here D's forward loop makes no call at all
+    for longer than the lease (L = 3 s), and P's lease stays alive, renewed. (vLLM sends
+    heartbeats from the forward loop: a step longer than L/3 loses them.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d3", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, req = (13 << 32) + 1, "d3-1"
+    grant(kv, [req], ttl=3, wire_ids={req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)  # the renewer learns the handshake is done
+    # From here on D's forward loop is "blocked": no call into D at all.
+    blocked_at = time.perf_counter()
+    grant_deadline = kv._reqs_to_send[req]
+    expired = set()
+    while time.perf_counter() < blocked_at + 4.5:
+        kv._get_new_notifs()
+        kv._reap_expired_send_leases(expired)
+        assert req not in expired, "the lease expired while D's forward loop was blocked"
+        time.sleep(0.1)
+    assert kv._reqs_to_send[req] > grant_deadline + 1.0  # renewed, by D's renewer thread
+    kv._reqs_to_send.pop(req)
