@@ -177,40 +177,39 @@ def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
 
 def test_p4_vllm_58222_sequence_side_by_side(p_workers):
     """SPEC P4, vLLM #58222: a lease granted first and renewed, then a lease granted after it
-    and never renewed. The second must expire at its own deadline. kvlease: by its deadline, in
-    deadline order, O(1) per idle step. Stock vLLM 0.33.0 scans every entry each step, so it is
-    on time too (0.33.0 fixed #58222 with an O(live) scan; the cost is in BENCHMARKS.md)."""
+    and never renewed. The second must expire at its own deadline, not wait behind the first.
+    kvlease: by its deadline, in deadline order, O(1) per idle step. Stock vLLM 0.33.0 scans every
+    entry each step, so it is on time too (0.33.0 fixed #58222 with an O(live) scan; the cost is
+    in BENCHMARKS.md). Checked on both: neither lease ends before its deadline, and "late" ends
+    while "early" (renewed past it) is still held."""
     kv, stock, d = p_workers
     for w in (kv, stock):
-        grant(w, ["early"], ttl=3)
+        grant(w, ["early"], ttl=1.5)
     time.sleep(0.05)
     for w in (kv, stock):
-        grant(w, ["late"], ttl=3)
-    # Renew "early" through the real NIXL path, on both.
-    t_hb = time.perf_counter()
+        grant(w, ["late"], ttl=1.5)
+    late_deadline = max(kv._reqs_to_send["late"], stock._reqs_to_send["late"])
+    # Renew "early" through the real NIXL path on both, to well past late's deadline (E = 2 s).
     for i, w in enumerate((kv, stock)):
-        before = w._reqs_to_send["early"]
-        wait_for(lambda: w._reqs_to_send["early"] > before + 0.1, "early's renewal",
-                 step=lambda: (d.send(i, b"HB:early"), time.sleep(0.3), w._get_new_notifs()))
-    late_deadline = min(kv._reqs_to_send["late"], stock._reqs_to_send["late"])
-    results = {}
+        wait_for(lambda: w._reqs_to_send["early"] > late_deadline + 1.0, "early's renewal",
+                 step=lambda: (d.send(i, b"HB:early"), time.sleep(0.2), w._get_new_notifs()))
     for name, w in (("kvlease", kv), ("stock", stock)):
-        order = []
+        early_deadline = w._reqs_to_send["early"]
+        ended = {}
 
-        def reap(w=w, order=order):
+        def reap(w=w, ended=ended):
             done = set()
             w._reap_expired_send_leases(done)
-            order.extend(sorted(done))
+            for r in done:
+                ended.setdefault(r, time.perf_counter())
 
-        wait_for(lambda: "late" in order, f"{name}: 'late' to expire", step=reap)
-        results[name] = (time.perf_counter(), list(order))
-        if "early" in w._reqs_to_send:
+        wait_for(lambda: "late" in ended, f"{name}: 'late' to expire", step=reap)
+        assert ended["late"] >= late_deadline - 0.05, name  # not before its deadline
+        if "early" in ended:  # only if this machine stalled past early's deadline too
+            assert ended["early"] >= early_deadline - 0.05, name
+        else:
+            assert "early" in w._reqs_to_send, name
             w._reqs_to_send.pop("early")
-    for name, (at, order) in results.items():
-        assert order[0] == "late", (name, order)  # never behind the renewed lease
-        assert at >= late_deadline - 0.01
-    # The renewal moved early's deadline past late's: late went first though granted second.
-    assert t_hb + 1.5 > late_deadline - 3  # sanity: the heartbeat came within the lease
 
 
 def test_p4_idle_step_does_not_scan_live_leases(create):
