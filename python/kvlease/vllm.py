@@ -247,6 +247,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_lock = threading.RLock()
         self._kvlease_thread: threading.Thread | None = None
         self._kvlease_stop = threading.Event()
+        self._kvlease_wake = threading.Event()
+        # SPEC D6: reads waiting for an acknowledged renewal: request -> (its metadata, give up at).
+        self._kvlease_deferred: dict[str, tuple[Any, int]] = {}
         self._kvlease_tracked: dict[str, set[str]] = {}
         self._kvlease_hs_pending: set[str] = set()
         self._kvlease_handshook: set[str] = set()
@@ -259,19 +262,60 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     # -- P: the binary wire ---------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
-        # SPEC D6 on D: a request whose lease P reported lost is never read; it fails its load
-        # (vLLM's kv_load_failure_policy then recomputes or fails it), blocks marked invalid.
-        lost = [r for r in metadata.reqs_to_recv if r in self.kvlease_lost]
-        for req_id in lost:
-            meta = metadata.reqs_to_recv.pop(req_id)
-            self.kvlease_lost.discard(req_id)
-            self._recving_metadata[req_id] = meta
-            self._log_failure(failure_type="kvlease_lease_lost", req_id=req_id, meta=meta)
-            self._failed_recv_reqs.put(req_id)
+        self._kvlease_gate_reads(metadata)
         super().start_load_kv(metadata)
         book = self._reqs_to_send
         for req_id, wire_id in getattr(metadata, "kvlease_wire_ids", {}).items():
             book.name_wire_id(req_id, wire_id)  # type: ignore[attr-defined]
+
+    def _kvlease_fail_load(self, req_id: str, meta: Any, why: str) -> None:
+        """The request's KV is not read: vLLM's load-failure path (failed receive, its blocks
+        invalid) applies kv_load_failure_policy (recompute or fail)."""
+        self._recving_metadata[req_id] = meta
+        self._log_failure(failure_type=why, req_id=req_id, meta=meta)
+        self._failed_recv_reqs.put(req_id)
+
+    def _kvlease_gate_reads(self, metadata: Any) -> None:
+        """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
+        read; a lease is read only while an acknowledged heartbeat covers the read budget
+        (E/4) — otherwise its read waits for the renewal's acknowledgement, at most E, and
+        fails its load if none comes. Leases the renewer does not hold read as in vLLM."""
+        reqs = metadata.reqs_to_recv
+        for req_id in [r for r in reqs if r in self.kvlease_lost]:
+            self.kvlease_lost.discard(req_id)
+            self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_lost")
+        if not reqs and not self._kvlease_deferred:
+            return
+        budget = self.kvlease_config.read_budget
+        wake = False
+        with self._kvlease_lock:
+            r = self._kvlease_renewer
+            now = time.monotonic_ns()
+            for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
+                if req_id in self.kvlease_lost:
+                    self.kvlease_lost.discard(req_id)
+                    del self._kvlease_deferred[req_id]
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_lost")
+                    continue
+                check = r.read_check(req_id, budget, now)
+                if check == "safe" or check == "untracked":
+                    del self._kvlease_deferred[req_id]
+                    reqs[req_id] = meta
+                elif now >= give_up:
+                    del self._kvlease_deferred[req_id]
+                    r.untrack(req_id, abandoned=True)
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
+                else:
+                    wake = True
+            for req_id in list(reqs):
+                if req_id in self._kvlease_deferred or not r.is_tracked(req_id):
+                    continue
+                if r.read_check(req_id, budget, now) != "safe":
+                    wait = max(self.kvlease_config.extension, 1.0)
+                    self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
+                    wake = True
+        if wake:
+            self._kvlease_wake.set()
 
     def _get_new_notifs(self) -> set[str]:
         """vLLM's notification handling, with kvlease's binary messages (magic ``KL``) taken
@@ -389,7 +433,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 if a.kind == "send" and a.send_kind != "clock_probe":
                     self._kvlease_send(a.engine_id, a.data)
             wait = 0.1 if timeout is None else min(max((timeout - time.monotonic_ns()) / 1e9, 0.001), 0.1)
-            self._kvlease_stop.wait(wait)
+            self._kvlease_wake.wait(wait)
+            self._kvlease_wake.clear()
 
     def _kvlease_send(self, engine_id: str, data: bytes) -> None:
         agents = self._remote_agents.get(engine_id) or {}
@@ -412,6 +457,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     def shutdown(self) -> None:
         self._kvlease_stop.set()
+        self._kvlease_wake.set()
         if self._kvlease_thread is not None:
             self._kvlease_thread.join(timeout=5)
         super().shutdown()

@@ -464,3 +464,45 @@ def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_work
         time.sleep(0.1)
     assert kv._reqs_to_send[req] > grant_deadline + 1.0  # renewed, by D's renewer thread
     kv._reqs_to_send.pop(req)
+
+
+def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_channels):
+    """SPEC D6 inside vLLM: a kvlease D reads a lease only while an acknowledged heartbeat covers
+    the read budget. Asked to read before any acknowledgement, the worker holds the read back
+    (no READ posted, nothing in vLLM's receive bookkeeping), its renewer sends a renewal at once,
+    and the read is released in a later step once P's acknowledgement is in."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d6", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, p_req, d_req = (17 << 32) + 1, "p-d6-1", "d-d6-1"
+    grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)
+    recv = NixlConnectorMetadata()
+    recv.add_new_req_to_recv(
+        d_req,
+        local_block_ids=([3, 4],),
+        kv_transfer_params=dict(
+            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
+            remote_host="127.0.0.1", remote_port=p_side_channels["p-kv"], tp_size=1,
+        ),
+        awaiting_kvs=True,
+    )
+    d.start_load_kv(recv)  # no acknowledgement yet: held back
+    assert d_req in d._kvlease_deferred
+    assert d_req not in d._recving_metadata and d_req not in d._recving_transfers
+
+    def step():
+        kv._get_new_notifs()  # P renews and answers
+        time.sleep(0.1)
+        d._get_new_notifs()  # D's renewer learns the acknowledgement
+        d.start_load_kv(NixlConnectorMetadata())  # a later engine step
+
+    wait_for(lambda: d_req in d._recving_metadata, "the read to be released after the acknowledgement", step=step)
+    assert d_req not in d._kvlease_deferred
+    kv._reqs_to_send.pop(p_req)
