@@ -23,7 +23,8 @@ reads, block accounting, when D heartbeats). What changes:
   ``HeartbeatAck{lost_ids}``, and D fails the load of a lost request through vLLM's failure path
   instead of reading reused blocks (SPEC D6); vLLM's ``kv_load_failure_policy`` applies.
 * D's binary heartbeats come from kvlease's :class:`~kvlease.Renewer`, polled by a thread of
-  the worker on its own timer, not from the forward loop (SPEC D3).
+  the worker on its own timer, not from the forward loop (SPEC D3); such a lease is read only
+  while an acknowledged heartbeat covers the read budget (SPEC D6).
 * D's scheduler heartbeats every L/6 exactly (vLLM: ``L // 6`` whole seconds).
 """
 
