@@ -122,6 +122,23 @@ def register_cpu_kv_caches(worker):
     worker._kvlease_test_caches = caches  # keep them alive while registered
 
 
+def to_recv(d_req, p_req, port):
+    """D's scheduler asks its worker to read request d_req's KV (P's blocks 5, 6 into 3, 4)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    recv = NixlConnectorMetadata()
+    recv.add_new_req_to_recv(
+        d_req,
+        local_block_ids=([3, 4],),
+        kv_transfer_params=dict(
+            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
+            remote_host="127.0.0.1", remote_port=port, tp_size=1,
+        ),
+        awaiting_kvs=True,
+    )
+    return recv
+
+
 class DAgent:
     """A decode-side NIXL agent (the same NIXL build vLLM uses) that sends vLLM's notifications
     to P workers over UCX/TCP, as a stock vLLM D worker does."""
@@ -419,16 +436,7 @@ def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_s
 
     wait_for(lambda: d_req in d.kvlease_lost, "P's LeaseLost answer to reach D", step=step)
     # The scheduler now asks for the transfer: D must not read; the load fails cleanly.
-    recv = NixlConnectorMetadata()
-    recv.add_new_req_to_recv(
-        d_req,
-        local_block_ids=([3, 4],),
-        kv_transfer_params=dict(
-            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
-            remote_host="127.0.0.1", remote_port=p_side_channels["p-kv"], tp_size=1,
-        ),
-        awaiting_kvs=True,
-    )
+    recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
     d.start_load_kv(recv)
     assert d_req not in d._recving_transfers  # no READ was posted
     failed = set()
@@ -483,16 +491,7 @@ def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_cha
     meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
     wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
     d._send_heartbeats(meta)
-    recv = NixlConnectorMetadata()
-    recv.add_new_req_to_recv(
-        d_req,
-        local_block_ids=([3, 4],),
-        kv_transfer_params=dict(
-            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
-            remote_host="127.0.0.1", remote_port=p_side_channels["p-kv"], tp_size=1,
-        ),
-        awaiting_kvs=True,
-    )
+    recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
     d.start_load_kv(recv)  # no acknowledgement yet: held back
     assert d_req in d._kvlease_deferred
     assert d_req not in d._recving_metadata and d_req not in d._recving_transfers
