@@ -562,10 +562,12 @@ impl PyRenewer {
 
     /// SPEC D6: may the request's lease be read now, finishing within ``budget`` seconds?
     /// ``"safe"``, ``"renew_first"`` (a renewal is queued: poll, wait for the ack, ask again),
-    /// ``"untracked"`` or ``"unreachable"``.
-    fn read_check(&mut self, request_id: &str, budget: f64, now_ns: u64) -> PyResult<&'static str> {
+    /// ``"untracked"`` or ``"unreachable"``. ``fenced``: the transport refuses reads of dead
+    /// leases itself (kvlease's tcp agent; NIXL's READ is not), so only the handshake is needed.
+    #[pyo3(signature = (request_id, budget, now_ns, fenced = false))]
+    fn read_check(&mut self, request_id: &str, budget: f64, now_ns: u64, fenced: bool) -> PyResult<&'static str> {
         let b = duration_of("budget", budget)?;
-        Ok(match self.renewer.read_check(request_id, b, Nanos(now_ns)) {
+        Ok(match self.renewer.read_check(request_id, b, fenced, Nanos(now_ns)) {
             ReadCheck::Safe => "safe",
             ReadCheck::RenewFirst => "renew_first",
             ReadCheck::Untracked => "untracked",
