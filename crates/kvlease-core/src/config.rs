@@ -49,6 +49,9 @@ pub struct LeaseConfig {
 /// The most D waits for P's `ReadDoneAck`s after its reads ([`LeaseConfig::read_done_ack_wait`]).
 pub const READ_DONE_ACK_WAIT_MAX: Duration = Duration::from_secs(2);
 
+/// The largest read budget ([`LeaseConfig::read_budget`]), whatever the lease.
+pub const READ_BUDGET_MAX: Duration = Duration::from_secs(5);
+
 impl LeaseConfig {
     /// SPEC P4: how late after its deadline a lease may be reaped, min(I/10, 100 ms).
     pub fn reap_granularity(&self) -> Duration {
@@ -56,9 +59,12 @@ impl LeaseConfig {
     }
 
     /// SPEC D6: D reads only while an acknowledged heartbeat covers at least this much more:
-    /// E/4 (5 s by default).
+    /// E/4, at most [`READ_BUDGET_MAX`] (5 s, E/4 at the default lease). A read takes
+    /// milliseconds to seconds whatever the lease; a budget that grew with L made the read
+    /// timeout and the NIXL quarantine grow with it (161 s at L = 480 s), so every lost message
+    /// pinned blocks for minutes and longer leases served fewer requests under loss.
     pub fn read_budget(&self) -> Duration {
-        self.extension / 4
+        (self.extension / 4).min(READ_BUDGET_MAX)
     }
 
     /// How long D lets a pull's reads run before abandoning them: the read budget, at least 1 s
@@ -362,6 +368,19 @@ mod tests {
         assert_eq!(c.lease.max_lifetime, None);
         assert!(!c.lease.bidirectional);
         assert_eq!(c.lease.reap_granularity(), Duration::from_millis(100));
+    }
+
+    /// SPEC D6, P5: the read budget is E/4 up to 5 s whatever the lease, so the read timeout
+    /// and the NIXL quarantine a lost message costs do not grow with L.
+    #[test]
+    fn d6_read_budget_and_quarantine_do_not_grow_with_the_lease() {
+        for (secs, budget_ms) in [(3.0, 500), (30.0, 5_000), (480.0, 5_000)] {
+            let c = LeaseConfig::with_lease_secs(secs).unwrap();
+            assert_eq!(c.read_budget(), Duration::from_millis(budget_ms), "L = {secs} s");
+        }
+        let long = LeaseConfig::with_lease_secs(480.0).unwrap();
+        assert_eq!(long.quarantine(), Duration::from_secs(11), "as at the default lease, not 161 s");
+        assert_eq!(long.read_timeout(), Duration::from_secs(5));
     }
 
     #[test]
