@@ -646,7 +646,7 @@ fn p2_p4_long_lived_lease_across_epoch_moves() {
         let id = t.grant(now, 1, 1);
         assert_eq!(t.deadline(id), Some(now + cfg.lease_duration));
         short.push((id, now + cfg.lease_duration));
-        if short.len() % 97 == 0 {
+        if short.len().is_multiple_of(97) {
             for ms in [300u64, 100, 200] {
                 let d = now + Duration::from_millis(ms);
                 short.push((t.grant_for(now, Duration::from_millis(ms), 1, 2), d));
