@@ -6,7 +6,7 @@
 //! one comparison under any pattern of grants and releases, and an id whose slot has since been
 //! reused is lost, never another lease (ids are never handed out twice: SPEC §3). The table
 //! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
-//! the slots at every size and no grant moves more than a page of leases. Ids are handed out in
+//! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
 //! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
 //! sorted ids stay nearly consecutive on the wire. A renewal reads and writes one aligned
 //! 16-byte record (generation, holder, deadline, grant time; times in milliseconds from a table
@@ -188,9 +188,11 @@ const NIL: u32 = u32::MAX;
 const HEAD: u32 = 1 << 31;
 const UNLINKED: Link = Link { blocks: 0, next: NIL, prev: NIL };
 
-/// Slots per page: the table grows by appending slots (a page at most), never by doubling.
+/// Slots per page: the table grows by appending slots to the last page, never by doubling.
 const PAGE_BITS: u32 = 14;
 const PAGE: usize = 1 << PAGE_BITS;
+/// The most slots one growth step adds.
+const GROW_MAX: usize = 2048;
 
 /// `PAGE` slots (the last page may be shorter): hot records, links and payloads side by side.
 #[derive(Debug)]
@@ -737,9 +739,10 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// Grows the table by about 1/64 of its slots (a page at most), one split each.
+    /// Grows the table by about 1/64 of its slots (`GROW_MAX` at most, so a growing grant
+    /// holds the table for tens of µs), one split each.
     fn grow(&mut self) {
-        let n = (self.cap / 64).clamp(1, PAGE);
+        let n = (self.cap / 64).clamp(1, GROW_MAX);
         self.append(n);
         for _ in 0..n {
             self.split();
