@@ -73,7 +73,7 @@ impl Kv {
 
 impl Table for Kv {
     fn grant(&mut self, now: u64) -> u64 {
-        self.t.grant(Nanos(now), 1, DIGEST, ())
+        self.t.grant(Nanos(now), 1, ())
     }
     fn release(&mut self, id: u64, now: u64) {
         self.rel.clear();
@@ -532,10 +532,10 @@ fn tick_expire_1000_of_1m(bencher: Bencher) {
         .with_inputs(|| {
             let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
             for i in 0..1_000u32 {
-                t.grant(Nanos(0), 1, DIGEST, i);
+                t.grant(Nanos(0), 1, i);
             }
             for i in 0..999_000u32 {
-                t.grant(Nanos(10 * SEC), 1, DIGEST, i);
+                t.grant(Nanos(10 * SEC), 1, i);
             }
             let mut rel = Vec::new();
             t.tick(Nanos(29 * SEC + 950_000_000), &mut rel);

@@ -1,19 +1,23 @@
 //! P's leases (SPEC §4): grant, renew, complete, release, reap — exactly once each.
 //!
-//! A lease lives in slot `id mod capacity` of a power-of-two table; the slot keeps the id's
-//! high bits (its generation), so finding a lease is one index and one comparison under any
-//! pattern of grants and releases, and an id whose slot has since been reused is lost, never
-//! another lease (ids are never handed out twice: SPEC §3). Ids are handed out in a row,
-//! skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's sorted
-//! ids stay nearly consecutive on the wire. A renewal reads and writes one aligned 32-byte
-//! record (generation, holder, deadline, grant time, index position) and never touches the
-//! expiry index. The index is a timing wheel of buckets `min(I/10, 100 ms)` wide holding each
-//! live lease's slot once, each bucket remembering its earliest deadline, so an idle reaper tick
-//! is O(1) and a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work
-//! budget and carries the rest over. An index entry whose lease was renewed since is moved to
-//! the bucket of its current deadline when its old bucket comes due, at most once per extension
-//! period, touching only the lease's 32-byte record. The table doubles before live leases fill
-//! 7/8 of its slots.
+//! Slots are addressed by the lease id through linear hashing (with `2^k ≤ capacity ≤
+//! 2^(k+1)`, lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` where that is past the
+//! end); the slot keeps the id's high bits (its generation), so finding a lease is one index and
+//! one comparison under any pattern of grants and releases, and an id whose slot has since been
+//! reused is lost, never another lease (ids are never handed out twice: SPEC §3). The table
+//! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
+//! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
+//! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
+//! sorted ids stay nearly consecutive on the wire. A renewal reads and writes one aligned
+//! 16-byte record (generation, holder, deadline, grant time; times in milliseconds from a table
+//! epoch that moves forward every 12 days) and never touches the expiry index. The index is a
+//! timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded through
+//! the slots and remembering its earliest deadline, so an idle reaper tick is O(1), a tick that
+//! expires k leases costs O(k) (SPEC P4) and a release drops its entry at once; a tick can be
+//! given a work budget and carries the rest over. An index entry whose lease was renewed since
+//! is moved to the bucket of its current deadline when its old bucket comes due, at most once
+//! per extension period. Per live lease: 16 B hot record, 12 B link (blocks, next, prev), the
+//! payload's slot; nothing else grows with the live count.
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -22,9 +26,9 @@
 //! Every lease belongs to one [`Holder`] (SPEC S5): the first engine, as the transport
 //! authenticated it, to renew, read, complete or release it. Messages about it from any other
 //! engine are answered as lost and change nothing, so an engine of the cluster cannot release,
-//! complete or keep alive another engine's leases by guessing their (sequential) ids. Each lease
-//! also keeps the digest of the prompt it was granted for (SPEC S4): a completion for another
-//! prompt is not confirmed.
+//! complete or keep alive another engine's leases by guessing their (sequential) ids. The
+//! payload names the digest of the prompt the lease was granted for ([`LeasePayload`], SPEC
+//! S4): a completion for another prompt is not confirmed.
 
 use crate::config::LeaseConfig;
 use crate::digest::PromptDigest;
@@ -130,40 +134,72 @@ impl LeaseStats {
     }
 }
 
-/// The hot part of a lease, touched by every renewal and by the reaper: one aligned half cache
-/// line. `deadline == 0` marks a vacant slot.
+/// What the table asks of the payload the engine attaches to a lease: the digest of the prompt
+/// the lease's KV belongs to (SPEC S4), which the engine keeps there rather than the table
+/// keeping 16 bytes of it per slot. `None` (the default): nothing to check; a completion for
+/// any prompt is confirmed. The engine's payload always names its digest.
+pub trait LeasePayload {
+    fn prompt_digest(&self) -> Option<&PromptDigest> {
+        None
+    }
+}
+
+impl LeasePayload for () {}
+impl LeasePayload for u32 {}
+impl LeasePayload for u64 {}
+impl LeasePayload for &str {}
+
+/// A payload `T` for the prompt whose digest is the first field (SPEC S4).
+impl<T> LeasePayload for (PromptDigest, T) {
+    fn prompt_digest(&self) -> Option<&PromptDigest> {
+        Some(&self.0)
+    }
+}
+
+/// The hot part of a lease, touched by every renewal: an aligned quarter cache line. Times are
+/// milliseconds from the table's epoch (`LeaseTable::epoch`), which moves forward long before
+/// they would overflow; `deadline == 0` marks a vacant slot.
 #[derive(Debug, Clone, Copy)]
-#[repr(C, align(32))]
+#[repr(C, align(16))]
 struct Hot {
-    /// The lease id's high bits: `id = gen << shift | slot`.
+    /// The lease id's high bits: `id >> k` in a slot of `k` bits (see [`LeaseTable::slot`]).
     gen: u32,
     /// SPEC S5: who owns the lease; 0 until an engine first names it.
     holder: u32,
-    deadline: u64,
-    /// Grant time; SPEC P9's cap is `granted + max(max_lifetime, L)`.
-    granted: u64,
-    /// Where the lease's one expiry-index entry is: ring bucket and position in it.
-    bucket: u32,
-    pos: u32,
+    /// Rounded up to the millisecond: a lease never ends before the deadline D was given.
+    deadline: u32,
+    /// Grant time, rounded down; SPEC P9's cap is `granted + max(max_lifetime, L)`.
+    granted: u32,
 }
 
-const VACANT: Hot = Hot { gen: 0, holder: 0, deadline: 0, granted: 0, bucket: 0, pos: 0 };
+const VACANT: Hot = Hot { gen: 0, holder: 0, deadline: 0, granted: 0 };
 
-/// The cold part of a lease: what a release and a completion need, and the payload.
-#[derive(Debug)]
-struct Cold<T> {
-    /// SPEC S4: the prompt the lease's KV belongs to.
-    digest: PromptDigest,
+/// The part of a lease a release and the reaper need: its blocks and its place in the expiry
+/// index (a doubly linked list per wheel bucket threaded through the slots).
+#[derive(Debug, Clone, Copy)]
+struct Link {
     blocks: u32,
-    payload: Option<T>,
+    next: u32,
+    /// The previous slot in the bucket's list, or `HEAD | bucket` for the first.
+    prev: u32,
 }
 
-impl<T> Cold<T> {
-    const VACANT: Cold<T> = Cold { digest: PromptDigest([0; 16]), blocks: 0, payload: None };
+const NIL: u32 = u32::MAX;
+const HEAD: u32 = 1 << 31;
+const UNLINKED: Link = Link { blocks: 0, next: NIL, prev: NIL };
 
-    fn slots(n: usize) -> Vec<Cold<T>> {
-        (0..n).map(|_| Self::VACANT).collect()
-    }
+/// Slots per page: the table grows by appending slots to the last page, never by doubling.
+const PAGE_BITS: u32 = 14;
+const PAGE: usize = 1 << PAGE_BITS;
+/// The most slots one growth step adds.
+const GROW_MAX: usize = 2048;
+
+/// `PAGE` slots (the last page may be shorter): hot records, links and payloads side by side.
+#[derive(Debug)]
+struct Page<T> {
+    hot: Vec<Hot>,
+    link: Vec<Link>,
+    payload: Vec<Option<T>>,
 }
 
 /// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
@@ -181,17 +217,22 @@ type Parked<T> = HashMap<LeaseId, (T, u32)>;
 /// 100 µs at 10^6 leases on the benchmark machine (about 40 µs; see BENCHMARKS.md).
 pub const REAP_BUDGET: usize = 1024;
 
-/// The table grows (doubling) before live leases would fill more than this share of its slots.
-const MAX_LOAD_NUM: usize = 7;
-const MAX_LOAD_DEN: usize = 8;
+/// Live leases fill at most `1 - 1/FREE_SHARE` of the slots (31/32): the rest keeps the
+/// grant's search for a free slot short and ids nearly consecutive.
+const FREE_SHARE: usize = 32;
 const MIN_SLOTS: usize = 16;
+/// Nanoseconds per unit of the table's 32-bit times.
+const MS: u64 = 1_000_000;
+/// The epoch moves forward once now is this far past it (about 24.9 days), by `REBASE_BY`.
+const REBASE_AT: u64 = 1 << 31;
+const REBASE_BY: u64 = 1 << 30;
 
 /// A reaper pass over the current bucket, interrupted by its work budget or still running.
 #[derive(Debug, Clone, Copy)]
 struct Pass {
     bucket: usize,
-    /// Entries at `[next, len)` have been looked at in this pass.
-    next: usize,
+    /// The next slot to look at in the bucket's list (`NIL`: the pass is through).
+    next: u32,
     /// Earliest deadline among the entries the pass kept.
     kept_min: u64,
     /// Earliest deadline filed into this bucket since the pass began.
@@ -200,11 +241,14 @@ struct Pass {
 
 /// P's lease table for one engine.
 ///
-/// A lease lives in slot `id mod capacity` (the capacity is a power of two) and the slot keeps
-/// the rest of the id, so a lookup is one index and one comparison, and an id whose slot was
-/// reused is lost, never another lease. Ids still increase by one per grant except where the next slot
-/// is taken by a lease still live from a previous turn, which is skipped: ids granted in a row
-/// stay nearly consecutive and the wire's delta encoding keeps about one byte per id.
+/// Slots are addressed by linear hashing on the lease id: with `2^k ≤ capacity < 2^(k+1)`,
+/// lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` when that is past the end. The
+/// table grows a few slots at a time by splitting the next slot of the round (moving the lease
+/// in it, if any, to the new slot), so it never doubles, never moves every lease at once and
+/// stays between 94 % and 97 % full. Each slot keeps the id's high bits, so a lookup is one
+/// index and one comparison, and an id whose slot was reused is lost, never another lease. Ids
+/// still increase by one per grant except where the next slot is taken by a lease still live,
+/// which is skipped: ids granted in a row stay nearly consecutive on the wire.
 #[derive(Debug)]
 pub struct LeaseTable<T> {
     lease: u64,
@@ -212,11 +256,13 @@ pub struct LeaseTable<T> {
     max_lifetime: Option<u64>,
     /// Never handed out twice (SPEC §3 fencing token); ids only increase.
     next_id: LeaseId,
-    /// `capacity - 1`, and `log2(capacity)`.
-    mask: u64,
-    shift: u32,
-    hot: Vec<Hot>,
-    cold: Vec<Cold<T>>,
+    /// Linear hashing: `2^k ≤ cap ≤ 2^(k+1)`; slots `[0, cap - 2^k)` and `[2^k, cap)` are split
+    /// (addressed by `k + 1` bits), the rest by `k` bits.
+    k: u32,
+    cap: usize,
+    pages: Vec<Page<T>>,
+    /// The table's times are milliseconds from here (a multiple of 1 ms, only increasing).
+    epoch: u64,
     live: usize,
     aux: HashMap<LeaseId, Aux>,
     parked: Parked<T>,
@@ -232,29 +278,22 @@ impl<T> LeaseTable<T> {
         Self::with_capacity(cfg, 0)
     }
 
-    /// A table sized for `live` leases at once, so it never grows (a doubling moves every
-    /// lease, holding the table for about 50 ms at 10^6). Each lease pins at least one block,
-    /// so an engine's block count bounds its live leases.
+    /// A table sized for `live` leases at once, so it need not grow (growing splits a few
+    /// slots per grant, moving at most one lease each).
     pub fn with_capacity(cfg: &LeaseConfig, live: usize) -> Self {
-        let slots = live
-            .saturating_mul(MAX_LOAD_DEN)
-            .div_ceil(MAX_LOAD_NUM)
-            .saturating_add(1)
-            .checked_next_power_of_two()
-            .unwrap_or(1 << 31)
-            .clamp(MIN_SLOTS, 1 << 31);
+        let slots = (live + live / (FREE_SHARE - 1) + 2).clamp(MIN_SLOTS, 1 << 31);
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let width = nanos(cfg.reap_granularity()).max(1);
         let horizon = nanos(cfg.lease_duration.max(cfg.extension));
-        LeaseTable {
+        let mut t = LeaseTable {
             lease: nanos(cfg.lease_duration),
             extension: nanos(cfg.extension),
             max_lifetime: cfg.max_lifetime.map(nanos),
             next_id: 1,
-            mask: slots as u64 - 1,
-            shift: slots.trailing_zeros(),
-            hot: vec![VACANT; slots],
-            cold: Cold::slots(slots),
+            k: MIN_SLOTS.trailing_zeros(),
+            cap: 0,
+            pages: Vec::new(),
+            epoch: 0,
             live: 0,
             aux: HashMap::new(),
             parked: HashMap::new(),
@@ -262,7 +301,13 @@ impl<T> LeaseTable<T> {
             leased_blocks: 0,
             stats: LeaseStats::default(),
             holders: BTreeMap::new(),
+        };
+        t.append(slots);
+        t.cap = MIN_SLOTS;
+        while t.cap < slots {
+            t.split();
         }
+        t
     }
 
     /// SPEC S5: the holder for an engine as the transport authenticated it (engine id and
@@ -277,45 +322,51 @@ impl<T> LeaseTable<T> {
         h
     }
 
-    /// SPEC P1: grant a lease of `L` from `now` over `blocks` blocks of the prompt whose digest is
-    /// `digest` (S4), owning `payload`. The caller grants only for a request that finished
+    /// SPEC P1: grant a lease of `L` from `now` over `blocks` blocks, owning `payload` (which
+    /// names the prompt's digest, SPEC S4). The caller grants only for a request that finished
     /// prefill normally and holds ≥ 1 block.
-    pub fn grant(&mut self, now: Nanos, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
+    pub fn grant(&mut self, now: Nanos, blocks: u32, payload: T) -> LeaseId {
         let lease = Duration::from_nanos(self.lease);
-        self.grant_for(now, lease, blocks, digest, payload)
+        self.grant_for(now, lease, blocks, payload)
     }
 
     /// SPEC B1: a grant whose first deadline is `lifetime` away rather than L (a decoder's
     /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
     /// lease.
-    pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, digest: PromptDigest, payload: T) -> LeaseId {
-        if (self.live + 1) * MAX_LOAD_DEN > self.hot.len() * MAX_LOAD_NUM {
+    pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, payload: T) -> LeaseId {
+        self.rebase(now);
+        while (self.live + 1) * FREE_SHARE > self.cap * (FREE_SHARE - 1) || self.live + 2 > self.cap {
             self.grow();
         }
         // Skip ids whose slot a lease of an earlier turn still holds; the load bound keeps a
-        // free slot, and skips to about live / (capacity - live) per grant on average. A slot
-        // keeps 32 bits of generation: past them the table grows (after 2^36 grants at least).
-        loop {
-            if self.next_id >> self.shift > u64::from(u32::MAX) {
+        // free slot in every 32 on average. A slot keeps 32 bits of the id: past them the table
+        // grows (after 2^36 grants at least).
+        let s = loop {
+            if self.next_id >> self.k > u64::from(u32::MAX) {
                 self.grow();
-            } else if self.hot[(self.next_id & self.mask) as usize].deadline != 0 {
-                self.next_id += 1;
-            } else {
-                break;
+                continue;
             }
-        }
+            let s = self.slot(self.next_id);
+            if self.hot(s).deadline == 0 {
+                break s;
+            }
+            self.next_id += 1;
+        };
         let id = self.next_id;
         self.next_id += 1;
-        let s = (id & self.mask) as usize;
-        let deadline = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX)).max(1);
-        self.hot[s] = Hot { gen: (id >> self.shift) as u32, holder: 0, deadline, granted: now.0, bucket: 0, pos: 0 };
-        self.cold[s].digest = digest;
-        self.cold[s].blocks = blocks;
-        self.cold[s].payload = Some(payload);
+        let deadline_ns = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX));
+        let deadline = self.ms_ceil(deadline_ns);
+        let granted = self.ms_floor(now.0);
+        let gen = (id >> self.width(s)) as u32;
+        *self.hot_mut(s) = Hot { gen, holder: 0, deadline, granted };
+        let (p, i) = (s >> PAGE_BITS, s & (PAGE - 1));
+        self.pages[p].link[i].blocks = blocks;
+        self.pages[p].payload[i] = Some(payload);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
-        self.file(s, deadline, self.wheel.cursor);
+        let cursor = self.wheel.cursor;
+        self.file(s, self.ns(deadline), cursor);
         id
     }
 
@@ -333,25 +384,36 @@ impl<T> LeaseTable<T> {
         lost: &mut Vec<LeaseId>,
         released: &mut Vec<Released<T>>,
     ) -> usize {
-        let target = now.0.saturating_add(self.extension);
+        self.rebase(now);
+        let now_ms = self.ms_floor(now.0);
+        let target = self.ms_ceil(now.0.saturating_add(self.extension));
         let who = holder.0.get();
-        let shift = self.shift;
-        let life = self.max_lifetime.map(|m| m.max(self.lease));
+        let life = self.max_lifetime.map(|m| u32::try_from(m.max(self.lease) / MS).unwrap_or(u32::MAX));
         let mut renewed = 0;
+        let (k, cap) = (self.k, self.cap);
+        let (base, mask) = (1usize << k, (2u64 << k) - 1);
         for &id in ids {
-            let s = (id & self.mask) as usize;
-            let h = &mut self.hot[s];
-            if h.deadline == 0 || u64::from(h.gen) != id >> shift || id == 0 || (h.holder != 0 && h.holder != who) {
+            // `find`, written out: one record, indexed once.
+            let mut s = (id & mask) as usize;
+            if s >= cap {
+                s -= base;
+            }
+            let w = k + u32::from(s < cap - base || s >= base);
+            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.hot.get_mut(s & (PAGE - 1))) else {
+                lost.push(id);
+                continue;
+            };
+            if h.deadline == 0 || u64::from(h.gen) != id >> w || id == 0 || (h.holder != 0 && h.holder != who) {
                 lost.push(id);
                 continue;
             }
             h.holder = who;
-            if h.deadline <= now.0 {
+            if h.deadline <= now_ms {
                 lost.push(id);
                 self.end(s, ReleaseReason::Expired, now, released);
                 continue;
             }
-            let cap = life.map_or(u64::MAX, |m| h.granted.saturating_add(m));
+            let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
             let want = target.min(cap);
             if want > h.deadline {
                 h.deadline = want;
@@ -366,43 +428,15 @@ impl<T> LeaseTable<T> {
         renewed
     }
 
-    /// Everything P does with a message from D (SPEC P2, P3, P6, P8, B2): applies it and returns
-    /// the answer to send back to the sender, if any. `HeartbeatAck.lost_ids` is the `LeaseLost`
-    /// answer to a heartbeat and `ReadDoneAck{live: false}` the one to a completion, so D learns
-    /// in the same round trip; a release naming dead leases is answered with `LeaseLost`.
-    /// `holder` is the engine that sent it, as the transport authenticated it (SPEC S5).
-    pub fn on_message(&mut self, holder: Holder, msg: &Message, now: Nanos, released: &mut Vec<Released<T>>) -> Answer {
-        match msg {
-            Message::Heartbeat { seq, lease_ids } => {
-                let mut lost = Vec::new();
-                let renewed = self.renew(holder, lease_ids, now, &mut lost, released);
-                lost.sort_unstable();
-                Answer { reply: Some(Message::HeartbeatAck { seq: *seq, lost_ids: lost }), renewed }
-            }
-            Message::Release { lease_ids } => {
-                let mut lost = Vec::new();
-                self.release(holder, lease_ids, now, &mut lost, released);
-                Answer { reply: (!lost.is_empty()).then_some(Message::LeaseLost { lease_ids: lost }), renewed: 0 }
-            }
-            Message::ReadDone { lease_id, consumer_rank, n, digest } => {
-                let c = self.complete(holder, *lease_id, *consumer_rank, *n, *digest, now, released);
-                Answer { reply: Some(Message::ReadDoneAck { lease_id: *lease_id, live: c != Completion::Lost }), renewed: 0 }
-            }
-            Message::ClockPing { seq, t0 } => {
-                Answer { reply: Some(Message::ClockPong { seq: *seq, t0: *t0, t1: now.0, t2: now.0 }), renewed: 0 }
-            }
-            _ => Answer { reply: None, renewed: 0 },
-        }
-    }
-
     /// SPEC D4, P6: D will not read these leases; release the live ones as `released`. Leases
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
+        self.rebase(now);
         for &id in ids {
             match self.find(id) {
                 None => lost.push(id),
                 Some(s) if !self.admit(s, holder) => lost.push(id),
-                Some(s) if self.hot[s].deadline <= now.0 => {
+                Some(s) if self.expired(s, now) => {
                     lost.push(id);
                     self.end(s, ReleaseReason::Expired, now, released);
                 }
@@ -417,8 +451,9 @@ impl<T> LeaseTable<T> {
     /// it needs them for new requests. A claimed lease is in use (B3: the next turn's prefill
     /// engine renews it, or reads it) and is left alone. Returns whether the lease ended.
     pub fn revoke_unclaimed(&mut self, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
+        self.rebase(now);
         match self.find(id) {
-            Some(s) if self.hot[s].holder == 0 && self.hot[s].deadline > now.0 => {
+            Some(s) if self.hot(s).holder == 0 && !self.expired(s, now) => {
                 self.end(s, ReleaseReason::Released, now, released);
                 true
             }
@@ -426,56 +461,9 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// SPEC P8: consumer rank `consumer`, one of `n`, finished reading the lease for the prompt
-    /// whose digest is `digest`. Not confirmed (`Lost`, nothing changes) when another holder owns
-    /// the lease (S5) or the digest is not the lease's prompt (S4).
-    #[allow(clippy::too_many_arguments)]
-    pub fn complete(
-        &mut self,
-        holder: Holder,
-        id: LeaseId,
-        consumer: u32,
-        n: u32,
-        digest: PromptDigest,
-        now: Nanos,
-        released: &mut Vec<Released<T>>,
-    ) -> Completion {
-        let s = match self.find(id) {
-            None => return Completion::Lost,
-            Some(s) if self.cold[s].digest != digest => return Completion::Lost,
-            Some(s) if !self.admit(s, holder) => return Completion::Lost,
-            Some(s) if self.hot[s].deadline <= now.0 => {
-                self.end(s, ReleaseReason::Expired, now, released);
-                return Completion::Lost;
-            }
-            Some(s) => s,
-        };
-        // One expected consumer and nothing recorded yet (the common case): no bookkeeping.
-        let done = match self.aux.get_mut(&id) {
-            None if n <= 1 => true,
-            aux => {
-                let a = match aux {
-                    Some(a) => a,
-                    None => self.aux.entry(id).or_default(),
-                };
-                a.expected = a.expected.max(n.max(1));
-                if !a.done.contains(&consumer) {
-                    a.done.push(consumer);
-                }
-                a.done.len() >= a.expected as usize
-            }
-        };
-        if done {
-            self.end(s, ReleaseReason::Transferred, now, released);
-            Completion::Transferred
-        } else {
-            Completion::Pending
-        }
-    }
-
     /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live,
     /// that another holder owns (S5), or, when the reader shows the digest of the prompt it reads
-    /// for, that was granted for another prompt (S4: checked here, before a byte is served, as
+    /// for, whose payload names another prompt (S4: checked here, before a byte is served, as
     /// well as on the read's completion).
     pub fn begin_read(
         &mut self,
@@ -484,12 +472,20 @@ impl<T> LeaseTable<T> {
         digest: Option<PromptDigest>,
         now: Nanos,
         released: &mut Vec<Released<T>>,
-    ) -> Option<ReadTicket> {
+    ) -> Option<ReadTicket>
+    where
+        T: LeasePayload,
+    {
+        self.rebase(now);
+        let other_prompt = |p: Option<&T>| match (digest, p.and_then(LeasePayload::prompt_digest)) {
+            (Some(shown), Some(granted)) => shown != *granted,
+            _ => false,
+        };
         match self.find(id) {
             None => None,
-            Some(s) if digest.is_some_and(|d| self.cold[s].digest != d) => None,
+            Some(_) if other_prompt(self.get(id)) => None,
             Some(s) if !self.admit(s, holder) => None,
-            Some(s) if self.hot[s].deadline <= now.0 => {
+            Some(s) if self.expired(s, now) => {
                 self.end(s, ReleaseReason::Expired, now, released);
                 None
             }
@@ -538,6 +534,7 @@ impl<T> LeaseTable<T> {
     /// whether work is left: then tick again soon (the lock released in between); what is left
     /// carries over, and [`LeaseTable::next_expiry`] says it is due.
     pub fn tick_budget(&mut self, now: Nanos, max_work: usize, released: &mut Vec<Released<T>>) -> bool {
+        self.rebase(now);
         let start = released.len();
         self.wheel.expired.clear();
         let more = self.reap(now.0, max_work.max(1), released);
@@ -568,11 +565,11 @@ impl<T> LeaseTable<T> {
     /// O(live log live) per call: fine for a simulation, not for SPEC P4.
     #[doc(hidden)]
     pub fn tick_head_only(&mut self, now: Nanos, released: &mut Vec<Released<T>>) -> Option<Nanos> {
-        let mut live: Vec<(LeaseId, usize)> =
-            (0..self.hot.len()).filter(|&s| self.hot[s].deadline != 0).map(|s| (self.id_of(s), s)).collect();
+        self.rebase(now);
+        let mut live: Vec<(LeaseId, usize)> = (0..self.cap).filter(|&s| self.hot(s).deadline != 0).map(|s| (self.id_of(s), s)).collect();
         live.sort_unstable();
         for (_, s) in live {
-            let d = self.hot[s].deadline;
+            let d = self.ns(self.hot(s).deadline);
             if d > now.0 {
                 return Some(Nanos(d));
             }
@@ -593,8 +590,8 @@ impl<T> LeaseTable<T> {
 
     /// Engine shutdown: release every live lease as `shutdown`.
     pub fn shutdown(&mut self, now: Nanos, released: &mut Vec<Released<T>>) {
-        for s in 0..self.hot.len() {
-            if self.hot[s].deadline != 0 {
+        for s in 0..self.cap {
+            if self.hot(s).deadline != 0 {
                 self.end(s, ReleaseReason::Shutdown, now, released);
             }
         }
@@ -602,12 +599,14 @@ impl<T> LeaseTable<T> {
 
     /// The payload of a live lease.
     pub fn get(&self, id: LeaseId) -> Option<&T> {
-        self.cold[self.find(id)?].payload.as_ref()
+        let s = self.find(id)?;
+        self.pages[s >> PAGE_BITS].payload[s & (PAGE - 1)].as_ref()
     }
 
-    /// The current deadline of a live lease (it may already be past, awaiting the reaper).
+    /// The current deadline of a live lease (it may already be past, awaiting the reaper),
+    /// rounded up to the millisecond.
     pub fn deadline(&self, id: LeaseId) -> Option<Nanos> {
-        self.find(id).map(|s| Nanos(self.hot[s].deadline))
+        self.find(id).map(|s| Nanos(self.ns(self.hot(s).deadline)))
     }
 
     /// Live leases (`kvlease_leases_active`).
@@ -629,26 +628,99 @@ impl<T> LeaseTable<T> {
         &self.stats
     }
 
-    /// Lease slots (a power of two; live leases fill at most 7/8 of them).
+    /// Lease slots (live leases fill at most 31/32 of them).
     pub fn capacity(&self) -> usize {
-        self.hot.len()
+        self.cap
+    }
+
+    fn hot(&self, s: usize) -> &Hot {
+        &self.pages[s >> PAGE_BITS].hot[s & (PAGE - 1)]
+    }
+
+    fn hot_mut(&mut self, s: usize) -> &mut Hot {
+        &mut self.pages[s >> PAGE_BITS].hot[s & (PAGE - 1)]
+    }
+
+    fn link(&self, s: usize) -> &Link {
+        &self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
+    }
+
+    fn link_mut(&mut self, s: usize) -> &mut Link {
+        &mut self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
+    }
+
+    /// The slot of lease `id` if it is live (linear hashing; see [`LeaseTable`]).
+    fn slot(&self, id: LeaseId) -> usize {
+        let s = (id & ((2u64 << self.k) - 1)) as usize;
+        if s >= self.cap {
+            s - (1usize << self.k)
+        } else {
+            s
+        }
+    }
+
+    /// How many low bits of an id name slot `s`: `k + 1` if it is split, else `k`.
+    fn width(&self, s: usize) -> u32 {
+        let base = 1usize << self.k;
+        self.k + u32::from(s < self.cap - base || s >= base)
     }
 
     /// The slot of a live lease.
     fn find(&self, id: LeaseId) -> Option<usize> {
-        let s = (id & self.mask) as usize;
-        let h = &self.hot[s];
-        (id != 0 && h.deadline != 0 && u64::from(h.gen) == id >> self.shift).then_some(s)
+        let s = self.slot(id);
+        let h = self.hot(s);
+        (id != 0 && h.deadline != 0 && u64::from(h.gen) == id >> self.width(s)).then_some(s)
     }
 
     /// The id of the lease in slot `s`.
     fn id_of(&self, s: usize) -> LeaseId {
-        u64::from(self.hot[s].gen) << self.shift | s as u64
+        let w = self.width(s);
+        u64::from(self.hot(s).gen) << w | (s as u64 & ((1u64 << w) - 1))
+    }
+
+    /// Whether the lease in slot `s` is past its deadline at `now`.
+    fn expired(&self, s: usize, now: Nanos) -> bool {
+        self.hot(s).deadline <= self.ms_floor(now.0)
+    }
+
+    /// `t` as the table's time, rounded down (a time already reached).
+    fn ms_floor(&self, t: u64) -> u32 {
+        u32::try_from(t.saturating_sub(self.epoch) / MS).unwrap_or(u32::MAX)
+    }
+
+    /// `t` as the table's time, rounded up (a deadline: never earlier than asked), at least 1.
+    fn ms_ceil(&self, t: u64) -> u32 {
+        u32::try_from(t.saturating_sub(self.epoch).div_ceil(MS)).unwrap_or(u32::MAX).max(1)
+    }
+
+    /// The table's time `ms` on the caller's clock.
+    fn ns(&self, ms: u32) -> u64 {
+        self.epoch.saturating_add(u64::from(ms) * MS)
+    }
+
+    /// Moves the epoch forward once `now` is about 25 days past it, by about 12 days, so
+    /// deadlines (≤ now + L or a cached turn's TTL) keep fitting in 32 bits. Every live lease's
+    /// times move with it; a grant time older than the new epoch is kept as the epoch (the hold
+    /// time and SPEC P9's cap of a lease older than 12 days are counted from there), and a
+    /// deadline already past it as 1 ms after it (still past). O(capacity), once in 12 days.
+    fn rebase(&mut self, now: Nanos) {
+        if now.0.saturating_sub(self.epoch) / MS < REBASE_AT {
+            return;
+        }
+        let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
+        let by32 = u32::try_from(by).unwrap_or(u32::MAX);
+        self.epoch += by * MS;
+        for p in &mut self.pages {
+            for h in p.hot.iter_mut().filter(|h| h.deadline != 0) {
+                h.deadline = h.deadline.saturating_sub(by32).max(1);
+                h.granted = h.granted.saturating_sub(by32);
+            }
+        }
     }
 
     /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
     fn admit(&mut self, s: usize, holder: Holder) -> bool {
-        let h = &mut self.hot[s].holder;
+        let h = &mut self.hot_mut(s).holder;
         if *h == 0 {
             *h = holder.0.get();
         }
@@ -657,15 +729,17 @@ impl<T> LeaseTable<T> {
 
     /// Ends a live lease: the one place a release happens and is counted (SPEC P3).
     fn end(&mut self, s: usize, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
-        let h = self.hot[s];
+        let h = *self.hot(s);
         if h.deadline == 0 {
             return;
         }
         let id = self.id_of(s);
         self.unfile(s);
-        self.hot[s] = VACANT;
-        let payload = self.cold[s].payload.take();
-        let blocks = self.cold[s].blocks;
+        *self.hot_mut(s) = VACANT;
+        let (p, i) = (s >> PAGE_BITS, s & (PAGE - 1));
+        let payload = self.pages[p].payload[i].take();
+        let blocks = self.pages[p].link[i].blocks;
+        self.pages[p].link[i] = UNLINKED;
         self.live -= 1;
         self.leased_blocks -= u64::from(blocks);
         self.stats.released[reason as usize] += 1;
@@ -677,38 +751,82 @@ impl<T> LeaseTable<T> {
             }
             p => p,
         };
-        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(h.granted)) });
+        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(self.ns(h.granted))) });
     }
 
-    /// Doubles the slots; each live lease moves to `id mod` the new capacity, where no other
-    /// can be (two ids equal mod 2c are equal mod c).
+    /// Appends `n` vacant slots after the last (the capacity is set by the caller).
+    fn append(&mut self, mut n: usize) {
+        while n > 0 {
+            if self.pages.last().is_none_or(|p| p.hot.len() == PAGE) {
+                self.pages.push(Page { hot: Vec::new(), link: Vec::new(), payload: Vec::new() });
+            }
+            let Some(p) = self.pages.last_mut() else { return };
+            let m = n.min(PAGE - p.hot.len());
+            p.hot.reserve_exact(m);
+            p.link.reserve_exact(m);
+            p.payload.reserve_exact(m);
+            p.hot.resize(p.hot.len() + m, VACANT);
+            p.link.resize(p.link.len() + m, UNLINKED);
+            p.payload.extend((0..m).map(|_| None));
+            n -= m;
+        }
+    }
+
+    /// Grows the table by about 1/64 of its slots (`GROW_MAX` at most, so a growing grant
+    /// holds the table for tens of µs), one split each.
     fn grow(&mut self) {
-        let cap = self.hot.len() * 2;
-        let (mask, shift) = (cap as u64 - 1, self.shift + 1);
-        let mut hot = vec![VACANT; cap];
-        let mut cold = Cold::slots(cap);
-        for s in 0..self.hot.len() {
-            if self.hot[s].deadline != 0 {
-                let id = self.id_of(s);
-                let t = (id & mask) as usize;
-                hot[t] = Hot { gen: (id >> shift) as u32, ..self.hot[s] };
-                cold[t] = std::mem::replace(&mut self.cold[s], Cold::VACANT);
-            }
+        let n = (self.cap / 64).clamp(1, GROW_MAX);
+        self.append(n);
+        for _ in 0..n {
+            self.split();
         }
-        let (old, old_shift) = (&self.hot, self.shift);
-        for b in &mut self.wheel.buckets {
-            for e in &mut b.slots {
-                let id = u64::from(old[*e as usize].gen) << old_shift | u64::from(*e);
-                *e = (id & mask) as u32;
-            }
-        }
-        self.hot = hot;
-        self.cold = cold;
-        self.mask = mask;
-        self.shift = shift;
     }
 
-    /// Files slot `s` under `deadline`, in a bucket no earlier than `lo`.
+    /// Linear hashing's split: slot `cap - 2^k` becomes addressed by `k + 1` bits, its lease
+    /// (if any) moving to the new slot `cap` when the id's bit `k` is set; the capacity grows
+    /// by one. The new slot must be allocated already.
+    fn split(&mut self) {
+        let base = 1usize << self.k;
+        let from = self.cap - base;
+        let to = self.cap;
+        self.cap += 1;
+        let h = *self.hot(from);
+        if h.deadline != 0 {
+            // Its gen was `id >> k`; now `id >> (k + 1)`, and bit k says where it lives.
+            let moves = h.gen & 1 == 1;
+            self.hot_mut(from).gen = h.gen >> 1;
+            if moves {
+                self.relocate(from, to);
+            }
+        }
+        if self.cap == 2 * base {
+            self.k += 1;
+        }
+    }
+
+    /// Moves the lease in slot `from` to the vacant slot `to`, keeping its expiry-index entry.
+    fn relocate(&mut self, from: usize, to: usize) {
+        let (fp, fi, tp, ti) = (from >> PAGE_BITS, from & (PAGE - 1), to >> PAGE_BITS, to & (PAGE - 1));
+        let hot = std::mem::replace(&mut self.pages[fp].hot[fi], VACANT);
+        let link = std::mem::replace(&mut self.pages[fp].link[fi], UNLINKED);
+        let payload = self.pages[fp].payload[fi].take();
+        self.pages[tp].hot[ti] = hot;
+        self.pages[tp].link[ti] = link;
+        self.pages[tp].payload[ti] = payload;
+        if link.prev & HEAD != 0 {
+            self.wheel.buckets[(link.prev & !HEAD) as usize].head = to as u32;
+        } else if link.prev != NIL {
+            self.link_mut(link.prev as usize).next = to as u32;
+        }
+        if link.next != NIL {
+            self.link_mut(link.next as usize).prev = to as u32;
+        }
+        if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == from as u32) {
+            p.next = to as u32;
+        }
+    }
+
+    /// Files slot `s` under `deadline` (ns), in a bucket no earlier than `lo`.
     fn file(&mut self, s: usize, deadline: u64, lo: u64) {
         let w = &mut self.wheel;
         let ring = w.buckets.len() as u64;
@@ -717,27 +835,40 @@ impl<T> LeaseTable<T> {
         let r = (k % ring) as usize;
         let b = &mut w.buckets[r];
         b.min = b.min.min(deadline);
-        self.hot[s].bucket = r as u32;
-        self.hot[s].pos = b.slots.len() as u32;
-        b.slots.push(s as u32);
+        let head = b.head;
+        b.head = s as u32;
         w.len += 1;
         if let Some(p) = w.pass.as_mut().filter(|p| p.bucket == r) {
             p.filed_min = p.filed_min.min(deadline);
+        }
+        let l = self.link_mut(s);
+        l.next = head;
+        l.prev = HEAD | r as u32;
+        if head != NIL {
+            self.link_mut(head as usize).prev = s as u32;
         }
     }
 
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let (bucket, pos) = (self.hot[s].bucket, self.hot[s].pos);
-        let b = &mut self.wheel.buckets[bucket as usize];
-        let pos = pos as usize;
-        if b.slots.get(pos) != Some(&(s as u32)) {
+        let Link { next, prev, .. } = *self.link(s);
+        if prev == NIL {
             debug_assert!(false, "expiry index out of step for slot {s}");
             return;
         }
-        b.slots.swap_remove(pos);
-        if let Some(&moved) = b.slots.get(pos) {
-            self.hot[moved as usize].pos = pos as u32;
+        if prev & HEAD != 0 {
+            self.wheel.buckets[(prev & !HEAD) as usize].head = next;
+        } else {
+            self.link_mut(prev as usize).next = next;
+        }
+        if next != NIL {
+            self.link_mut(next as usize).prev = prev;
+        }
+        let l = self.link_mut(s);
+        l.next = NIL;
+        l.prev = NIL;
+        if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == s as u32) {
+            p.next = next;
         }
         self.wheel.len -= 1;
     }
@@ -766,12 +897,13 @@ impl<T> LeaseTable<T> {
                 // The cursor leaves this bucket: everything in it goes, expired or refiled
                 // (also entries filed here from past the horizon).
                 self.wheel.pass = None;
-                while let Some(&s) = self.wheel.buckets[r].slots.last() {
+                while self.wheel.buckets[r].head != NIL {
                     if work >= budget {
                         return true;
                     }
                     work += 1;
-                    let (s, d) = (s as usize, self.hot[s as usize].deadline);
+                    let s = self.wheel.buckets[r].head as usize;
+                    let d = self.ns(self.hot(s).deadline);
                     if d <= now {
                         self.wheel.expired.push((d, self.id_of(s)));
                         self.end(s, ReleaseReason::Expired, Nanos(now), released);
@@ -785,27 +917,35 @@ impl<T> LeaseTable<T> {
                 continue;
             }
             // The current bucket: release what expired, refile what was renewed past it, keep
-            // the rest; a pass interrupted by the budget resumes where it stopped.
+            // the rest; a pass interrupted by the budget resumes where it stopped (an entry
+            // removed or moved meanwhile moves the pass along: see `unfile`, `relocate`).
             let mut pass = match self.wheel.pass {
                 Some(p) if p.bucket == r => p,
                 _ => {
                     if self.wheel.buckets[r].min > now {
                         return false;
                     }
-                    Pass { bucket: r, next: self.wheel.buckets[r].slots.len(), kept_min: u64::MAX, filed_min: u64::MAX }
+                    Pass { bucket: r, next: self.wheel.buckets[r].head, kept_min: u64::MAX, filed_min: u64::MAX }
                 }
             };
-            pass.next = pass.next.min(self.wheel.buckets[r].slots.len());
             self.wheel.pass = Some(pass);
-            while pass.next > 0 {
+            loop {
+                let s = match self.wheel.pass {
+                    Some(p) if p.next != NIL => p.next as usize,
+                    _ => break,
+                };
                 if work >= budget {
-                    self.wheel.pass = Some(Pass { filed_min: self.wheel.pass.map_or(u64::MAX, |p| p.filed_min), ..pass });
+                    if let Some(p) = self.wheel.pass.as_mut() {
+                        p.kept_min = pass.kept_min;
+                    }
                     return true;
                 }
                 work += 1;
-                pass.next -= 1;
-                let Some(&s) = self.wheel.buckets[r].slots.get(pass.next) else { continue };
-                let (s, d) = (s as usize, self.hot[s as usize].deadline);
+                let next = self.link(s).next;
+                if let Some(p) = self.wheel.pass.as_mut() {
+                    p.next = next;
+                }
+                let d = self.ns(self.hot(s).deadline);
                 if d <= now {
                     self.wheel.expired.push((d, self.id_of(s)));
                     self.end(s, ReleaseReason::Expired, Nanos(now), released);
@@ -818,7 +958,7 @@ impl<T> LeaseTable<T> {
             }
             let filed_min = self.wheel.pass.take().map_or(u64::MAX, |p| p.filed_min);
             let b = &mut self.wheel.buckets[r];
-            b.min = if b.slots.is_empty() { u64::MAX } else { pass.kept_min.min(filed_min) };
+            b.min = if b.head == NIL { u64::MAX } else { pass.kept_min.min(filed_min) };
             if b.min > now {
                 return false;
             }
@@ -827,10 +967,91 @@ impl<T> LeaseTable<T> {
     }
 }
 
-/// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor.
-/// Each live lease has exactly one entry (its slot), filed under a deadline no later than its
-/// lease's and removed when the lease ends; a renewed lease's entry is moved to the bucket of
-/// its current deadline when its old bucket comes due, at most once per extension period.
+impl<T: LeasePayload> LeaseTable<T> {
+    /// Everything P does with a message from D (SPEC P2, P3, P6, P8, B2): applies it and returns
+    /// the answer to send back to the sender, if any. `HeartbeatAck.lost_ids` is the `LeaseLost`
+    /// answer to a heartbeat and `ReadDoneAck{live: false}` the one to a completion, so D learns
+    /// in the same round trip; a release naming dead leases is answered with `LeaseLost`.
+    /// `holder` is the engine that sent it, as the transport authenticated it (SPEC S5).
+    pub fn on_message(&mut self, holder: Holder, msg: &Message, now: Nanos, released: &mut Vec<Released<T>>) -> Answer {
+        match msg {
+            Message::Heartbeat { seq, lease_ids } => {
+                let mut lost = Vec::new();
+                let renewed = self.renew(holder, lease_ids, now, &mut lost, released);
+                lost.sort_unstable();
+                Answer { reply: Some(Message::HeartbeatAck { seq: *seq, lost_ids: lost }), renewed }
+            }
+            Message::Release { lease_ids } => {
+                let mut lost = Vec::new();
+                self.release(holder, lease_ids, now, &mut lost, released);
+                Answer { reply: (!lost.is_empty()).then_some(Message::LeaseLost { lease_ids: lost }), renewed: 0 }
+            }
+            Message::ReadDone { lease_id, consumer_rank, n, digest } => {
+                let c = self.complete(holder, *lease_id, *consumer_rank, *n, *digest, now, released);
+                Answer { reply: Some(Message::ReadDoneAck { lease_id: *lease_id, live: c != Completion::Lost }), renewed: 0 }
+            }
+            Message::ClockPing { seq, t0 } => {
+                Answer { reply: Some(Message::ClockPong { seq: *seq, t0: *t0, t1: now.0, t2: now.0 }), renewed: 0 }
+            }
+            _ => Answer { reply: None, renewed: 0 },
+        }
+    }
+
+    /// SPEC P8: consumer rank `consumer`, one of `n`, finished reading the lease for the prompt
+    /// whose digest is `digest`. Not confirmed (`Lost`, nothing changes) when another holder owns
+    /// the lease (S5) or the digest is not the one the lease's payload names (S4).
+    #[allow(clippy::too_many_arguments)]
+    pub fn complete(
+        &mut self,
+        holder: Holder,
+        id: LeaseId,
+        consumer: u32,
+        n: u32,
+        digest: PromptDigest,
+        now: Nanos,
+        released: &mut Vec<Released<T>>,
+    ) -> Completion {
+        self.rebase(now);
+        let other_prompt = |p: Option<&T>| p.and_then(LeasePayload::prompt_digest).is_some_and(|d| *d != digest);
+        let s = match self.find(id) {
+            None => return Completion::Lost,
+            Some(_) if other_prompt(self.get(id)) => return Completion::Lost,
+            Some(s) if !self.admit(s, holder) => return Completion::Lost,
+            Some(s) if self.expired(s, now) => {
+                self.end(s, ReleaseReason::Expired, now, released);
+                return Completion::Lost;
+            }
+            Some(s) => s,
+        };
+        // One expected consumer and nothing recorded yet (the common case): no bookkeeping.
+        let done = match self.aux.get_mut(&id) {
+            None if n <= 1 => true,
+            aux => {
+                let a = match aux {
+                    Some(a) => a,
+                    None => self.aux.entry(id).or_default(),
+                };
+                a.expected = a.expected.max(n.max(1));
+                if !a.done.contains(&consumer) {
+                    a.done.push(consumer);
+                }
+                a.done.len() >= a.expected as usize
+            }
+        };
+        if done {
+            self.end(s, ReleaseReason::Transferred, now, released);
+            Completion::Transferred
+        } else {
+            Completion::Pending
+        }
+    }
+}
+
+/// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor,
+/// each a doubly linked list threaded through the slots. Each live lease has exactly one entry,
+/// filed under a deadline no later than its lease's and removed when the lease ends; a renewed
+/// lease's entry is moved to the bucket of its current deadline when its old bucket comes due,
+/// at most once per extension period.
 #[derive(Debug)]
 struct Wheel {
     width: u64,
@@ -847,12 +1068,13 @@ struct Wheel {
 
 #[derive(Debug, Clone)]
 struct Bucket {
-    /// No later than the earliest deadline filed here.
+    /// No later than the earliest deadline filed here (ns).
     min: u64,
-    slots: Vec<u32>,
+    /// The first slot of the bucket's list, or `NIL`.
+    head: u32,
 }
 
-const EMPTY: Bucket = Bucket { min: u64::MAX, slots: Vec::new() };
+const EMPTY: Bucket = Bucket { min: u64::MAX, head: NIL };
 
 impl Wheel {
     fn new(width: u64, horizon: u64) -> Wheel {
@@ -865,7 +1087,7 @@ impl Wheel {
             return None;
         }
         let ring = self.buckets.len() as u64;
-        (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| !b.slots.is_empty()).map(|b| b.min).min()
+        (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| b.head != NIL).map(|b| b.min).min()
     }
 }
 
@@ -882,8 +1104,8 @@ mod head_only_tests {
         let sec = |x: u64| Duration::from_secs(x);
         let run = |head_only: bool| {
             let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
-            let head = t.grant(s, 4, PromptDigest([1; 16]), 1);
-            let behind = t.grant(s, 4, PromptDigest([2; 16]), 2);
+            let head = t.grant(s, 4, 1);
+            let behind = t.grant(s, 4, 2);
             let holder = t.holder("d");
             let mut released = Vec::new();
             // D keeps renewing only the head.
@@ -901,5 +1123,80 @@ mod head_only_tests {
         };
         assert_eq!(run(false), (true, false), "the real reaper frees the expired lease");
         assert_eq!(run(true), (true, true), "the head-only sweep stops at the renewed head");
+    }
+}
+
+#[cfg(test)]
+mod generation_tests {
+    use super::*;
+
+    /// A slot keeps 32 bits of the id above the slot bits. Ids past them make the table grow
+    /// (more slot bits) rather than wrap the generation: no id ever matches a lease it is not,
+    /// including ids that differ from a live one by exactly 2^32 generations.
+    #[test]
+    fn generation_past_32_bits_grows_never_aliases() {
+        let cfg = LeaseConfig::default();
+        let mut t: LeaseTable<u64> = LeaseTable::new(&cfg);
+        assert_eq!((t.k, t.cap), (4, 16));
+        let d = Holder(NonZeroU32::MIN);
+        let mut rel = Vec::new();
+        let early: Vec<u64> = (0..5).map(|i| t.grant(Nanos(0), 1, i)).collect();
+        // Jump the id counter to just before the last generation of 4-bit slots.
+        t.next_id = (u64::from(u32::MAX) << 4) + 10;
+        let late: Vec<u64> = (0..12).map(|i| t.grant(Nanos(0), 1, 100 + i)).collect();
+        assert!(late.windows(2).all(|w| w[0] < w[1]));
+        assert!(*late.last().unwrap() >> 4 > u64::from(u32::MAX), "ids went past 32 bits of generation");
+        assert!(t.k >= 5, "the table grew instead of wrapping: k = {}", t.k);
+        for (i, id) in early.iter().enumerate() {
+            assert_eq!(t.get(*id), Some(&(i as u64)));
+        }
+        for (i, id) in late.iter().enumerate() {
+            assert_eq!(t.get(*id), Some(&(100 + i as u64)));
+            // The same slot and generation bits modulo 2^32: another id, lost.
+            for alias in [id.wrapping_add(1 << 36), id.wrapping_sub(1 << 36), id ^ (1 << 40)] {
+                assert_eq!(t.get(alias), None, "{alias} aliases {id}");
+                let mut lost = Vec::new();
+                assert_eq!(t.renew(d, &[alias], Nanos(1), &mut lost, &mut rel), 0);
+                assert_eq!(lost, vec![alias]);
+            }
+        }
+        // Released ids of either era stay lost once their slots are reused.
+        t.release(d, &[early[0], late[0]], Nanos(1), &mut Vec::new(), &mut rel);
+        let more: Vec<u64> = (0..40).map(|i| t.grant(Nanos(1), 1, 200 + i)).collect();
+        assert_eq!(t.get(early[0]), None);
+        assert_eq!(t.get(late[0]), None);
+        for (i, id) in more.iter().enumerate() {
+            assert_eq!(t.get(*id), Some(&(200 + i as u64)));
+        }
+        assert_eq!(t.live(), 4 + 11 + 40);
+    }
+
+    /// Linear hashing keeps every live lease findable while the table grows one slot at a time
+    /// through several rounds, whatever the ids (gaps, releases, leases from many rounds ago).
+    #[test]
+    fn growth_by_splits_keeps_every_lease() {
+        let mut t: LeaseTable<u64> = LeaseTable::new(&LeaseConfig::default());
+        let d = Holder(NonZeroU32::MIN);
+        let mut rel = Vec::new();
+        let mut live = BTreeMap::new();
+        let mut x = 7u64;
+        for i in 0..20_000u64 {
+            let id = t.grant(Nanos(0), 1, i);
+            live.insert(id, i);
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            if x >> 62 == 0 {
+                if let Some((&old, _)) = live.iter().nth((x >> 20) as usize % live.len()) {
+                    t.release(d, &[old], Nanos(0), &mut Vec::new(), &mut rel);
+                    live.remove(&old);
+                }
+            }
+            if i % 997 == 0 {
+                for (id, v) in &live {
+                    assert_eq!(t.get(*id), Some(v));
+                }
+            }
+        }
+        assert_eq!(t.live(), live.len());
+        assert!(t.live() * 32 <= t.capacity() * 31 && t.live() * 100 >= t.capacity() * 90, "{} of {}", t.live(), t.capacity());
     }
 }

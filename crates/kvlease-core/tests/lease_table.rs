@@ -29,14 +29,14 @@ fn reasons<T>(r: &[Released<T>]) -> Vec<(u64, ReleaseReason)> {
 #[test]
 fn p1_grant_runs_for_l_and_ids_are_unique() {
     let mut t = table();
-    let a = t.grant(secs(1.0), 4, DIGEST, "a");
-    let b = t.grant(secs(1.0), 2, DIGEST, "b");
+    let a = t.grant(secs(1.0), 4, "a");
+    let b = t.grant(secs(1.0), 2, "b");
     assert_ne!(a, b);
     assert_eq!(t.deadline(a), Some(secs(31.0)));
     assert_eq!((t.live(), t.leased_blocks()), (2, 6));
     let mut rel = Vec::new();
     t.release(D, &[a], secs(2.0), &mut Vec::new(), &mut rel);
-    let c = t.grant(secs(3.0), 1, DIGEST, "c");
+    let c = t.grant(secs(3.0), 1, "c");
     assert!(c != a && c != b, "a released id is never handed out again");
     assert_eq!(t.stats().granted, 3);
 }
@@ -45,7 +45,7 @@ fn p1_grant_runs_for_l_and_ids_are_unique() {
 #[test]
 fn p2_renewal_takes_the_max_and_never_shortens() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, DIGEST, "a");
+    let a = t.grant(secs(0.0), 1, "a");
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     // now + E = 21 s < 30 s: unchanged.
     assert_eq!(t.renew(D, &[a], secs(1.0), &mut lost, &mut rel), 1);
@@ -65,7 +65,7 @@ fn p2_renewal_takes_the_max_and_never_shortens() {
 #[test]
 fn p3_release_happens_once_under_the_first_reason() {
     let mut t = table();
-    let ids: Vec<u64> = (0..4).map(|_| t.grant(secs(0.0), 1, DIGEST, "x")).collect();
+    let ids: Vec<u64> = (0..4).map(|_| t.grant(secs(0.0), 1, "x")).collect();
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     assert_eq!(t.complete(D, ids[0], 0, 1, DIGEST, secs(1.0), &mut rel), Completion::Transferred);
     t.release(D, &[ids[1]], secs(1.0), &mut lost, &mut rel);
@@ -96,18 +96,18 @@ fn p3_release_happens_once_under_the_first_reason() {
 #[test]
 fn p3_shutdown_releases_everything_live() {
     let mut t = table();
-    let old = t.grant(secs(0.0), 1, DIGEST, "old");
+    let old = t.grant(secs(0.0), 1, "old");
     let mut rel = Vec::new();
     // Many short-lived leases after `old`: the grants wrap around the table past its slot.
     for i in 0..5000 {
-        let id = t.grant(secs(0.0), 1, DIGEST, "tmp");
+        let id = t.grant(secs(0.0), 1, "tmp");
         if i % 2 == 0 {
             t.release(D, &[id], secs(0.0), &mut Vec::new(), &mut rel);
         } else {
             t.complete(D, id, 0, 1, DIGEST, secs(0.0), &mut rel);
         }
     }
-    let young = t.grant(secs(1.0), 3, DIGEST, "young");
+    let young = t.grant(secs(1.0), 3, "young");
     rel.clear();
     t.shutdown(secs(2.0), &mut rel);
     let mut got = reasons(&rel);
@@ -122,8 +122,8 @@ fn p3_shutdown_releases_everything_live() {
 #[test]
 fn p4_expiry_is_in_deadline_order_not_insertion_order() {
     let mut t = table();
-    let first = t.grant(secs(0.0), 1, DIGEST, "renewed");
-    let later: Vec<u64> = (0..100).map(|_| t.grant(secs(1.0), 1, DIGEST, "stale")).collect();
+    let first = t.grant(secs(0.0), 1, "renewed");
+    let later: Vec<u64> = (0..100).map(|_| t.grant(secs(1.0), 1, "stale")).collect();
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     for s in [10.0, 20.0, 30.0] {
         t.renew(D, &[first], secs(s), &mut lost, &mut rel);
@@ -148,7 +148,7 @@ fn p4_every_tick_reaps_exactly_the_expired() {
     for i in 0..2000u64 {
         // Grants spread over 2 s, some renewed once.
         let now = Nanos(i * 1_000_000);
-        let id = t.grant(now, 1, DIGEST, ());
+        let id = t.grant(now, 1, ());
         if i % 3 == 0 {
             t.renew(D, &[id], now + Duration::from_millis(500), &mut Vec::new(), &mut rel);
         }
@@ -179,8 +179,8 @@ fn p4_long_gaps_and_far_deadlines() {
     let cfg = LeaseConfig { max_lifetime: None, ..LeaseConfig::with_lease_secs(0.06).unwrap() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
     let mut rel = Vec::new();
-    let a = t.grant(Nanos(0), 1, DIGEST, ());
-    let b = t.grant(Nanos(0), 1, DIGEST, ());
+    let a = t.grant(Nanos(0), 1, ());
+    let b = t.grant(Nanos(0), 1, ());
     // Keep `a` alive for 10 s with renewals every 10 ms while ticking.
     let mut now = Nanos(0);
     for _ in 0..1000 {
@@ -200,7 +200,7 @@ fn p4_long_gaps_and_far_deadlines() {
 #[test]
 fn p5_no_reuse_under_a_reader() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 2, DIGEST, "blocks");
+    let a = t.grant(secs(0.0), 2, "blocks");
     let mut rel = Vec::new();
     let r1 = t.begin_read(D, a, None, secs(1.0), &mut rel).unwrap();
     let r2 = t.begin_read(D, a, None, secs(1.0), &mut rel).unwrap();
@@ -213,7 +213,7 @@ fn p5_no_reuse_under_a_reader() {
     assert_eq!(t.end_read(r2), Some("blocks"));
     assert_eq!(t.parked(), 0);
     // A read that ends normally returns nothing; the lease stays live.
-    let b = t.grant(secs(40.0), 1, DIGEST, "b");
+    let b = t.grant(secs(40.0), 1, "b");
     let r = t.begin_read(D, b, None, secs(40.0), &mut rel).unwrap();
     assert_eq!(t.end_read(r), None);
     assert!(t.deadline(b).is_some());
@@ -224,7 +224,7 @@ fn p5_no_reuse_under_a_reader() {
 #[test]
 fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
     let mut t = table();
-    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
+    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     assert!(t.begin_read(D, a, None, secs(30.0), &mut rel).is_none());
     assert_eq!(t.renew(D, &[b], secs(30.0), &mut lost, &mut rel), 0);
@@ -237,8 +237,8 @@ fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
 #[test]
 fn p6_unknown_ids_are_reported_lost() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, DIGEST, "a");
-    let b = t.grant(secs(0.0), 1, DIGEST, "b");
+    let a = t.grant(secs(0.0), 1, "a");
+    let b = t.grant(secs(0.0), 1, "b");
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     t.release(D, &[b], secs(1.0), &mut lost, &mut rel);
     assert_eq!(t.renew(D, &[a, b, 999, 0, u64::MAX], secs(15.0), &mut lost, &mut rel), 1);
@@ -251,7 +251,7 @@ fn p6_unknown_ids_are_reported_lost() {
 #[test]
 fn p8_transferred_after_n_distinct_consumers() {
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, DIGEST, "a");
+    let a = t.grant(secs(0.0), 1, "a");
     let mut rel = Vec::new();
     assert_eq!(t.complete(D, a, 0, 3, DIGEST, secs(1.0), &mut rel), Completion::Pending);
     assert_eq!(t.complete(D, a, 0, 3, DIGEST, secs(1.0), &mut rel), Completion::Pending, "duplicate");
@@ -261,7 +261,7 @@ fn p8_transferred_after_n_distinct_consumers() {
     assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Transferred)]);
     assert_eq!(rel[0].held, Duration::from_secs(1));
     // n = 0 is read as 1: a malformed count cannot pin a lease forever nor free it twice.
-    let b = t.grant(secs(0.0), 1, DIGEST, "b");
+    let b = t.grant(secs(0.0), 1, "b");
     assert_eq!(t.complete(D, b, 7, 0, DIGEST, secs(1.0), &mut rel), Completion::Transferred);
 }
 
@@ -270,7 +270,7 @@ fn p8_transferred_after_n_distinct_consumers() {
 fn p9_max_lifetime_caps_renewals() {
     let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(60)), ..LeaseConfig::default() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
-    let a = t.grant(secs(10.0), 1, DIGEST, ());
+    let a = t.grant(secs(10.0), 1, ());
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     for s in (15..=120).step_by(5) {
         t.renew(D, &[a], secs(s as f64), &mut lost, &mut rel);
@@ -280,7 +280,7 @@ fn p9_max_lifetime_caps_renewals() {
     assert_eq!(rel[0].held, Duration::from_secs(60));
     // Off by default: the same renewals keep a lease forever.
     let mut t: LeaseTable<()> = LeaseTable::new(&LeaseConfig::default());
-    let b = t.grant(secs(10.0), 1, DIGEST, ());
+    let b = t.grant(secs(10.0), 1, ());
     rel.clear();
     for s in (15..=1000).step_by(5) {
         t.renew(D, &[b], secs(s as f64), &mut lost, &mut rel);
@@ -294,10 +294,10 @@ fn p9_max_lifetime_caps_renewals() {
 #[test]
 fn table_stays_small_behind_a_long_lived_lease() {
     let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
-    let keep = t.grant(Nanos(0), 1, DIGEST, 0);
+    let keep = t.grant(Nanos(0), 1, 0);
     let mut rel = Vec::new();
     for i in 0..200_000u32 {
-        let id = t.grant(Nanos(0), 1, DIGEST, i);
+        let id = t.grant(Nanos(0), 1, i);
         t.complete(D, id, 0, 1, DIGEST, Nanos(0), &mut rel);
     }
     assert_eq!(t.live(), 1);
@@ -317,7 +317,7 @@ fn p4_sparse_ticks_with_renewals() {
     for gaps in [[30u64, 50, 70, 130, 290], [290, 60, 13, 250, 80], [7, 290, 45, 1, 300]] {
         let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
         let mut rel = Vec::new();
-        let ids: Vec<u64> = (0..50).map(|i| t.grant(Nanos(i * 3_000_000), 1, DIGEST, ())).collect();
+        let ids: Vec<u64> = (0..50).map(|i| t.grant(Nanos(i * 3_000_000), 1, ())).collect();
         let mut now = Nanos(0);
         for round in 0..60u64 {
             let gap_ms = gaps[round as usize % gaps.len()];
@@ -341,7 +341,7 @@ fn p4_sparse_ticks_with_renewals() {
 fn p9_capped_renewal_is_reported_lost_but_lease_lives_to_its_cap() {
     let cfg = LeaseConfig { max_lifetime: Some(Duration::from_secs(40)), ..LeaseConfig::default() };
     let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
-    let a = t.grant(secs(0.0), 1, DIGEST, ());
+    let a = t.grant(secs(0.0), 1, ());
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
     assert_eq!(t.renew(D, &[a], secs(15.0), &mut lost, &mut rel), 1, "15 + 20 ≤ 40: a full renewal");
     assert!(lost.is_empty());
@@ -357,8 +357,8 @@ fn p9_capped_renewal_is_reported_lost_but_lease_lives_to_its_cap() {
 fn p6_every_message_gets_its_answer() {
     use kvlease_core::wire::Message;
     let mut t = table();
-    let a = t.grant(secs(0.0), 1, DIGEST, "a");
-    let b = t.grant(secs(0.0), 1, DIGEST, "b");
+    let a = t.grant(secs(0.0), 1, "a");
+    let b = t.grant(secs(0.0), 1, "b");
     let mut rel = Vec::new();
     let hb = t.on_message(D, &Message::Heartbeat { seq: 9, lease_ids: vec![a, 77] }, secs(15.0), &mut rel);
     assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 9, lost_ids: vec![77] }));
@@ -382,7 +382,7 @@ fn p6_every_message_gets_its_answer() {
 fn s5_a_lease_belongs_to_its_first_holder() {
     use kvlease_core::wire::Message;
     let mut t = table();
-    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
+    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
     let mut rel = Vec::new();
     // D claims a and b with a heartbeat, c by reading it.
     let hb = t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![a, b] }, secs(1.0), &mut rel);
@@ -416,8 +416,9 @@ fn s5_a_lease_belongs_to_its_first_holder() {
 /// another prompt's digest is answered lost and counts for nothing.
 #[test]
 fn s4_completion_for_another_prompt_is_not_confirmed() {
-    let mut t = table();
-    let a = t.grant(secs(0.0), 1, PromptDigest::of(&[1, 2, 3]), "a");
+    // The digest lives in the payload the engine attaches (`LeasePayload`).
+    let mut t: LeaseTable<(PromptDigest, &str)> = LeaseTable::new(&LeaseConfig::default());
+    let a = t.grant(secs(0.0), 1, (PromptDigest::of(&[1, 2, 3]), "a"));
     let mut rel = Vec::new();
     assert_eq!(t.complete(D, a, 0, 1, PromptDigest::of(&[1, 2, 4]), secs(1.0), &mut rel), Completion::Lost);
     assert!(rel.is_empty());
@@ -429,8 +430,8 @@ fn s4_completion_for_another_prompt_is_not_confirmed() {
 /// before a byte is served; the right digest, or none shown, is served.
 #[test]
 fn s4_a_read_for_another_prompt_is_refused_at_its_start() {
-    let mut t = table();
-    let a = t.grant(secs(0.0), 1, PromptDigest::of(&[1, 2, 3]), "a");
+    let mut t: LeaseTable<(PromptDigest, &str)> = LeaseTable::new(&LeaseConfig::default());
+    let a = t.grant(secs(0.0), 1, (PromptDigest::of(&[1, 2, 3]), "a"));
     let mut rel = Vec::new();
     assert!(t.begin_read(D, a, Some(PromptDigest::of(&[1, 2, 4])), secs(1.0), &mut rel).is_none());
     assert_eq!(t.live(), 1, "the lease is untouched");
@@ -446,11 +447,11 @@ fn s4_a_read_for_another_prompt_is_refused_at_its_start() {
 #[test]
 fn capacity_follows_peak_live_under_churn() {
     let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
-    let keep: Vec<u64> = (0..100).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
+    let keep: Vec<u64> = (0..100).map(|i| t.grant(Nanos(0), 1, i)).collect();
     let mut rel = Vec::new();
     let mut window = std::collections::VecDeque::new();
     for i in 0..1_000_000u32 {
-        window.push_back(t.grant(Nanos(0), 1, DIGEST, i));
+        window.push_back(t.grant(Nanos(0), 1, i));
         if window.len() > 50 {
             let id = window.pop_front().unwrap();
             t.complete(D, id, 0, 1, DIGEST, Nanos(0), &mut rel);
@@ -471,13 +472,13 @@ fn capacity_follows_peak_live_under_churn() {
 fn stale_id_of_a_reused_slot_is_lost_not_another_lease() {
     let mut t = table();
     let mut rel = Vec::new();
-    let old = t.grant(secs(0.0), 1, DIGEST, "old");
+    let old = t.grant(secs(0.0), 1, "old");
     t.release(D, &[old], secs(0.0), &mut Vec::new(), &mut rel);
     // Grant until some lease sits in the old lease's slot (ids equal mod the capacity).
     let cap = t.capacity() as u64;
     let mut ids = Vec::new();
     let reuser = loop {
-        let id = t.grant(secs(0.0), 1, DIGEST, "new");
+        let id = t.grant(secs(0.0), 1, "new");
         ids.push(id);
         if id % cap == old % cap {
             break id;
@@ -537,7 +538,7 @@ mod id_scheme {
                     Op::Grant(n) => {
                         for _ in 0..n {
                             let tag = issued.len() as u64;
-                            let id = t.grant(now, 1, DIGEST, tag);
+                            let id = t.grant(now, 1, tag);
                             prop_assert!(issued.insert(id), "id {} handed out twice", id);
                             live.insert(id, tag);
                         }
@@ -585,7 +586,7 @@ mod id_scheme {
             for (ms, budget, renew) in steps {
                 now = now + Duration::from_millis(ms);
                 for _ in 0..3 {
-                    ids.push(t.grant(now, 1, DIGEST, ()));
+                    ids.push(t.grant(now, 1, ()));
                 }
                 let pick: Vec<u64> = renew.iter().filter_map(|&i| ids.get(i).copied()).collect();
                 t.renew(D, &pick, now, &mut Vec::new(), &mut rel);
@@ -616,21 +617,79 @@ mod id_scheme {
     }
 }
 
-/// A table sized for its most live leases never grows (a doubling holds the table while it
-/// moves every lease), and still takes more when asked.
+/// A table sized for its most live leases never grows (growing splits slots, moving leases),
+/// and still takes more when asked; it is sized at 31/32 full, not to the next power of two.
 #[test]
 fn with_capacity_never_grows_up_to_its_size() {
     let mut t: LeaseTable<u32> = LeaseTable::with_capacity(&LeaseConfig::default(), 1000);
     let cap = t.capacity();
-    assert!((1000 * 8 / 7..=4096).contains(&cap), "capacity {cap}");
-    let ids: Vec<u64> = (0..1000).map(|i| t.grant(Nanos(0), 1, DIGEST, i)).collect();
+    assert!((1000 * 32 / 31..=1040).contains(&cap), "capacity {cap}");
+    let ids: Vec<u64> = (0..1000).map(|i| t.grant(Nanos(0), 1, i)).collect();
     assert_eq!(t.capacity(), cap);
-    t.grant(Nanos(0), 1, DIGEST, 1000);
+    t.grant(Nanos(0), 1, 1000);
     assert!(t.capacity() >= cap);
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(t.get(*id), Some(&(i as u32)));
     }
     assert_eq!(LeaseTable::<()>::with_capacity(&LeaseConfig::default(), 0).capacity(), 16);
+}
+
+/// The table's times are 32-bit milliseconds from an epoch that moves forward (about every 12
+/// days): a lease renewed for 60 days keeps its exact deadlines across four moves (SPEC P2),
+/// leases granted around each move expire exactly at their deadlines and in deadline order
+/// (P4), and stale ids stay lost.
+#[test]
+fn p2_p4_long_lived_lease_across_epoch_moves() {
+    let cfg = LeaseConfig::with_lease_secs(3600.0).unwrap();
+    let e = cfg.extension;
+    let step = cfg.heartbeat_interval;
+    let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+    let t0 = Nanos(20 * 86_400 * 1_000_000_000 + 123_000_000);
+    let keep = t.grant(t0, 1, 0);
+    let mut keep_deadline = t0 + cfg.lease_duration;
+    let mut rel = Vec::new();
+    let mut now = t0;
+    let mut expired_seen = 0;
+    let mut short: Vec<(u64, Nanos)> = Vec::new();
+    let mut dead = Vec::new();
+    while now < t0 + Duration::from_secs(60 * 86_400) {
+        now = now + step;
+        let mut lost = Vec::new();
+        assert_eq!(t.renew(D, &[keep], now, &mut lost, &mut rel), 1, "renewed at {now:?}");
+        keep_deadline = keep_deadline.max(now + e);
+        assert_eq!(t.deadline(keep), Some(keep_deadline), "exact deadline at {now:?}");
+        // A lease of L granted at each step, and three shorter cached turns now and then.
+        let id = t.grant(now, 1, 1);
+        assert_eq!(t.deadline(id), Some(now + cfg.lease_duration));
+        short.push((id, now + cfg.lease_duration));
+        if short.len().is_multiple_of(97) {
+            for ms in [300u64, 100, 200] {
+                let d = now + Duration::from_millis(ms);
+                short.push((t.grant_for(now, Duration::from_millis(ms), 1, 2), d));
+            }
+        }
+        rel.clear();
+        t.tick(now, &mut rel);
+        let mut want: Vec<(Nanos, u64)> = short.iter().filter(|(_, d)| *d <= now).map(|(id, d)| (*d, *id)).collect();
+        want.sort_unstable();
+        let got: Vec<u64> = rel.iter().map(|r| r.lease_id).collect();
+        assert_eq!(got, want.iter().map(|(_, id)| *id).collect::<Vec<_>>(), "deadline order at {now:?}");
+        assert!(rel.iter().all(|r| r.reason == ReleaseReason::Expired));
+        expired_seen += rel.len();
+        dead.extend(got);
+        short.retain(|(_, d)| *d > now);
+        for &(id, d) in &short {
+            assert_eq!(t.deadline(id), Some(d));
+        }
+    }
+    assert!(expired_seen > 1000);
+    let mut lost = Vec::new();
+    assert_eq!(t.renew(D, &dead, now, &mut lost, &mut rel), 0);
+    assert_eq!(lost, dead, "stale ids stay lost across epoch moves");
+    rel.clear();
+    t.release(D, &[keep], now, &mut Vec::new(), &mut rel);
+    // Hold time is counted from the grant for 12 days at least, then from the epoch.
+    assert!(rel[0].held >= Duration::from_secs(12 * 86_400) && rel[0].held <= now.since(t0));
 }
 
 /// SPEC B1, B3: the granting engine takes back a lease nobody claimed (a cached turn no
@@ -640,7 +699,7 @@ fn with_capacity_never_grows_up_to_its_size() {
 fn b3_only_an_unclaimed_lease_is_revoked() {
     use kvlease_core::wire::Message;
     let mut t = table();
-    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
+    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
     let mut rel = Vec::new();
     t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![b] }, secs(1.0), &mut rel);
     let ticket = t.begin_read(D, c, None, secs(1.0), &mut rel).expect("read");
@@ -651,7 +710,7 @@ fn b3_only_an_unclaimed_lease_is_revoked() {
     assert!(!t.revoke_unclaimed(c, secs(2.0), &mut rel), "claimed by a read: in use");
     assert!(!t.revoke_unclaimed(a, secs(2.0), &mut rel), "gone already");
     assert!(t.end_read(ticket).is_none());
-    let d = t.grant(secs(0.0), 1, DIGEST, "d");
+    let d = t.grant(secs(0.0), 1, "d");
     assert!(!t.revoke_unclaimed(d, secs(31.0), &mut rel), "expired: the reaper's");
     assert_eq!(t.live(), 3);
 }

@@ -117,10 +117,10 @@ fn grant(inner: &Inner, request: &str, blocks: Blocks, n: usize, digest: PromptD
     sorted.sort_unstable();
     let lease_id = {
         let mut table = lock(&inner.leases);
-        let lease = Lease { blocks, sorted, request: request.to_owned() };
+        let lease = Lease { blocks, sorted, request: request.to_owned(), prompt_digest: digest };
         let id = match lifetime {
-            Some(t) => table.grant_for(inner.now(), t, n as u32, digest, lease),
-            None => table.grant(inner.now(), n as u32, digest, lease),
+            Some(t) => table.grant_for(inner.now(), t, n as u32, lease),
+            None => table.grant(inner.now(), n as u32, lease),
         };
         inner.metrics.leases_active.store(table.live() as i64, Relaxed);
         inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);

@@ -13,7 +13,8 @@
 use crate::metrics::Metrics;
 use crate::pool::{BlockPool, Blocks};
 use crate::EngineConfig;
-use kvlease_core::lease_table::LeaseTable;
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::lease_table::{LeasePayload, LeaseTable};
 use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::Renewer;
 use kvlease_core::Nanos;
@@ -40,14 +41,23 @@ pub(crate) struct Rank {
     pub agent: Arc<dyn Agent>,
 }
 
-/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, and their
-/// ids sorted, to check a read's blocks against quickly.
+/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, their ids
+/// sorted, to check a read's blocks against quickly, and the prompt's digest (SPEC S4).
 #[derive(Debug)]
 pub(crate) struct Lease {
     pub blocks: Blocks,
     pub sorted: Vec<u32>,
     /// The request the lease was granted for, for the log.
     pub request: String,
+    /// SPEC S4: the digest of the prompt the lease's KV belongs to; the lease table confirms a
+    /// completion only for it (it keeps no digest of its own: `LeasePayload`).
+    pub prompt_digest: PromptDigest,
+}
+
+impl LeasePayload for Lease {
+    fn prompt_digest(&self) -> Option<&PromptDigest> {
+        Some(&self.prompt_digest)
+    }
 }
 
 /// A pull's wait for one `ReadDoneAck`: (our rank, P's agent, lease id).
