@@ -170,7 +170,7 @@ pub fn run(sc: &Scale) -> ScaleReport {
     let warm = Nanos::ZERO + interval * 2;
     let end = warm + sc.window;
     let in_window = |t: Nanos| t >= warm && t < end;
-    let mut rng = Rng(sc.seed ^ 0x4842_5343_414c_45);
+    let mut rng = Rng(sc.seed ^ 0x0048_4253_4341_4c45);
     let digest = PromptDigest::of(&[1]);
     let mut report =
         ScaleReport { window: sc.window, per_p: vec![PerP::default(); sc.prefills], lost: 0, live_min: usize::MAX, live_max: 0, grants: 0 };
