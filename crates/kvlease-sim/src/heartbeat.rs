@@ -15,10 +15,10 @@
 //! the live count stays exact. The first `hold` of leases end evenly spread, so churn is steady
 //! from the first second.
 //!
-//! The baseline is vLLM's heartbeat for the same traffic: in vLLM's NixlConnector (PR #38027,
-//! merged as #41383), D sends each remote P engine, every heartbeat interval, one notification
-//! `"HB:" + ",".join(req_ids)` naming every request it tracks toward that engine, unsplit; P
-//! answers nothing. Request ids here are vLLM-shaped (`cmpl-<32 hex>-0`, 39 bytes), the same ids
+//! The baseline is vLLM's heartbeat for the same traffic: in vLLM's NixlConnector (the lease
+//! renewal of PR #38027 as reviewed; PR #41383 merged it, still one send per engine), D sends
+//! each remote P engine, every heartbeat interval, one notification `"HB:" + ",".join(req_ids)`
+//! naming every request it tracks toward that engine, unsplit; P answers nothing. Request ids here are vLLM-shaped (`cmpl-<32 hex>-0`, 39 bytes), the same ids
 //! kvlease's renewer tracks, and vLLM's interval is taken to be kvlease's I (5 s at the default
 //! 30 s lease, as vLLM's ~5 s).
 //!
