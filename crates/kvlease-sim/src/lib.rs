@@ -16,6 +16,7 @@
 //! test that can be replayed forever.
 
 pub mod cluster;
+pub mod heartbeat;
 
 use cluster::{collect, collect_timed, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;

@@ -75,6 +75,28 @@ pub struct SimArgs {
     /// With --cluster: print each seed's trace, not only a failing one's.
     #[arg(long)]
     trace: bool,
+    /// Measure lease-renewal traffic at scale instead, at these live leases per P
+    /// (comma-separated; 10000,100000 without values): D's renewers and P's lease tables only,
+    /// exchanging real encoded messages under virtual time, against vLLM's text heartbeat for the
+    /// same leases (see kvlease-sim's `heartbeat`). Uses --seed.
+    #[arg(long, num_args = 0..=1, value_delimiter = ',', default_missing_value = "10000,100000")]
+    heartbeat_scale: Option<Vec<usize>>,
+    /// With --heartbeat-scale: P engines.
+    #[arg(long, default_value_t = 64)]
+    scale_prefills: usize,
+    /// With --heartbeat-scale: D engines.
+    #[arg(long, default_value_t = 256)]
+    scale_decoders: usize,
+    /// With --heartbeat-scale: simulated seconds measured (after a warm-up of two intervals).
+    #[arg(long, default_value_t = 60)]
+    scale_seconds: u64,
+    /// With --heartbeat-scale: seconds a lease lives before D reads it and P releases it (a new
+    /// grant replaces it at once); 0: no churn.
+    #[arg(long, default_value_t = 30.0)]
+    scale_hold_secs: f64,
+    /// With --heartbeat-scale: `kv_lease_duration` (the heartbeat interval is a sixth of it).
+    #[arg(long, default_value_t = 30.0)]
+    scale_lease_secs: f64,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -122,8 +144,94 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
 
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
     // Each simulation runs its own single-threaded runtime under virtual time: not inside ours.
+    if a.heartbeat_scale.is_some() {
+        return heartbeat_scale(&a);
+    }
     std::thread::scope(|s| s.spawn(|| if a.cluster { cluster(&a) } else { policies(&a) }).join())
         .unwrap_or_else(|_| anyhow::bail!("the simulator panicked"))
+}
+
+/// `--heartbeat-scale`: lease-renewal messages and bytes per second per P, kvlease and vLLM.
+fn heartbeat_scale(a: &SimArgs) -> anyhow::Result<()> {
+    use kvlease_sim::heartbeat::{run, Scale};
+    let sizes = a.heartbeat_scale.clone().unwrap_or_default();
+    if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || n > 10_000_000) {
+        anyhow::bail!("--heartbeat-scale takes live leases per P, each in [1, 10^7]");
+    }
+    if !(1..=4096).contains(&a.scale_prefills) || !(1..=4096).contains(&a.scale_decoders) || a.scale_seconds == 0 {
+        anyhow::bail!("--scale-prefills and --scale-decoders take 1 to 4096 engines, --scale-seconds ≥ 1");
+    }
+    if !(a.scale_hold_secs.is_finite() && a.scale_hold_secs >= 0.0) {
+        anyhow::bail!("--scale-hold-secs must be a number of seconds ≥ 0");
+    }
+    let lease = kvlease_core::config::LeaseConfig::with_lease_secs(a.scale_lease_secs)?;
+    println!(
+        "{} P, {} D, requests routed to D at random; L = {} s (I = {:?}, notifications ≤ {} B); leases held {} s then read and replaced; {} s measured after {:?} of warm-up; seed {}",
+        a.scale_prefills,
+        a.scale_decoders,
+        a.scale_lease_secs,
+        lease.heartbeat_interval,
+        lease.max_notif_bytes,
+        a.scale_hold_secs,
+        a.scale_seconds,
+        lease.heartbeat_interval * 2,
+        a.seed
+    );
+    println!("per P, mean over P engines (most loaded P in brackets); bytes are notification payloads");
+    println!(
+        "{:>9} | {:>18} {:>20} | {:>12} {:>16} | {:>11} {:>9} | {:>20} {:>22} | {:>13} | {:>8}",
+        "live/P",
+        "kvlease HB msg/s",
+        "kvlease HB B/s",
+        "ack msg/s",
+        "ack B/s",
+        "other msg/s",
+        "other B/s",
+        "vLLM HB msg/s",
+        "vLLM HB B/s",
+        "vLLM ÷ kvlease",
+        "wall s"
+    );
+    for &live in &sizes {
+        let sc = Scale {
+            seed: a.seed,
+            lease: lease.clone(),
+            hold: (a.scale_hold_secs > 0.0).then(|| Duration::from_secs_f64(a.scale_hold_secs)),
+            window: Duration::from_secs(a.scale_seconds),
+            ..Scale::new(a.scale_prefills, a.scale_decoders, live)
+        };
+        let started = std::time::Instant::now();
+        let r = run(&sc);
+        let wall = started.elapsed().as_secs_f64();
+        let both = |f: fn(&kvlease_sim::heartbeat::PerP) -> u64| format!("{:.0} ({:.0})", r.per_sec(f), r.max_per_sec(f));
+        let kv_bytes = r.per_sec(|p| p.heartbeats.bytes + p.acks.bytes + p.other.bytes);
+        let vllm_bytes = r.per_sec(|p| p.vllm.bytes);
+        println!(
+            "{:>9} | {:>18} {:>20} | {:>12} {:>16} | {:>11.1} {:>9.0} | {:>20} {:>22} | {:>12.1}× | {:>8.1}",
+            live,
+            both(|p| p.heartbeats.msgs),
+            both(|p| p.heartbeats.bytes),
+            both(|p| p.acks.msgs),
+            both(|p| p.acks.bytes),
+            r.per_sec(|p| p.other.msgs),
+            r.per_sec(|p| p.other.bytes),
+            both(|p| p.vllm.msgs),
+            both(|p| p.vllm.bytes),
+            vllm_bytes / kv_bytes.max(1.0),
+            wall
+        );
+        if r.lost > 0 || r.live_min != live || r.live_max != live {
+            anyhow::bail!("{} leases lost, live per P {}..{}: the run is not steady", r.lost, r.live_min, r.live_max);
+        }
+        println!(
+            "{:>9}   kvlease bytes per lease per second (HB + ack + other): {:.3}; vLLM: {:.3}; {} grants",
+            "",
+            kv_bytes / live as f64,
+            vllm_bytes / live as f64,
+            r.grants
+        );
+    }
+    Ok(())
 }
 
 fn policies(a: &SimArgs) -> anyhow::Result<()> {

@@ -170,6 +170,27 @@ fn oversized_pool_and_absurd_sizes_are_refused_at_start_up() {
     }
 }
 
+/// Issue 12: `kvlease sim --heartbeat-scale` prints, per size, kvlease's renewal traffic per P
+/// beside vLLM's text heartbeat for the same leases (the counts themselves are proved in
+/// kvlease-sim's tests/heartbeat_scale.rs).
+#[test]
+fn sim_heartbeat_scale_prints_kvlease_beside_vllm() {
+    let out = kvlease()
+        .args(["sim", "--heartbeat-scale", "100,300", "--scale-prefills", "2", "--scale-decoders", "4", "--scale-seconds", "10"])
+        .output()
+        .expect("kvlease sim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("2 P, 4 D,"), "{text}");
+    for live in ["100", "300"] {
+        let row =
+            text.lines().find(|l| l.trim_start().starts_with(&format!("{live} |"))).unwrap_or_else(|| panic!("no row for {live}: {text}"));
+        assert!(row.contains('×'), "a vLLM ÷ kvlease ratio: {row}");
+    }
+    let bad = kvlease().args(["sim", "--heartbeat-scale", "0"]).output().expect("kvlease sim");
+    assert!(!bad.status.success());
+}
+
 /// `kvlease sim` puts vLLM's lease beside fixed timeouts and kvlease's on the same traffic, and
 /// runs several engines (`--prefills`, `--decoders`, `--routing`).
 #[test]
