@@ -68,9 +68,14 @@ fn quiet(args: &[&str]) {
 /// Removes whatever carries `prefix` (`kvh<s>-`): processes in its namespaces, the namespaces
 /// (which takes their veths along) and the bridge.
 fn sweep(prefix: &str) {
-    let list = Command::new("ip").args(["netns", "list"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let list =
+        Command::new("ip").args(["netns", "list"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
     for ns in list.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(prefix)) {
-        let pids = Command::new("ip").args(["netns", "pids", ns]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        let pids = Command::new("ip")
+            .args(["netns", "pids", ns])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
         for pid in pids.split_whitespace() {
             quiet(&["kill", "-9", pid]);
         }
@@ -78,8 +83,14 @@ fn sweep(prefix: &str) {
     }
     // A deleted namespace is destroyed asynchronously (later still while a socket lingers), and
     // its veths with it: delete our ends now, so the names are free for the slot's next owner.
-    let links = Command::new("ip").args(["-o", "link", "show"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-    for name in links.lines().filter_map(|l| l.split(": ").nth(1)).map(|n| n.split('@').next().unwrap_or(n)).filter(|n| n.starts_with(prefix)) {
+    let links = Command::new("ip")
+        .args(["-o", "link", "show"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for name in
+        links.lines().filter_map(|l| l.split(": ").nth(1)).map(|n| n.split('@').next().unwrap_or(n)).filter(|n| n.starts_with(prefix))
+    {
         quiet(&["ip", "link", "del", name]);
     }
 }
@@ -173,7 +184,25 @@ impl Net {
     /// read takes long enough to cut the wire under it.
     pub fn throttle(&self, host: &str, mbit: u32) {
         let ns = self.host(host).ns.clone();
-        sh(&["ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", &format!("{mbit}mbit"), "burst", "32kb", "latency", "2s"]);
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            &format!("{mbit}mbit"),
+            "burst",
+            "32kb",
+            "latency",
+            "2s",
+        ]);
     }
 
     /// Bytes `host` has sent on its interface.
