@@ -101,18 +101,16 @@ impl Cluster {
             };
             let Some(text) = got else { return false };
             let got = if stream {
-                let mut out = String::new();
-                for data in text.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
-                    let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
-                    if v.get("error").is_some() {
+                match sse_text(&text, chat) {
+                    Ok((out, _, done)) => {
+                        assert!(done, "{tag} request {i}: stream ended without [DONE]");
+                        out
+                    }
+                    Err(v) => {
                         assert!(errors_ok, "{tag} request {i}: stream failed: {v}");
                         return false;
                     }
-                    for c in v["choices"].as_array().into_iter().flatten() {
-                        out.push_str(if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() }.unwrap_or(""));
-                    }
                 }
-                out
             } else {
                 let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
                 text_of(&v, chat)

@@ -216,6 +216,14 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
     let r = client().post(url).json(body).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 200);
     let text = r.text().await.expect("body");
+    let (out, params, done) = sse_text(&text, chat).unwrap_or_else(|v| panic!("stream failed: {v}"));
+    assert!(done, "stream ended without [DONE]");
+    (out, params)
+}
+
+/// An SSE answer's text, the last `kv_transfer_params` any chunk carried (top-level or in a
+/// choice) and whether `[DONE]` ended it; or the first error event.
+pub fn sse_text(text: &str, chat: bool) -> Result<(String, Option<Value>, bool), Value> {
     let mut out = String::new();
     let mut params = None;
     let mut done = false;
@@ -226,7 +234,9 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
             continue;
         }
         let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
-        assert!(v.get("error").is_none(), "stream failed: {v}");
+        if v.get("error").is_some() {
+            return Err(v);
+        }
         if let Some(p) = v.get("kv_transfer_params").filter(|p| p.is_object()) {
             params = Some(p.clone());
         }
@@ -238,8 +248,7 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
             }
         }
     }
-    assert!(done, "stream ended without [DONE]");
-    (out, params)
+    Ok((out, params, done))
 }
 
 /// Waits until the engine at `base` holds no lease and every KV block is free.
