@@ -15,12 +15,13 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-/// P, D, the proxy (on hosts `p1`, `d1`, `router`) and a local reference engine (loopback).
-/// Fields drop in order: the processes first, the hosts last.
+/// P, D, the proxy (on hosts `p1`, `d1`, `router`; a second decoder on `d2` if asked) and a
+/// local reference engine (loopback). Fields drop in order: the processes first, the hosts last.
 struct Cluster {
     proxy: Proc,
     p: Proc,
     d: Proc,
+    d2: Option<Proc>,
     local: Proc,
     net: Net,
 }
@@ -28,7 +29,11 @@ struct Cluster {
 impl Cluster {
     /// `model` flags go to P, D and the local engine alike (the KV geometry must agree).
     fn start(transport: &str, lease: f64, d_flags: &[&str], model: &[&str]) -> Cluster {
-        let net = Net::new(&["p1", "d1", "router"]);
+        Cluster::start_with(transport, lease, d_flags, model, false)
+    }
+
+    fn start_with(transport: &str, lease: f64, d_flags: &[&str], model: &[&str], second_decoder: bool) -> Cluster {
+        let net = Net::new(if second_decoder { &["p1", "d1", "d2", "router"] } else { &["p1", "d1", "router"] });
         let cfg = lease_config(lease);
         let engine = |host: &str, extra: &[&str]| {
             let mut args = vec!["--kv-transfer-config", &cfg, "--transport", transport];
@@ -39,11 +44,13 @@ impl Cluster {
         };
         let p = engine("p1", &[]);
         let d = engine("d1", d_flags);
+        let d2 = second_decoder.then(|| engine("d2", d_flags));
         assert!(p.url.contains(&net.host("p1").addr), "P listens on its host address: {}", p.url);
         let local = Proc::serve("local", model);
         let r = net.host("router");
-        let proxy = Proc::proxy_on(Some(&r.ns), &r.addr, &[&p], &[&d], &[]);
-        Cluster { proxy, p, d, local, net }
+        let decoders: Vec<&Proc> = std::iter::once(&d).chain(d2.as_ref()).collect();
+        let proxy = Proc::proxy_on(Some(&r.ns), &r.addr, &[&p], &decoders, &[]);
+        Cluster { proxy, p, d, d2, local, net }
     }
 
     async fn p(&self, name: &str) -> f64 {
@@ -126,7 +133,9 @@ impl Cluster {
     /// granted was released exactly once under one reason (P3). Returns (granted, by reason).
     async fn nothing_leaked(&self) -> (f64, [f64; 4]) {
         until_nothing_held(&self.p.url, Duration::from_secs(20)).await;
-        until_nothing_held(&self.d.url, Duration::from_secs(20)).await;
+        for d in std::iter::once(&self.d).chain(self.d2.as_ref()) {
+            until_nothing_held(&d.url, Duration::from_secs(20)).await;
+        }
         assert_eq!(self.p("kvlease_leased_blocks").await, 0.0, "leaked blocks on P");
         let granted = self.p("kvlease_leases_granted_total").await;
         let mut by = [0.0; 4];
@@ -163,11 +172,12 @@ async fn report(c: &Cluster, scenario: &str, sent: usize, ok: usize, reclaim: Op
     );
 }
 
-/// SPEC D7, P3, S3 across hosts: P, D and the proxy on three hosts, P and D listening on their
-/// own addresses (`--host`, with the cluster secret); 24 requests through the proxy, plain and
-/// chat, streamed and not, each equal to the local run, every lease `transferred`.
+/// SPEC D7, P3, S3 across hosts: P, two D and the proxy on four hosts, the engines listening on
+/// their own addresses (`--host`, with the cluster secret); 24 requests through the proxy, plain
+/// and chat, streamed and not, each equal to the local run, both decoders used, every lease
+/// `transferred`.
 async fn pair_across_hosts(transport: &str) {
-    let c = Cluster::start(transport, 30.0, &[], &[]);
+    let c = Cluster::start_with(transport, 30.0, &[], &[], true);
     let mut jobs = Vec::new();
     for i in 0..24 {
         jobs.push(c.request(transport, i, 4 + (i % 9) as u64, 20 + 3 * i, false));
@@ -178,6 +188,16 @@ async fn pair_across_hosts(transport: &str) {
     let (granted, by) = c.nothing_leaked().await;
     assert_eq!((granted, by), (24.0, [24.0, 0.0, 0.0, 0.0]), "every lease transferred");
     assert_eq!(c.d("kvlease_recomputed_requests_total").await, 0.0);
+    let proxy_metrics = client().get(format!("{}/metrics", c.proxy.url)).send().await.expect("metrics").text().await.expect("text");
+    for host in ["d1", "d2"] {
+        let addr = &c.net.host(host).addr;
+        let legs: f64 = proxy_metrics
+            .lines()
+            .filter(|l| l.starts_with("kvlease_proxy_upstream_requests_total{role=\"decode\"") && l.contains(addr.as_str()))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert!(legs >= 1.0, "the proxy sent decode legs to {host} ({addr}): {proxy_metrics}");
+    }
     report(&c, &format!("basic-{transport}"), 24, 24, None).await;
 }
 
