@@ -202,7 +202,7 @@ async fn pair_across_hosts(transport: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hosts_p_d_and_proxy_on_three_hosts_over_tcp_match_local() {
+async fn hosts_d7_p_two_d_and_proxy_on_four_hosts_over_tcp_match_local() {
     if available() {
         pair_across_hosts("tcp").await;
     }
@@ -210,7 +210,7 @@ async fn hosts_p_d_and_proxy_on_three_hosts_over_tcp_match_local() {
 
 /// The same pair over NIXL (UCX over TCP between the hosts' addresses).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nixl_hosts_p_d_and_proxy_on_three_hosts_match_local() {
+async fn nixl_hosts_d7_p_two_d_and_proxy_on_four_hosts_match_local() {
     if available() && nixl_or_skip() {
         pair_across_hosts("nixl").await;
     }
@@ -380,13 +380,13 @@ async fn hosts_p4_p6_d6_one_way_partition_p_does_not_hear_d() {
     }
 }
 
-/// SPEC P5, D6, D7: the wire cut in the middle of a KV read. A big KV (8 layers, head_dim 64:
+/// SPEC D6, D7: the wire cut in the middle of a KV read. A big KV (8 layers, head_dim 64:
 /// 8 KiB a token, ~2.4 MB for the prompt) over a link throttled to 16 Mbit/s reads for ~1.2 s;
 /// 4 s of partition outlast D's read timeout (E/4 = 2 s at L = 12 s): D abandons the read and
-/// recomputes (the right answer, never the half-read bytes), and P's blocks come back once the
-/// read under them is over (P5: no reuse under a reader): nothing leaked.
+/// recomputes (the right answer, never the half-read bytes); P's lease, live through the cut,
+/// ends when D's release gets through after the heal, and every block comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hosts_p5_d6_partition_during_a_kv_read_recomputes_and_leaks_nothing() {
+async fn hosts_d6_d7_partition_during_a_kv_read_recomputes_and_leaks_nothing() {
     if !available() {
         return;
     }
