@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 /// P, D, the proxy (on hosts `p1`, `d1`, `router`; a second decoder on `d2` if asked) and a
-/// local reference engine (loopback). Fields drop in order: the processes first, the hosts last.
+/// local reference engine (alone on host `ref`). Fields drop in order: the processes first, the hosts last.
 struct Cluster {
     proxy: Proc,
     p: Proc,
@@ -33,7 +33,7 @@ impl Cluster {
     }
 
     fn start_with(transport: &str, lease: f64, d_flags: &[&str], model: &[&str], second_decoder: bool) -> Cluster {
-        let net = Net::new(if second_decoder { &["p1", "d1", "d2", "router"] } else { &["p1", "d1", "router"] });
+        let net = Net::new(if second_decoder { &["p1", "d1", "d2", "router", "ref"] } else { &["p1", "d1", "router", "ref"] });
         let cfg = lease_config(lease);
         let engine = |host: &str, extra: &[&str]| {
             let mut args = vec!["--kv-transfer-config", &cfg, "--transport", transport];
@@ -46,7 +46,11 @@ impl Cluster {
         let d = engine("d1", d_flags);
         let d2 = second_decoder.then(|| engine("d2", d_flags));
         assert!(p.url.contains(&net.host("p1").addr), "P listens on its host address: {}", p.url);
-        let local = Proc::serve("local", model);
+        // The reference engine on a host of its own, so a sweep after a killed run takes it too.
+        let local = {
+            let h = net.host("ref");
+            Proc::serve_on(&h.ns, &h.addr, "local", model)
+        };
         let r = net.host("router");
         let decoders: Vec<&Proc> = std::iter::once(&d).chain(d2.as_ref()).collect();
         let proxy = Proc::proxy_on(Some(&r.ns), &r.addr, &[&p], &decoders, &[]);

@@ -9,7 +9,8 @@
 //! bridge. A slot is owned through `flock` on `/run/kvlease-hosts/slot-<s>.lock` (released by the
 //! kernel however the owner dies), so harnesses in parallel tests and test binaries never share
 //! one. Whoever takes a slot first sweeps what a dead owner left on it (its processes,
-//! namespaces and bridge); [`Net`]'s `Drop` removes everything it made, after a panic too.
+//! namespaces, bridge and veths), and the first harness of a test process sweeps every slot no
+//! live process owns; [`Net`]'s `Drop` removes everything it made, after a panic too.
 
 use std::fs::File;
 use std::process::Command;
@@ -95,10 +96,35 @@ fn sweep(prefix: &str) {
     }
 }
 
+/// Sweeps every slot no live process owns: what test runs that were killed (SIGKILL, a crash)
+/// left behind, whichever slots they had. Once per test process.
+fn sweep_stale() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let list = Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let mut slots: Vec<u32> =
+            list.lines().filter_map(|l| l.strip_prefix("kvh")?.split_once('-')?.0.parse().ok()).filter(|s| *s < SLOTS).collect();
+        slots.dedup();
+        for s in slots {
+            let Ok(f) = File::options().create(true).truncate(false).write(true).open(format!("{LOCK_DIR}/slot-{s}.lock")) else {
+                continue;
+            };
+            if f.try_lock().is_ok() {
+                sweep(&format!("kvh{s}-"));
+            }
+        }
+    });
+}
+
 impl Net {
     /// Hosts with these names (at most 200, each at most 8 characters), on a free slot.
     pub fn new(names: &[&str]) -> Net {
         std::fs::create_dir_all(LOCK_DIR).expect("lock dir");
+        sweep_stale();
         let (slot, lock) = (0..SLOTS)
             .find_map(|s| {
                 let f = File::options().create(true).truncate(false).write(true).open(format!("{LOCK_DIR}/slot-{s}.lock")).ok()?;
