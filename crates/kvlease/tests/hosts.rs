@@ -73,8 +73,6 @@ impl Cluster {
     /// i % 3 == 0): the answer must be the local engine's (SPEC D7) whenever it is a 200; an
     /// error is allowed only when `errors_ok`. Returns whether it was answered.
     fn request(&self, tag: &str, i: usize, max_tokens: u64, prompt_len: usize, errors_ok: bool) -> tokio::task::JoinHandle<bool> {
-        let chat = i % 5 == 4;
-        let stream = i.is_multiple_of(3);
         let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "renewal"];
         let mut prompt = format!("{tag} request {i}:");
         let mut j = 0;
@@ -83,6 +81,13 @@ impl Cluster {
             prompt.push_str(words[(i * 7 + j * 3) % words.len()]);
             j += 1;
         }
+        self.request_prompt(tag, i, prompt, max_tokens, errors_ok)
+    }
+
+    /// [`Cluster::request`] with this prompt.
+    fn request_prompt(&self, tag: &str, i: usize, prompt: String, max_tokens: u64, errors_ok: bool) -> tokio::task::JoinHandle<bool> {
+        let chat = i % 5 == 4;
+        let stream = i.is_multiple_of(3);
         let (path, body) = if chat {
             (
                 "/v1/chat/completions",
@@ -385,7 +390,7 @@ async fn hosts_p4_p6_d6_one_way_partition_p_does_not_hear_d() {
 }
 
 /// SPEC D6, D7: the wire cut in the middle of a KV read. A big KV (8 layers, head_dim 64:
-/// 8 KiB a token, ~2.4 MB for the prompt) over a link throttled to 16 Mbit/s reads for ~1.2 s;
+/// 8 KiB a token, ~2.5 MB for a 310-token prompt) over a link throttled to 16 Mbit/s reads for ~1.2 s;
 /// 4 s of partition outlast D's read timeout (E/4 = 2 s at L = 12 s): D abandons the read and
 /// recomputes (the right answer, never the half-read bytes); P's lease, live through the cut,
 /// ends when D's release gets through after the heal, and every block comes back.
@@ -399,7 +404,9 @@ async fn hosts_d6_d7_partition_during_a_kv_read_recomputes_and_leaks_nothing() {
     assert_eq!(answered(vec![c.request("read-cut", 100, 4, 30, false)]).await, 1);
     c.net.throttle("p1", 16);
     let base = c.net.tx_bytes("p1");
-    let job = c.request("read-cut", 0, 6, 300, false);
+    // Digits are a token each (the model's words are one token a word): 300 tokens, 19 blocks.
+    let prompt = format!("read-cut: {}", (0..300).map(|k| char::from(b'0' + (k % 10) as u8)).collect::<String>());
+    let job = c.request_prompt("read-cut", 0, prompt, 6, false);
     until("the KV read is under way (P sent 300 KB)", DEADLINE, || async { c.net.tx_bytes("p1") > base + 300_000 }).await;
     c.net.partition("d1", "p1");
     assert_eq!(c.p("kvlease_leases_active").await, 1.0, "the read is not done");
@@ -408,7 +415,13 @@ async fn hosts_d6_d7_partition_during_a_kv_read_recomputes_and_leaks_nothing() {
     let t0 = Instant::now();
     assert_eq!(answered(vec![job]).await, 1);
     assert_eq!(c.d("kvlease_recomputed_requests_total").await, 1.0, "the cut read was not used");
+    until("P's lease ends", Duration::from_secs(20), || async { c.p("kvlease_leases_active").await == 0.0 }).await;
+    // Observed, not asserted (it depends on how much of the read TCP still had to deliver): the
+    // lease ended while P still sent the read's bytes, whose blocks stay out of the pool until
+    // that read is over (P5).
+    let under_reader = c.p("kvlease_kv_blocks_total").await - c.p("kvlease_kv_blocks_free").await;
     until_nothing_held(&c.p.url, Duration::from_secs(20)).await;
     let back = t0.elapsed();
-    report(&c, "partition 4 s during a KV read", 1, 1, Some(back)).await;
+    eprintln!("RELIABILITY kv-read: lease ended {under_reader} blocks still held under the read; all back {back:?} after the heal");
+    report(&c, "partition 4 s during a KV read", 2, 2, Some(back)).await;
 }
