@@ -2,7 +2,8 @@
 # The one test command (README): formatting, lints, every test — over the tcp transport and
 # over NIXL. Installs what it needs: libclang (bindgen, for the NIXL bindings) and the NIXL
 # libraries from PyPI (cached outside the repo by scripts/install-nixl.sh), a Prometheus server
-# (scripts/install-prometheus.sh) and the OpenAI Python SDK.
+# (scripts/install-prometheus.sh), an etcd server (scripts/install-etcd.sh) and the OpenAI Python
+# SDK.
 #
 # NIXL tests must run: if NIXL cannot be installed the run fails, loudly. Set
 # KVLEASE_SKIP_NIXL=1 to run everything else on a machine that cannot have NIXL.
@@ -46,6 +47,10 @@ fi
 echo "== fetch a Prometheus server (tests/observability.rs scrapes P and D with it)"
 KVLEASE_PROMETHEUS=$(scripts/install-prometheus.sh | tail -n 1)
 export KVLEASE_PROMETHEUS
+
+echo "== fetch an etcd server (tests/membership.rs runs engines and the proxy with it)"
+KVLEASE_ETCD=$(scripts/install-etcd.sh | tail -n 1)
+export KVLEASE_ETCD
 
 echo "== install the OpenAI Python SDK (tests/vllm_sdk.rs drives kvlease with it)"
 if ! python3 -c "import openai" 2>/dev/null; then

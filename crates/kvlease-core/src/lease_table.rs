@@ -458,11 +458,21 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live, or
-    /// that another holder owns (S5).
-    pub fn begin_read(&mut self, holder: Holder, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> Option<ReadTicket> {
+    /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live,
+    /// that another holder owns (S5), or, when the reader shows the digest of the prompt it reads
+    /// for, that was granted for another prompt (S4: checked here, before a byte is served, as
+    /// well as on the read's completion).
+    pub fn begin_read(
+        &mut self,
+        holder: Holder,
+        id: LeaseId,
+        digest: Option<PromptDigest>,
+        now: Nanos,
+        released: &mut Vec<Released<T>>,
+    ) -> Option<ReadTicket> {
         match self.find(id) {
             None => None,
+            Some(s) if digest.is_some_and(|d| self.cold[s].digest != d) => None,
             Some(s) if !self.admit(s, holder) => None,
             Some(s) if self.hot[s].deadline <= now.0 => {
                 self.end(s, ReleaseReason::Expired, now, released);

@@ -13,6 +13,14 @@
 //!    throughput tenfold in the simulator, and a wait of E/4 made longer leases serve fewer
 //!    requests under 1 % loss; giving up costs one prefill.
 //!
+//! Over a **fenced** transport (the `tcp` agent: P's gate admits each read only for a live lease
+//! whose prompt digest the read shows, and keeps the blocks from reuse until the last byte has
+//! left, SPEC P5, S4) the read itself is the proof waits 1 and 3 stand in for on NIXL, whose
+//! one-sided READ P never sees: a fenced pull reads at once (no renewal first: a lease that has
+//! ended is refused, one that ends mid-read keeps its blocks until the read is out) and uses the
+//! bytes as soon as they have landed; P still gets the `ReadDone` and frees the blocks at once.
+//! That saves two round trips per request (issue 15) and keeps every guarantee.
+//!
 //! The driver carries out the waits and the reads; every decision — what to wait for, until
 //! when, whether the bytes may be used, and what the request does when they may not
 //! ([`Verdict`]) — is made here.
@@ -81,6 +89,15 @@ pub enum Verdict {
 }
 
 /// What the driver does next.
+/// What a pull does once its reads returned ([`Pull::reads_done`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterReads {
+    /// Wait for P's `ReadDoneAck`s until `until` ([`Pull::on_read_done_ack`], [`Pull::on_deadline`]).
+    AwaitAcks { until: Nanos },
+    /// Decided: no confirmation to wait for (a fenced transport), or the reads failed.
+    Decided(Verdict),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// Wait for news from P (an acknowledgement, a lost lease) or until `until`, then
@@ -111,6 +128,8 @@ pub struct Pull {
     ack_after_read: Duration,
     ack_wait: Duration,
     policy: LoadFailurePolicy,
+    /// The transport fences reads (see the module doc).
+    fenced: bool,
     state: State,
     #[doc(hidden)]
     pub planted: Option<PlantedBug>,
@@ -149,7 +168,9 @@ impl PlantedBug {
 impl Pull {
     /// A pull of the lease P engine `engine_id` (incarnation `incarnation`) granted, starting at
     /// `now`.
-    pub fn new(cfg: &LeaseConfig, engine_id: &str, incarnation: u64, now: Nanos) -> Pull {
+    /// A pull of a lease granted by `engine_id` in its incarnation `incarnation`, over a
+    /// transport whose reads are `fenced` or not.
+    pub fn new(cfg: &LeaseConfig, engine_id: &str, incarnation: u64, fenced: bool, now: Nanos) -> Pull {
         let ack_wait = cfg.ack_wait();
         Pull {
             engine_id: engine_id.to_string(),
@@ -159,6 +180,7 @@ impl Pull {
             ack_after_read: cfg.read_done_ack_wait(),
             ack_wait,
             policy: cfg.load_failure_policy,
+            fenced,
             state: State::AwaitLive { until: now + ack_wait },
             planted: None,
         }
@@ -216,20 +238,21 @@ impl Pull {
     }
 
     /// Step 3: the reads returned (`Err`: the first failure) or their deadline passed
-    /// (`timed_out`). Returns the deadline for P's `ReadDoneAck`s, one per read.
-    pub fn reads_done(&mut self, result: Result<u32, String>, timed_out: bool, now: Nanos) -> Result<Nanos, PullLost> {
-        let State::Reading { .. } = self.state else { return Err(PullLost::LeaseLost) };
+    /// (`timed_out`). Over a fenced transport landed bytes are decided at once; otherwise P's
+    /// `ReadDoneAck`s, one per read, are waited for until the deadline returned.
+    pub fn reads_done(&mut self, result: Result<u32, String>, timed_out: bool, now: Nanos) -> AfterReads {
+        let State::Reading { .. } = self.state else { return AfterReads::Decided(self.finish(Err(PullLost::LeaseLost))) };
         let outcome = match result {
             _ if timed_out => Err(PullLost::ReadTimedOut { after: self.read_timeout }),
             Err(e) => Err(PullLost::ReadFailed(e)),
+            Ok(_) if self.fenced => Ok(()),
             Ok(n) => {
                 let until = now + self.ack_after_read;
                 self.state = State::AwaitAcks { until, want: n, live: 0 };
-                return Ok(until);
+                return AfterReads::AwaitAcks { until };
             }
         };
-        self.state = State::Done;
-        outcome
+        AfterReads::Decided(self.finish(outcome))
     }
 
     /// One `ReadDoneAck` arrived. `Some` once the pull is decided: [`Verdict::Use`] when every
@@ -309,26 +332,26 @@ mod tests {
     /// most `ack_wait` for that, then recomputes.
     #[test]
     fn d6_waits_for_a_live_ack_with_a_deadline() {
-        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
         let Step::Wait { until, renew: true } = p.check(ReadCheck::RenewFirst, T0) else { panic!() };
         assert_eq!(until, T0 + cfg().ack_wait());
         assert_eq!(p.check(ReadCheck::Safe, T0), Step::Read);
-        let mut late = Pull::new(&cfg(), "p", 7, T0);
+        let mut late = Pull::new(&cfg(), "p", 7, false, T0);
         assert!(matches!(late.check(ReadCheck::RenewFirst, until), Step::Lost(PullLost::NoLiveAck { .. })));
-        let mut lost = Pull::new(&cfg(), "p", 7, T0);
+        let mut lost = Pull::new(&cfg(), "p", 7, false, T0);
         assert_eq!(lost.check(ReadCheck::Untracked, T0), Step::Lost(PullLost::LeaseLost));
-        let mut down = Pull::new(&cfg(), "p", 7, T0);
+        let mut down = Pull::new(&cfg(), "p", 7, false, T0);
         assert!(matches!(down.check(ReadCheck::Unreachable, T0), Step::Lost(PullLost::Unreachable { .. })));
     }
 
     /// SPEC §3, D6: a lease granted by another incarnation of P is never read.
     #[test]
     fn d6_a_restarted_prefill_engine_is_not_read() {
-        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
         assert_eq!(p.begin_read(Some((9, 1)), 8, 1, T0), Err(PullLost::Restarted { granted_by: 7, now: 9 }));
-        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
         assert_eq!(p.begin_read(None, 8, 1, T0), Err(PullLost::NoPeer));
-        let mut p = Pull::new(&cfg(), "p", 7, T0);
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
         let (plan, until) = p.begin_read(Some((7, 2)), 8, 1, T0).unwrap();
         assert_eq!(plan.len(), 2, "T1: one read per overlapping P rank");
         assert_eq!(until, T0 + cfg().read_timeout());
@@ -340,9 +363,9 @@ mod tests {
     fn d6_read_done_acks_are_waited_for_briefly_whatever_the_lease() {
         for secs in [3.0, 30.0, 480.0] {
             let c = LeaseConfig::with_lease_secs(secs).unwrap();
-            let mut p = Pull::new(&c, "p", 7, T0);
+            let mut p = Pull::new(&c, "p", 7, false, T0);
             p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
-            let until = p.reads_done(Ok(1), false, T0).unwrap();
+            let AfterReads::AwaitAcks { until } = p.reads_done(Ok(1), false, T0) else { panic!("NIXL waits for P's confirmation") };
             assert_eq!(until, T0 + c.read_timeout().min(Duration::from_secs(2)), "L = {secs} s");
             assert_eq!(p.on_deadline(), Verdict::Recompute(PullLost::NoReadDoneAck));
         }
@@ -352,9 +375,9 @@ mod tests {
     #[test]
     fn d6_bytes_are_used_only_when_every_read_done_ack_says_live() {
         let start = |n| {
-            let mut p = Pull::new(&cfg(), "p", 7, T0);
+            let mut p = Pull::new(&cfg(), "p", 7, false, T0);
             p.begin_read(Some((7, n)), 8, 1, T0).unwrap();
-            p.reads_done(Ok(n), false, T0).unwrap();
+            assert!(matches!(p.reads_done(Ok(n), false, T0), AfterReads::AwaitAcks { .. }));
             p
         };
         let mut p = start(2);
@@ -373,12 +396,32 @@ mod tests {
     fn d6_failed_reads_follow_the_load_failure_policy() {
         let mut c = cfg();
         c.load_failure_policy = LoadFailurePolicy::Fail;
-        let mut p = Pull::new(&c, "p", 7, T0);
+        let mut p = Pull::new(&c, "p", 7, false, T0);
         p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
-        assert_eq!(p.reads_done(Ok(1), true, T0), Err(PullLost::ReadTimedOut { after: c.read_timeout() }));
-        let mut p = Pull::new(&c, "p", 7, T0);
-        p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
-        let lost = p.reads_done(Err("refused".into()), false, T0).unwrap_err();
-        assert_eq!(p.finish(Err(lost.clone())), Verdict::Fail(lost));
+        assert_eq!(p.reads_done(Ok(1), true, T0), AfterReads::Decided(Verdict::Fail(PullLost::ReadTimedOut { after: c.read_timeout() })));
+        for fenced in [false, true] {
+            let mut p = Pull::new(&c, "p", 7, fenced, T0);
+            p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
+            let lost = PullLost::ReadFailed("refused".into());
+            assert_eq!(p.reads_done(Err("refused".into()), false, T0), AfterReads::Decided(Verdict::Fail(lost)));
+        }
+    }
+
+    /// SPEC D6, P5, S4 over a fenced transport (issue 15): P's gate admitted the read for a live
+    /// lease of this prompt and kept the blocks until it was out, so the pull does not wait for
+    /// P's confirmation (nor renew first: `Renewer::read_check`); what fencing does not prove
+    /// still stops it.
+    #[test]
+    fn d6_a_fenced_read_is_its_own_proof() {
+        let mut p = Pull::new(&cfg(), "p", 7, true, T0);
+        p.begin_read(Some((7, 2)), 8, 1, T0).unwrap();
+        assert_eq!(p.reads_done(Ok(2), false, T0), AfterReads::Decided(Verdict::Use));
+        assert!(!p.awaits_acks());
+        let mut lost = Pull::new(&cfg(), "p", 7, true, T0);
+        assert_eq!(lost.check(ReadCheck::Untracked, T0), Step::Lost(PullLost::LeaseLost), "a lease known lost is not read");
+        let mut down = Pull::new(&cfg(), "p", 7, true, T0);
+        assert!(matches!(down.check(ReadCheck::Unreachable, T0), Step::Lost(PullLost::Unreachable { .. })));
+        let mut restarted = Pull::new(&cfg(), "p", 7, true, T0);
+        assert_eq!(restarted.begin_read(Some((9, 1)), 8, 1, T0), Err(PullLost::Restarted { granted_by: 7, now: 9 }));
     }
 }

@@ -696,15 +696,26 @@ impl Renewer {
 
     /// SPEC D6: may the request's lease be read now, finishing within `budget`?
     /// `RenewFirst` queues a renewal of it for the next [`Renewer::poll`].
-    pub fn read_check(&mut self, request_id: &str, budget: Duration, now: Nanos) -> ReadCheck {
+    ///
+    /// Over a `fenced` transport (P's gate admits a read only for a live lease and keeps its
+    /// blocks until the read is out, SPEC P5; see [`crate::pull`]) the read is its own proof:
+    /// `Safe` as soon as the handshake with P is done, no renewal queued.
+    pub fn read_check(&mut self, request_id: &str, budget: Duration, fenced: bool, now: Nanos) -> ReadCheck {
         let Some((_, handle)) = self.requests.find(request_id, &self.entries) else { return ReadCheck::Untracked };
         let e = &self.entries[handle as usize];
         let Some(engine) = self.engines.get(e.engine as usize).and_then(Option::as_ref) else { return ReadCheck::Untracked };
+        if fenced && engine.link == Link::Ready {
+            return ReadCheck::Safe;
+        }
         if self.acked_until(engine, e).is_some_and(|t| t > now + budget) {
             return ReadCheck::Safe;
         }
         if matches!(engine.link, Link::Failed { .. }) {
             return ReadCheck::Unreachable;
+        }
+        if fenced {
+            // Waiting for the handshake, not for an acknowledgement.
+            return ReadCheck::RenewFirst;
         }
         let (lease_id, index) = (e.lease_id, e.engine);
         if let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) {

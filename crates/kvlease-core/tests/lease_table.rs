@@ -202,19 +202,19 @@ fn p5_no_reuse_under_a_reader() {
     let mut t = table();
     let a = t.grant(secs(0.0), 2, DIGEST, "blocks");
     let mut rel = Vec::new();
-    let r1 = t.begin_read(D, a, secs(1.0), &mut rel).unwrap();
-    let r2 = t.begin_read(D, a, secs(1.0), &mut rel).unwrap();
+    let r1 = t.begin_read(D, a, None, secs(1.0), &mut rel).unwrap();
+    let r2 = t.begin_read(D, a, None, secs(1.0), &mut rel).unwrap();
     t.tick(secs(31.0), &mut rel);
     assert_eq!(rel.len(), 1);
     assert!(rel[0].payload.is_none(), "payload must stay parked while read");
     assert_eq!(t.parked(), 1);
-    assert!(t.begin_read(D, a, secs(31.0), &mut rel).is_none(), "no new read of a dead lease");
+    assert!(t.begin_read(D, a, None, secs(31.0), &mut rel).is_none(), "no new read of a dead lease");
     assert_eq!(t.end_read(r1), None);
     assert_eq!(t.end_read(r2), Some("blocks"));
     assert_eq!(t.parked(), 0);
     // A read that ends normally returns nothing; the lease stays live.
     let b = t.grant(secs(40.0), 1, DIGEST, "b");
-    let r = t.begin_read(D, b, secs(40.0), &mut rel).unwrap();
+    let r = t.begin_read(D, b, None, secs(40.0), &mut rel).unwrap();
     assert_eq!(t.end_read(r), None);
     assert!(t.deadline(b).is_some());
 }
@@ -226,7 +226,7 @@ fn p5_p6_past_deadline_is_dead_before_the_reaper_runs() {
     let mut t = table();
     let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
     let (mut lost, mut rel) = (Vec::new(), Vec::new());
-    assert!(t.begin_read(D, a, secs(30.0), &mut rel).is_none());
+    assert!(t.begin_read(D, a, None, secs(30.0), &mut rel).is_none());
     assert_eq!(t.renew(D, &[b], secs(30.0), &mut lost, &mut rel), 0);
     assert_eq!(t.complete(D, c, 0, 1, DIGEST, secs(30.0), &mut rel), Completion::Lost);
     assert_eq!(lost, vec![b]);
@@ -387,7 +387,7 @@ fn s5_a_lease_belongs_to_its_first_holder() {
     // D claims a and b with a heartbeat, c by reading it.
     let hb = t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![a, b] }, secs(1.0), &mut rel);
     assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 1, lost_ids: vec![] }));
-    let ticket = t.begin_read(D, c, secs(1.0), &mut rel).expect("D reads its own lease");
+    let ticket = t.begin_read(D, c, None, secs(1.0), &mut rel).expect("D reads its own lease");
     assert!(t.end_read(ticket).is_none());
     // Another engine of the cluster, guessing the sequential ids, gets nowhere.
     let r = t.on_message(OTHER, &Message::Release { lease_ids: vec![a, b, c] }, secs(2.0), &mut rel);
@@ -397,7 +397,7 @@ fn s5_a_lease_belongs_to_its_first_holder() {
     let hb = t.on_message(OTHER, &Message::Heartbeat { seq: 9, lease_ids: vec![a, b, c] }, secs(25.0), &mut rel);
     assert_eq!(hb.reply, Some(Message::HeartbeatAck { seq: 9, lost_ids: vec![a, b, c] }));
     assert_eq!(hb.renewed, 0);
-    assert!(t.begin_read(OTHER, b, secs(2.0), &mut rel).is_none(), "no read of another engine's lease");
+    assert!(t.begin_read(OTHER, b, None, secs(2.0), &mut rel).is_none(), "no read of another engine's lease");
     assert!(rel.is_empty(), "nothing released by the other engine");
     assert_eq!(t.deadline(a), Some(secs(30.0)), "not kept alive by the other engine");
     assert_eq!(t.live(), 3);
@@ -423,6 +423,22 @@ fn s4_completion_for_another_prompt_is_not_confirmed() {
     assert!(rel.is_empty());
     assert_eq!(t.live(), 1);
     assert_eq!(t.complete(D, a, 0, 1, PromptDigest::of(&[1, 2, 3]), secs(1.0), &mut rel), Completion::Transferred);
+}
+
+/// SPEC S4 over a fenced transport: a reader that shows another prompt's digest is refused
+/// before a byte is served; the right digest, or none shown, is served.
+#[test]
+fn s4_a_read_for_another_prompt_is_refused_at_its_start() {
+    let mut t = table();
+    let a = t.grant(secs(0.0), 1, PromptDigest::of(&[1, 2, 3]), "a");
+    let mut rel = Vec::new();
+    assert!(t.begin_read(D, a, Some(PromptDigest::of(&[1, 2, 4])), secs(1.0), &mut rel).is_none());
+    assert_eq!(t.live(), 1, "the lease is untouched");
+    let ticket = t.begin_read(D, a, Some(PromptDigest::of(&[1, 2, 3])), secs(1.0), &mut rel).expect("its own prompt is served");
+    assert!(t.end_read(ticket).is_none());
+    let ticket = t.begin_read(D, a, None, secs(1.0), &mut rel).expect("no digest shown: checked at completion instead");
+    assert!(t.end_read(ticket).is_none());
+    assert!(rel.is_empty());
 }
 
 /// Memory follows the live count, not the grant pattern: 100 leases kept alive while a million
@@ -473,7 +489,7 @@ fn stale_id_of_a_reused_slot_is_lost_not_another_lease() {
     assert_eq!(lost, vec![old]);
     assert_eq!(t.deadline(old), None);
     assert_eq!(t.get(old), None);
-    assert!(t.begin_read(D, old, secs(1.0), &mut rel).is_none());
+    assert!(t.begin_read(D, old, None, secs(1.0), &mut rel).is_none());
     assert_eq!(t.complete(D, old, 0, 1, DIGEST, secs(1.0), &mut rel), Completion::Lost);
     t.release(D, &[old], secs(1.0), &mut lost, &mut rel);
     assert_eq!(rel.len(), 1, "only the first release of `old`");
@@ -540,7 +556,7 @@ mod id_scheme {
                         prop_assert_eq!(&lost, &vec![stale]);
                         t.release(D, &[stale], now, &mut lost, &mut rel);
                         prop_assert_eq!(lost.len(), 2);
-                        prop_assert!(t.begin_read(D, stale, now, &mut rel).is_none());
+                        prop_assert!(t.begin_read(D, stale, None, now, &mut rel).is_none());
                         prop_assert_eq!(t.complete(D, stale, 0, 1, DIGEST, now, &mut rel), Completion::Lost);
                         prop_assert_eq!(t.get(stale), None);
                     }

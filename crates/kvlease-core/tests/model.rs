@@ -136,7 +136,7 @@ proptest! {
                 Op::BeginRead(i) => {
                     let id = pick(&issued, i);
                     let live = model.get(&id).is_some_and(|m| m.deadline > now);
-                    let got = t.begin_read(D, id, Nanos(now), &mut rel);
+                    let got = t.begin_read(D, id, None, Nanos(now), &mut rel);
                     prop_assert_eq!(got.is_some(), live);
                     if !live { model.remove(&id); }
                     tickets.extend(got);

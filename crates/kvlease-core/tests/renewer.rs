@@ -171,7 +171,7 @@ fn d6_read_only_under_an_acknowledged_lease() {
     r.track("b", &p("P"), 8, at(0));
     ready(&mut r, "P", at(0));
     let budget = Duration::from_secs(1);
-    assert_eq!(r.read_check("a", budget, at(0)), ReadCheck::RenewFirst, "no ack yet");
+    assert_eq!(r.read_check("a", budget, false, at(0)), ReadCheck::RenewFirst, "no ack yet");
     let acts = poll(&mut r, at(0));
     let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
     r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![8] }, Nanos::ZERO);
@@ -181,13 +181,13 @@ fn d6_read_only_under_an_acknowledged_lease() {
     assert_eq!(heartbeat_ids(&acts, "P"), vec![7], "a lost lease is renewed no more");
     poll(&mut r, at(10_000));
     poll(&mut r, at(15_000));
-    assert_eq!(r.read_check("a", budget, at(18_999)), ReadCheck::Safe);
-    assert_eq!(r.read_check("a", budget, at(19_000)), ReadCheck::RenewFirst);
+    assert_eq!(r.read_check("a", budget, false, at(18_999)), ReadCheck::Safe);
+    assert_eq!(r.read_check("a", budget, false, at(19_000)), ReadCheck::RenewFirst);
     // The renewal for the read goes out now, not at the next interval.
     let acts = poll(&mut r, at(19_000));
     assert!(matches!(&acts[..], [Action::Send { kind: SendKind::ReadRenewal, .. }]), "{acts:?}");
     assert_eq!(heartbeat_ids(&acts, "P"), vec![7]);
-    assert_eq!(r.read_check("b", budget, at(19_000)), ReadCheck::Untracked);
+    assert_eq!(r.read_check("b", budget, false, at(19_000)), ReadCheck::Untracked);
     // An unsolicited LeaseLost.
     r.on_message("P", &Message::LeaseLost { lease_ids: vec![7, 99] }, Nanos::ZERO);
     assert!(matches!(&poll(&mut r, at(19_001))[..], [Action::Lost { lease_id: 7, .. }]));
@@ -204,7 +204,7 @@ fn d6_stale_acknowledgements_are_ignored() {
     let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
     poll(&mut r, at(20_000)); // the heartbeat of t=0 ages out
     r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] }, Nanos::ZERO);
-    assert_eq!(r.read_check("a", Duration::ZERO, at(20_001)), ReadCheck::RenewFirst);
+    assert_eq!(r.read_check("a", Duration::ZERO, false, at(20_001)), ReadCheck::RenewFirst);
 }
 
 /// SPEC D4 × §3: a release queued for one incarnation of P is never sent to the next one, where
@@ -285,9 +285,30 @@ fn d6_unreachable_engine_is_not_waited_for() {
     let mut r = Renewer::new(&LeaseConfig::default());
     r.track("a", &p("P"), 1, at(0));
     assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
-    assert_eq!(r.read_check("a", Duration::from_secs(1), at(1)), ReadCheck::RenewFirst, "handshake still pending");
+    assert_eq!(r.read_check("a", Duration::from_secs(1), false, at(1)), ReadCheck::RenewFirst, "handshake still pending");
     r.handshake_done("P", Err(()), at(2));
-    assert_eq!(r.read_check("a", Duration::from_secs(1), at(3)), ReadCheck::Unreachable);
+    assert_eq!(r.read_check("a", Duration::from_secs(1), false, at(3)), ReadCheck::Unreachable);
+}
+
+/// SPEC D6 over a fenced transport (issue 15): the read waits for the handshake with P, not for
+/// an acknowledged heartbeat, and queues no renewal; a failed handshake is still unreachable.
+#[test]
+fn d6_a_fenced_read_waits_for_the_handshake_only() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    let budget = Duration::from_secs(1);
+    assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
+    assert_eq!(r.read_check("a", budget, true, at(1)), ReadCheck::RenewFirst, "handshake still pending");
+    r.handshake_done("P", Ok(found(11)), at(2));
+    assert_eq!(r.read_check("a", budget, true, at(2)), ReadCheck::Safe, "no ack needed");
+    let acts = poll(&mut r, at(3));
+    assert!(!acts.iter().any(|a| matches!(a, Action::Send { kind: SendKind::ReadRenewal, .. })), "no renewal queued: {acts:?}");
+    assert_eq!(r.read_check("a", budget, false, at(3)), ReadCheck::RenewFirst, "unfenced: an acknowledgement is needed");
+    let mut down = Renewer::new(&LeaseConfig::default());
+    down.track("a", &p("P"), 1, at(0));
+    poll(&mut down, at(0));
+    down.handshake_done("P", Err(()), at(1));
+    assert_eq!(down.read_check("a", budget, true, at(2)), ReadCheck::Unreachable);
 }
 
 /// SPEC B2: while leases toward an engine are tracked, its clock offset is measured again every

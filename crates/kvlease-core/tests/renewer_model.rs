@@ -204,7 +204,7 @@ proptest! {
                 Op::Read { req, budget_ms } => {
                     let req = format!("r{req}");
                     let budget = Duration::from_millis(budget_ms);
-                    let got = r.read_check(&req, budget, Nanos(now));
+                    let got = r.read_check(&req, budget, false, Nanos(now));
                     let want = match model.get(&req) {
                         None => ReadCheck::Untracked,
                         Some(t) if t.acked_until > now + budget_ms * 1_000_000 => ReadCheck::Safe,
@@ -253,10 +253,10 @@ fn d2_d6_large_round_out_of_order_then_acked() {
     want.sort_unstable();
     assert_eq!(ids, want);
     for i in (1..n).step_by(2) {
-        assert_eq!(r.read_check(&format!("q{i}"), Duration::from_secs(5), Nanos(3)), ReadCheck::Safe, "q{i}");
+        assert_eq!(r.read_check(&format!("q{i}"), Duration::from_secs(5), false, Nanos(3)), ReadCheck::Safe, "q{i}");
     }
-    assert_eq!(r.read_check("q0", Duration::from_secs(5), Nanos(3)), ReadCheck::Untracked);
+    assert_eq!(r.read_check("q0", Duration::from_secs(5), false, Nanos(3)), ReadCheck::Untracked);
     // A lease tracked after the round is not vouched for by its acknowledgement.
     r.track("new", &remote(0), 2 * n + 1, Nanos(4));
-    assert_eq!(r.read_check("new", Duration::from_secs(5), Nanos(5)), ReadCheck::RenewFirst);
+    assert_eq!(r.read_check("new", Duration::from_secs(5), false, Nanos(5)), ReadCheck::RenewFirst);
 }

@@ -257,15 +257,24 @@ struct Permit {
 }
 
 impl ReadGate for Gate {
-    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32], tag: &[u8]) -> Option<ReadPermit> {
         let inner = self.inner.upgrade()?;
+        // A D engine shows its prompt's digest (S4); no tag: checked at the completion only.
+        let digest = match <[u8; 16]>::try_from(tag) {
+            Ok(d) => Some(PromptDigest(d)),
+            Err(_) if tag.is_empty() => None,
+            Err(_) => {
+                inner.metrics.reads_refused.fetch_add(1, Relaxed);
+                return None;
+            }
+        };
         let mut released = Vec::new();
         let ticket = {
             let mut table = lock(&inner.leases);
             let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.sorted.binary_search(b).is_ok()));
             if owned {
                 let holder = table.holder(agent_holder(peer));
-                table.begin_read(holder, lease_id, inner.now(), &mut released)
+                table.begin_read(holder, lease_id, digest, inner.now(), &mut released)
             } else {
                 None
             }

@@ -4,7 +4,7 @@
 
 use crate::kv_params::RemoteKv;
 use crate::state::{lock, AckKey, Inner};
-use kvlease_core::pull::{Pull, Step, Verdict};
+use kvlease_core::pull::{AfterReads, Pull, Step, Verdict};
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadOp, Segment};
 use std::sync::Arc;
@@ -14,7 +14,8 @@ use tokio::sync::oneshot;
 /// overlap its own; returns what the request does next.
 pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, local: &[u32]) -> Verdict {
     let cfg = &inner.cfg.transfer.lease;
-    let mut pull = Pull::new(cfg, &rk.engine_id, rk.incarnation, inner.now());
+    let fenced = crate::agents::reads_are_fenced(inner.ranks());
+    let mut pull = Pull::new(cfg, &rk.engine_id, rk.incarnation, fenced, inner.now());
     pull.planted = inner.cfg.planted_bug;
     // 1. Wait until an acknowledged heartbeat covers the read.
     loop {
@@ -22,7 +23,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         let news = inner.news.notified();
         tokio::pin!(news);
         news.as_mut().enable();
-        let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), inner.now());
+        let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), fenced, inner.now());
         match pull.check(answer, inner.now()) {
             Step::Read => break,
             Step::Lost(lost) => return pull.finish(Err(lost)),
@@ -50,7 +51,8 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let p_agents = peer.map(|(_, a)| a).unwrap_or_default();
     let hbb = m.head_block_bytes() as u32;
     let n = plan.len() as u32;
-    // 3. Read, each with its ReadDone attached; P answers each ReadDone.
+    // 3. Read, each with its ReadDone attached; P answers each ReadDone. Each read shows P's gate
+    // the prompt's digest (S4, checked before a byte is served over a fenced transport).
     let mut acks = AckWaiters { inner, keys: Vec::new(), rx: Vec::new() };
     let mut reads = Vec::new();
     for (consumer, pair) in plan.iter().enumerate() {
@@ -72,11 +74,13 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
                 len: (pair.heads.end - pair.heads.start) * hbb,
             })
             .collect();
-        acks.expect((pair.d_rank as usize, p_agent.clone(), rk.lease_id));
+        if !fenced {
+            acks.expect((pair.d_rank as usize, p_agent.clone(), rk.lease_id));
+        }
         // The digest D checked against its own prompt on arrival (SPEC S4); P checks it again.
         let notif = Message::ReadDone { lease_id: rk.lease_id, consumer_rank: consumer as u32, n, digest: rk.prompt_digest }.encode();
         let agent = rank.agent.clone();
-        let op = ReadOp { lease_id: rk.lease_id, segments, notif: Some(notif) };
+        let op = ReadOp { lease_id: rk.lease_id, segments, notif: Some(notif), tag: rk.prompt_digest.0.to_vec() };
         reads.push(async move { agent.read(&p_agent, op).await });
     }
     // Awaited here, not spawned: on timeout they are dropped, which cancels them (a fenced
@@ -90,8 +94,8 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         },
     };
     let acks_until = match pull.reads_done(result, done.is_err(), inner.now()) {
-        Ok(t) => t,
-        Err(lost) => return pull.finish(Err(lost)),
+        AfterReads::AwaitAcks { until } => until,
+        AfterReads::Decided(verdict) => return verdict,
     };
     // 4. Every completion must have been confirmed while the lease was live.
     let deadline = inner.instant(acks_until);

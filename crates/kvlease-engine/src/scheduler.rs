@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 pub(crate) enum SchedMsg {
     Submit(Box<Seq>),
@@ -135,6 +136,9 @@ pub(crate) async fn run(
     let mut running: Vec<Seq> = Vec::new();
     let mut loading: BTreeMap<u64, Seq> = BTreeMap::new();
     let mut aborted_loads: BTreeSet<u64> = BTreeSet::new();
+    // When the last decode step's tokens were due: steps are paced from it, not from when the
+    // previous sleep happened to end (see `step`).
+    let mut paced: Option<Instant> = None;
     loop {
         // Take every message that is already here.
         loop {
@@ -183,6 +187,7 @@ pub(crate) async fn run(
         inner.metrics.requests_waiting.store(waiting.len() as i64, Relaxed);
         inner.metrics.requests_running.store((running.len() + loading.len()) as i64, Relaxed);
         if running.is_empty() {
+            paced = None;
             // Biased: the simulator needs the same choice every run.
             tokio::select! {
                 biased;
@@ -199,7 +204,7 @@ pub(crate) async fn run(
             }
             continue;
         }
-        step(&inner, &mut running).await;
+        step(&inner, &mut running, &mut paced).await;
     }
 }
 
@@ -329,7 +334,13 @@ fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
 
 /// One forward step: every request waiting for prefill is prefilled, every decoding request
 /// produces one token. Emulated compute time is slept once per step.
-async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
+///
+/// Decode steps are paced like a GPU's back-to-back steps: each one ends `decode_time` after the
+/// previous one was due (`paced`), not `decode_time` after the previous sleep happened to end,
+/// so the step's own work, the timer's millisecond rounding and a late wake-up do not add up
+/// across tokens: a client sees inter-token gaps of `--decode-ms-per-token` (issue 15). A step
+/// that falls a whole step behind starts the pace again from now.
+async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, paced: &mut Option<Instant>) {
     let m = &inner.cfg.model;
     running.retain(|s| !s.tx.is_closed());
     let prefilling = running.iter().any(|s| s.state == State::Prefill);
@@ -349,6 +360,7 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
             }
         }
         sleep(m.prefill_time(prefill_tokens)).await;
+        *paced = None;
         let mut i = 0;
         while i < running.len() {
             if running[i].state != State::Prefill {
@@ -368,16 +380,33 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>) {
         }
         return;
     }
+    let mut tokens = Vec::with_capacity(running.len());
     for seq in running.iter_mut() {
-        let Some(blocks) = &seq.blocks else { continue };
+        let Some(blocks) = &seq.blocks else {
+            tokens.push(None);
+            continue;
+        };
         let pos = seq.prompt.len() + seq.generated as usize - 1;
         seq.prefix = model::extend_prefix(seq.prefix, seq.last_token);
         write_kv(inner.ranks(), m, blocks, pos, seq.prefix);
         seq.digest = digest_positions(inner.ranks(), m, blocks, pos, pos + 1, seq.digest);
-        let tok = choose(seq);
-        emit(seq, tok);
+        tokens.push(Some(choose(seq)));
     }
-    sleep(m.decode_time()).await;
+    let d = m.decode_time();
+    if d.is_zero() {
+        sleep(d).await;
+    } else {
+        let now = Instant::now();
+        let due = paced.map_or(now + d, |last| (last + d).max(now));
+        *paced = Some(due);
+        tokio::time::sleep_until(due).await;
+    }
+    // The step's tokens come out when its compute is done, as on a GPU.
+    for (seq, tok) in running.iter_mut().zip(tokens) {
+        if let Some(tok) = tok {
+            emit(seq, tok);
+        }
+    }
     let mut i = 0;
     while i < running.len() {
         match finish_reason(&running[i]) {

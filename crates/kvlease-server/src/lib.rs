@@ -3,6 +3,7 @@
 //! * [`serve`]: the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
 //!   `/health`, `/metrics`) in front of one engine, with vLLM's `kv_transfer_params` (SPEC §10).
 //! * [`proxy`]: the P/D routing proxy, flag- and behaviour-compatible with vLLM's toy proxy.
+//! * [`etcd`]: cluster membership: engines register in etcd, the proxy routes to what is there.
 //!
 //! Both run on [`server`]'s accept loop, which bounds what a client can hold ([`HttpLimits`]):
 //! header, body and idle timeouts, a connection cap, a budget for bodies still arriving.
@@ -14,6 +15,7 @@ mod body;
 mod choice;
 mod drain;
 mod error;
+pub mod etcd;
 pub mod ids;
 mod openai;
 mod proxy;
@@ -25,5 +27,5 @@ pub use body::{MAX_BODY_BYTES, UNCOUNTED_BODY_BYTES};
 pub use drain::Drain;
 pub use error::ApiError;
 pub use openai::DEFAULT_MAX_TOKENS;
-pub use proxy::{proxy, router as proxy_router, ProxyConfig, ProxyError, Upstream};
+pub use proxy::{proxy, router as proxy_router, Membership, ProxyConfig, ProxyError, Upstream};
 pub use server::{raise_open_files_limit, HttpLimits};

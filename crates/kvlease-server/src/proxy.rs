@@ -69,6 +69,18 @@ pub struct ProxyConfig {
     pub health_interval: Duration,
     /// SPEC O1: started on SIGTERM; new requests get 503 while those in flight finish.
     pub drain: Arc<crate::drain::Drain>,
+    /// Engines found through etcd (`--etcd`) rather than listed: `prefillers` and `decoders`
+    /// then start empty and follow the registrations.
+    pub membership: Option<Membership>,
+}
+
+/// Where the proxy finds the engines it routes to: the registrations under `prefix` in etcd,
+/// watched (and checked every `--health-interval`). While etcd cannot be reached the last set
+/// read is kept.
+#[derive(Debug, Clone)]
+pub struct Membership {
+    pub etcd: crate::etcd::Etcd,
+    pub prefix: String,
 }
 
 impl ProxyConfig {
@@ -81,6 +93,7 @@ impl ProxyConfig {
             request_timeout: Duration::from_secs(600),
             health_interval: Duration::from_millis(500),
             drain: Arc::default(),
+            membership: None,
         }
     }
 
@@ -113,6 +126,19 @@ struct Instance {
     failures: AtomicU64,
 }
 
+impl Instance {
+    /// In rotation, nothing counted yet.
+    fn new(up: Upstream) -> Arc<Instance> {
+        Arc::new(Instance {
+            up,
+            healthy: AtomicBool::new(true),
+            outstanding: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        })
+    }
+}
+
 /// Counts a request against its instance while alive (least-outstanding routing).
 struct Outstanding(Arc<Instance>);
 
@@ -130,37 +156,53 @@ impl Drop for Outstanding {
     }
 }
 
+/// One role's upstreams. The set is the one thing that changes when engines come and go
+/// ([`Pool::set`], from etcd); requests and probes work on a snapshot of it.
 struct Pool {
     role: &'static str,
-    instances: Vec<Arc<Instance>>,
+    instances: std::sync::RwLock<Arc<Vec<Arc<Instance>>>>,
     next: AtomicUsize,
 }
 
 impl Pool {
     fn new(role: &'static str, upstreams: Vec<Upstream>) -> Pool {
-        let instances = upstreams
-            .into_iter()
-            .map(|up| {
-                Arc::new(Instance {
-                    up,
-                    healthy: AtomicBool::new(true),
-                    outstanding: AtomicUsize::new(0),
-                    requests: AtomicU64::new(0),
-                    failures: AtomicU64::new(0),
-                })
-            })
-            .collect();
-        Pool { role, instances, next: AtomicUsize::new(0) }
+        let instances = upstreams.into_iter().map(Instance::new).collect();
+        Pool { role, instances: std::sync::RwLock::new(Arc::new(instances)), next: AtomicUsize::new(0) }
+    }
+
+    /// The upstreams now.
+    fn instances(&self) -> Arc<Vec<Arc<Instance>>> {
+        self.instances.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Routes to exactly `upstreams` from now on: those already known keep their health and
+    /// counters, new ones start in rotation (an engine registers once it listens), the others
+    /// leave (their requests in flight finish).
+    fn set(&self, upstreams: Vec<Upstream>) {
+        let mut cur = self.instances.write().unwrap_or_else(|e| e.into_inner());
+        if cur.len() == upstreams.len() && cur.iter().zip(&upstreams).all(|(i, up)| i.up == *up) {
+            return;
+        }
+        let next: Vec<Arc<Instance>> =
+            upstreams.into_iter().map(|up| cur.iter().find(|i| i.up == up).cloned().unwrap_or_else(|| Instance::new(up))).collect();
+        for gone in cur.iter().filter(|i| !next.iter().any(|n| n.up == i.up)) {
+            tracing::info!(role = self.role, upstream = %gone.up, "left the routing set");
+        }
+        for new in next.iter().filter(|n| !cur.iter().any(|i| i.up == n.up)) {
+            tracing::info!(role = self.role, upstream = %new.up, "joined the routing set");
+        }
+        *cur = Arc::new(next);
     }
 
     /// The healthy instance with the fewest requests outstanding (ties in turn), not `except`;
     /// when none is healthy, the least busy of all (it may be back: trying beats refusing).
     fn pick(&self, except: Option<&Upstream>) -> Option<Arc<Instance>> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let n = self.instances.len();
+        let instances = self.instances();
+        let n = instances.len();
         let least = |healthy_only: bool| {
             (0..n)
-                .map(|k| &self.instances[(start + k) % n])
+                .map(|k| &instances[(start + k) % n])
                 .filter(|i| Some(&i.up) != except)
                 .filter(|i| !healthy_only || i.healthy.load(Ordering::Acquire))
                 .min_by_key(|i| i.outstanding.load(Ordering::Acquire))
@@ -170,7 +212,7 @@ impl Pool {
     }
 
     fn any_healthy(&self) -> bool {
-        self.instances.iter().any(|i| i.healthy.load(Ordering::Acquire))
+        self.instances().iter().any(|i| i.healthy.load(Ordering::Acquire))
     }
 }
 
@@ -195,6 +237,15 @@ struct Proxy {
     released: AtomicU64,
     turns: Turns,
     turns_used: AtomicU64,
+    /// With `--etcd`: whether the last read of the registrations succeeded.
+    etcd: Option<EtcdState>,
+}
+
+/// The proxy's view of etcd.
+struct EtcdState {
+    url: String,
+    up: AtomicBool,
+    failures: AtomicU64,
 }
 
 /// Multi-turn (SPEC B1, B4), as vLLM's multi-turn proxy does it: each conversation's last
@@ -269,7 +320,7 @@ impl std::error::Error for ProxyError {}
 
 /// The proxy's router.
 pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
-    if cfg.prefillers.is_empty() || cfg.decoders.is_empty() {
+    if cfg.membership.is_none() && (cfg.prefillers.is_empty() || cfg.decoders.is_empty()) {
         return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
     }
     if cfg.request_timeout.is_zero() || cfg.health_interval.is_zero() {
@@ -295,9 +346,17 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
         released: AtomicU64::new(0),
         turns: Turns::default(),
         turns_used: AtomicU64::new(0),
+        etcd: cfg.membership.as_ref().map(|m| EtcdState {
+            url: m.etcd.url().to_string(),
+            up: AtomicBool::new(false),
+            failures: AtomicU64::new(0),
+        }),
     });
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(health_checks(Arc::downgrade(&proxy), cfg.health_interval));
+        if let Some(m) = cfg.membership {
+            rt.spawn(follow_etcd(Arc::downgrade(&proxy), m, cfg.health_interval));
+        }
     }
     Ok(Router::new()
         .route("/v1/completions", post(forward))
@@ -329,11 +388,10 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
         // Instances start in rotation; the first probe comes one interval in.
         tokio::time::sleep(interval).await;
         let Some(proxy) = p.upgrade() else { return };
-        let probes: Vec<_> = proxy
-            .prefill
-            .instances
+        let (prefill, decode) = (proxy.prefill.instances(), proxy.decode.instances());
+        let probes: Vec<_> = prefill
             .iter()
-            .chain(&proxy.decode.instances)
+            .chain(decode.iter())
             .map(|i| {
                 let (client, i) = (proxy.client.clone(), i.clone());
                 async move {
@@ -355,14 +413,101 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
     }
 }
 
+/// How long after etcd answers again the proxy lets engines join but not leave.
+const ETCD_RECOVERY_GRACE: Duration = Duration::from_secs(3);
+
+/// Follows the registrations under the prefix ([`crate::etcd::follow`]: a watch, checked every
+/// `interval`) and routes to them: prefill and both-role engines as prefillers, decode and
+/// both-role ones as decoders. A registration that does not parse is skipped with a warning
+/// naming its key (once per value). While etcd cannot be read the last set is kept, and
+/// `/health` and `kvlease_proxy_etcd_up` say so; for [`ETCD_RECOVERY_GRACE`] after it answers
+/// again, engines join but none leaves (an etcd that came back without its data is empty until
+/// the engines, retrying every second, register again). Ends with the proxy.
+async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duration) {
+    let mut warned: std::collections::HashSet<(String, Vec<u8>)> = Default::default();
+    let mut was_down = false;
+    let mut grace_until: Option<tokio::time::Instant> = None;
+    crate::etcd::follow(&m.etcd, &m.prefix, interval, |seen| {
+        let Some(proxy) = p.upgrade() else { return false };
+        let Some(state) = &proxy.etcd else { return false };
+        match seen {
+            crate::etcd::Seen::Keys(keys) => {
+                let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+                for (key, raw) in keys {
+                    match crate::etcd::Registration::parse(raw).and_then(|r| Ok((r.upstream()?, r))) {
+                        Ok((up, r)) => {
+                            if r.role.prefills() && !prefill.contains(&up) {
+                                prefill.push(up.clone());
+                            }
+                            if r.role.decodes() && !decode.contains(&up) {
+                                decode.push(up);
+                            }
+                        }
+                        Err(why) => {
+                            if warned.insert((key.clone(), raw.clone())) {
+                                tracing::warn!(%key, "etcd: skipping a malformed registration: {why}");
+                            }
+                        }
+                    }
+                }
+                if std::mem::take(&mut was_down) {
+                    grace_until = Some(tokio::time::Instant::now() + ETCD_RECOVERY_GRACE);
+                }
+                if grace_until.is_some_and(|t| tokio::time::Instant::now() < t) {
+                    for (pool, read) in [(&proxy.prefill, &mut prefill), (&proxy.decode, &mut decode)] {
+                        let kept: Vec<Upstream> = pool.instances().iter().map(|i| i.up.clone()).filter(|up| !read.contains(up)).collect();
+                        read.extend(kept);
+                    }
+                }
+                proxy.prefill.set(prefill);
+                proxy.decode.set(decode);
+                if !state.up.swap(true, Ordering::AcqRel) {
+                    tracing::info!(etcd = %state.url, prefix = %m.prefix, "following the registrations in etcd");
+                }
+            }
+            crate::etcd::Seen::Unreachable(e) => {
+                was_down = true;
+                state.failures.fetch_add(1, Ordering::Relaxed);
+                if state.up.swap(false, Ordering::AcqRel) {
+                    tracing::warn!(
+                        "{e}: keeping the last known set ({} prefillers, {} decoders)",
+                        proxy.prefill.instances().len(),
+                        proxy.decode.instances().len()
+                    );
+                }
+            }
+        }
+        true
+    })
+    .await;
+}
+
 /// 200 while at least one prefiller and one decoder are healthy; else 503 saying which is missing.
+/// With `--etcd`, the body says whether etcd is reachable (unreachable: the last known set is
+/// routed to, and that alone does not make the proxy unhealthy).
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
     if p.drain.is_draining() {
         return ApiError::unavailable("draining: shutting down").into_response();
     }
-    match (p.prefill.any_healthy(), p.decode.any_healthy()) {
-        (true, true) => StatusCode::OK.into_response(),
-        (pf, _) => ApiError::unavailable(format!("no healthy {}", if pf { "decoder" } else { "prefiller" })).into_response(),
+    let etcd = p.etcd.as_ref().map(|e| {
+        let (np, nd) = (p.prefill.instances().len(), p.decode.instances().len());
+        if e.up.load(Ordering::Acquire) {
+            json!({"url": e.url, "status": "ok", "prefillers": np, "decoders": nd})
+        } else {
+            json!({"url": e.url, "status": format!("unreachable: routing to the last known set ({np} prefillers, {nd} decoders)"), "prefillers": np, "decoders": nd})
+        }
+    });
+    match (p.prefill.any_healthy(), p.decode.any_healthy(), etcd) {
+        (true, true, None) => StatusCode::OK.into_response(),
+        (true, true, Some(etcd)) => Json(json!({"status": "ok", "etcd": etcd})).into_response(),
+        (pf, _, etcd) => {
+            let mut why = format!("no healthy {}", if pf { "decoder" } else { "prefiller" });
+            if let Some(etcd) = etcd {
+                let field = |f: &str| etcd[f].as_str().unwrap_or_default().to_owned();
+                why.push_str(&format!(" (etcd {}: {})", field("url"), field("status")));
+            }
+            ApiError::unavailable(why).into_response()
+        }
     }
 }
 
@@ -395,11 +540,23 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
     }
-    let pools = [&p.prefill, &p.decode];
+    if let Some(e) = &p.etcd {
+        let _ = writeln!(
+            out,
+            "# HELP kvlease_proxy_etcd_up 1 while the last read of the registrations in etcd succeeded; 0: routing to the last known set.\n# TYPE kvlease_proxy_etcd_up gauge\nkvlease_proxy_etcd_up {}",
+            u64::from(e.up.load(Ordering::Relaxed))
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvlease_proxy_etcd_failures_total Reads of the registrations in etcd that failed.\n# TYPE kvlease_proxy_etcd_failures_total counter\nkvlease_proxy_etcd_failures_total {}",
+            e.failures.load(Ordering::Relaxed)
+        );
+    }
+    let pools = [(&p.prefill, p.prefill.instances()), (&p.decode, p.decode.instances())];
     let each = |out: &mut String, name: &str, kind: &str, help: &str, f: &dyn Fn(&Instance) -> u64| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for pool in pools {
-            for i in &pool.instances {
+        for (pool, instances) in &pools {
+            for i in instances.iter() {
                 let _ = writeln!(out, "{name}{{role=\"{}\",upstream=\"{}\"}} {}", pool.role, i.up, f(i));
             }
         }

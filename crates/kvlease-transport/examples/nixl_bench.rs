@@ -122,7 +122,7 @@ async fn tcp_pair() -> Result<Pair, String> {
 fn full_read() -> ReadOp {
     let segments =
         (0..BLOCKS).map(|b| Segment { remote_block: b, remote_offset: 0, local_block: b, local_offset: 0, len: SEGMENT as u32 }).collect();
-    ReadOp { lease_id: 1, segments, notif: None }
+    ReadOp { lease_id: 1, segments, notif: None, tag: Vec::new() }
 }
 
 async fn pull(pair: &Pair) -> Result<Duration, String> {
@@ -147,7 +147,7 @@ async fn run(label: &str, start_pair: impl std::future::Future<Output = Result<P
     }
     let t = Instant::now();
     pair.d
-        .read(pair.p.name(), ReadOp { lease_id: 1, segments: full_read().segments[..1].to_vec(), notif: None })
+        .read(pair.p.name(), ReadOp { lease_id: 1, segments: full_read().segments[..1].to_vec(), notif: None, tag: Vec::new() })
         .await
         .map_err(|e| e.to_string())?;
     let first_read = t.elapsed();

@@ -101,7 +101,7 @@ fn full_read() -> ReadOp {
     let blocks = (PER_READ / SEGMENT) as u32;
     let segments =
         (0..blocks).map(|b| Segment { remote_block: b, remote_offset: 0, local_block: b, local_offset: 0, len: SEGMENT as u32 }).collect();
-    ReadOp { lease_id: 1, segments, notif: None }
+    ReadOp { lease_id: 1, segments, notif: None, tag: Vec::new() }
 }
 
 /// `TOTAL` bytes pulled by D from P in `PER_READ` reads, timed on D's runtime.

@@ -53,6 +53,10 @@ pub struct ReadOp {
     /// Delivered to the peer as a notification once the data has landed here (NIXL attaches
     /// the notification to the READ; the `ReadDone` of SPEC P8).
     pub notif: Option<Vec<u8>>,
+    /// Shown to the serving side's [`ReadGate`] with the request (tcp, mem; NIXL's one-sided
+    /// READ carries nothing to P). The engine puts the prompt's digest here, so P refuses a read
+    /// meant for another prompt before a byte is served (SPEC S4). Empty: nothing to show.
+    pub tag: Vec<u8>,
 }
 
 /// What an agent reports, on the channel given at its start.
@@ -72,10 +76,11 @@ pub enum AgentEvent {
 
 /// The serving side's say over reads of its memory (SPEC P5, S2).
 pub trait ReadGate: Send + Sync + 'static {
-    /// Peer `peer` asks to read `blocks` under `lease_id`. Return a permit to serve it, or `None`
-    /// to refuse (the lease is not live, or the blocks are not the lease's). The agent drops the
-    /// permit when the bytes have been copied out: until then no block of the lease is reused.
-    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit>;
+    /// Peer `peer` asks to read `blocks` under `lease_id`, showing `tag` ([`ReadOp::tag`]).
+    /// Return a permit to serve it, or `None` to refuse (the lease is not live, the blocks are
+    /// not the lease's, or the tag does not match it). The agent drops the permit when the bytes
+    /// have been copied out: until then no block of the lease is reused.
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32], tag: &[u8]) -> Option<ReadPermit>;
 }
 
 /// Held while a read is served; dropping it ends the read.
@@ -86,7 +91,7 @@ pub type ReadPermit = Box<dyn Send>;
 pub struct OpenGate;
 
 impl ReadGate for OpenGate {
-    fn begin_read(&self, _peer: &str, _lease_id: u64, _blocks: &[u32]) -> Option<ReadPermit> {
+    fn begin_read(&self, _peer: &str, _lease_id: u64, _blocks: &[u32], _tag: &[u8]) -> Option<ReadPermit> {
         Some(Box::new(()))
     }
 }

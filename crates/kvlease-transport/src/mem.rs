@@ -304,7 +304,8 @@ impl MemAgent {
         let mut blocks: Vec<u32> = op.segments.iter().map(|s| s.remote_block).collect();
         blocks.sort_unstable();
         blocks.dedup();
-        let permit = other.gate.begin_read(&self.name, op.lease_id, &blocks).ok_or(TransportError::Refused { lease_id: op.lease_id })?;
+        let permit =
+            other.gate.begin_read(&self.name, op.lease_id, &blocks, &op.tag).ok_or(TransportError::Refused { lease_id: op.lease_id })?;
         let same_arena = Arc::ptr_eq(&self.arena, &other.arena);
         for s in &op.segments {
             // SAFETY: both ranges passed `contains`; the permit keeps the remote blocks from

@@ -904,7 +904,7 @@ impl Inner {
         let mut blocks: Vec<u32> = req.segments.iter().map(|s| s.block).collect();
         blocks.sort_unstable();
         blocks.dedup();
-        match self.gate.begin_read(&conn.peer, req.lease_id, &blocks) {
+        match self.gate.begin_read(&conn.peer, req.lease_id, &blocks, &req.tag) {
             None => {
                 let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_REFUSED, "lease lost"));
             }
@@ -994,7 +994,7 @@ impl Inner {
             None => return Err(disconnected()),
         };
         let _pending = PendingGuard { conn: &conn, req_id, sink: &sink };
-        self.send_ctrl(&conn, Outgoing::read_req(req_id, op.lease_id, &sink.segments))?;
+        self.send_ctrl(&conn, Outgoing::read_req(req_id, op.lease_id, &sink.segments, &op.tag))?;
         landed.await.unwrap_or_else(|_| Err(disconnected()))?;
         // Only now that every byte landed may the peer learn the read is done (ReadDone, P8).
         if let Some(n) = op.notif {

@@ -101,6 +101,8 @@ struct GateShared {
     refuse: Mutex<HashSet<u64>>,
     scribble: Mutex<Option<Arc<BlockArena>>>,
     calls: Mutex<Vec<(String, u64, Vec<u32>)>>,
+    /// The tag shown with each call, in order.
+    tags: Mutex<Vec<Vec<u8>>>,
 }
 
 /// The byte a scribbling gate writes over released blocks.
@@ -156,12 +158,17 @@ impl TestGate {
     pub(crate) fn calls(&self) -> Vec<(String, u64, Vec<u32>)> {
         self.shared.calls.lock().unwrap().clone()
     }
+
+    pub(crate) fn tags(&self) -> Vec<Vec<u8>> {
+        self.shared.tags.lock().unwrap().clone()
+    }
 }
 
 impl ReadGate for TestGate {
-    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32]) -> Option<ReadPermit> {
+    fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32], tag: &[u8]) -> Option<ReadPermit> {
         let s = &self.shared;
         s.calls.lock().unwrap().push((peer.to_owned(), lease_id, blocks.to_vec()));
+        s.tags.lock().unwrap().push(tag.to_vec());
         if s.refuse.lock().unwrap().contains(&lease_id) {
             s.refused.fetch_add(1, Ordering::SeqCst);
             return None;
@@ -206,7 +213,7 @@ pub(crate) async fn scenario_read_round_trip(mut pair: Pair) {
         let (from, to) = ((s.remote_offset) as usize, (s.local_block * bb + s.local_offset) as usize);
         expected[to..to + s.len as usize].copy_from_slice(&block(&pair.p_arena, s.remote_block)[from..from + s.len as usize]);
     }
-    let op = ReadOp { lease_id: 42, segments, notif: Some(b"read-done".to_vec()) };
+    let op = ReadOp { lease_id: 42, segments, notif: Some(b"read-done".to_vec()), tag: b"prompt-digest".to_vec() };
     let (d, peer) = (Arc::clone(&pair.d), pair.p.name().to_owned());
     let read = tokio::spawn(async move { d.read(&peer, op).await });
 
@@ -217,9 +224,10 @@ pub(crate) async fn scenario_read_round_trip(mut pair: Pair) {
     assert!(whole(pair.d.arena()) == expected, "D's arena holds exactly the requested bytes, nothing else");
     let blocks: Vec<u32> = [0, 1, 2, 4, 7].into_iter().chain(8..16).collect();
     assert_eq!(pair.gate.calls(), vec![(pair.d.name().to_owned(), 42, blocks)], "the gate saw the lease and its blocks");
+    assert_eq!(pair.gate.tags(), vec![b"prompt-digest".to_vec()], "S4: the gate saw the read's tag");
 
     // An empty read completes too, and still notifies.
-    let op = ReadOp { lease_id: 43, segments: vec![], notif: Some(b"empty".to_vec()) };
+    let op = ReadOp { lease_id: 43, segments: vec![], notif: Some(b"empty".to_vec()), tag: Vec::new() };
     within("an empty read", pair.d.read(pair.p.name(), op)).await.expect("empty read ok");
     assert_eq!(next_notif(&mut pair.p_events).await.1, b"empty");
 }
@@ -232,7 +240,7 @@ pub(crate) async fn scenario_large_read(pair: Pair) {
         fill_block(&pair.p_arena, b, 7 + u64::from(b));
     }
     let segments = (0..n).map(|b| seg(b, 0, n - 1 - b, 0, bb)).collect();
-    let op = ReadOp { lease_id: 1, segments, notif: None };
+    let op = ReadOp { lease_id: 1, segments, notif: None, tag: Vec::new() };
     within("a large read", pair.d.read(pair.p.name(), op)).await.expect("large read ok");
     for b in 0..n {
         assert!(block(pair.d.arena(), n - 1 - b) == block(&pair.p_arena, b), "block {b}");
@@ -246,13 +254,14 @@ pub(crate) async fn scenario_refused_read_copies_nothing(mut pair: Pair) {
     }
     pair.gate.refuse(9);
     let bb = pair.p_arena.block_bytes() as u32;
-    let op = ReadOp { lease_id: 9, segments: vec![seg(0, 0, 0, 0, bb), seg(1, 0, 1, 0, bb)], notif: Some(b"nope".to_vec()) };
+    let op =
+        ReadOp { lease_id: 9, segments: vec![seg(0, 0, 0, 0, bb), seg(1, 0, 1, 0, bb)], notif: Some(b"nope".to_vec()), tag: Vec::new() };
     let r = within("a refused read", pair.d.read(pair.p.name(), op)).await;
     assert_eq!(r, Err(TransportError::Refused { lease_id: 9 }));
     assert!(whole(pair.d.arena()).iter().all(|&b| b == 0), "no byte of a refused read lands");
     assert_eq!((pair.gate.refused(), pair.gate.live()), (1, 0));
     // The refused read's notification was never sent: the next one P sees is this one.
-    let op = ReadOp { lease_id: 10, segments: vec![seg(2, 0, 2, 0, bb)], notif: Some(b"ok".to_vec()) };
+    let op = ReadOp { lease_id: 10, segments: vec![seg(2, 0, 2, 0, bb)], notif: Some(b"ok".to_vec()), tag: Vec::new() };
     within("a served read", pair.d.read(pair.p.name(), op)).await.expect("lease 10 is served");
     assert_eq!(next_notif(&mut pair.p_events).await.1, b"ok");
 }
@@ -268,7 +277,7 @@ pub(crate) async fn scenario_permit_held_during_copy(pair: Pair) {
     let originals: Vec<Vec<u8>> = (0..n).map(|b| block(&pair.p_arena, b)).collect();
     pair.gate.scribble_on_release(Arc::clone(&pair.p_arena));
     let bb = pair.p_arena.block_bytes() as u32;
-    let op = ReadOp { lease_id: 3, segments: (0..n).map(|b| seg(b, 0, b, 0, bb)).collect(), notif: None };
+    let op = ReadOp { lease_id: 3, segments: (0..n).map(|b| seg(b, 0, b, 0, bb)).collect(), notif: None, tag: Vec::new() };
     within("the read", pair.d.read(pair.p.name(), op)).await.expect("read ok");
     for b in 0..n {
         assert!(block(pair.d.arena(), b) == originals[b as usize], "block {b} was read before its permit dropped");
@@ -313,7 +322,7 @@ pub(crate) async fn scenario_out_of_range(pair: Pair) {
         seg(0, 0, 0, bb - 1, 2), // past the local block's end
     ];
     for s in bad {
-        let op = ReadOp { lease_id: 1, segments: vec![seg(1, 0, 1, 0, 8), s], notif: Some(b"x".to_vec()) };
+        let op = ReadOp { lease_id: 1, segments: vec![seg(1, 0, 1, 0, 8), s], notif: Some(b"x".to_vec()), tag: Vec::new() };
         match within("an out-of-range read", pair.d.read(pair.p.name(), op)).await {
             Err(TransportError::OutOfRange(msg)) => assert!(!msg.is_empty()),
             other => panic!("{s:?}: expected OutOfRange, got {other:?}"),
@@ -321,14 +330,14 @@ pub(crate) async fn scenario_out_of_range(pair: Pair) {
     }
     assert!(pair.gate.calls().is_empty(), "out-of-range reads never reach the gate");
     fill_block(&pair.p_arena, 1, 77);
-    let op = ReadOp { lease_id: 1, segments: vec![seg(1, 0, 1, 0, bb)], notif: None };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(1, 0, 1, 0, bb)], notif: None, tag: Vec::new() };
     within("a good read", pair.d.read(pair.p.name(), op)).await.expect("still serving");
     assert!(block(pair.d.arena(), 1) == block(&pair.p_arena, 1));
 }
 
 /// Reads and notifications naming a peer never added fail at once with `UnknownPeer`.
 pub(crate) async fn scenario_unknown_peer(pair: Pair) {
-    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 1)], notif: None };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 1)], notif: None, tag: Vec::new() };
     assert_eq!(pair.d.read("nobody", op).await, Err(TransportError::UnknownPeer("nobody".into())));
     assert_eq!(pair.d.send_notif("nobody", vec![1]), Err(TransportError::UnknownPeer("nobody".into())));
     assert!(pair.d.can_refuse_reads() && pair.p.can_refuse_reads());
@@ -343,7 +352,7 @@ pub(crate) async fn check_both_directions(a: &dyn Agent, a_events: &mut Events, 
 /// `x` reads `y` with a notification, and `y` notifies `x`.
 async fn check_one_direction(x: &dyn Agent, x_events: &mut Events, y: &dyn Agent, y_events: &mut Events) {
     fill_block(y.arena(), 0, 99);
-    let op = ReadOp { lease_id: 5, segments: vec![seg(0, 0, 1, 0, 64)], notif: Some(b"done".to_vec()) };
+    let op = ReadOp { lease_id: 5, segments: vec![seg(0, 0, 1, 0, 64)], notif: Some(b"done".to_vec()), tag: Vec::new() };
     within("a read", x.read(y.name(), op)).await.unwrap_or_else(|e| panic!("{} reads {}: {e}", x.name(), y.name()));
     assert!(block(x.arena(), 1)[..64] == block(y.arena(), 0)[..64]);
     assert_eq!(next_notif(y_events).await, (x.name().to_owned(), b"done".to_vec()));

@@ -123,7 +123,7 @@ fn seg(remote_block: u32, remote_offset: u32, local_block: u32, local_offset: u3
 }
 
 fn op(segments: Vec<Segment>, notif: Option<&[u8]>) -> ReadOp {
-    ReadOp { lease_id: 7, segments, notif: notif.map(<[u8]>::to_vec) }
+    ReadOp { lease_id: 7, segments, notif: notif.map(<[u8]>::to_vec), tag: Vec::new() }
 }
 
 #[tokio::test]

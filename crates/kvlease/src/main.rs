@@ -152,8 +152,27 @@ struct ServeArgs {
     /// reading it, so process tests can end a lease under a read. Never set in production.
     #[arg(long, hide = true, value_name = "MS")]
     debug_read_delay_ms: Option<u64>,
+    /// Register this engine in etcd (its members' client URLs, comma-separated, e.g.
+    /// http://10.0.0.1:2379) under a lease of --etcd-ttl, kept alive while it serves and revoked
+    /// when it drains; routers started with `kvlease proxy --etcd` find it there.
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    #[command(flatten)]
+    etcd_args: EtcdArgs,
+    /// Seconds the etcd lease lasts (renewed every third of it): an engine that dies without
+    /// draining leaves the routing set within this.
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    etcd_ttl: u64,
     #[command(flatten)]
     http: HttpArgs,
+}
+
+/// Where registrations live in etcd, shared by `serve` and `proxy`.
+#[derive(Args, Debug)]
+struct EtcdArgs {
+    /// Key prefix of the registrations (one key per engine: PREFIX + engine id).
+    #[arg(long, value_name = "PREFIX", default_value = kvlease_server::etcd::DEFAULT_PREFIX)]
+    etcd_prefix: String,
 }
 
 /// The HTTP listener's bounds, shared by `serve` and `proxy`.
@@ -239,6 +258,14 @@ struct ProxyArgs {
     decoder_hosts: Vec<String>,
     #[arg(long, num_args = 1.., default_values_t = [8200u16])]
     decoder_ports: Vec<u16>,
+    /// Route to the engines registered in etcd (its members' client URLs, comma-separated)
+    /// instead of the --prefiller-* and --decoder-* lists: watched, and checked every
+    /// --health-interval; the last known set is kept while etcd is unreachable (`/health` and
+    /// `kvlease_proxy_etcd_up` say so).
+    #[arg(long, value_name = "URL", conflicts_with_all = ["prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports"])]
+    etcd: Option<String>,
+    #[command(flatten)]
+    etcd_args: EtcdArgs,
     /// Seconds a request may take through the proxy, both legs and the whole answer: 504 before
     /// the first byte, an SSE error event after it.
     #[arg(long, default_value_t = 600.0)]
@@ -571,8 +598,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http = listener.local_addr().context("listener has no address")?;
     let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
     let engine_id = cfg.engine_id.clone();
+    let role = cfg.transfer.kv_role;
     let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
+    let etcd = etcd_target(&args)?;
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
+    // The listener is bound: a router that finds the engine at once is answered as soon as the
+    // server runs.
+    let registrar = etcd.map(|(etcd, host)| register(etcd, &host, &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
     announce(format!(
@@ -585,7 +617,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
     let options = ServeOptions { http: limits, insecure, drain: drain.clone(), served_model_names: served_names(&args), api_key };
     let server = kvlease_server::serve(engine.clone(), listener, options, async move {
-        drain_on_signal(signals, &drain, drain_timeout).await;
+        drain_on_signal(signals, &drain, drain_timeout, registrar).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await?;
@@ -605,10 +637,60 @@ fn seconds(v: f64, flag: &str) -> Result<Duration, InvalidConfig> {
     }
 }
 
+/// `--etcd`, checked before anything starts: the client, and the address to register (the
+/// advertised one, else `--host`, which must then not be a wildcard).
+fn etcd_target(args: &ServeArgs) -> Result<Option<(kvlease_server::etcd::Etcd, String)>, InvalidConfig> {
+    let Some(url) = &args.etcd else { return Ok(None) };
+    let etcd = kvlease_server::etcd::Etcd::new(url).map_err(|e| InvalidConfig(e.0))?;
+    let host = match side_channel_host(args.advertise_host)? {
+        Some(ip) => ip.to_string(),
+        None if args.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()) => {
+            return Err(InvalidConfig(format!(
+                "--etcd: --host {} is not an address others can reach; give --advertise-host, the IP routers and engines reach this one at",
+                args.host
+            )))
+        }
+        None => args.host.clone(),
+    };
+    Ok(Some((etcd, host)))
+}
+
+/// Registers the engine in etcd under `--etcd-prefix` + engine id: its role (from `kv_role`),
+/// the URL of its API and its side channel at `host`, its `tp_size`.
+fn register(
+    etcd: kvlease_server::etcd::Etcd,
+    host: &str,
+    args: &ServeArgs,
+    role: kvlease_core::config::KvRole,
+    engine_id: &str,
+    (http_port, kv_port): (u16, u16),
+) -> kvlease_server::etcd::Registrar {
+    use kvlease_server::etcd::{Registrar, Registration, Role};
+    let role = match role {
+        kvlease_core::config::KvRole::Producer => Role::Prefill,
+        kvlease_core::config::KvRole::Consumer => Role::Decode,
+        kvlease_core::config::KvRole::Both => Role::Both,
+    };
+    let registration = Registration {
+        role,
+        url: format!("http://{}", host_port(host, http_port)),
+        engine_id: engine_id.to_string(),
+        kv_addr: host_port(host, kv_port),
+        tp_size: args.tp_size,
+    };
+    let key = format!("{}{}", args.etcd_args.etcd_prefix, registration.engine_id);
+    tracing::info!(%key, role = role.as_str(), url = %registration.url, "registering in etcd at {}", etcd.url());
+    Registrar::start(etcd, key, &registration, Duration::from_secs(args.etcd_ttl))
+}
+
 /// SPEC O1: waits for SIGTERM (or SIGINT), then drains: new requests get 503 while those in
-/// flight finish, until none is left, `timeout` passes, or a second signal comes.
-async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration) {
+/// flight finish, until none is left, `timeout` passes, or a second signal comes. An engine
+/// registered in etcd deregisters first, so routers stop picking it before it turns requests away.
+async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration, registrar: Option<kvlease_server::etcd::Registrar>) {
     signals.recv().await;
+    if let Some(r) = registrar {
+        r.deregister().await;
+    }
     drain.start();
     tracing::info!(in_flight = drain.in_flight(), "draining: new requests get 503; waiting up to {timeout:?} for those in flight");
     tokio::select! {
@@ -621,26 +703,40 @@ async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration)
 async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     let drain = Arc::new(Drain::default());
     let drain_timeout = seconds(args.drain_timeout, "--drain-timeout")?;
+    let (upstreams, membership) = match &args.etcd {
+        Some(url) => {
+            let etcd = kvlease_server::etcd::Etcd::new(url).map_err(|e| InvalidConfig(e.0))?;
+            ((Vec::new(), Vec::new()), Some(kvlease_server::Membership { etcd, prefix: args.etcd_args.etcd_prefix.clone() }))
+        }
+        None => (
+            (
+                ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
+                ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+            ),
+            None,
+        ),
+    };
     let cfg = ProxyConfig {
         request_timeout: seconds(args.request_timeout, "--request-timeout")?,
         health_interval: seconds(args.health_interval, "--health-interval")?,
         drain: drain.clone(),
-        ..ProxyConfig::new(
-            ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
-            ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
-        )
+        membership,
+        ..ProxyConfig::new(upstreams.0, upstreams.1)
     };
     let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
     let list = |u: &[Upstream]| u.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
-    tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing");
+    match &cfg.membership {
+        Some(m) => tracing::info!(etcd = %m.etcd.url(), prefix = %m.prefix, "routing to the engines registered in etcd"),
+        None => tracing::info!(prefillers = %list(&cfg.prefillers), decoders = %list(&cfg.decoders), "routing"),
+    }
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
     announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, limits, async move {
-        drain_on_signal(signals, &drain, drain_timeout).await;
+        drain_on_signal(signals, &drain, drain_timeout, None).await;
         let _ = stopped_tx.send(());
     });
     run_with_grace(server, stopped_rx).await
@@ -745,6 +841,40 @@ mod tests {
         assert_eq!(p.prefiller_ports, [1, 2]);
         assert_eq!(p.decoder_hosts, ["localhost"]);
         assert_eq!(p.decoder_ports, [3]);
+    }
+
+    /// Issue 12: `--etcd` replaces the static upstream lists (given together, a usage error); a
+    /// wildcard `--host` needs `--advertise-host` to register a reachable URL.
+    #[test]
+    fn etcd_flags_replace_static_upstreams_and_need_a_reachable_address() {
+        let e = Cli::try_parse_from(["kvlease", "proxy", "--etcd", "http://e:2379", "--decoder-ports", "1"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let cli = Cli::try_parse_from(["kvlease", "proxy", "--etcd", "http://e:2379"]).unwrap();
+        let Command::Proxy(p) = cli.command else { panic!("expected proxy") };
+        assert_eq!((p.etcd.as_deref(), p.etcd_args.etcd_prefix.as_str()), (Some("http://e:2379"), "/kvlease/"));
+        let cli = Cli::try_parse_from(["kvlease", "serve", "--host", "0.0.0.0", "--etcd", "http://e:2379"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert_eq!(s.etcd_ttl, 10);
+        let e = etcd_target(&s).expect_err("a wildcard host is refused");
+        assert!(e.to_string().contains("--advertise-host"), "{e}");
+        let cli = Cli::try_parse_from(["kvlease", "serve", "--etcd", "e:2379"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert!(etcd_target(&s).expect_err("not an http URL").to_string().contains("--etcd"));
+        let cli = Cli::try_parse_from([
+            "kvlease",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            "10.0.0.5",
+            "--etcd",
+            "http://e:2379,http://f:2379",
+        ])
+        .unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        let (etcd, host) = etcd_target(&s).unwrap().expect("--etcd given");
+        assert_eq!((etcd.url(), host.as_str()), ("http://e:2379,http://f:2379", "10.0.0.5"));
+        assert!(Cli::try_parse_from(["kvlease", "serve", "--etcd-ttl", "0"]).is_err());
     }
 
     #[test]

@@ -81,6 +81,7 @@ fn load_writes_its_per_second_series_as_csv() {
     let failed: u64 = rows.iter().map(|r| r[2].parse::<u64>().expect("failed count")).sum();
     assert_eq!((ok, failed), (20, 0), "{text}");
     for r in rows.iter().filter(|r| r[1] != "0") {
-        assert!(r[5].parse::<f64>().is_ok_and(|p50| p50 >= 400.0), "20 tokens × 20 ms: {r:?}");
+        // The first token comes from the prefill step; the other 19 take a 20 ms step each.
+        assert!(r[5].parse::<f64>().is_ok_and(|p50| p50 >= 380.0), "19 decode steps × 20 ms: {r:?}");
     }
 }

@@ -36,18 +36,6 @@ impl Drop for Prometheus {
     }
 }
 
-fn binary() -> String {
-    if let Ok(p) = std::env::var("KVLEASE_PROMETHEUS") {
-        return p;
-    }
-    let on_path = Command::new("prometheus").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    assert!(
-        on_path.is_ok_and(|s| s.success()),
-        "no Prometheus server: run `export KVLEASE_PROMETHEUS=$(scripts/install-prometheus.sh)` (scripts/test.sh does)"
-    );
-    "prometheus".into()
-}
-
 /// Starts Prometheus scraping `targets` (base URLs) every second.
 fn prometheus(targets: &[&str]) -> Prometheus {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
@@ -60,7 +48,7 @@ fn prometheus(targets: &[&str]) -> Prometheus {
     );
     let config_file = dir.join("prometheus.yml");
     std::fs::write(&config_file, config).expect("config");
-    let child = Command::new(binary())
+    let child = Command::new(server_binary("KVLEASE_PROMETHEUS", "prometheus", "scripts/install-prometheus.sh"))
         .arg(format!("--config.file={}", config_file.display()))
         .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
         .arg(format!("--web.listen-address=127.0.0.1:{port}"))

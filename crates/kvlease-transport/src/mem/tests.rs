@@ -28,7 +28,7 @@ async fn pair(blocks: u32, block_bytes: usize) -> Pair {
 }
 
 fn small_read() -> ReadOp {
-    ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: Some(b"done".to_vec()) }
+    ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: Some(b"done".to_vec()), tag: Vec::new() }
 }
 
 #[tokio::test]

@@ -197,7 +197,7 @@ async fn strangers_are_dropped_and_counted_while_known_peers_are_served_s2_p7() 
     });
     // While strangers are held, the known peer is served.
     fill_block(&pr.p_arena, 0, 1);
-    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"served".to_vec()) };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"served".to_vec()), tag: Vec::new() };
     within("a read during the hold", pr.d.read("p", op)).await.expect("known peer served");
     assert!(block(pr.d.arena(), 0) == block(&pr.p_arena, 0));
     within("strangers dropped", strangers).await.expect("stranger tasks");
@@ -235,7 +235,7 @@ async fn malformed_and_oversized_frames_from_a_known_peer_are_dropped_and_counte
 
     // Well-formed requests from this peer are served; this also pins the wire format.
     fill_block(p.arena(), 2, 5);
-    let req = Outgoing::read_req(77, 1, &[seg(2, 100, 0, 0, 16)]);
+    let req = Outgoing::read_req(77, 1, &[seg(2, 100, 0, 0, 16)], &[]);
     send(&mut raw, &req).await;
     let (kind, body) = recv(&mut raw).await.expect("a response");
     assert_eq!(kind, wire::READ_DATA);
@@ -283,7 +283,7 @@ async fn pending_read_fails_with_disconnected_when_the_peer_dies_others_unaffect
     // The fake dies with the read pending (silent), then, reconnected, half-way through the data.
     for half_way in [false, true] {
         let mut s = fake_p_handshake(&d, &listener).await;
-        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"done".to_vec()) };
+        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"done".to_vec()), tag: Vec::new() };
         let d2 = Arc::clone(&d);
         let read = tokio::spawn(async move { d2.read("fake-p", op).await });
         let (kind, body) = recv(&mut s).await.expect("the read request");
@@ -296,7 +296,7 @@ async fn pending_read_fails_with_disconnected_when_the_peer_dies_others_unaffect
         drop(s);
         assert_eq!(within("the read", read).await.unwrap(), Err(TransportError::Disconnected("fake-p".into())));
         assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "fake-p".into() });
-        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+        let op = ReadOp { lease_id: 4, segments: vec![seg(0, 0, 0, 0, 8)], notif: None, tag: Vec::new() };
         assert_eq!(d.read("fake-p", op).await, Err(TransportError::Disconnected("fake-p".into())), "the next read fails too");
         assert_eq!(d.send_notif("fake-p", vec![1]), Err(TransportError::Disconnected("fake-p".into())));
     }
@@ -313,7 +313,7 @@ async fn dropping_the_peer_agent_fails_reads_with_disconnected_and_reports_it_on
     connect(&q, &d).await;
     drop(p);
     assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
-    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None, tag: Vec::new() };
     assert_eq!(d.read("p", op).await, Err(TransportError::Disconnected("p".into())));
     check_both_directions(&*d, &mut d_events, &*q, &mut q_events).await;
     assert!(d_events.try_recv().is_err(), "Disconnected was reported once");
@@ -371,7 +371,7 @@ async fn remove_peer_closes_the_connection_and_refuses_the_peer_afterwards() {
     p.remove_peer("d");
     assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
     assert_eq!(p.send_notif("d", vec![1]), Err(TransportError::UnknownPeer("d".into())));
-    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None, tag: Vec::new() };
     assert_eq!(d.read("p", op).await, Err(TransportError::Disconnected("p".into())));
     // d tries to come back: p no longer knows it and refuses.
     assert!(matches!(within("a refused add_peer", d.add_peer(&p.metadata())).await, Err(TransportError::Io(_))));
@@ -392,7 +392,7 @@ async fn shutdown_and_dropping_the_agent_close_listener_and_connections_and_end_
     let p_addr = p.local_addr();
     p.shutdown();
     assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
-    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None };
+    let op = ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 8)], notif: None, tag: Vec::new() };
     assert_eq!(p.read("d", op).await, Err(TransportError::Disconnected("d".into())));
     assert!(p.add_peer(&d.metadata()).await.is_err());
     within("p's listener to close", async {
@@ -417,7 +417,11 @@ async fn cancelled_read_never_writes_its_blocks_afterwards() {
     let mut fake = fake_p_handshake(&d, &listener).await;
     let d2 = Arc::clone(&d);
     let read = tokio::spawn(async move {
-        d2.read("fake-p", ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096), seg(1, 0, 1, 0, 4096)], notif: None }).await
+        d2.read(
+            "fake-p",
+            ReadOp { lease_id: 1, segments: vec![seg(0, 0, 0, 0, 4096), seg(1, 0, 1, 0, 4096)], notif: None, tag: Vec::new() },
+        )
+        .await
     });
     let (_, req) = recv(&mut fake).await.expect("request");
     let req_id = u64::from_le_bytes(req[..8].try_into().unwrap());
@@ -437,8 +441,9 @@ async fn cancelled_read_never_writes_its_blocks_afterwards() {
     // A later read is answered after the rest of the dropped one: once it is done, the rest
     // was drained.
     let d2 = Arc::clone(&d);
-    let later =
-        tokio::spawn(async move { d2.read("fake-p", ReadOp { lease_id: 1, segments: vec![seg(0, 0, 4, 0, 16)], notif: None }).await });
+    let later = tokio::spawn(async move {
+        d2.read("fake-p", ReadOp { lease_id: 1, segments: vec![seg(0, 0, 4, 0, 16)], notif: None, tag: Vec::new() }).await
+    });
     let (_, req) = recv(&mut fake).await.expect("request");
     fake.write_all(&wire::read_data_header(u64::from_le_bytes(req[..8].try_into().unwrap()), 16)).await.unwrap();
     fake.write_all(&[0xEF; 16]).await.unwrap();
@@ -458,6 +463,7 @@ async fn cancelled_reads_leave_the_connection_usable() {
         lease_id,
         segments: blocks.map(|b| seg(b, 0, b, 0, BB as u32)).collect(),
         notif: Some(b"done".to_vec()),
+        tag: Vec::new(),
     };
     let (d_arena, zeros) = (pr.d.arena(), vec![0u8; BB]);
     for round in 0..5 {
@@ -486,7 +492,7 @@ async fn notification_overtakes_a_large_response_in_flight() {
     let mut raw = raw_known_peer(&p, "raw").await;
     // 64 MiB asked, nothing read yet: the response fills the socket and the writer waits.
     let segments: Vec<Segment> = (0..64).map(|b| seg(b, 0, 0, 0, 1024 * 1024)).collect();
-    send(&mut raw, &Outgoing::read_req(1, 1, &segments)).await;
+    send(&mut raw, &Outgoing::read_req(1, 1, &segments, &[])).await;
     p.send_notif("raw", b"heartbeat".to_vec()).unwrap();
     let mut data_before = 0usize;
     loop {
@@ -515,19 +521,20 @@ async fn reader_that_stops_reading_mid_response_is_cut_off_after_write_stall_rel
     let mut raw = raw_known_peer(&p, "raw").await;
     // A read of p's own waits on that connection too: it must fail, not hang.
     let p2 = Arc::clone(&p);
-    let ours =
-        tokio::spawn(async move { p2.read("raw", ReadOp { lease_id: 9, segments: vec![seg(0, 0, 0, 0, 4096)], notif: None }).await });
+    let ours = tokio::spawn(async move {
+        p2.read("raw", ReadOp { lease_id: 9, segments: vec![seg(0, 0, 0, 0, 4096)], notif: None, tag: Vec::new() }).await
+    });
 
     // raw asks for 64 MiB and reads nothing from now on: like a D that was SIGSTOPped or
     // partitioned mid-transfer. The response fills the socket buffers and p's writer waits.
     let segments: Vec<Segment> = (0..64).map(|b| seg(b, 0, 0, 0, MIB as u32)).collect();
-    send(&mut raw, &Outgoing::read_req(1, 1, &segments)).await;
+    send(&mut raw, &Outgoing::read_req(1, 1, &segments, &[])).await;
     eventually("raw's read to be granted", || gate.calls().iter().any(|(peer, _, _)| peer == "raw")).await;
     let granted = Instant::now();
 
     // Meanwhile p serves d.
     fill_block(p.arena(), 3, 3);
-    let op = ReadOp { lease_id: 2, segments: vec![seg(3, 0, 3, 0, MIB as u32)], notif: None };
+    let op = ReadOp { lease_id: 2, segments: vec![seg(3, 0, 3, 0, MIB as u32)], notif: None, tag: Vec::new() };
     within("d's read while raw is stalled", d.read("p", op)).await.expect("d is served");
     assert!(block(d.arena(), 3) == block(p.arena(), 3));
 
@@ -649,7 +656,8 @@ async fn impostor_with_a_wrong_secret_dialing_p_as_d_reads_nothing_s2() {
     assert_eq!(next_event(&mut impostor_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
     assert_eq!(next_event(&mut pr.p_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
     fill_block(pr.p.arena(), 0, 42);
-    let op = ReadOp { lease_id: STOLEN_LEASE, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"Release all".to_vec()) };
+    let op =
+        ReadOp { lease_id: STOLEN_LEASE, segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"Release all".to_vec()), tag: Vec::new() };
     assert!(within("the impostor's read", impostor.read("p", op)).await.is_err(), "not served");
     assert!(block(impostor.arena(), 0) != block(pr.p.arena(), 0), "no byte of p's block reached the impostor");
     assert_eq!(pr.gate.calls(), Vec::new(), "p's gate was never asked");
@@ -677,7 +685,7 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
             if let Some(proof) = proof {
                 let forged = [
                     Outgoing::hello_proof(&proof).to_bytes(),
-                    Outgoing::read_req(1, STOLEN_LEASE, &[seg(0, 0, 0, 0, 4096)]).to_bytes(),
+                    Outgoing::read_req(1, STOLEN_LEASE, &[seg(0, 0, 0, 0, 4096)], &[]).to_bytes(),
                     Outgoing::notif(b"LeaseLost".to_vec()).to_bytes(),
                 ]
                 .concat();

@@ -9,13 +9,13 @@
 //!
 //! | kind | body |
 //! |---|---|
-//! | Hello | `KVLT` · version 2 · from (u16 + UTF-8) · to (u16 + UTF-8) · nonce (32): the dialer's first frame |
+//! | Hello | `KVLT` · version 3 · from (u16 + UTF-8) · to (u16 + UTF-8) · nonce (32): the dialer's first frame |
 //! | HelloChallenge | the acceptor's nonce (32) · its proof (32) |
 //! | HelloProof | the dialer's proof (32) |
 //! | HelloAck | empty: the connection is adopted |
 //! | HelloNack | empty: the acceptor keeps the connection it dialed itself (simultaneous dials) |
 //! | Notif | the payload |
-//! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) |
+//! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) · tag (u16 + bytes, for the gate) |
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
 //! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
 
@@ -26,8 +26,12 @@ use std::net::SocketAddr;
 pub(super) const MAGIC: [u8; 4] = *b"KVLT";
 /// Of the metadata.
 pub(super) const VERSION: u8 = 1;
-/// Of the handshake: 2 added the nonces and proofs (SPEC S2), so a version-1 dialer is refused.
-pub(super) const HELLO_VERSION: u8 = 2;
+/// Of the handshake: 2 added the nonces and proofs (SPEC S2), so a version-1 dialer is refused;
+/// 3 added the read request's tag, so an agent that would misread requests is refused at the
+/// handshake rather than at its first read.
+pub(super) const HELLO_VERSION: u8 = 3;
+/// Longest tag a read request may carry.
+pub(super) const MAX_TAG: usize = 256;
 /// Longest agent name, in bytes.
 pub(super) const MAX_NAME: usize = 1024;
 /// Length prefix and kind.
@@ -35,8 +39,9 @@ pub(super) const HEADER_LEN: usize = 5;
 /// The largest handshake frame body (a `Hello` with the longest names): checked before the
 /// body is read, so a stranger costs at most this much memory.
 pub(super) const MAX_HELLO: usize = 4 + 1 + 2 + MAX_NAME + 2 + MAX_NAME + NONCE_LEN;
-/// Bytes of a `ReadReq` body before the segments, and per segment.
-pub(super) const READ_REQ_FIXED: usize = 8 + 8 + 4;
+/// Bytes of a `ReadReq` body before the segments, and per segment (the tag's length prefix
+/// counted in the fixed part).
+pub(super) const READ_REQ_FIXED: usize = 8 + 8 + 4 + 2;
 pub(super) const READ_REQ_PER_SEGMENT: usize = 12;
 
 pub(super) const HELLO: u8 = 1;
@@ -185,6 +190,7 @@ pub(super) struct ReadReq {
     pub req_id: u64,
     pub lease_id: u64,
     pub segments: Vec<RemoteSegment>,
+    pub tag: Vec<u8>,
 }
 
 pub(super) fn decode_read_req(body: &[u8]) -> Option<ReadReq> {
@@ -193,14 +199,19 @@ pub(super) fn decode_read_req(body: &[u8]) -> Option<ReadReq> {
     let lease_id = b.u64()?;
     let count = b.u32()? as usize;
     // Checked before allocating, so a lying count cannot make us reserve memory.
-    if b.0.len() != count.checked_mul(READ_REQ_PER_SEGMENT)? {
+    let seg_bytes = count.checked_mul(READ_REQ_PER_SEGMENT)?;
+    if b.0.len() < seg_bytes + 2 {
         return None;
     }
     let mut segments = Vec::with_capacity(count);
     for _ in 0..count {
         segments.push(RemoteSegment { block: b.u32()?, offset: b.u32()?, len: b.u32()? });
     }
-    Some(ReadReq { req_id, lease_id, segments })
+    let tag_len = b.u16()? as usize;
+    if tag_len > MAX_TAG || b.0.len() != tag_len {
+        return None;
+    }
+    Some(ReadReq { req_id, lease_id, segments, tag: b.0.to_vec() })
 }
 
 /// `(req_id, code, message)`.
@@ -286,8 +297,10 @@ impl Outgoing {
         Outgoing::new(NOTIF, bytes)
     }
 
-    pub fn read_req(req_id: u64, lease_id: u64, segments: &[Segment]) -> Outgoing {
-        let mut body = Vec::with_capacity(READ_REQ_FIXED + READ_REQ_PER_SEGMENT * segments.len());
+    /// A read request; a tag longer than [`MAX_TAG`] is cut there (the engine's is 16 bytes).
+    pub fn read_req(req_id: u64, lease_id: u64, segments: &[Segment], tag: &[u8]) -> Outgoing {
+        let tag = &tag[..tag.len().min(MAX_TAG)];
+        let mut body = Vec::with_capacity(READ_REQ_FIXED + READ_REQ_PER_SEGMENT * segments.len() + tag.len());
         body.extend_from_slice(&req_id.to_le_bytes());
         body.extend_from_slice(&lease_id.to_le_bytes());
         body.extend_from_slice(&(segments.len() as u32).to_le_bytes());
@@ -296,6 +309,8 @@ impl Outgoing {
             body.extend_from_slice(&s.remote_offset.to_le_bytes());
             body.extend_from_slice(&s.len.to_le_bytes());
         }
+        body.extend_from_slice(&(tag.len() as u16).to_le_bytes());
+        body.extend_from_slice(tag);
         Outgoing::new(READ_REQ, body)
     }
 
@@ -376,11 +391,22 @@ mod tests {
         assert_eq!(decode_challenge(&c.body()[1..]), None);
         assert_eq!(Outgoing::hello_proof(&[3; TAG_LEN]).body(), &[3; TAG_LEN]);
         let segs = [Segment { remote_block: 3, remote_offset: 16, local_block: 9, local_offset: 0, len: 100 }];
-        let r = Outgoing::read_req(5, 77, &segs);
+        let r = Outgoing::read_req(5, 77, &segs, b"digest");
         assert_eq!(
             decode_read_req(r.body()),
-            Some(ReadReq { req_id: 5, lease_id: 77, segments: vec![RemoteSegment { block: 3, offset: 16, len: 100 }] })
+            Some(ReadReq {
+                req_id: 5,
+                lease_id: 77,
+                segments: vec![RemoteSegment { block: 3, offset: 16, len: 100 }],
+                tag: b"digest".to_vec()
+            })
         );
+        let untagged = Outgoing::read_req(5, 77, &segs, &[]);
+        assert_eq!(decode_read_req(untagged.body()).map(|r| r.tag), Some(Vec::new()));
+        let mut long_tag = r.body().to_vec();
+        long_tag.push(0);
+        assert_eq!(decode_read_req(&long_tag), None, "bytes after the tag are refused");
+        assert_eq!(decode_read_req(&r.body()[..r.body().len() - 1]), None, "a tag shorter than its length is refused");
         let mut lying = r.body().to_vec();
         lying[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode_read_req(&lying), None, "a count that does not match the body is refused");

@@ -78,6 +78,14 @@ impl Proc {
         Proc::start_in(Some(netns), name, &args, "kvlease serve listening on ", Some(SECRET), Stdio::inherit())
     }
 
+    /// `kvlease proxy --etcd URL`: routing to the engines registered in etcd, with these extra
+    /// flags, its logs (stderr) going to `logs`.
+    pub fn proxy_etcd(etcd: &str, extra: &[&str], logs: Stdio) -> Proc {
+        let mut args = vec!["proxy", "--host", "127.0.0.1", "--port", "0", "--etcd", etcd];
+        args.extend_from_slice(extra);
+        Proc::start_logging_to("proxy", &args, "kvlease proxy listening on ", Some(SECRET), logs)
+    }
+
     fn start_with_secret(name: &str, args: &[&str], banner: &str, secret: Option<&str>) -> Proc {
         Proc::start_logging_to(name, args, banner, secret, Stdio::inherit())
     }
@@ -150,6 +158,18 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A third-party server a test runs (Prometheus, etcd): the binary `env_var` names (set by
+/// `scripts/test.sh`, which fetches it with `install`), else `name` on the PATH; without either
+/// the test fails and says how to get it.
+pub fn server_binary(env_var: &str, name: &str, install: &str) -> String {
+    if let Ok(p) = std::env::var(env_var) {
+        return p;
+    }
+    let on_path = Command::new(name).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    assert!(on_path.is_ok_and(|s| s.success()), "no {name} server: run `export {env_var}=$({install})` (scripts/test.sh does)");
+    name.into()
 }
 
 pub fn client() -> reqwest::Client {
