@@ -230,7 +230,7 @@ async fn nixl_hosts_d7_p_two_d_and_proxy_on_four_hosts_match_local() {
 /// 24 requests queue on D for several L through the proxy. Returns (answered, expired, leases
 /// held past 5 s).
 async fn loss(percent: u32, lease: f64, errors_ok: bool) -> (usize, f64, f64) {
-    // One decode slot at 40 ms a token: 24 requests of 12 tokens queue up to ~10 s, several L.
+    // One decode slot at 40 ms a token: 24 requests of 12 tokens take ~12 s, several L.
     let c = Cluster::start("tcp", lease, &["--max-num-seqs", "1", "--decode-ms-per-token", "40"], &[]);
     let tag = format!("loss{percent}");
     // One request before the fault: the handshake is done, the wire is what is tested.
@@ -239,8 +239,9 @@ async fn loss(percent: u32, lease: f64, errors_ok: bool) -> (usize, f64, f64) {
     let mut jobs = Vec::new();
     for i in 0..24 {
         jobs.push(c.request(&tag, i, 12, 24 + i, errors_ok));
-        // Spread over ~5 s (arrivals outpace the one slot: the queue grows).
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Spread over ~2.4 s (arrivals outpace the one slot: the queue grows to ~20, the last
+        // request waits ~9 s, three times L).
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let ok = answered(jobs).await;
     c.net.heal("d1");
