@@ -2,8 +2,9 @@
 # The one test command (README): formatting, lints, every test — over the tcp transport and
 # over NIXL. Installs what it needs: libclang (bindgen, for the NIXL bindings) and the NIXL
 # libraries from PyPI (cached outside the repo by scripts/install-nixl.sh), a Prometheus server
-# (scripts/install-prometheus.sh), an etcd server (scripts/install-etcd.sh) and the OpenAI Python
-# SDK.
+# (scripts/install-prometheus.sh), an etcd server (scripts/install-etcd.sh), the OpenAI Python
+# SDK, and for python/ maturin, pytest and vLLM in virtual environments cached outside the repo
+# (scripts/test-python.sh).
 #
 # NIXL tests must run: if NIXL cannot be installed the run fails, loudly. Set
 # KVLEASE_SKIP_NIXL=1 to run everything else on a machine that cannot have NIXL.
@@ -13,6 +14,16 @@ started=$(date +%s)
 
 echo "== SPEC coverage: every SPEC id named by a test (or allow-listed as not implemented)"
 scripts/spec-coverage.sh
+
+# vLLM's environment (~9 GB, cached by version) is mostly a download: on a fresh machine it is
+# fetched in the background while the Rust side builds and runs; scripts/test-python.sh waits.
+vllm_pid=
+if [ "${KVLEASE_SKIP_VLLM:-0}" != 1 ]; then
+    vllm_log=$(mktemp)
+    echo "== install vLLM in the background (scripts/install-vllm.sh, log $vllm_log)"
+    scripts/install-vllm.sh >"$vllm_log" 2>&1 &
+    vllm_pid=$!
+fi
 
 if [ "${KVLEASE_SKIP_NIXL:-0}" = 1 ]; then
     echo "!!!!!!!! KVLEASE_SKIP_NIXL=1: the NIXL transport is NOT tested in this run !!!!!!!!"
@@ -71,5 +82,17 @@ if [ "${#features[@]}" -gt 0 ]; then
     echo "== cargo test: NIXL transport, engine and end to end (UCX over TCP, one test at a time)"
     cargo test --workspace "${features[@]}" nixl -- --test-threads=1
 fi
+
+if [ -n "$vllm_pid" ]; then
+    echo "== wait for the vLLM install"
+    if ! wait "$vllm_pid"; then
+        cat "$vllm_log" >&2
+        echo "error: scripts/install-vllm.sh failed" >&2
+        exit 1
+    fi
+fi
+
+echo "== Python: the kvlease package (python/) and the vLLM connector (scripts/test-python.sh)"
+scripts/test-python.sh
 
 echo "== all tests passed in $(( $(date +%s) - started )) s"

@@ -411,6 +411,21 @@ impl<T> LeaseTable<T> {
         }
     }
 
+    /// Ends lease `id` as `released` if no holder has claimed it yet (no heartbeat, read or
+    /// release named it) and it is live: the granting engine takes back the blocks of a lease
+    /// nobody is using — a decoder's cached turn no conversation continued yet (SPEC B1) — when
+    /// it needs them for new requests. A claimed lease is in use (B3: the next turn's prefill
+    /// engine renews it, or reads it) and is left alone. Returns whether the lease ended.
+    pub fn revoke_unclaimed(&mut self, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
+        match self.find(id) {
+            Some(s) if self.hot[s].holder == 0 && self.hot[s].deadline > now.0 => {
+                self.end(s, ReleaseReason::Released, now, released);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// SPEC P8: consumer rank `consumer`, one of `n`, finished reading the lease for the prompt
     /// whose digest is `digest`. Not confirmed (`Lost`, nothing changes) when another holder owns
     /// the lease (S5) or the digest is not the lease's prompt (S4).

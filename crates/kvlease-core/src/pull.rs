@@ -130,6 +130,11 @@ pub struct Pull {
     policy: LoadFailurePolicy,
     /// The transport fences reads (see the module doc).
     fenced: bool,
+    /// How long to wait for the acknowledgement of a renewal for this read before asking for
+    /// another: a lost renewal is sent again, from 50 ms doubling up to I/2, rather than left to
+    /// the next interval's heartbeat (or to `ack_wait`).
+    renew_retry: Duration,
+    max_renew_retry: Duration,
     state: State,
     #[doc(hidden)]
     pub planted: Option<PlantedBug>,
@@ -181,6 +186,8 @@ impl Pull {
             ack_wait,
             policy: cfg.load_failure_policy,
             fenced,
+            renew_retry: Duration::from_millis(50).min(cfg.heartbeat_interval / 2),
+            max_renew_retry: cfg.heartbeat_interval / 2,
             state: State::AwaitLive { until: now + ack_wait },
             planted: None,
         }
@@ -201,7 +208,11 @@ impl Pull {
             _ if self.planted.is_some_and(PlantedBug::unconfirmed) => return Step::Read,
             ReadCheck::Untracked => PullLost::LeaseLost,
             ReadCheck::Unreachable => PullLost::Unreachable { engine_id: self.engine_id.clone() },
-            ReadCheck::RenewFirst if now < until => return Step::Wait { until, renew: true },
+            ReadCheck::RenewFirst if now < until => {
+                let retry = (now + self.renew_retry).min(until);
+                self.renew_retry = (self.renew_retry * 2).min(self.max_renew_retry);
+                return Step::Wait { until: retry, renew: true };
+            }
             ReadCheck::RenewFirst => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
         };
         self.state = State::Done;
@@ -333,15 +344,39 @@ mod tests {
     #[test]
     fn d6_waits_for_a_live_ack_with_a_deadline() {
         let mut p = Pull::new(&cfg(), "p", 7, false, T0);
-        let Step::Wait { until, renew: true } = p.check(ReadCheck::RenewFirst, T0) else { panic!() };
-        assert_eq!(until, T0 + cfg().ack_wait());
+        let Step::Wait { renew: true, .. } = p.check(ReadCheck::RenewFirst, T0) else { panic!() };
         assert_eq!(p.check(ReadCheck::Safe, T0), Step::Read);
+        let until = T0 + cfg().ack_wait();
         let mut late = Pull::new(&cfg(), "p", 7, false, T0);
         assert!(matches!(late.check(ReadCheck::RenewFirst, until), Step::Lost(PullLost::NoLiveAck { .. })));
         let mut lost = Pull::new(&cfg(), "p", 7, false, T0);
         assert_eq!(lost.check(ReadCheck::Untracked, T0), Step::Lost(PullLost::LeaseLost));
         let mut down = Pull::new(&cfg(), "p", 7, false, T0);
         assert!(matches!(down.check(ReadCheck::Unreachable, T0), Step::Lost(PullLost::Unreachable { .. })));
+    }
+
+    /// SPEC D6 under loss: a renewal for a read whose acknowledgement does not come is asked for
+    /// again after 50 ms, then 100, 200… up to I/2, never past `ack_wait`; not left to the next
+    /// interval's heartbeat.
+    #[test]
+    fn d6_a_lost_renewal_for_a_read_is_sent_again() {
+        let c = cfg(); // L = 30 s: I = 5 s, E = 20 s
+        let mut p = Pull::new(&c, "p", 7, false, T0);
+        let mut now = T0;
+        let mut waits = Vec::new();
+        let last = loop {
+            match p.check(ReadCheck::RenewFirst, now) {
+                Step::Wait { until, renew: true } => {
+                    waits.push(until.since(now).as_millis());
+                    now = until;
+                }
+                other => break other,
+            }
+        };
+        assert_eq!(&waits[..7], &[50, 100, 200, 400, 800, 1600, 2500], "doubling up to I/2");
+        assert!(waits[7..].iter().all(|&w| w <= 2500));
+        assert_eq!(now, T0 + c.ack_wait(), "the last wait ends at ack_wait");
+        assert!(matches!(last, Step::Lost(PullLost::NoLiveAck { .. })), "{last:?}");
     }
 
     /// SPEC §3, D6: a lease granted by another incarnation of P is never read.

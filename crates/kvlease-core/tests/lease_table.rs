@@ -632,3 +632,26 @@ fn with_capacity_never_grows_up_to_its_size() {
     }
     assert_eq!(LeaseTable::<()>::with_capacity(&LeaseConfig::default(), 0).capacity(), 16);
 }
+
+/// SPEC B1, B3: the granting engine takes back a lease nobody claimed (a cached turn no
+/// conversation continued) as `released`; one a holder claimed by a heartbeat or a read, an
+/// unknown id, and an expired lease are left alone.
+#[test]
+fn b3_only_an_unclaimed_lease_is_revoked() {
+    use kvlease_core::wire::Message;
+    let mut t = table();
+    let (a, b, c) = (t.grant(secs(0.0), 1, DIGEST, "a"), t.grant(secs(0.0), 1, DIGEST, "b"), t.grant(secs(0.0), 1, DIGEST, "c"));
+    let mut rel = Vec::new();
+    t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![b] }, secs(1.0), &mut rel);
+    let ticket = t.begin_read(D, c, None, secs(1.0), &mut rel).expect("read");
+    assert!(t.revoke_unclaimed(a, secs(2.0), &mut rel));
+    assert_eq!(rel.len(), 1);
+    assert_eq!((rel[0].lease_id, rel[0].reason), (a, ReleaseReason::Released));
+    assert!(!t.revoke_unclaimed(b, secs(2.0), &mut rel), "claimed by a heartbeat: in use");
+    assert!(!t.revoke_unclaimed(c, secs(2.0), &mut rel), "claimed by a read: in use");
+    assert!(!t.revoke_unclaimed(a, secs(2.0), &mut rel), "gone already");
+    assert!(t.end_read(ticket).is_none());
+    let d = t.grant(secs(0.0), 1, DIGEST, "d");
+    assert!(!t.revoke_unclaimed(d, secs(31.0), &mut rel), "expired: the reaper's");
+    assert_eq!(t.live(), 3);
+}

@@ -73,9 +73,42 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
     let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
     let lease_id = grant(inner, client_id, blocks, used, digest, Some(ttl));
     inner.metrics.turns_kept.fetch_add(1, Relaxed);
+    let mut kept = lock(&inner.kept_turns);
+    kept.push_back(lease_id);
+    // Turns that ended otherwise (read, released, expired) leave their ids here until evicting
+    // reaches them: every so often drop those, so the queue stays the size of the live turns.
+    if kept.len().is_power_of_two() && kept.len() >= 1024 {
+        let table = lock(&inner.leases);
+        kept.retain(|&id| table.deadline(id).is_some());
+    }
     let remote = remote_kv(inner, client_id, block_ids, tokens.len() as u32, lease_id, digest);
     let expiry = (inner.now() + ttl).0 as f64 / 1e9;
     (lease_id, remote.to_turn_json(inner.cfg.secret.as_deref(), expiry, ttl.as_secs_f64()))
+}
+
+/// The scheduler cannot admit a request for want of `need` free blocks: end the oldest cached
+/// turns no prefill engine has claimed (no heartbeat or read of them yet: nobody continues that
+/// conversation now, SPEC B1) until `need` blocks are free or none is left to end. A cached turn
+/// is a cache: its blocks go to new requests rather than leaving them waiting out the TTL; a
+/// conversation whose turn was evicted is recomputed by its next prefill (D7). Turns a prefill
+/// engine is renewing or reading (B3) are never evicted. Returns how many were ended.
+pub(crate) fn evict_turns(inner: &Inner, need: usize) -> usize {
+    // Blocks come back at once where reads are fenced, after the quarantine otherwise: count
+    // what the evictions release, not what the pool has now.
+    let mut coming = inner.pool.free() as usize;
+    let mut evicted = 0;
+    while coming < need {
+        let Some(id) = lock(&inner.kept_turns).pop_front() else { break };
+        let mut released = Vec::new();
+        if lock(&inner.leases).revoke_unclaimed(id, inner.now(), &mut released) {
+            coming += released.iter().filter_map(|r| r.payload.as_ref()).map(|l| l.blocks.ids().len()).sum::<usize>();
+            evicted += 1;
+            inner.metrics.turns_evicted.fetch_add(1, Relaxed);
+            tracing::debug!(lease_id = id, "cached turn evicted: its blocks are needed");
+        }
+        settle(inner, released);
+    }
+    evicted
 }
 
 /// Grants a lease on `blocks` (`n` of them named in the params) for `lifetime` (L when `None`).

@@ -95,6 +95,8 @@ pub struct Metrics {
     pub reads_refused: AtomicU64,
     /// D (multi-turn): finished turns kept under a cached-turn lease (SPEC B1).
     pub turns_kept: AtomicU64,
+    /// D (multi-turn): cached turns ended early because new requests needed their blocks.
+    pub turns_evicted: AtomicU64,
     /// P (multi-turn): prompt tokens whose KV was read back from a decoder's cached turn (B4).
     pub turn_tokens_read: AtomicU64,
     /// P (multi-turn): cached turns named by a request but not read: recomputed (B2, B4).
@@ -125,6 +127,7 @@ impl Default for Metrics {
             recomputed_requests: AtomicU64::new(0),
             reads_refused: AtomicU64::new(0),
             turns_kept: AtomicU64::new(0),
+            turns_evicted: AtomicU64::new(0),
             turn_tokens_read: AtomicU64::new(0),
             turns_recomputed: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
@@ -203,6 +206,12 @@ impl Metrics {
             "counter",
             "Finished turns kept under a cached-turn lease for the next turn's prefill (D, bidirectional). They count among the leases above.",
             self.turns_kept.load(Relaxed).to_string(),
+        );
+        one(
+            "kvlease_turns_evicted_total",
+            "counter",
+            "Cached turns no prefill engine had claimed, ended early (as `released`) because new requests needed their blocks (D, bidirectional); the conversation's next turn is recomputed.",
+            self.turns_evicted.load(Relaxed).to_string(),
         );
         one(
             "kvlease_turn_tokens_read_total",

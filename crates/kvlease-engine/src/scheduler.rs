@@ -225,7 +225,15 @@ fn admit(
             return;
         }
         let need = blocks_needed(&front.role, front.prompt.len(), front.max_tokens, bs);
-        let Some(blocks) = inner.pool.alloc(need) else { return };
+        let blocks = match inner.pool.alloc(need) {
+            Some(b) => b,
+            // Cached turns nobody continues give their blocks back first (SPEC B1).
+            None if lease_holder::evict_turns(inner, need) > 0 => match inner.pool.alloc(need) {
+                Some(b) => b,
+                None => return,
+            },
+            None => return,
+        };
         let Some(mut seq) = waiting.pop_front() else { return };
         // D: the prompt's KV from P; P (multi-turn): the conversation so far from a decoder.
         let source = match &seq.role {
@@ -525,17 +533,16 @@ async fn sleep(d: std::time::Duration) {
 fn write_kv(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, pos: usize, prefix: u64) {
     let Some(&block) = blocks.ids().get(pos / m.block_size as usize) else { return };
     let slot = (pos % m.block_size as usize) as u32;
-    let mut buf = vec![0u8; m.head_bytes()];
+    let hb = m.head_bytes();
     for rank in ranks {
         for head in rank.heads.clone() {
             let local = head - rank.heads.start;
             for layer in 0..m.num_layers {
                 for kv in 0..2 {
-                    model::kv_bytes(prefix, head, layer, kv, &mut buf);
                     let off = m.kv_offset(local, layer, kv, slot);
                     // SAFETY: the request owns `block` (its guard is alive) and the range is in
                     // bounds by construction of the geometry.
-                    unsafe { rank.arena.copy_in(block, off, &buf) };
+                    unsafe { rank.arena.write_in_place(block, off, hb, |out| model::kv_bytes(prefix, head, layer, kv, out)) };
                 }
             }
         }
@@ -547,7 +554,6 @@ fn write_kv(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, pos: usize,
 pub(crate) fn digest_positions(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, start: usize, end: usize, seed: u64) -> u64 {
     let bs = m.block_size as usize;
     let hb = m.head_bytes();
-    let mut buf = vec![0u8; bs * hb];
     let mut h = seed;
     for rank in ranks {
         for head in rank.heads.clone() {
@@ -561,8 +567,7 @@ pub(crate) fn digest_positions(ranks: &[Rank], m: &model::ModelConfig, blocks: &
                         let n = (bs - slot).min(end - pos);
                         let off = m.kv_offset(local, layer, kv, slot as u32);
                         // SAFETY: as in `write_kv`; nobody writes the request's blocks meanwhile.
-                        unsafe { rank.arena.copy_out(block, off, &mut buf[..n * hb]) };
-                        h = model::digest(h, &buf[..n * hb]);
+                        h = unsafe { rank.arena.read_in_place(block, off, n * hb, |kv| model::digest(h, kv)) };
                         pos += n;
                     }
                 }

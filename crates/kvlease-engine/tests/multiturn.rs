@@ -140,3 +140,41 @@ async fn b2_a_skewed_decoder_clock_changes_no_decision() {
         assert_eq!(tokens(&d, &conversation, 8, params).await.0, want);
     }
 }
+
+/// SPEC B1, D7: cached turns are a cache. When D needs their blocks for a new request, it ends
+/// the oldest turns no prefill engine has claimed (`kvlease_turns_evicted_total`) instead of
+/// leaving the request waiting out their TTL (480 s); the evicted conversation's next turn is
+/// recomputed by P and still answers as a local run.
+#[tokio::test(start_paused = true)]
+async fn b1_cached_turns_give_their_blocks_to_new_requests() {
+    let net = MemNetwork::new();
+    let p = engine(bidirectional(config(30.0, 1), &net)).await;
+    let per_turn = (user(0).len() + 12).div_ceil(16) as u32;
+    let mut dcfg = bidirectional(config(30.0, 1), &net);
+    dcfg.num_gpu_blocks = 4 * per_turn - 1; // three cached turns fit, and not a fourth request
+    let d = engine(dcfg).await;
+    let local = engine(config(30.0, 1)).await;
+    let fresh = || json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null});
+    let started = tokio::time::Instant::now();
+    let mut kept = Vec::new();
+    for c in 0..4 {
+        let prompt = [user(0), kvlease_engine::model::tokenize(&format!("conversation {c}"))].concat();
+        let (want, _) = tokens(&local, &prompt, 12, None).await;
+        let (_, params) = tokens(&p, &prompt, 1, Some(fresh())).await;
+        let (got, turn) = tokens(&d, &prompt, 12, params).await;
+        assert_eq!(got, want, "conversation {c}: D7");
+        kept.push((prompt, got, turn.expect("a cached turn")));
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "the fourth request waited {:?} for blocks", started.elapsed());
+    assert_eq!(d.metrics().turns_kept.load(Relaxed), 4);
+    assert_eq!(d.metrics().turns_evicted.load(Relaxed), 1, "the oldest turn made room");
+    // The evicted conversation goes on: P cannot read its turn, recomputes, answers right.
+    let (prompt, answer, turn) = kept.swap_remove(0);
+    let next = [prompt, answer, user(1)].concat();
+    let (want, _) = tokens(&local, &next, 12, None).await;
+    let (_, params) = tokens(&p, &next, 1, Some(turn)).await;
+    assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), 0, "nothing read from an evicted turn");
+    let (got, _) = tokens(&d, &next, 12, params).await;
+    assert_eq!(got, want, "D7 after an eviction");
+    assert!(started.elapsed() < Duration::from_secs(60), "no wait for a TTL: {:?}", started.elapsed());
+}

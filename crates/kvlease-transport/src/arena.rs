@@ -3,8 +3,9 @@
 //!
 //! Like GPU memory registered with NIXL, the arena is raw: who may touch which block when is
 //! decided by the engine's block pool and the lease table (a leased block is never written; a
-//! block being read is never reused, SPEC P5). The accessors are therefore `unsafe` and copy
-//! through raw pointers; they never hand out references.
+//! block being read is never reused, SPEC P5). The accessors are therefore `unsafe`: they copy
+//! through raw pointers, or lend a range to a closure for the closure's run only (the engine's
+//! emulated compute reads and writes its own blocks in place); no reference outlives a call.
 
 use std::sync::Arc;
 
@@ -93,6 +94,25 @@ impl BlockArena {
         debug_assert!(self.contains(block, offset, src.len()));
         let dst = self.ptr.add(block as usize * self.block_bytes + offset);
         std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+    }
+
+    /// Runs `f` on the `len` bytes at `offset` in `block`, in place.
+    ///
+    /// # Safety
+    /// As [`BlockArena::copy_out`]: in range, and nobody writes it while `f` runs.
+    pub unsafe fn read_in_place<R>(&self, block: u32, offset: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        debug_assert!(self.contains(block, offset, len));
+        f(std::slice::from_raw_parts(self.ptr.add(block as usize * self.block_bytes + offset), len))
+    }
+
+    /// Runs `f` on the `len` bytes at `offset` in `block`, to write them in place.
+    ///
+    /// # Safety
+    /// As [`BlockArena::copy_in`]: in range and owned by the caller, nobody else reads or writes
+    /// it while `f` runs.
+    pub unsafe fn write_in_place<R>(&self, block: u32, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        debug_assert!(self.contains(block, offset, len));
+        f(std::slice::from_raw_parts_mut(self.ptr.add(block as usize * self.block_bytes + offset), len))
     }
 }
 

@@ -15,6 +15,8 @@ struct Watched {
     child: Child,
     url: String,
     lines: Arc<Mutex<Vec<String>>>,
+    /// Reads stdout into `lines` until the process closes it.
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Watched {
@@ -30,7 +32,7 @@ impl Watched {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let kept = lines.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 let _ = tx.send(line.clone());
                 kept.lock().expect("lines").push(line);
@@ -38,18 +40,22 @@ impl Watched {
         });
         let first = rx.recv_timeout(DEADLINE).expect("start-up line");
         let url = first.split_whitespace().find(|w| w.starts_with("http://")).expect("url in the start-up line").to_string();
-        Watched { child, url, lines }
+        Watched { child, url, lines, reader: Some(reader) }
     }
 
     fn sigterm(&self) {
         assert!(Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill").success());
     }
 
-    /// Waits for the process to exit; its exit code.
+    /// Waits for the process to exit, and for its last line to be read; its exit code.
     async fn exit_code(&mut self) -> Option<i32> {
         let t0 = Instant::now();
         loop {
             if let Some(st) = self.child.try_wait().expect("wait") {
+                // The reader may still hold the last lines: it ends at the pipe's end of file.
+                if let Some(r) = self.reader.take() {
+                    r.join().expect("stdout reader");
+                }
                 return st.code();
             }
             assert!(t0.elapsed() < DEADLINE, "did not exit");

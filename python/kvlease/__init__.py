@@ -1,0 +1,52 @@
+"""kvlease: the KV-cache lease protocol of kvlease-core (Rust), for Python engines.
+
+Everything here is a thin binding of the Rust core (``kvlease._core``); no protocol rule is
+re-implemented in Python. Time is integer nanoseconds on the caller's monotonic clock
+(``time.monotonic_ns()``); durations in config objects are seconds.
+
+* :class:`LeaseTable` — P's leases: grant, renew, release, complete, tick (SPEC §4).
+* :class:`Renewer` — D's batched heartbeats and read safety (SPEC §5).
+* :func:`encode` / :func:`decode` / :func:`encode_heartbeats` — the wire codec (SPEC §9).
+* :class:`LeaseConfig`, :func:`parse_kv_transfer_config` — config parsing (SPEC §2).
+* ``kvlease.vllm`` — ``KvleaseConnector``, a vLLM KV connector built on these (needs vLLM).
+"""
+
+from kvlease._core import (
+    DEFAULT_MAX_NOTIF_BYTES,
+    WIRE_VERSION,
+    Action,
+    ConfigInvalid,
+    KvleaseError,
+    KvTransferConfig,
+    LeaseConfig,
+    LeaseTable,
+    Released,
+    Renewer,
+    WireDecodeError,
+    decode,
+    encode,
+    encode_heartbeats,
+    is_kvlease_message,
+    parse_kv_transfer_config,
+    prompt_digest,
+)
+
+__all__ = [
+    "DEFAULT_MAX_NOTIF_BYTES",
+    "WIRE_VERSION",
+    "Action",
+    "ConfigInvalid",
+    "KvleaseError",
+    "KvTransferConfig",
+    "LeaseConfig",
+    "LeaseTable",
+    "Released",
+    "Renewer",
+    "WireDecodeError",
+    "decode",
+    "encode",
+    "encode_heartbeats",
+    "is_kvlease_message",
+    "parse_kv_transfer_config",
+    "prompt_digest",
+]

@@ -1,0 +1,627 @@
+"""``KvleaseConnector``: vLLM's NixlConnector with P's lease bookkeeping done by kvlease's core.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvleaseConnector",
+                           "kv_connector_module_path": "kvlease.vllm",
+                           "kv_role": "kv_producer", ...}'
+
+Everything but the lease bookkeeping stays vLLM's (NixlConnector's pull mode: handshakes, NIXL
+reads, block accounting, when D heartbeats). What changes:
+
+* P's worker: vLLM keeps ``_reqs_to_send`` (request id -> deadline) in a dict and scans **all**
+  of it on every step for expired entries (O(live) per step, idle or not). Here that dict is a
+  :class:`LeaseBook`: each entry is a lease in kvlease's :class:`~kvlease.LeaseTable`, expiry
+  comes from the table's timing wheel in deadline order (SPEC P4; vLLM #58222), and a step with
+  nothing due costs O(1). A heartbeat renews through the table (SPEC P2); names the table does
+  not know are counted (SPEC P6).
+* The wire: P's ``kv_transfer_params`` advertise ``kvlease_wire`` and ``kvlease_lease_id``; a
+  kvlease D renews those leases with kvlease's binary heartbeat, and vLLM's ``HB:`` text
+  otherwise. A stock D ignores the keys, so either side works with a stock peer.
+* Lost leases: a kvlease D sends P a ``Hello`` carrying its NIXL agent metadata (vLLM's pull
+  mode gives P no channel back to D), P answers binary heartbeats with
+  ``HeartbeatAck{lost_ids}``, and D fails the load of a lost request through vLLM's failure path
+  instead of reading reused blocks (SPEC D6); vLLM's ``kv_load_failure_policy`` applies.
+* D's binary heartbeats come from kvlease's :class:`~kvlease.Renewer`, polled by a thread of
+  the worker on its own timer, not from the forward loop (SPEC D3); such a lease is read only
+  while an acknowledged heartbeat covers the read budget (SPEC D6).
+* D's scheduler heartbeats every L/6 exactly (vLLM: ``L // 6`` whole seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Iterator
+
+import secrets
+
+from kvlease._core import (
+    WIRE_VERSION,
+    LeaseConfig,
+    LeaseTable,
+    Renewer,
+    WireDecodeError,
+    decode,
+    encode,
+    is_kvlease_message,
+)
+
+try:  # vLLM is optional for `import kvlease`, required for this module.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+except ImportError as e:  # pragma: no cover - exercised only without vLLM
+    raise ImportError("kvlease.vllm needs vLLM (pip install vllm); the rest of kvlease does not") from e
+
+logger = logging.getLogger("kvlease.vllm")
+
+__all__ = ["KvleaseConnector", "KvleaseConnectorScheduler", "KvleaseConnectorWorker", "LeaseBook", "lease_config_of"]
+
+
+def lease_config_of(vllm_config: Any) -> LeaseConfig:
+    """The lease parameters of a vLLM config's ``kv_connector_extra_config`` (SPEC §2), parsed
+    by kvlease's core: invalid values raise :class:`kvlease.ConfigInvalid` naming the key at
+    start-up instead of misbehaving later; unknown keys are logged."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    cfg, warnings = LeaseConfig.from_extra_config(extra)
+    for w in warnings:
+        logger.info("kvlease: %s", w)
+    return cfg
+
+
+class LeaseBook:
+    """vLLM's ``_reqs_to_send`` mapping (request id -> deadline on ``time.perf_counter()``),
+    backed by a kvlease :class:`~kvlease.LeaseTable`.
+
+    Supports exactly what vLLM's NIXL worker does with the dict (``in``, ``[req] = deadline``,
+    ``pop``, ``del``, ``len``, iteration) plus :meth:`renew` and :meth:`expired`, which replace
+    vLLM's heartbeat loop and expiry sweep. All of P's leases are held by one holder: vLLM's
+    text heartbeats do not say which D engine sent them, so SPEC S5 is not enforced here (as in
+    vLLM).
+    """
+
+    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of")
+
+    def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
+        self.table = LeaseTable(config, capacity)
+        self._holder = self.table.holder("vllm")
+        self._lease_of: dict[str, int] = {}
+        # Leases a renewal found past their deadline (released by the table as expired on the
+        # spot); handed out by the next expired().
+        self._due: list[str] = []
+        #: SPEC P6: heartbeat names the table did not know (unknown, released or expired).
+        self.unknown_renewals = 0
+        # The binary wire names leases by the id P's scheduler put in kv_transfer_params.
+        self._req_of_wire: dict[int, str] = {}
+        self._wire_of: dict[str, int] = {}
+
+    # -- the dict protocol vLLM's worker uses ---------------------------------------------
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._lease_of
+
+    def __len__(self) -> int:
+        return len(self._lease_of)
+
+    def __bool__(self) -> bool:
+        return bool(self._lease_of)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._lease_of))
+
+    def __getitem__(self, req_id: str) -> float:
+        lease = self._lease_of[req_id]
+        deadline = self.table.deadline(lease)
+        if deadline is None:  # pragma: no cover - the book and the table agree
+            raise KeyError(req_id)
+        return time.perf_counter() + (deadline - time.monotonic_ns()) / 1e9
+
+    def __setitem__(self, req_id: str, deadline: float) -> None:
+        """SPEC P1: grant a lease for ``req_id`` until ``deadline`` (``time.perf_counter()``
+        seconds, as vLLM computes it: now + ``kv_lease_duration``)."""
+        now = time.monotonic_ns()
+        if req_id in self._lease_of:
+            self.pop(req_id)
+        lifetime = max(deadline - time.perf_counter(), 1e-9)
+        self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
+
+    def __delitem__(self, req_id: str) -> None:
+        if req_id not in self._lease_of:
+            raise KeyError(req_id)
+        self.pop(req_id)
+
+    def pop(self, req_id: str, default: Any = None) -> Any:
+        """The lease ends: the read completed (or vLLM dropped the request)."""
+        lease = self._lease_of.pop(req_id, None)
+        self._forget_wire(req_id)
+        if lease is None:
+            return default
+        self.table.release(self._holder, [lease], time.monotonic_ns())
+        return default
+
+    def _forget_wire(self, req_id: str) -> None:
+        wid = self._wire_of.pop(req_id, None)
+        if wid is not None:
+            self._req_of_wire.pop(wid, None)
+
+    def name_wire_id(self, req_id: str, wire_id: int) -> None:
+        """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
+        if req_id in self._lease_of:
+            self._req_of_wire[wire_id] = req_id
+            self._wire_of[req_id] = wire_id
+
+    def reqs_of_wire(self, wire_ids: list[int]) -> list[str]:
+        """Request ids for wire ids; unknown ones are counted as lost (SPEC P6)."""
+        out = []
+        for w in wire_ids:
+            r = self._req_of_wire.get(w)
+            if r is None:
+                self.unknown_renewals += 1
+            else:
+                out.append(r)
+        return out
+
+    def renew_wire(self, wire_ids: list[int]) -> list[int]:
+        """SPEC P2/P6 for a binary heartbeat: renews the leases the wire ids name and returns the
+        ids that are not live (unknown, released, expired, or found past their deadline now)."""
+        lost = []
+        reqs = []
+        for w in wire_ids:
+            r = self._req_of_wire.get(w)
+            if r is None or r not in self._lease_of:
+                self.unknown_renewals += 1
+                lost.append(w)
+            else:
+                reqs.append((w, r))
+        if reqs:
+            ids = [self._lease_of[r] for _, r in reqs]
+            _, lost_leases, released = self.table.renew(self._holder, ids, time.monotonic_ns())
+            if lost_leases:
+                gone = set(lost_leases)
+                lost += [w for (w, r), lease in zip(reqs, ids) if lease in gone]
+            for rel in released:  # found past their deadline: expired now
+                self._due.append(rel.payload)
+        return lost
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(r, self[r]) for r in self._lease_of]
+
+    # -- what replaces vLLM's loops -------------------------------------------------------
+    def renew(self, req_ids: list[str]) -> int:
+        """SPEC P2, P6: a heartbeat named ``req_ids``: each live lease's deadline becomes
+        ``max(deadline, now + E)``. Returns how many were renewed; names not live are counted in
+        ``unknown_renewals``."""
+        lease_of = self._lease_of
+        ids = []
+        for r in req_ids:
+            lease = lease_of.get(r)
+            if lease is None:
+                self.unknown_renewals += 1
+            else:
+                ids.append(lease)
+        if not ids:
+            return 0
+        renewed, lost, released = self.table.renew(self._holder, ids, time.monotonic_ns())
+        for rel in released:  # found past their deadline: expired now
+            self._due.append(rel.payload)
+        return renewed
+
+    def expired(self) -> list[str]:
+        """SPEC P4: the request ids whose leases expired, in deadline order; O(1) when none is
+        due (one look at the timing wheel's earliest bucket)."""
+        due = self._due
+        nxt = self.table.next_expiry()
+        if not due and (nxt is None or nxt > time.monotonic_ns()):
+            return []
+        out = [r.payload for r in self.table.tick(time.monotonic_ns())]
+        if due:
+            out = due + out
+            self._due = []
+        lease_of = self._lease_of
+        for r in out:
+            lease_of.pop(r, None)
+            self._forget_wire(r)
+        return out
+
+
+class KvleaseConnectorWorker(NixlPullConnectorWorker):
+    """vLLM's pull-mode NIXL worker with ``_reqs_to_send`` a :class:`LeaseBook`."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvlease_config = lease_config_of(vllm_config)
+        self._reqs_to_send = LeaseBook(self.kvlease_config)  # type: ignore[assignment]
+
+        #: SPEC P7: binary notifications that did not decode, dropped.
+        self.kvlease_malformed = 0
+        # P: D agents that introduced themselves (Hello with their NIXL metadata): P can answer
+        # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
+        # back to D.
+        self._kvlease_answerable: set[str] = set()
+        # D: kvlease's Renewer, polled by a thread of its own (started with the first binary
+        # heartbeat); the P agents we introduced ourselves to; requests whose lease is lost.
+        self._kvlease_renewer = Renewer(self.kvlease_config)
+        self._kvlease_lock = threading.RLock()
+        self._kvlease_thread: threading.Thread | None = None
+        self._kvlease_stop = threading.Event()
+        self._kvlease_wake = threading.Event()
+        # SPEC D6: reads waiting for an acknowledged renewal: request -> (its metadata, give up at).
+        self._kvlease_deferred: dict[str, tuple[Any, int]] = {}
+        self._kvlease_tracked: dict[str, set[str]] = {}
+        self._kvlease_hs_pending: set[str] = set()
+        self._kvlease_handshook: set[str] = set()
+        self._kvlease_hello_sent: set[str] = set()
+        self.kvlease_lost: set[str] = set()
+
+    def _handle_heartbeat(self, payload: str) -> None:
+        """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
+        self._reqs_to_send.renew(payload.split(","))  # type: ignore[attr-defined]
+
+    # -- P: the binary wire ---------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        self._kvlease_gate_reads(metadata)
+        super().start_load_kv(metadata)
+        book = self._reqs_to_send
+        for req_id, wire_id in getattr(metadata, "kvlease_wire_ids", {}).items():
+            book.name_wire_id(req_id, wire_id)  # type: ignore[attr-defined]
+
+    def _kvlease_fail_load(self, req_id: str, meta: Any, why: str) -> None:
+        """The request's KV is not read: vLLM's load-failure path (failed receive, its blocks
+        invalid) applies kv_load_failure_policy (recompute or fail)."""
+        self._recving_metadata[req_id] = meta
+        self._log_failure(failure_type=why, req_id=req_id, meta=meta)
+        self._failed_recv_reqs.put(req_id)
+
+    def _kvlease_gate_reads(self, metadata: Any) -> None:
+        """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
+        read; a lease is read only while an acknowledged heartbeat covers the read budget
+        (E/4) — otherwise its read waits for the renewal's acknowledgement, at most E, and
+        fails its load if none comes. Leases the renewer does not hold read as in vLLM."""
+        reqs = metadata.reqs_to_recv
+        for req_id in [r for r in reqs if r in self.kvlease_lost]:
+            self.kvlease_lost.discard(req_id)
+            self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_lost")
+        if not reqs and not self._kvlease_deferred:
+            return
+        budget = self.kvlease_config.read_budget
+        wake = False
+        with self._kvlease_lock:
+            r = self._kvlease_renewer
+            now = time.monotonic_ns()
+            for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
+                if req_id in self.kvlease_lost:
+                    self.kvlease_lost.discard(req_id)
+                    del self._kvlease_deferred[req_id]
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_lost")
+                    continue
+                check = r.read_check(req_id, budget, now)
+                if check == "safe" or check == "untracked":
+                    del self._kvlease_deferred[req_id]
+                    reqs[req_id] = meta
+                elif now >= give_up:
+                    del self._kvlease_deferred[req_id]
+                    r.untrack(req_id, abandoned=True)
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
+                else:
+                    wake = True
+            for req_id in list(reqs):
+                if req_id in self._kvlease_deferred or not r.is_tracked(req_id):
+                    continue
+                if r.read_check(req_id, budget, now) != "safe":
+                    wait = max(self.kvlease_config.extension, 1.0)
+                    self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
+                    wake = True
+        if wake:
+            self._kvlease_wake.set()
+
+    def _get_new_notifs(self) -> set[str]:
+        """vLLM's notification handling, with kvlease's binary messages (magic ``KL``) taken
+        out first and applied here; vLLM's text messages go through vLLM's code unchanged."""
+        real = self.nixl_wrapper
+        text: dict[str, list[bytes]] = {}
+        released: set[str] = set()
+        for agent, msgs in real.get_new_notifs().items():
+            keep = []
+            for m in msgs:
+                if is_kvlease_message(m):
+                    released |= self._kvlease_message(agent, m)
+                else:
+                    keep.append(m)
+            if keep:
+                text[agent] = keep
+        self.nixl_wrapper = _Replay(real, text)
+        try:
+            done = super()._get_new_notifs()
+        finally:
+            self.nixl_wrapper = real
+        return done | released
+
+    def _kvlease_message(self, agent: str, data: bytes) -> set[str]:
+        """SPEC P2/D4/P6/P7 for a binary message from a kvlease peer. Returns requests to free."""
+        book = self._reqs_to_send
+        try:
+            msg = decode(data)
+        except WireDecodeError:
+            self.kvlease_malformed += 1
+            return set()
+        kind = msg["type"]
+        if kind == "heartbeat":
+            lost = book.renew_wire(msg["lease_ids"])  # type: ignore[attr-defined]
+            sender = agent.decode() if isinstance(agent, bytes) else agent
+            if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
+                ack = encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)})
+                try:
+                    self.nixl_wrapper.send_notif(sender, notif_msg=ack)
+                except Exception:
+                    logger.debug("Failed to answer a heartbeat of %s", agent, exc_info=True)
+        elif kind == "hello":
+            # A kvlease D introduces its agent so P can answer it.
+            for md in msg["agents"][:1]:
+                try:
+                    name = self.nixl_wrapper.add_remote_agent(md)
+                    # NIXL names the agent in bytes here and in str as a notification's sender.
+                    self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
+                except Exception:
+                    logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
+        elif kind in ("heartbeat_ack", "lease_lost"):
+            # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
+            # reports them lost and their loads fail (_kvlease_lost_request).
+            sender = agent.decode() if isinstance(agent, bytes) else agent
+            engine = next(
+                (e for e, agents in self._remote_agents.items() if sender in {a.decode() if isinstance(a, bytes) else a for a in agents.values()}),
+                None,
+            )
+            if engine is not None:
+                with self._kvlease_lock:
+                    self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
+        elif kind == "release":
+            # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
+            freed = set()
+            for req_id in book.reqs_of_wire(msg["lease_ids"]):  # type: ignore[attr-defined]
+                book.pop(req_id)
+                self.consumer_notification_counts_by_req.pop(req_id, None)
+                self.expected_consumer_notifications_by_req.pop(req_id, None)
+                self._reqs_to_process.discard(req_id)
+                freed.add(req_id)
+            return freed
+        return set()
+
+    # -- D: binary heartbeats toward a P that advertised them -----------------------------
+    def _kvlease_track(self, engine_id: str, host: str, port: int, local: dict[int, str], handshook: bool) -> None:
+        """SPEC D1/D2/D3: the requests toward ``engine_id`` that the scheduler renews now are
+        tracked by kvlease's Renewer, which a thread of this worker polls on its own timer: a
+        long forward step does not delay heartbeats (vLLM sends from the forward loop)."""
+        with self._kvlease_lock:
+            r = self._kvlease_renewer
+            now = time.monotonic_ns()
+            for wire_id, req_id in local.items():
+                r.track(req_id, engine_id, host, port, wire_id, now)
+            current = set(local.values())
+            for req_id in self._kvlease_tracked.get(engine_id, set()) - current:
+                r.untrack(req_id)  # transferred or finished: vLLM tells P itself
+            self._kvlease_tracked[engine_id] = current
+            if handshook and engine_id in self._kvlease_hs_pending:
+                self._kvlease_hs_pending.discard(engine_id)
+                r.handshake_done(engine_id, now, incarnation=0, agents=[str(a) for a in self._remote_agents[engine_id].values()])
+            if handshook:
+                self._kvlease_handshook.add(engine_id)
+        if self._kvlease_thread is None:
+            self._kvlease_thread = threading.Thread(target=self._kvlease_run, name="kvlease-renewer", daemon=True)
+            self._kvlease_thread.start()
+
+    def _kvlease_run(self) -> None:
+        """The renewer's timer: polls it when it is due and carries out what it says."""
+        r = self._kvlease_renewer
+        while not self._kvlease_stop.is_set():
+            with self._kvlease_lock:
+                now = time.monotonic_ns()
+                actions = r.poll(now)
+                for a in actions:
+                    if a.kind == "handshake":
+                        # vLLM's worker does the handshake; the renewer learns when it is done.
+                        if a.engine_id in self._kvlease_handshook:
+                            r.handshake_done(a.engine_id, now, incarnation=0, agents=[])
+                        else:
+                            self._kvlease_hs_pending.add(a.engine_id)
+                    elif a.kind == "lost":
+                        self._kvlease_lost_request(a.request_id)
+                timeout = r.poll_timeout()
+            for a in actions:
+                if a.kind == "send" and a.send_kind != "clock_probe":
+                    self._kvlease_send(a.engine_id, a.data)
+            wait = 0.1 if timeout is None else min(max((timeout - time.monotonic_ns()) / 1e9, 0.001), 0.1)
+            self._kvlease_wake.wait(wait)
+            self._kvlease_wake.clear()
+
+    def _kvlease_send(self, engine_id: str, data: bytes) -> None:
+        agents = self._remote_agents.get(engine_id) or {}
+        for agent_name in list(agents.values()):
+            try:
+                if agent_name not in self._kvlease_hello_sent:
+                    self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
+                    self._kvlease_hello_sent.add(agent_name)
+                self.nixl_wrapper.send_notif(agent_name, notif_msg=data)
+                self._engine_last_active[engine_id] = time.perf_counter()
+            except Exception:
+                logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
+
+    def _kvlease_lost_request(self, req_id: str) -> None:
+        logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
+        if req_id in self._recving_metadata:
+            self._failed_recv_reqs.put(req_id)
+        else:
+            self.kvlease_lost.add(req_id)
+
+    def shutdown(self) -> None:
+        self._kvlease_stop.set()
+        self._kvlease_wake.set()
+        if self._kvlease_thread is not None:
+            self._kvlease_thread.join(timeout=5)
+        super().shutdown()
+
+    def _kvlease_hello(self) -> bytes:
+        """This D's NIXL agent metadata in a kvlease Hello: lets P answer our heartbeats."""
+        return _hello(self.engine_id, self.nixl_wrapper.get_agent_metadata())
+
+    def _send_heartbeats(self, metadata: Any) -> None:
+        binary: dict[str, tuple[list[int], set[str]]] = getattr(metadata, "kvlease_hb", {}) or {}
+        if not binary:
+            return super()._send_heartbeats(metadata)
+        full = metadata.heartbeat_by_engine
+        text = {}
+        for engine_id, info in full.items():
+            if engine_id not in binary:
+                text[engine_id] = info
+                continue
+            wire_ids, covered, *local = binary[engine_id]
+            rest = info.req_ids - covered
+            if rest:  # requests toward that P without a wire id: vLLM's text for them
+                text[engine_id] = dataclasses.replace(info, req_ids=rest)
+            done = self._ensure_handshake(
+                engine_id, info.host, info.port, info.tp_size, info.dcp_size, info.pp_size,
+                self._hb_handshake_notif_only and info.pp_size > 1,
+            ) is None
+            self._kvlease_track(engine_id, info.host, info.port, local[0] if local else {}, done)
+        metadata.heartbeat_by_engine = text
+        try:
+            super()._send_heartbeats(metadata)
+        finally:
+            metadata.heartbeat_by_engine = full
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        """SPEC P4: expired leases, in deadline order, O(1) when none is due. The bookkeeping
+        per expired request is vLLM's (counters, stats, ``done_sending``)."""
+        for req_id in self._reqs_to_send.expired():  # type: ignore[attr-defined]
+            count = self.consumer_notification_counts_by_req.pop(req_id, 0)
+            self.expected_consumer_notifications_by_req.pop(req_id, None)
+            self.xfer_stats.record_kv_expired_req()
+            logger.warning(
+                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.",
+                req_id,
+                count,
+            )
+            self._reqs_to_process.discard(req_id)
+            done_sending.add(req_id)
+
+
+def _hello(engine_id: str, agent_metadata: bytes) -> bytes:
+    return encode(
+        {
+            "type": "hello",
+            "engine_id": engine_id,
+            "incarnation": 0,
+            "agents": [agent_metadata],
+            "info": b"",
+            "t_send": time.monotonic_ns(),
+            "echo": (0, 0),
+            "auth": b"",
+        }
+    )
+
+
+class _Replay:
+    """The NIXL wrapper as vLLM's notification loop sees it: ``get_new_notifs`` returns the
+    text messages already fetched; everything else goes to the real wrapper."""
+
+    def __init__(self, real: Any, notifs: dict[str, list[bytes]]) -> None:
+        self._real = real
+        self._notifs = notifs
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        n, self._notifs = self._notifs, {}
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull-mode scheduler side, plus the kvlease wire advertisement.
+
+    On P, a lease's ``kv_transfer_params`` also carry ``kvlease_wire`` (the wire version) and
+    ``kvlease_lease_id``: that is how a D learns that this P speaks kvlease's binary wire and
+    which id names the lease on it. A stock vLLM D ignores both keys and keeps sending ``HB:``.
+    On D, requests whose params carry them are renewed with binary heartbeats (sorted,
+    delta-encoded ids, about a byte each); the rest with vLLM's text.
+    """
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # SPEC §2: I = L/6 exactly. vLLM computes `L // 6` in whole seconds, so a lease under 6 s
+        # heartbeats on every engine step and a lease of 8 s every 1 s instead of 1.33 s.
+        self._heartbeat_interval = lease_config_of(vllm_config).heartbeat_interval
+        # Wire ids are never reused within a P's life; a random start keeps a restarted P from
+        # taking a dead incarnation's ids for its own (vLLM has no incarnation to fence with).
+        self._kvlease_next_id = (secrets.randbits(20) + 1) << 32
+        self._kvlease_new_ids: dict[str, int] = {}
+        self._kvlease_d: dict[str, dict[str, int]] = {}  # D: engine -> remote req id -> wire id
+        self._kvlease_d_req: dict[str, tuple[str, str]] = {}  # D: local req id -> (engine, remote)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        if delay and params is not None and params.get("do_remote_prefill"):
+            wire_id = self._kvlease_next_id
+            self._kvlease_next_id += 1
+            params["kvlease_wire"] = WIRE_VERSION
+            params["kvlease_lease_id"] = wire_id
+            self._kvlease_new_ids[request.request_id] = wire_id
+        return delay, params
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill") or p.get("kvlease_wire") != WIRE_VERSION:
+            return
+        wire_id, engine, remote = p.get("kvlease_lease_id"), p.get("remote_engine_id"), p.get("remote_request_id")
+        if not isinstance(wire_id, int) or not 0 < wire_id < 2**64 or request.request_id not in self._heartbeat_req_engine:
+            return
+        self._kvlease_d.setdefault(engine, {})[remote] = wire_id
+        self._kvlease_d_req[request.request_id] = (engine, remote)
+
+    def _stop_heartbeat(self, req_id: str) -> None:
+        super()._stop_heartbeat(req_id)
+        key = self._kvlease_d_req.pop(req_id, None)
+        if key is not None:
+            ids = self._kvlease_d.get(key[0])
+            if ids is not None:
+                ids.pop(key[1], None)
+                if not ids:
+                    del self._kvlease_d[key[0]]
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.kvlease_wire_ids, self._kvlease_new_ids = self._kvlease_new_ids, {}
+        local = {}
+        for req_id, (engine, remote) in self._kvlease_d_req.items():
+            local.setdefault(engine, {})[self._kvlease_d[engine][remote]] = req_id
+        meta.kvlease_hb = {
+            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]), local.get(e, {}))
+            for e in meta.heartbeat_by_engine
+            if self._kvlease_d.get(e)
+        }
+        return meta
+
+
+class KvleaseConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` (pull mode) with P's leases kept by kvlease's core.
+
+    Scheduler side: vLLM's, unchanged, except that the lease config is validated by kvlease at
+    start-up. Worker side: :class:`KvleaseConnectorWorker`.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        # Refuse a bad lease config before anything starts (vLLM would take int() of it later).
+        lease_config_of(vllm_config)
+        # NixlPullConnector.__init__ with our worker class (one NIXL agent, not two).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvleaseConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvleaseConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
+

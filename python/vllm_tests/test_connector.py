@@ -1,0 +1,507 @@
+"""KvleaseConnector against real vLLM 0.33.0 classes (issue 14), built by vLLM's own
+KVConnectorFactory from a kv-transfer-config, with real NIXL agents over UCX/TCP on CPU.
+Tests name the SPEC ids they prove; waits are on conditions with deadlines."""
+
+import time
+import types
+import uuid
+
+import pytest
+
+import kvlease
+from kvlease.vllm import KvleaseConnector, KvleaseConnectorWorker, LeaseBook
+
+DEADLINE = 30.0  # generous: a loaded 2-core machine
+
+
+def wait_for(cond, what, timeout=DEADLINE, step=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        if step is not None:
+            step()
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def request(req_id, **params):
+    """What on_new_request reads of a vLLM Request."""
+    return types.SimpleNamespace(request_id=req_id, kv_transfer_params=params)
+
+
+def d_params(p_req, engine="p0"):
+    return dict(
+        do_remote_prefill=True,
+        remote_engine_id=engine,
+        remote_request_id=p_req,
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        tp_size=1,
+        remote_block_ids=[[1, 2]],
+    )
+
+
+# ---------------------------------------------------------------- construction and config
+
+
+def test_spec2_loads_by_module_path_for_both_roles(create):
+    s = create("KvleaseConnector", "kv_producer", "scheduler", "p-load")
+    w = create("KvleaseConnector", "kv_producer", "worker", "p-load-w")
+    assert isinstance(s, KvleaseConnector) and isinstance(w, KvleaseConnector)
+    assert isinstance(w.connector_worker, KvleaseConnectorWorker)
+    assert isinstance(w.connector_worker._reqs_to_send, LeaseBook)
+    assert w.connector_worker.kvlease_config.extension == pytest.approx(20.0)
+
+
+def test_spec2_invalid_lease_refused_at_start_naming_key(create):
+    with pytest.raises(kvlease.ConfigInvalid, match="kv_lease_duration"):
+        create("KvleaseConnector", "kv_producer", "scheduler", "p-bad", lease="soon")
+
+
+# ---------------------------------------------------------------- scheduler level
+
+
+def test_d1_d2_scheduler_heartbeat_metadata_same_as_stock(create):
+    """The same request sequence through vLLM's NixlConnector and KvleaseConnector gives the same
+    heartbeat metadata: D's scheduler side is vLLM's, so a kvlease D speaks to any P."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    metas = []
+    for name in ("NixlConnector", "KvleaseConnector"):
+        s = create(name, "kv_consumer", "scheduler", f"d-{name}")
+        s.on_new_request(request("a", **d_params("pa")))
+        s.on_new_request(request("b", **d_params("pb")))
+        s.on_new_request(request("c", **d_params("pc", engine="p1")))
+        s.on_new_request(request("local"))  # no remote prefill: not tracked
+        meta = s.build_connector_meta(SchedulerOutput.make_empty())
+        metas.append({e: (sorted(i.req_ids), i.host, i.port, i.tp_size) for e, i in meta.heartbeat_by_engine.items()})
+    assert metas[0] == metas[1] == {
+        "p0": (["pa", "pb"], "127.0.0.1", 5600, 1),
+        "p1": (["pc"], "127.0.0.1", 5600, 1),
+    }
+
+
+def test_spec2_d2_heartbeat_interval_is_l_over_6_exactly(create):
+    """SPEC §2: I = L/6. vLLM's scheduler computes `L // 6` (whole seconds): with L = 3 it is 0,
+    a heartbeat on every engine step; kvlease's is 0.5 s."""
+    stock = create("NixlConnector", "kv_consumer", "scheduler", "d-int", lease=3)
+    kv = create("KvleaseConnector", "kv_consumer", "scheduler", "d-int-kv", lease=3)
+    assert stock.connector_scheduler._heartbeat_interval == 0
+    assert kv.connector_scheduler._heartbeat_interval == pytest.approx(0.5)
+    kv8 = create("KvleaseConnector", "kv_consumer", "scheduler", "d-int-8", lease=8)
+    assert kv8.connector_scheduler._heartbeat_interval == pytest.approx(8 / 6)
+
+
+# ---------------------------------------------------------------- worker level, real NIXL
+
+
+def grant(worker, req_ids, ttl, wire_ids=None):
+    """P's scheduler hands requests to the worker with their deadlines (vLLM's own path)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    meta = NixlConnectorMetadata()
+    now = time.perf_counter()
+    meta.scheduler_clock = now
+    meta.reqs_in_batch = set(req_ids)
+    meta.reqs_to_send = {r: now + ttl for r in req_ids}
+    if wire_ids:
+        meta.kvlease_wire_ids = wire_ids
+    worker.start_load_kv(meta)
+
+
+def register_cpu_kv_caches(worker):
+    """CPU KV tensors (64 blocks of 32 tokens, 2 KV heads of 16) registered with NIXL by vLLM's
+    own register_kv_caches."""
+    import torch
+
+    from conftest import BLOCK, LAYERS
+
+    caches = {l: torch.zeros((64, 2, BLOCK, 2, 16), dtype=torch.float32) for l in LAYERS}
+    worker.register_kv_caches(caches)
+    worker._kvlease_test_caches = caches  # keep them alive while registered
+
+
+def to_recv(d_req, p_req, port):
+    """D's scheduler asks its worker to read request d_req's KV (P's blocks 5, 6 into 3, 4)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    recv = NixlConnectorMetadata()
+    recv.add_new_req_to_recv(
+        d_req,
+        local_block_ids=([3, 4],),
+        kv_transfer_params=dict(
+            remote_block_ids=([5, 6],), remote_engine_id="p-kv", remote_request_id=p_req,
+            remote_host="127.0.0.1", remote_port=port, tp_size=1,
+        ),
+        awaiting_kvs=True,
+    )
+    return recv
+
+
+class DAgent:
+    """A decode-side NIXL agent (the same NIXL build vLLM uses) that sends vLLM's notifications
+    to P workers over UCX/TCP, as a stock vLLM D worker does."""
+
+    def __init__(self, *workers):
+        wrapper_cls = type(workers[0].nixl_wrapper)
+        mod = __import__(wrapper_cls.__module__, fromlist=["nixl_agent_config"])
+        self.agent = wrapper_cls(f"d-{uuid.uuid4()}", mod.nixl_agent_config(backends=["UCX"]))
+        self.names = [self.agent.add_remote_agent(w.nixl_wrapper.get_agent_metadata()) for w in workers]
+
+    def send(self, i, msg: bytes):
+        self.agent.send_notif(self.names[i], notif_msg=msg)
+
+
+@pytest.fixture(scope="module")
+def p_workers(create):
+    """A kvlease P and a stock vLLM P, both with L = 3 s (E = 2 s), and one D agent."""
+    kv = create("KvleaseConnector", "kv_producer", "worker", "p-kv", lease=3).connector_worker
+    stock = create("NixlConnector", "kv_producer", "worker", "p-stock", lease=3).connector_worker
+    for w in (kv, stock):
+        register_cpu_kv_caches(w)
+    return kv, stock, DAgent(kv, stock)
+
+
+def test_p2_p6_stock_heartbeat_over_nixl_renews_kvlease_p(p_workers):
+    """SPEC P2/P6 with vLLM's text wire: a stock-format `HB:` notification, sent over real NIXL,
+    renews the kvlease P's lease to now + E; an unknown id is counted as lost."""
+    kv, _, d = p_workers
+    grant(kv, ["hb-1"], ttl=3)
+    before = kv._reqs_to_send["hb-1"]
+    wait_for(lambda: kv._reqs_to_send["hb-1"] > before + 0.5, "the heartbeat to renew hb-1",
+             step=lambda: (d.send(0, b"HB:hb-1,hb-unknown"), time.sleep(0.6), kv._get_new_notifs()))
+    assert kv._reqs_to_send.unknown_renewals >= 1
+    assert kv._reqs_to_send.table.stats()["renewals"] >= 1
+    kv._reqs_to_send.pop("hb-1")
+
+
+def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
+    """SPEC P3/P8: D's read-done notification (vLLM's `req:n` text) releases the lease once."""
+    kv, _, d = p_workers
+    grant(kv, ["rd-1"], ttl=30)
+    released0 = kv._reqs_to_send.table.stats()["released"]
+    d.send(0, b"rd-1:1")
+    done = set()
+    wait_for(lambda: "rd-1" in done, "the read completion", step=lambda: done.update(kv._get_new_notifs()))
+    assert "rd-1" not in kv._reqs_to_send
+    assert kv._reqs_to_send.table.stats()["released"] == released0 + 1
+    d.send(0, b"rd-1:1")  # a duplicate: vLLM logs it; nothing is released twice
+    time.sleep(0.2)
+    assert kv._get_new_notifs() == set()
+    assert kv._reqs_to_send.table.stats()["released"] == released0 + 1
+
+
+def test_p4_vllm_58222_sequence_side_by_side(p_workers):
+    """SPEC P4, vLLM #58222: a lease granted first and renewed, then a lease granted after it
+    and never renewed. The second must expire at its own deadline, not wait behind the first.
+    kvlease: by its deadline, in deadline order, O(1) per idle step. Stock vLLM 0.33.0 scans every
+    entry each step, so it is on time too (0.33.0 fixed #58222 with an O(live) scan; the cost is
+    in BENCHMARKS.md). Checked on both: neither lease ends before its deadline, and "late" ends
+    while "early" (renewed past it) is still held."""
+    kv, stock, d = p_workers
+    for w in (kv, stock):
+        grant(w, ["early"], ttl=1.5)
+    time.sleep(0.05)
+    for w in (kv, stock):
+        grant(w, ["late"], ttl=1.5)
+    late_deadline = max(kv._reqs_to_send["late"], stock._reqs_to_send["late"])
+    # Renew "early" through the real NIXL path on both, to well past late's deadline (E = 2 s).
+    for i, w in enumerate((kv, stock)):
+        wait_for(lambda: w._reqs_to_send["early"] > late_deadline + 1.0, "early's renewal",
+                 step=lambda: (d.send(i, b"HB:early"), time.sleep(0.2), w._get_new_notifs()))
+    for name, w in (("kvlease", kv), ("stock", stock)):
+        early_deadline = w._reqs_to_send["early"]
+        ended = {}
+
+        def reap(w=w, ended=ended):
+            done = set()
+            w._reap_expired_send_leases(done)
+            for r in done:
+                ended.setdefault(r, time.perf_counter())
+
+        wait_for(lambda: "late" in ended, f"{name}: 'late' to expire", step=reap)
+        assert ended["late"] >= late_deadline - 0.05, name  # not before its deadline
+        if "early" in ended:  # only if this machine stalled past early's deadline too
+            assert ended["early"] >= early_deadline - 0.05, name
+        else:
+            assert "early" in w._reqs_to_send, name
+            w._reqs_to_send.pop("early")
+
+
+def test_p4_idle_step_does_not_scan_live_leases(create):
+    """SPEC P4: a step with nothing due asks the table for its next expiry (the timing wheel's
+    earliest bucket) and nothing else: no tick, no visit of the live leases (vLLM's sweep builds
+    a list over all of them every step). The cost per size is in BENCHMARKS.md."""
+    book = LeaseBook(kvlease.LeaseConfig(30))
+    for i in range(10_000):
+        book[f"r{i}"] = time.perf_counter() + 30
+    calls = []
+
+    class Spy:
+        def __init__(self, table):
+            self.table = table
+
+        def next_expiry(self):
+            calls.append("next_expiry")
+            return self.table.next_expiry()
+
+        def tick(self, now):
+            calls.append("tick")
+            return self.table.tick(now)
+
+    real = book.table
+    book.table = Spy(real)
+    try:
+        for _ in range(100):
+            assert book.expired() == []
+    finally:
+        book.table = real
+    assert calls == ["next_expiry"] * 100
+    assert len(book) == 10_000 and book.table.live == 10_000
+
+
+# ---------------------------------------------------------------- the binary wire
+
+
+def finished_prefill(req_id):
+    """What request_finished reads of a P-side request that finished prefill normally."""
+    from vllm.v1.request import RequestStatus
+
+    return types.SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params={"do_remote_decode": True},
+        status=RequestStatus.FINISHED_STOPPED,
+        num_computed_tokens=64,
+    )
+
+
+def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
+    """How the two sides learn: a kvlease P adds `kvlease_wire` and `kvlease_lease_id` to the
+    kv_transfer_params it returns (a stock P does not: everything else is equal); a kvlease D
+    seeing them renews that lease with kvlease's binary heartbeat; a stock D ignores them."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    stock_p = create("NixlConnector", "kv_producer", "scheduler", "p-adv")
+    kv_p = create("KvleaseConnector", "kv_producer", "scheduler", "p-adv")
+    d1, stock_params = stock_p.request_finished(finished_prefill("r1"), [1, 2])
+    d2, kv_params = kv_p.request_finished(finished_prefill("r1"), [1, 2])
+    assert d1 and d2
+    assert kv_params["kvlease_wire"] == kvlease.WIRE_VERSION
+    wire_id = kv_params["kvlease_lease_id"]
+    assert {k: v for k, v in kv_params.items() if not k.startswith("kvlease_")} == stock_params
+    meta = kv_p.build_connector_meta(SchedulerOutput.make_empty())
+    assert meta.kvlease_wire_ids == {"r1": wire_id}  # shipped to P's workers with the deadline
+
+    params = dict(kv_params, do_remote_prefill=True, do_remote_decode=False)
+    params.setdefault("tp_size", 1)
+    hb = {}
+    for name in ("NixlConnector", "KvleaseConnector"):
+        d = create(name, "kv_consumer", "scheduler", f"d-adv-{name}")
+        d.on_new_request(request("d1", **params))
+        m = d.build_connector_meta(SchedulerOutput.make_empty())
+        hb[name] = m
+    assert sorted(hb["NixlConnector"].heartbeat_by_engine["p-adv"].req_ids) == ["r1"]
+    assert not getattr(hb["NixlConnector"], "kvlease_hb", None)
+    assert hb["KvleaseConnector"].kvlease_hb == {"p-adv": ([wire_id], {"r1"}, {wire_id: "d1"})}
+
+
+def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
+    """SPEC P2 over kvlease's wire through real NIXL: a binary heartbeat naming the advertised
+    id renews the lease; a binary Release frees it at once (D4); bytes with kvlease's magic that
+    do not decode are dropped and counted (P7), and vLLM's text still works beside them."""
+    kv, _, d = p_workers
+    W = (7 << 32) + 1
+    grant(kv, ["bin-1", "bin-2"], ttl=3, wire_ids={"bin-1": W, "bin-2": W + 1})
+    before = kv._reqs_to_send["bin-1"]
+    malformed0 = kv.kvlease_malformed
+    freed = set()
+
+    def step():
+        for chunk in kvlease.encode_heartbeats(1, [W], 256):
+            d.send(0, chunk)
+        d.send(0, b"KL\x02\xff")
+        time.sleep(0.6)
+        freed.update(kv._get_new_notifs())
+
+    wait_for(lambda: kv._reqs_to_send["bin-1"] > before + 0.5, "the binary heartbeat to renew bin-1", step=step)
+    assert kv.kvlease_malformed > malformed0
+    d.send(0, kvlease.encode({"type": "release", "lease_ids": [W + 1]}))
+    wait_for(lambda: "bin-2" in freed, "the binary release to free bin-2", step=lambda: freed.update(kv._get_new_notifs()))
+    assert "bin-2" not in kv._reqs_to_send and "bin-1" in kv._reqs_to_send
+    kv._reqs_to_send.pop("bin-1")
+
+
+# ---------------------------------------------------------------- vLLM D workers, real handshakes
+
+
+@pytest.fixture(scope="module")
+def p_side_channels(create, p_workers):
+    """Each P worker's handshake served by its own P scheduler connector (vLLM's ZMQ side
+    channel) on a free port, as `vllm serve` wires them."""
+    from conftest import free_port
+
+    kv, stock, _ = p_workers
+    ports = {}
+    for name, w, engine in (("KvleaseConnector", kv, "p-kv"), ("NixlConnector", stock, "p-stock")):
+        sched = create(name, "kv_producer", "scheduler", engine, lease=3)
+        sched.connector_scheduler.side_channel_port = ports[engine] = free_port()
+        sched.set_xfer_handshake_metadata_pp_aware({(0, 0): w.xfer_handshake_metadata})
+    return ports
+
+
+@pytest.mark.parametrize("d_connector", ["NixlConnector", "KvleaseConnector"])
+def test_d2_vllm_d_worker_heartbeats_renew_stock_and_kvlease_p(create, p_workers, p_side_channels, d_connector):
+    """SPEC D2/P2 across implementations: a real vLLM D worker (stock, and KvleaseConnector's),
+    after vLLM's own background handshake with each P over its side channel, sends its heartbeat
+    through NIXL; both the stock vLLM P and the kvlease P renew their lease from it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, stock, _ = p_workers
+    d = create(d_connector, "kv_consumer", "worker", f"d-hs-{d_connector}", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    for w, engine in ((kv, "p-kv"), (stock, "p-stock")):
+        req = f"hs-{d_connector}-{engine}"
+        grant(w, [req], ttl=3)
+        before = w._reqs_to_send[req]
+        meta = NixlConnectorMetadata()
+        meta.heartbeat_by_engine = {
+            engine: HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels[engine], tp_size=1)
+        }
+
+        def step(meta=meta, w=w):
+            d._send_heartbeats(meta)  # the first call starts the handshake; later ones send
+            time.sleep(0.5)
+            w._get_new_notifs()
+
+        wait_for(lambda: w._reqs_to_send[req] > before + 0.3, f"{engine} renewed by a {d_connector} D", step=step)
+        assert engine in d._remote_agents  # through vLLM's real handshake
+        w._reqs_to_send.pop(req)
+
+
+def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_side_channels, monkeypatch):
+    """Both sides kvlease: the D worker renews the advertised lease with kvlease's binary
+    heartbeat (no `HB:` text at all), and the kvlease P renews from it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-bin", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, req = (9 << 32) + 5, "bin-d-1"
+    grant(kv, [req], ttl=3, wire_ids={req: W})
+    before = kv._reqs_to_send[req]
+
+    def no_text(payload):
+        raise AssertionError(f"text heartbeat {payload!r} sent to a P that advertised the binary wire")
+
+    monkeypatch.setattr(kv, "_handle_heartbeat", no_text)
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
+
+    def step():
+        d._send_heartbeats(meta)
+        time.sleep(0.5)
+        kv._get_new_notifs()
+
+    wait_for(lambda: kv._reqs_to_send[req] > before + 0.3, "the binary heartbeat from a kvlease D worker", step=step)
+    assert meta.heartbeat_by_engine["p-kv"].req_ids == {req}  # the metadata is left as it was
+    kv._reqs_to_send.pop(req)
+
+
+def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_side_channels):
+    """SPEC P6/D6 inside vLLM: a kvlease D introduces its NIXL agent to the kvlease P (a Hello
+    carrying its agent metadata: vLLM's pull mode gives P no way to reach D otherwise), so P can
+    answer a binary heartbeat naming a lease it no longer holds with `HeartbeatAck{lost_ids}`.
+    D then never reads that request: vLLM's load-failure path reports it failed and its blocks
+    invalid, and vLLM's kv_load_failure_policy recomputes (or fails) it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-lost", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, p_req, d_req = (11 << 32) + 1, "p-lost-1", "d-lost-1"
+    grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
+    kv._reqs_to_send.pop(p_req)  # gone on P (released): D does not know yet
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+
+    def step():
+        d._send_heartbeats(meta)
+        time.sleep(0.5)
+        kv._get_new_notifs()
+        time.sleep(0.2)
+        d._get_new_notifs()
+
+    wait_for(lambda: d_req in d.kvlease_lost, "P's LeaseLost answer to reach D", step=step)
+    # The scheduler now asks for the transfer: D must not read; the load fails cleanly.
+    recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
+    d.start_load_kv(recv)
+    assert d_req not in d._recving_transfers  # no READ was posted
+    failed = set()
+    wait_for(lambda: d_req in failed, "the failed load", step=lambda: failed.update(d.get_transfer_results().failed_recving))
+    assert {3, 4} <= d.get_block_ids_with_load_errors()
+
+
+def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_workers, p_side_channels):
+    """SPEC D3 inside vLLM: once a kvlease D worker has handed its leases to kvlease's renewer,
+    heartbeats go out from the renewer's own thread. Here D's forward loop makes no call at all
+    for longer than the lease (L = 3 s), and P's lease stays alive, renewed. (vLLM sends
+    heartbeats from the forward loop: a step longer than L/3 loses them.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d3", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, req = (13 << 32) + 1, "d3-1"
+    grant(kv, [req], ttl=3, wire_ids={req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)  # the renewer learns the handshake is done
+    # From here on D's forward loop is "blocked": no call into D at all.
+    blocked_at = time.perf_counter()
+    grant_deadline = kv._reqs_to_send[req]
+    expired = set()
+    while time.perf_counter() < blocked_at + 4.5:
+        kv._get_new_notifs()
+        kv._reap_expired_send_leases(expired)
+        assert req not in expired, "the lease expired while D's forward loop was blocked"
+        time.sleep(0.1)
+    assert kv._reqs_to_send[req] > grant_deadline + 1.0  # renewed, by D's renewer thread
+    kv._reqs_to_send.pop(req)
+
+
+def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_channels):
+    """SPEC D6 inside vLLM: a kvlease D reads a lease only while an acknowledged heartbeat covers
+    the read budget. Asked to read before any acknowledgement, the worker holds the read back
+    (no READ posted, nothing in vLLM's receive bookkeeping), its renewer sends a renewal at once,
+    and the read is released in a later step once P's acknowledgement is in."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d6", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, p_req, d_req = (17 << 32) + 1, "p-d6-1", "d-d6-1"
+    grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)
+    recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
+    d.start_load_kv(recv)  # no acknowledgement yet: held back
+    assert d_req in d._kvlease_deferred
+    assert d_req not in d._recving_metadata and d_req not in d._recving_transfers
+
+    def step():
+        kv._get_new_notifs()  # P renews and answers
+        time.sleep(0.1)
+        d._get_new_notifs()  # D's renewer learns the acknowledgement
+        d.start_load_kv(NixlConnectorMetadata())  # a later engine step
+
+    wait_for(lambda: d_req in d._recving_metadata, "the read to be released after the acknowledgement", step=step)
+    assert d_req not in d._kvlease_deferred
+    kv._reqs_to_send.pop(p_req)
