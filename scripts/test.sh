@@ -36,6 +36,25 @@ else
     features=(--all-features)
 fi
 
+if [ "${KVLEASE_SKIP_HOSTS:-0}" = 1 ]; then
+    echo "!!!!!!!! KVLEASE_SKIP_HOSTS=1: the multi-host tests (tests/hosts.rs) are NOT run !!!!!!!!"
+else
+    # tests/hosts.rs makes network namespaces as hosts and cuts the wire between them with
+    # nftables (RELIABILITY.md): it needs root, iproute2 (ip, tc) and nftables.
+    echo "== multi-host tests: root, iproute2 and nftables"
+    if [ "$(id -u)" != 0 ]; then
+        echo "error: the multi-host tests need root (network namespaces); KVLEASE_SKIP_HOSTS=1 skips them" >&2
+        exit 1
+    fi
+    missing=()
+    command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
+    command -v nft >/dev/null || missing+=(nftables)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    export KVLEASE_REQUIRE_HOSTS=1
+fi
+
 echo "== fetch a Prometheus server (tests/observability.rs scrapes P and D with it)"
 KVLEASE_PROMETHEUS=$(scripts/install-prometheus.sh | tail -n 1)
 export KVLEASE_PROMETHEUS

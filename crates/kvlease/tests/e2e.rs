@@ -37,21 +37,6 @@ fn nixl_missing_library_is_a_clear_start_up_error() {
     assert!(stderr.contains("install-nixl.sh"), "{stderr}");
 }
 
-/// False (after saying why) when the NIXL library is not on LD_LIBRARY_PATH and not required.
-fn nixl_or_skip() -> bool {
-    if std::env::var("KVLEASE_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
-        return true;
-    }
-    let found = std::env::var("LD_LIBRARY_PATH")
-        .unwrap_or_default()
-        .split(':')
-        .any(|d| !d.is_empty() && std::path::Path::new(d).join("libnixl_capi.so").exists());
-    if !found {
-        eprintln!("!!!!!!!! SKIPPED: libnixl_capi.so is not on LD_LIBRARY_PATH (scripts/install-nixl.sh) !!!!!!!!");
-    }
-    found
-}
-
 async fn fifty_requests_through_the_proxy(transport: &str) {
     let cfg = lease_config(30.0);
     let p = Proc::serve("e2e-p", &["--kv-transfer-config", &cfg, "--transport", transport]);

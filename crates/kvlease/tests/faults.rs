@@ -21,24 +21,6 @@ fn busy_decoder(name: &str, lease: f64) -> Proc {
     Proc::serve(name, &["--kv-transfer-config", &lease_config(lease), "--max-num-seqs", "1", "--decode-ms-per-token", "200"])
 }
 
-async fn occupy(d: &Proc, tokens: u64) -> tokio::task::JoinHandle<()> {
-    let url = format!("{}/v1/completions", d.url);
-    let h = tokio::spawn(async move {
-        let _ = client()
-            .post(url)
-            .json(&json!({"model": "kvlease-synthetic", "prompt": "busy", "max_tokens": tokens, "ignore_eos": true}))
-            .send()
-            .await;
-    });
-    let base = d.url.clone();
-    until("decoder busy", DEADLINE, || {
-        let base = base.clone();
-        async move { metric(&base, "kvlease_requests_running").await >= 1.0 }
-    })
-    .await;
-    h
-}
-
 /// The mission's first promise: when D dies, P reclaims within seconds — here within the
 /// extension E after the last heartbeat (L = 1.2 s, E = 0.8 s), not vLLM's 480 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

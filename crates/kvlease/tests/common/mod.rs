@@ -3,7 +3,9 @@
 //! condition waits with deadlines.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use serde_json::Value;
+pub mod hosts;
+
+use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -38,6 +40,12 @@ impl Proc {
 
     /// `kvlease proxy` in front of these engines, with these extra flags.
     pub fn proxy_with(prefillers: &[&Proc], decoders: &[&Proc], extra: &[&str]) -> Proc {
+        Proc::proxy_on(None, "127.0.0.1", prefillers, decoders, extra)
+    }
+
+    /// `kvlease proxy` listening on `host`, inside network namespace `netns` if given
+    /// (`ip netns exec`, see [`hosts`]), in front of these engines, with these extra flags.
+    pub fn proxy_on(netns: Option<&str>, host: &str, prefillers: &[&Proc], decoders: &[&Proc], extra: &[&str]) -> Proc {
         let hp = |ps: &[&Proc]| -> (Vec<String>, Vec<String>) {
             ps.iter()
                 .map(|p| {
@@ -49,7 +57,7 @@ impl Proc {
         let (ph, pp) = hp(prefillers);
         let (dh, dp) = hp(decoders);
         let mut args: Vec<String> =
-            ["proxy", "--host", "127.0.0.1", "--port", "0", "--log-level", "warn", "--prefiller-hosts"].map(String::from).to_vec();
+            ["proxy", "--host", host, "--port", "0", "--log-level", "warn", "--prefiller-hosts"].map(String::from).to_vec();
         args.extend(ph);
         args.push("--prefiller-ports".into());
         args.extend(pp);
@@ -59,7 +67,15 @@ impl Proc {
         args.extend(dp);
         args.extend(extra.iter().map(|s| s.to_string()));
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        Proc::start("proxy", &refs, "kvlease proxy listening on ")
+        Proc::start_in(netns, "proxy", &refs, "kvlease proxy listening on ", Some(SECRET), Stdio::inherit())
+    }
+
+    /// `kvlease serve` inside network namespace `netns`, listening on `host` (a non-loopback
+    /// address: the cluster secret [`SECRET`] allows it, SPEC S3), with these extra flags.
+    pub fn serve_on(netns: &str, host: &str, name: &str, extra: &[&str]) -> Proc {
+        let mut args = vec!["serve", "--host", host, "--port", "0", "--engine-id", name, "--log-level", "warn"];
+        args.extend_from_slice(extra);
+        Proc::start_in(Some(netns), name, &args, "kvlease serve listening on ", Some(SECRET), Stdio::inherit())
     }
 
     /// `kvlease proxy --etcd URL`: routing to the engines registered in etcd, with these extra
@@ -68,10 +84,6 @@ impl Proc {
         let mut args = vec!["proxy", "--host", "127.0.0.1", "--port", "0", "--etcd", etcd];
         args.extend_from_slice(extra);
         Proc::start_logging_to("proxy", &args, "kvlease proxy listening on ", Some(SECRET), logs)
-    }
-
-    fn start(name: &str, args: &[&str], banner: &str) -> Proc {
-        Proc::start_with_secret(name, args, banner, Some(SECRET))
     }
 
     fn start_with_secret(name: &str, args: &[&str], banner: &str, secret: Option<&str>) -> Proc {
@@ -87,7 +99,20 @@ impl Proc {
     }
 
     fn start_logging_to(name: &str, args: &[&str], banner: &str, secret: Option<&str>, logs: Stdio) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlease"));
+        Proc::start_in(None, name, args, banner, secret, logs)
+    }
+
+    /// Starts the binary, inside network namespace `netns` if given (`ip netns exec` execs it,
+    /// so the child's pid is kvlease's own and signals reach it).
+    fn start_in(netns: Option<&str>, name: &str, args: &[&str], banner: &str, secret: Option<&str>, logs: Stdio) -> Proc {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kvlease")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_kvlease")),
+        };
         cmd.args(args).env_remove("KVLEASE_TRANSFER_SECRET");
         if let Some(secret) = secret {
             cmd.env("KVLEASE_TRANSFER_SECRET", secret);
@@ -211,6 +236,14 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
     let r = client().post(url).json(body).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 200);
     let text = r.text().await.expect("body");
+    let (out, params, done) = sse_text(&text, chat).unwrap_or_else(|v| panic!("stream failed: {v}"));
+    assert!(done, "stream ended without [DONE]");
+    (out, params)
+}
+
+/// An SSE answer's text, the last `kv_transfer_params` any chunk carried (top-level or in a
+/// choice) and whether `[DONE]` ended it; or the first error event.
+pub fn sse_text(text: &str, chat: bool) -> Result<(String, Option<Value>, bool), Value> {
     let mut out = String::new();
     let mut params = None;
     let mut done = false;
@@ -221,7 +254,9 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
             continue;
         }
         let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE chunk ({e}): {data}"));
-        assert!(v.get("error").is_none(), "stream failed: {v}");
+        if v.get("error").is_some() {
+            return Err(v);
+        }
         if let Some(p) = v.get("kv_transfer_params").filter(|p| p.is_object()) {
             params = Some(p.clone());
         }
@@ -233,8 +268,7 @@ pub async fn post_stream_params(url: &str, body: &Value, chat: bool) -> (String,
             }
         }
     }
-    assert!(done, "stream ended without [DONE]");
-    (out, params)
+    Ok((out, params, done))
 }
 
 /// Waits until the engine at `base` holds no lease and every KV block is free.
@@ -244,4 +278,40 @@ pub async fn until_nothing_held(base: &str, limit: Duration) {
             && metric(base, "kvlease_kv_blocks_free").await == metric(base, "kvlease_kv_blocks_total").await
     })
     .await;
+}
+
+/// Occupies `d` with a local request of `tokens` tokens (ignoring EOS), so requests queue behind
+/// it on a decoder with one slot; returns once D runs it. Abort the task to end it early (D drops
+/// a request whose client left).
+pub async fn occupy(d: &Proc, tokens: u64) -> tokio::task::JoinHandle<()> {
+    let url = format!("{}/v1/completions", d.url);
+    let h = tokio::spawn(async move {
+        let _ = client()
+            .post(url)
+            .json(&json!({"model": "kvlease-synthetic", "prompt": "busy", "max_tokens": tokens, "ignore_eos": true}))
+            .send()
+            .await;
+    });
+    let base = d.url.clone();
+    until("decoder busy", DEADLINE, || {
+        let base = base.clone();
+        async move { metric(&base, "kvlease_requests_running").await >= 1.0 }
+    })
+    .await;
+    h
+}
+
+/// False (after saying why) when the NIXL library is not on LD_LIBRARY_PATH and not required.
+pub fn nixl_or_skip() -> bool {
+    if std::env::var("KVLEASE_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+        return true;
+    }
+    let found = std::env::var("LD_LIBRARY_PATH")
+        .unwrap_or_default()
+        .split(':')
+        .any(|d| !d.is_empty() && std::path::Path::new(d).join("libnixl_capi.so").exists());
+    if !found {
+        eprintln!("!!!!!!!! SKIPPED: libnixl_capi.so is not on LD_LIBRARY_PATH (scripts/install-nixl.sh) !!!!!!!!");
+    }
+    found
 }
