@@ -215,9 +215,19 @@ impl PyReleased {
     }
 }
 
-fn released_list(v: Vec<Released<Py<PyAny>>>) -> Vec<PyReleased> {
+/// A lease's payload in the table: the prompt's digest (SPEC S4, checked by the table through
+/// `LeasePayload`) and the Python object.
+type Payload = (PromptDigest, Py<PyAny>);
+
+fn released_list(v: Vec<Released<Payload>>) -> Vec<PyReleased> {
     v.into_iter()
-        .map(|r| PyReleased { lease_id: r.lease_id, reason: r.reason.as_str(), payload: r.payload, blocks: r.blocks, held: secs(r.held) })
+        .map(|r| PyReleased {
+            lease_id: r.lease_id,
+            reason: r.reason.as_str(),
+            payload: r.payload.map(|(_, p)| p),
+            blocks: r.blocks,
+            held: secs(r.held),
+        })
         .collect()
 }
 
@@ -228,7 +238,7 @@ fn released_list(v: Vec<Released<Py<PyAny>>>) -> Vec<PyReleased> {
 /// an idle ``tick`` is O(1) (SPEC P4). Holders (SPEC S5) are small ints from ``holder(engine)``.
 #[pyclass(module = "kvlease._core", name = "LeaseTable")]
 struct PyLeaseTable {
-    table: LeaseTable<Py<PyAny>>,
+    table: LeaseTable<Payload>,
 }
 
 #[pymethods]
@@ -261,8 +271,8 @@ impl PyLeaseTable {
         let d = digest_of(digest)?;
         let payload = payload.unwrap_or_else(|| py.None());
         Ok(match lifetime {
-            None => self.table.grant(Nanos(now_ns), blocks, d, payload),
-            Some(s) => self.table.grant_for(Nanos(now_ns), duration_of("lifetime", s)?, blocks, d, payload),
+            None => self.table.grant(Nanos(now_ns), blocks, (d, payload)),
+            Some(s) => self.table.grant_for(Nanos(now_ns), duration_of("lifetime", s)?, blocks, (d, payload)),
         })
     }
 
@@ -385,7 +395,7 @@ impl PyLeaseTable {
 
     /// The payload of a live lease, or None.
     fn get(&self, py: Python<'_>, lease_id: LeaseId) -> Option<Py<PyAny>> {
-        self.table.get(lease_id).map(|p| p.clone_ref(py))
+        self.table.get(lease_id).map(|(_, p)| p.clone_ref(py))
     }
 
     /// The current deadline (ns) of a live lease (maybe already past, awaiting the reaper).

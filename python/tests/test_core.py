@@ -22,6 +22,7 @@ from kvlease import (
     prompt_digest,
 )
 
+MS = 1_000_000
 S = 1_000_000_000  # ns per second
 L = 30 * S
 
@@ -137,23 +138,24 @@ def test_p4_expiry_in_deadline_order_not_grant_order_vllm_58222():
 def test_p4_idle_tick_releases_nothing_and_next_expiry_bounds_it():
     t = table()
     assert t.next_expiry() is None and t.tick(S) == []
-    ids = [t.grant(i, 1) for i in range(100)]
+    # The table keeps deadlines in whole milliseconds, rounded up (never early): 1 ms apart.
+    ids = [t.grant(i * MS, 1) for i in range(100)]
     assert t.tick(L - 1) == []
     assert t.next_expiry() <= L
-    released = t.tick(L + 200)
+    released = t.tick(L + 100 * MS)
     assert sorted(r.lease_id for r in released) == ids
-    assert [r.lease_id for r in released] == ids  # deadline order (granted 1 ns apart)
+    assert [r.lease_id for r in released] == ids  # deadline order (granted 1 ms apart)
 
 
 def test_p4_tick_budget_carries_work_over():
     t = table()
     for i in range(50):
-        t.grant(i, 1)
-    more, first = t.tick_budget(L + 100, 10)
+        t.grant(i * MS, 1)
+    more, first = t.tick_budget(L + 100 * MS, 10)
     assert more and 0 < len(first) <= 10
     total = len(first)
     while more:
-        more, rest = t.tick_budget(L + 100, 10)
+        more, rest = t.tick_budget(L + 100 * MS, 10)
         total += len(rest)
     assert total == 50 and t.live == 0
 
