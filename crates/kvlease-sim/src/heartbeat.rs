@@ -26,7 +26,6 @@
 
 use crate::cluster::Rng;
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{Holder, LeaseTable};
 use kvlease_core::renewer::{Action, Handshook, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::Message;
@@ -171,7 +170,6 @@ pub fn run(sc: &Scale) -> ScaleReport {
     let end = warm + sc.window;
     let in_window = |t: Nanos| t >= warm && t < end;
     let mut rng = Rng(sc.seed ^ 0x0048_4253_4341_4c45);
-    let digest = PromptDigest::of(&[1]);
     let mut report =
         ScaleReport { window: sc.window, per_p: vec![PerP::default(); sc.prefills], lost: 0, live_min: usize::MAX, live_max: 0, grants: 0 };
     let mut ds: Vec<Renewer> = (0..sc.decoders).map(|_| Renewer::new(cfg)).collect();
@@ -188,7 +186,7 @@ pub fn run(sc: &Scale) -> ScaleReport {
         .collect();
 
     let grant = |p: &mut P, pi: usize, now: Nanos, end: Nanos, ds: &mut [Renewer], counts: &mut [u32], rng: &mut Rng, next: &mut u64| {
-        let id = p.table.grant(now, 1, digest, ());
+        let id = p.table.grant(now, 1, ());
         let d = match sc.routing {
             Routing::Random => rng.below(sc.decoders),
             Routing::RoundRobin => (p.grants % sc.decoders as u64) as usize,
