@@ -108,7 +108,9 @@ pub struct NixlOptions {
     pub active_poll: Duration,
     /// How long after the last activity the thread keeps polling at `active_poll`.
     pub active_linger: Duration,
-    /// The poll interval when idle: bounds the extra latency of a notification.
+    /// The poll interval when idle (no command or notification for `active_linger`): bounds
+    /// the extra latency of the first notification after a quiet spell. 2 ms keeps an idle
+    /// engine's agent at ~1.5 % of a core (500 µs: 2.3–3 %; issue 15, BENCHMARKS.md).
     pub idle_poll: Duration,
     /// Delay of NIXL's progress thread, in µs (NIXL's default 0 here measured ~8 ms per
     /// notification; 100 gives ~50 µs).
@@ -144,7 +146,7 @@ impl Default for NixlOptions {
             xfer_poll: Duration::from_micros(200),
             active_poll: Duration::from_micros(100),
             active_linger: Duration::from_millis(20),
-            idle_poll: Duration::from_micros(500),
+            idle_poll: Duration::from_millis(2),
             progress_delay_us: 100,
             shutdown_grace: Duration::from_secs(2),
         }
