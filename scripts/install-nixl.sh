@@ -56,13 +56,13 @@ if ((${#missing[@]})); then
     done
     if ((need_update)); then
         log "apt-get update"
-        "${SUDO[@]}" apt-get update -qq >&2 || die "apt-get update failed" \
+        "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 || die "apt-get update failed" \
             "Check network access to the Debian mirror, then re-run scripts/install-nixl.sh."
     fi
-    if ! "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2; then
+    if ! "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >&2; then
         log "apt-get install failed; refreshing package lists and retrying"
-        "${SUDO[@]}" apt-get update -qq >&2 || true
-        "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 ||
+        "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 || true
+        "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >&2 ||
             die "apt-get install ${missing[*]} failed" \
                 "Run: apt-get update && apt-get install -y ${missing[*]}"
     fi

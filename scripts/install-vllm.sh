@@ -28,8 +28,8 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     command -v apt-get >/dev/null || die "python3 has no venv module and there is no apt-get"
     SUDO=(); [[ $(id -u) -ne 0 ]] && SUDO=(sudo)
     log "installing python3-venv"
-    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends python3-venv >&2 ||
-        { "${SUDO[@]}" apt-get update -qq >&2 && "${SUDO[@]}" apt-get install -y -qq --no-install-recommends python3-venv >&2; } ||
+    "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2 ||
+        { "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 && "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2; } ||
         die "apt-get install python3-venv failed"
 fi
 

@@ -50,7 +50,7 @@ else
     command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
     command -v nft >/dev/null || missing+=(nftables)
     if [ "${#missing[@]}" -gt 0 ]; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+        apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
     fi
     export KVLEASE_REQUIRE_HOSTS=1
 fi
