@@ -59,6 +59,29 @@ async fn s4_params_of_another_prompt_are_recomputed_not_read() {
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 2.0);
 }
 
+/// SPEC S4, P5 over the fenced tcp agent: params of prompt B with their digest and token count
+/// forged to prompt A's (no cluster secret, so nothing is signed) pass D's own check; P's gate sees the
+/// digest the read shows, refuses the read before a byte is served, and D recomputes A's right
+/// answer. D uses no byte P did not admit: there is no after-the-fact confirmation to fall
+/// back on over tcp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_forged_digest_is_refused_at_p_gate() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve_with_secret("s4g-p", &["--kv-transfer-config", &cfg], None);
+    let d = Proc::serve_with_secret("s4g-d", &["--kv-transfer-config", &cfg], None);
+    let local = Proc::serve_with_secret("s4g-local", &[], None);
+    let want_a = text(&local.url, &completion(PROMPT_A, 8, None)).await;
+    let params_a = prefill(&p, PROMPT_A).await;
+    let mut forged = prefill(&p, PROMPT_B).await;
+    forged["kvlease_prompt_digest"] = params_a["kvlease_prompt_digest"].clone();
+    forged["remote_num_tokens"] = params_a["remote_num_tokens"].clone();
+    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&forged))).await, want_a, "A with B's lease, A's digest");
+    assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 1.0, "P's gate refused the read");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_a))).await, want_a, "A's own params still pull");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+}
+
 /// SPEC S4 under `kv_load_failure_policy: fail`: params of another prompt are a clear 400 naming
 /// `kv_transfer_params`, never a read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
