@@ -370,3 +370,34 @@ async fn incarnation_fences_lease_ids_across_a_restart() {
     assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
     assert_eq!(new.metrics().leases_active.load(Relaxed), 1, "the new incarnation's lease is untouched");
 }
+
+/// The emulated decode step (issue 15): every token after the first comes out when its step's
+/// compute is done, `--decode-ms-per-token` after the previous one — the second token too, not
+/// at once after the first (the prefill step's token), as when a step emitted before sleeping.
+#[tokio::test(start_paused = true)]
+async fn decode_steps_emit_their_tokens_when_their_compute_is_done() {
+    let mut cfg = config(30.0, 1);
+    cfg.model.decode_ms_per_token = 20.0;
+    let e = engine(cfg).await;
+    let req = GenerateRequest {
+        request_id: "paced".into(),
+        prompt: Prompt::Tokens(kvlease_engine::model::tokenize("a prompt to decode")),
+        max_tokens: 6,
+        ignore_eos: true,
+        sampling: Default::default(),
+        kv_transfer_params: None,
+    };
+    let mut s = e.submit(req).expect("accepted");
+    let mut at = Vec::new();
+    loop {
+        match s.next().await.expect("an event") {
+            kvlease_engine::GenerateEvent::Token { .. } => at.push(tokio::time::Instant::now()),
+            kvlease_engine::GenerateEvent::Done { .. } => break,
+            kvlease_engine::GenerateEvent::Failed(e) => panic!("{e}"),
+            kvlease_engine::GenerateEvent::Logprobs { .. } => {}
+        }
+    }
+    assert_eq!(at.len(), 6);
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps.iter().all(|g| *g == Duration::from_millis(20)), "{gaps:?}");
+}
