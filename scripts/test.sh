@@ -23,6 +23,8 @@ if [ "${KVLEASE_SKIP_VLLM:-0}" != 1 ]; then
     echo "== install vLLM in the background (scripts/install-vllm.sh, log $vllm_log)"
     scripts/install-vllm.sh >"$vllm_log" 2>&1 &
     vllm_pid=$!
+    # Stopped with the script, whatever ends it (a failed step under `set -e` included).
+    trap '[ -n "$vllm_pid" ] && kill "$vllm_pid" 2>/dev/null || true' EXIT
 fi
 
 if [ "${KVLEASE_SKIP_NIXL:-0}" = 1 ]; then
@@ -90,6 +92,7 @@ if [ -n "$vllm_pid" ]; then
         echo "error: scripts/install-vllm.sh failed" >&2
         exit 1
     fi
+    vllm_pid=
 fi
 
 echo "== Python: the kvlease package (python/) and the vLLM connector (scripts/test-python.sh)"

@@ -25,7 +25,7 @@ debian_binary() {
         log "downloading Debian's $package package"
         if ! (cd "$tmp" && apt-get download "$package" >&2 2>/dev/null); then
             log "apt-get update"
-            apt-get update -qq >&2 || die "apt-get update failed: check access to the Debian mirror"
+            apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 || die "apt-get update failed: check access to the Debian mirror"
             (cd "$tmp" && apt-get download "$package" >&2) || die "apt-get download $package failed"
         fi
         local deb

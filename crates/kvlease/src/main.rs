@@ -161,7 +161,7 @@ struct ServeArgs {
     etcd_args: EtcdArgs,
     /// Seconds the etcd lease lasts (renewed every third of it): an engine that dies without
     /// draining leaves the routing set within this.
-    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600), requires = "etcd")]
     etcd_ttl: u64,
     #[command(flatten)]
     http: HttpArgs,
@@ -171,8 +171,17 @@ struct ServeArgs {
 #[derive(Args, Debug)]
 struct EtcdArgs {
     /// Key prefix of the registrations (one key per engine: PREFIX + engine id).
-    #[arg(long, value_name = "PREFIX", default_value = kvlease_server::etcd::DEFAULT_PREFIX)]
+    #[arg(long, value_name = "PREFIX", default_value = kvlease_server::etcd::DEFAULT_PREFIX, requires = "etcd", value_parser = etcd_prefix)]
     etcd_prefix: String,
+}
+
+/// `--etcd-prefix`: non-empty and ending in `/`, so one cluster's prefix never matches a
+/// sibling's (`/kvlease` would also watch `/kvlease-staging/...`).
+fn etcd_prefix(s: &str) -> Result<String, String> {
+    if s.is_empty() || !s.ends_with('/') {
+        return Err(format!("{s:?}: a key prefix ending in '/', e.g. /kvlease/"));
+    }
+    Ok(s.to_string())
 }
 
 /// The HTTP listener's bounds, shared by `serve` and `proxy`.
@@ -652,6 +661,11 @@ fn etcd_target(args: &ServeArgs) -> Result<Option<(kvlease_server::etcd::Etcd, S
         }
         None => args.host.clone(),
     };
+    if host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()) || host == "localhost" {
+        tracing::warn!(
+            "--etcd: registering {host}, a loopback address: only routers on this machine can reach it (give --host or --advertise-host the address others reach this engine at)"
+        );
+    }
     Ok(Some((etcd, host)))
 }
 
@@ -689,7 +703,16 @@ fn register(
 async fn drain_on_signal(mut signals: Signals, drain: &Drain, timeout: Duration, registrar: Option<kvlease_server::etcd::Registrar>) {
     signals.recv().await;
     if let Some(r) = registrar {
-        r.deregister().await;
+        // Bounded: an unreachable etcd must not hold up the drain (O1), nor a second signal.
+        tokio::select! {
+            () = r.deregister() => {}
+            () = tokio::time::sleep(Duration::from_secs(2)) => tracing::warn!("etcd: deregistering took over 2 s; draining anyway (the key expires with its lease)"),
+            () = signals.recv() => {
+                tracing::warn!("second signal while deregistering: cutting what is left");
+                drain.start();
+                return;
+            }
+        }
     }
     drain.start();
     tracing::info!(in_flight = drain.in_flight(), "draining: new requests get 503; waiting up to {timeout:?} for those in flight");
@@ -852,6 +875,13 @@ mod tests {
         let cli = Cli::try_parse_from(["kvlease", "proxy", "--etcd", "http://e:2379"]).unwrap();
         let Command::Proxy(p) = cli.command else { panic!("expected proxy") };
         assert_eq!((p.etcd.as_deref(), p.etcd_args.etcd_prefix.as_str()), (Some("http://e:2379"), "/kvlease/"));
+        // The etcd options mean nothing without --etcd: refused, not ignored.
+        for args in [["kvlease", "serve", "--etcd-ttl", "5"], ["kvlease", "proxy", "--etcd-prefix", "/x/"]] {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{args:?}");
+        }
+        let e = Cli::try_parse_from(["kvlease", "proxy", "--etcd", "http://e:2379", "--etcd-prefix", "/kvlease"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
         let cli = Cli::try_parse_from(["kvlease", "serve", "--host", "0.0.0.0", "--etcd", "http://e:2379"]).unwrap();
         let Command::Serve(s) = cli.command else { panic!("expected serve") };
         assert_eq!(s.etcd_ttl, 10);
