@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install vLLM and NIXL's Python packages into a virtual environment cached OUTSIDE the repo,
 # keyed by version: ${KVLEASE_CACHE:-$HOME/.cache/kvlease}/vllm-0.33.0 (about 9 GB; issue 14).
-# The vLLM connector tests (python/tests/vllm/) run in it, on CPU: vLLM's connector classes
+# The vLLM connector tests (python/vllm_tests/) run in it, on CPU: vLLM's connector classes
 # construct without a GPU (VLLM_TARGET_DEVICE=cpu, UCX_TLS=tcp, CPU KV buffers).
 #
 # Usage:   VENV=$(scripts/install-vllm.sh)   # the last line of stdout is the venv's path

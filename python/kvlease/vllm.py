@@ -299,9 +299,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_lost")
                     continue
                 check = r.read_check(req_id, budget, now)
-                if check == "safe" or check == "untracked":
+                if check == "safe":
                     del self._kvlease_deferred[req_id]
                     reqs[req_id] = meta
+                elif check == "untracked":
+                    # Held back unconfirmed and no longer renewed (aborted, finished or lost
+                    # meanwhile): never read it now; its blocks may be anyone's.
+                    del self._kvlease_deferred[req_id]
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_untracked")
                 elif now >= give_up:
                     del self._kvlease_deferred[req_id]
                     r.untrack(req_id, abandoned=True)
@@ -577,7 +582,13 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         if not p or not p.get("do_remote_prefill") or p.get("kvlease_wire") != WIRE_VERSION:
             return
         wire_id, engine, remote = p.get("kvlease_lease_id"), p.get("remote_engine_id"), p.get("remote_request_id")
-        if not isinstance(wire_id, int) or not 0 < wire_id < 2**64 or request.request_id not in self._heartbeat_req_engine:
+        if isinstance(wire_id, bool) or not isinstance(wire_id, int) or not 0 < wire_id < 2**64:
+            return
+        if request.request_id not in self._heartbeat_req_engine:
+            return
+        if remote in self._kvlease_d.get(engine, {}):
+            # Another request here already names that remote request (a retry): it keeps
+            # vLLM's text heartbeat, so one ending does not stop renewing the other.
             return
         self._kvlease_d.setdefault(engine, {})[remote] = wire_id
         self._kvlease_d_req[request.request_id] = (engine, remote)
@@ -597,7 +608,9 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         meta.kvlease_wire_ids, self._kvlease_new_ids = self._kvlease_new_ids, {}
         local = {}
         for req_id, (engine, remote) in self._kvlease_d_req.items():
-            local.setdefault(engine, {})[self._kvlease_d[engine][remote]] = req_id
+            wire_id = self._kvlease_d.get(engine, {}).get(remote)
+            if wire_id is not None:
+                local.setdefault(engine, {})[wire_id] = req_id
         meta.kvlease_hb = {
             e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]), local.get(e, {}))
             for e in meta.heartbeat_by_engine
