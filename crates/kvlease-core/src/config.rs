@@ -179,7 +179,7 @@ impl LeaseConfig {
             // SPEC B2: P reads a cached turn only if it outlives the read budget; a TTL that
             // short means no turn is ever read back, only held.
             warnings.push(format!(
-                "kv_connector_extra_config: decoder_kv_blocks_ttl ({} s) is not above the read budget (kv_lease_duration/6 = {} s): \
+                "kv_connector_extra_config: decoder_kv_blocks_ttl ({} s) is not above the read budget (kv_lease_duration/6, at most 5 s: {} s): \
                  no cached turn would ever be read back, only held; raise it or lower kv_lease_duration",
                 cfg.decoder_kv_blocks_ttl.as_secs_f64(),
                 cfg.read_budget().as_secs_f64()

@@ -136,18 +136,24 @@ impl LeaseStats {
 
 /// What the table asks of the payload the engine attaches to a lease: the digest of the prompt
 /// the lease's KV belongs to (SPEC S4), which the engine keeps there rather than the table
-/// keeping 16 bytes of it per slot. `None` (the default): nothing to check; a completion for
-/// any prompt is confirmed. The engine's payload always names its digest.
+/// keeping 16 bytes of it per slot. `None`: nothing to check; a read or completion for any
+/// prompt is confirmed. No default: every payload type says which it is (the engine's always
+/// names its digest), so none turns the S4 check off by forgetting.
 pub trait LeasePayload {
-    fn prompt_digest(&self) -> Option<&PromptDigest> {
-        None
-    }
+    fn prompt_digest(&self) -> Option<&PromptDigest>;
 }
 
-impl LeasePayload for () {}
-impl LeasePayload for u32 {}
-impl LeasePayload for u64 {}
-impl LeasePayload for &str {}
+/// Payloads with no prompt behind them (benches, tests, the simulator's traffic model).
+macro_rules! no_prompt {
+    ($($t:ty),*) => {$(
+        impl LeasePayload for $t {
+            fn prompt_digest(&self) -> Option<&PromptDigest> {
+                None
+            }
+        }
+    )*};
+}
+no_prompt!((), u32, u64, &str);
 
 /// A payload `T` for the prompt whose digest is the first field (SPEC S4).
 impl<T> LeasePayload for (PromptDigest, T) {

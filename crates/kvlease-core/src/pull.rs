@@ -135,6 +135,9 @@ pub struct Pull {
     /// the next interval's heartbeat (or to `ack_wait`).
     renew_retry: Duration,
     max_renew_retry: Duration,
+    /// When the renewal asked for last may be asked for again: a wake-up for anything else
+    /// before then (another pull's news) neither resends it nor advances the back-off.
+    retry_at: Option<Nanos>,
     state: State,
     #[doc(hidden)]
     pub planted: Option<PlantedBug>,
@@ -188,6 +191,7 @@ impl Pull {
             fenced,
             renew_retry: Duration::from_millis(50).min(cfg.heartbeat_interval / 2),
             max_renew_retry: cfg.heartbeat_interval / 2,
+            retry_at: None,
             state: State::AwaitLive { until: now + ack_wait },
             planted: None,
         }
@@ -209,9 +213,13 @@ impl Pull {
             ReadCheck::Untracked => PullLost::LeaseLost,
             ReadCheck::Unreachable => PullLost::Unreachable { engine_id: self.engine_id.clone() },
             ReadCheck::RenewFirst if now < until => {
-                let retry = (now + self.renew_retry).min(until);
+                if let Some(at) = self.retry_at.filter(|&at| now < at) {
+                    return Step::Wait { until: at.min(until), renew: false };
+                }
+                let at = now + self.renew_retry;
+                self.retry_at = Some(at);
                 self.renew_retry = (self.renew_retry * 2).min(self.max_renew_retry);
-                return Step::Wait { until: retry, renew: true };
+                return Step::Wait { until: at.min(until), renew: true };
             }
             ReadCheck::RenewFirst => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
         };
@@ -377,6 +385,13 @@ mod tests {
         assert!(waits[7..].iter().all(|&w| w <= 2500));
         assert_eq!(now, T0 + c.ack_wait(), "the last wait ends at ack_wait");
         assert!(matches!(last, Step::Lost(PullLost::NoLiveAck { .. })), "{last:?}");
+        // Woken early for something else: no resend, no faster back-off.
+        let mut p = Pull::new(&c, "p", 7, false, T0);
+        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(50), renew: true });
+        let early = T0 + Duration::from_millis(10);
+        assert_eq!(p.check(ReadCheck::RenewFirst, early), Step::Wait { until: T0 + Duration::from_millis(50), renew: false });
+        let due = T0 + Duration::from_millis(50);
+        assert_eq!(p.check(ReadCheck::RenewFirst, due), Step::Wait { until: due + Duration::from_millis(100), renew: true });
     }
 
     /// SPEC §3, D6: a lease granted by another incarnation of P is never read.

@@ -60,6 +60,11 @@ impl<T> Quarantine<T> {
         self.held.len()
     }
 
+    /// Everything held, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &T> + '_ {
+        self.held.iter().map(|(_, item)| item)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.held.is_empty()
     }

@@ -94,8 +94,9 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
 /// engine is renewing or reading (B3) are never evicted. Returns how many were ended.
 pub(crate) fn evict_turns(inner: &Inner, need: usize) -> usize {
     // Blocks come back at once where reads are fenced, after the quarantine otherwise: count
-    // what the evictions release, not what the pool has now.
-    let mut coming = inner.pool.free() as usize;
+    // what the quarantine and the evictions will give back, not only what the pool has now, or
+    // each pass during a quarantine would evict more turns.
+    let mut coming = inner.pool.free() as usize + lock(&inner.quarantine).iter().map(|b| b.ids().len()).sum::<usize>();
     let mut evicted = 0;
     while coming < need {
         let Some(id) = lock(&inner.kept_turns).pop_front() else { break };
@@ -178,12 +179,22 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     if released.is_empty() {
         return;
     }
-    let table = lock(&inner.leases);
-    for r in &released {
+    // Under the table's lock only what needs it (a parked lease's request name, the gauges); the
+    // log lines are written after, so a long reaper tick does not hold renewals and reads.
+    let parked: Vec<Option<String>> = {
+        let table = lock(&inner.leases);
+        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
+        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        released
+            .iter()
+            .map(|r| r.payload.is_none().then(|| table.parked_payload(r.lease_id).map(|l| l.request.clone())).flatten())
+            .collect()
+    };
+    for (r, parked) in released.iter().zip(&parked) {
         inner.metrics.released(r.reason).fetch_add(1, Relaxed);
         inner.metrics.lease_hold.observe(r.held.as_secs_f64());
         // The payload, or, while a reader still holds the blocks, the table's parked copy.
-        let request = r.payload.as_ref().or_else(|| table.parked_payload(r.lease_id)).map_or("", |l| l.request.as_str());
+        let request = r.payload.as_ref().map(|l| l.request.as_str()).or(parked.as_deref()).unwrap_or("");
         let (lease_id, reason, held_s) = (r.lease_id, r.reason.as_str(), r.held.as_secs_f64());
         if r.reason == ReleaseReason::Expired {
             // The one release an operator may need to explain: no heartbeat came in time.
@@ -192,9 +203,6 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
             tracing::debug!(request = %request, lease_id, reason, held_s, "lease ended");
         }
     }
-    inner.metrics.leases_active.store(table.live() as i64, Relaxed);
-    inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
-    drop(table);
     for r in released {
         match r.payload {
             // Expired, released or shut down: a READ the transport cannot fence may be on its way.
