@@ -202,6 +202,11 @@ impl Pull {
         self.read_budget
     }
 
+    /// Whether this pull's reads are fenced (what `Renewer::read_check` must be told too).
+    pub fn fenced(&self) -> bool {
+        self.fenced
+    }
+
     /// Step 1: the renewer's answer to "may I read now?" (SPEC D6).
     pub fn check(&mut self, answer: ReadCheck, now: Nanos) -> Step {
         let State::AwaitLive { until } = self.state else {

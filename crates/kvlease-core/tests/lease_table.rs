@@ -714,3 +714,26 @@ fn b3_only_an_unclaimed_lease_is_revoked() {
     assert!(!t.revoke_unclaimed(d, secs(31.0), &mut rel), "expired: the reaper's");
     assert_eq!(t.live(), 3);
 }
+
+/// SPEC P1, P2, P4 with times that are not whole milliseconds (the table keeps milliseconds):
+/// a deadline is rounded up, never down — the lease is live up to the nanosecond it was given,
+/// and `deadline()` is never earlier than asked.
+#[test]
+fn p1_p2_p4_deadlines_round_up_never_early() {
+    let mut t = table(); // L = 30 s, E = 20 s
+    let mut rel = Vec::new();
+    let mut lost = Vec::new();
+    let granted = Nanos(1_000_000_001); // 1 s + 1 ns
+    let a = t.grant(granted, 1, "a");
+    let want = Nanos(granted.0 + 30_000_000_000);
+    assert!(t.deadline(a).expect("live") >= want);
+    t.tick(Nanos(want.0 - 1), &mut rel);
+    assert!(rel.is_empty(), "live at its deadline - 1 ns");
+    let renewed = Nanos(20_999_999_999); // just under 21 s: asks for 40.999999999 s
+    assert_eq!(t.renew(D, &[a], renewed, &mut lost, &mut rel), 1);
+    let want = Nanos(renewed.0 + 20_000_000_000);
+    assert!(t.deadline(a).expect("live") >= want);
+    t.tick(Nanos(want.0 - 1), &mut rel);
+    assert!(rel.is_empty() && lost.is_empty(), "live at its renewed deadline - 1 ns");
+    assert!(t.deadline(a).expect("live").0 < want.0 + 1_000_000, "rounded up by less than a millisecond");
+}

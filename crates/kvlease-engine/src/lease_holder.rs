@@ -300,15 +300,13 @@ struct Permit {
 impl ReadGate for Gate {
     fn begin_read(&self, peer: &str, lease_id: u64, blocks: &[u32], tag: &[u8]) -> Option<ReadPermit> {
         let inner = self.inner.upgrade()?;
-        // A D engine shows its prompt's digest (S4); no tag: checked at the completion only.
-        let digest = match <[u8; 16]>::try_from(tag) {
-            Ok(d) => Some(PromptDigest(d)),
-            Err(_) if tag.is_empty() => None,
-            Err(_) => {
-                inner.metrics.reads_refused.fetch_add(1, Relaxed);
-                return None;
-            }
+        // Every kvlease reader shows its prompt's digest (S4): over a fenced transport this check
+        // is the only one before D uses the bytes, so a read without it is refused.
+        let Ok(digest) = <[u8; 16]>::try_from(tag) else {
+            inner.metrics.reads_refused.fetch_add(1, Relaxed);
+            return None;
         };
+        let digest = Some(PromptDigest(digest));
         let mut released = Vec::new();
         let ticket = {
             let mut table = lock(&inner.leases);

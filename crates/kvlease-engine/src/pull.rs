@@ -23,7 +23,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         let news = inner.news.notified();
         tokio::pin!(news);
         news.as_mut().enable();
-        let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), fenced, inner.now());
+        let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), pull.fenced(), inner.now());
         match pull.check(answer, inner.now()) {
             Step::Read => break,
             Step::Lost(lost) => return pull.finish(Err(lost)),
