@@ -242,7 +242,12 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     let net = MemNetwork::new();
     net.set_faults(Faults { seed: sc.seed, loss: sc.loss, delay: (sc.delay, sc.delay), unfenced: true, ..Faults::default() });
     // Each P has room for every request of the run; each D for its slots.
-    let p_blocks = (sc.rate * sc.surge_factor * sc.duration.as_secs_f64()) as u32 * sc.blocks + sc.blocks;
+    // Arrivals up to the end, or, with a single decoder, up to its crash (the router then has
+    // nowhere to send them).
+    let stop_arrivals = if n_d > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
+    // (The pool and the arena take memory only for blocks used.)
+    let arrivals_bound = (sc.rate * sc.surge_factor * stop_arrivals.as_secs_f64()) as u32;
+    let p_blocks = arrivals_bound.saturating_add(1).saturating_mul(sc.blocks);
     let d_blocks = (sc.d_slots as u32 + 1) * (sc.blocks + GENERATED.div_ceil(BLOCK_SIZE) + 1);
     // The local reference: same model, no compute time (answers do not depend on it).
     let mut local_cfg = engine_config(&sc, Policy::Lease(30.0), &MemNetwork::new(), "local", 0, 64 * (sc.blocks + 4), 64);
@@ -273,77 +278,86 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     // Leases P granted for requests routed to the decoder that crashes: (P, lease, blocks).
     let doomed: Arc<Mutex<Vec<(usize, u64, u64)>>> = Arc::new(Mutex::new(Vec::new()));
     let mut rng = cluster::Rng(sc.seed ^ 0x9e37_79b9_7f4a_7c15);
-    let mut clients = tokio::task::JoinSet::new();
-    // Arrivals up to the end, or, with a single decoder, up to its crash (the router then has
-    // nowhere to send them).
-    let stop_arrivals = if n_d > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
     let (routing, crashes) = (sc.routing, sc.d_crash.is_some());
-    let mut t = Duration::ZERO;
-    let mut n = 0u64;
-    loop {
-        let surging = sc.surge.is_some_and(|(a, b)| t >= a && t < b);
-        let rate = sc.rate * if surging { sc.surge_factor } else { 1.0 };
-        t += Duration::from_secs_f64(-(1.0 - rng.unit()).ln() / rate);
-        if t >= stop_arrivals {
-            break;
-        }
-        n += 1;
-        let r = Req {
-            at: t,
-            prompt: (0..sc.blocks * BLOCK_SIZE).map(|_| 97 + rng.below(26) as u32).collect(),
-            max_tokens: GENERATED,
-            ignore_eos: true,
-            sampling: kvlease_engine::SamplingParams::default(),
-            p: 0,
-            d: 0,
-            later: Vec::new(),
-        };
-        let (ps, d_slots, local, tally, load, doomed) =
-            (ps.clone(), d_slots.clone(), local.clone(), tally.clone(), load.clone(), doomed.clone());
-        clients.spawn(async move {
+    // Each request is drawn and its client started when it arrives, so a run holds only the
+    // requests in flight, never all those still to come.
+    let (ps2, d_slots2, local2, tally2, load2, doomed2) =
+        (ps.clone(), d_slots.clone(), local.clone(), tally.clone(), load.clone(), doomed.clone());
+    let arrivals = tokio::spawn(async move {
+        let (ps, d_slots, local, tally, load, doomed) = (ps2, d_slots2, local2, tally2, load2, doomed2);
+        let mut clients = tokio::task::JoinSet::new();
+        let mut t = Duration::ZERO;
+        let mut n = 0u64;
+        loop {
+            let surging = sc.surge.is_some_and(|(a, b)| t >= a && t < b);
+            let rate = sc.rate * if surging { sc.surge_factor } else { 1.0 };
+            t += Duration::from_secs_f64(-(1.0 - rng.unit()).ln() / rate);
+            if t >= stop_arrivals {
+                break;
+            }
+            n += 1;
+            let r = Req {
+                at: t,
+                prompt: (0..sc.blocks * BLOCK_SIZE).map(|_| 97 + rng.below(26) as u32).collect(),
+                max_tokens: GENERATED,
+                ignore_eos: true,
+                sampling: kvlease_engine::SamplingParams::default(),
+                p: 0,
+                d: 0,
+                later: Vec::new(),
+            };
             tokio::time::sleep_until(t0 + r.at).await;
-            tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
-            // The router: P round-robin; D round-robin or least-loaded among those alive.
-            let p_idx = (n as usize - 1) % ps.len();
-            let p = &ps[p_idx];
-            let j = {
-                let alive = d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().map(Option::is_some).collect::<Vec<_>>();
-                let mut load = load.lock().unwrap_or_else(|e| e.into_inner());
-                let first = (n as usize - 1) % n_d;
-                let pick = match routing {
-                    Routing::RoundRobin => (0..n_d).map(|k| (first + k) % n_d).find(|&k| alive[k]),
-                    Routing::LeastLoaded => (0..n_d).map(|k| (first + k) % n_d).filter(|&k| alive[k]).min_by_key(|&k| load[k]),
+            while clients.try_join_next().is_some() {}
+            let (ps, d_slots, local, tally, load, doomed) =
+                (ps.clone(), d_slots.clone(), local.clone(), tally.clone(), load.clone(), doomed.clone());
+            clients.spawn(async move {
+                tally.lock().unwrap_or_else(|e| e.into_inner()).arrived += 1;
+                // The router: P round-robin; D round-robin or least-loaded among those alive.
+                let p_idx = (n as usize - 1) % ps.len();
+                let p = &ps[p_idx];
+                let j = {
+                    let alive = d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().map(Option::is_some).collect::<Vec<_>>();
+                    let mut load = load.lock().unwrap_or_else(|e| e.into_inner());
+                    let first = (n as usize - 1) % n_d;
+                    let pick = match routing {
+                        Routing::RoundRobin => (0..n_d).map(|k| (first + k) % n_d).find(|&k| alive[k]),
+                        Routing::LeastLoaded => (0..n_d).map(|k| (first + k) % n_d).filter(|&k| alive[k]).min_by_key(|&k| load[k]),
+                    };
+                    // A single decoder that crashed: the request still reaches P (as before the
+                    // router learns of it) and its lease is dead weight.
+                    let j = pick.unwrap_or(0);
+                    load[j] += 1;
+                    j
                 };
-                // A single decoder that crashed: the request still reaches P (as before the
-                // router learns of it) and its lease is dead weight.
-                let j = pick.unwrap_or(0);
-                load[j] += 1;
-                j
-            };
-            let _done = Unload(load, j);
-            let Ok((_, Some(params))) = collect(p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else { return };
-            if j == 0 && crashes {
-                let id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
-                let blocks = params.get("remote_block_ids").map_or(0, param_blocks);
-                doomed.lock().unwrap_or_else(|e| e.into_inner()).push((p_idx, id, blocks));
-            }
-            let Some(d) = d_slots.lock().unwrap_or_else(|e| e.into_inner())[j].clone() else { return };
-            let Ok((got, _, first)) = collect_timed(&d, request(format!("r{n}"), &r, params)).await else { return };
-            drop(d);
-            let ttft = first.map(|f| (f - (t0 + r.at)).as_secs_f64());
-            let want: Answer = match collect(&local, request(format!("l{n}"), &r, json!({}))).await {
-                Ok((a, _)) => a,
-                Err(_) => return,
-            };
-            let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-            t.ttft.extend(ttft);
-            if got == want {
-                t.correct += 1;
-            } else {
-                t.garbage += 1;
-            }
-        });
-    }
+                let _done = Unload(load, j);
+                let Ok((_, Some(params))) = collect(p, request(format!("r{n}"), &r, json!({"do_remote_decode": true}))).await else {
+                    return;
+                };
+                if j == 0 && crashes {
+                    let id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
+                    let blocks = params.get("remote_block_ids").map_or(0, param_blocks);
+                    doomed.lock().unwrap_or_else(|e| e.into_inner()).push((p_idx, id, blocks));
+                }
+                let Some(d) = d_slots.lock().unwrap_or_else(|e| e.into_inner())[j].clone() else { return };
+                let Ok((got, _, first)) = collect_timed(&d, request(format!("r{n}"), &r, params)).await else { return };
+                drop(d);
+                let ttft = first.map(|f| (f - (t0 + r.at)).as_secs_f64());
+                let want: Answer = match collect(&local, request(format!("l{n}"), &r, json!({}))).await {
+                    Ok((a, _)) => a,
+                    Err(_) => return,
+                };
+                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                t.ttft.extend(ttft);
+                if got == want {
+                    t.correct += 1;
+                } else {
+                    t.garbage += 1;
+                }
+            });
+        }
+        // Every client kept running to its end (dropping the set would abort them).
+        while clients.join_next().await.is_some() {}
+    });
     // The pause: every link between the P and D engines' agents cut, then healed.
     if let Some((at, len)) = sc.d_pause {
         let links: Vec<(String, String)> = {
@@ -390,7 +404,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
         }
         now += step;
     }
-    clients.abort_all();
+    arrivals.abort();
     let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
     // Requests D decoded from its own recompute are counted there; the rest were pulled.
     for d in d_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().flatten() {
