@@ -1094,12 +1094,34 @@ impl Wheel {
         Wheel { width, buckets: vec![EMPTY; n], cursor: 0, len: 0, pass: None, backlog: None, expired: Vec::new() }
     }
 
+    /// The earliest `min` of a non-empty bucket. Buckets are looked at from the cursor on and
+    /// the scan stops at the first bucket that starts after the best so far: an entry is filed
+    /// below its own deadline's bucket only into the cursor's bucket or the next (`file`'s
+    /// `lo`), and past the horizon into an earlier bucket than its deadline's, never a later
+    /// one. So a reaper's wake-up looks at a bucket or two, not the whole ring (65,536 buckets
+    /// at long leases, on every wake).
     fn earliest(&self) -> Option<u64> {
         if self.len == 0 {
             return None;
         }
         let ring = self.buckets.len() as u64;
-        (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| b.head != NIL).map(|b| b.min).min()
+        let mut best = None::<u64>;
+        for i in 0..ring {
+            let k = self.cursor + i;
+            if i >= 2 && best.is_some_and(|b| k.saturating_mul(self.width) >= b) {
+                break;
+            }
+            let b = &self.buckets[(k % ring) as usize];
+            if b.head != NIL {
+                best = Some(best.map_or(b.min, |x| x.min(b.min)));
+            }
+        }
+        debug_assert_eq!(
+            best,
+            (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| b.head != NIL).map(|b| b.min).min(),
+            "the early-stopping scan missed an earlier bucket"
+        );
+        best
     }
 }
 
@@ -1135,6 +1157,49 @@ mod head_only_tests {
         };
         assert_eq!(run(false), (true, false), "the real reaper frees the expired lease");
         assert_eq!(run(true), (true, true), "the head-only sweep stops at the renewed head");
+    }
+
+    /// SPEC P4: the reaper's wake-up time stops its scan early and still finds the earliest
+    /// bucket (the `debug_assert` in `Wheel::earliest` compares it with the whole ring) under
+    /// grants past the horizon (turns kept for their TTL), renewals, releases, budgeted ticks
+    /// and long gaps between ticks; and it is never later than the earliest live deadline (or
+    /// now, for a lease already due).
+    #[test]
+    fn p4_early_stopping_wake_up_is_the_whole_rings_minimum() {
+        let cfg = LeaseConfig::with_lease_secs(0.6).unwrap();
+        let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+        let h = t.holder("d");
+        let mut ids: Vec<LeaseId> = Vec::new();
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let mut now = Nanos(5_000_000_000);
+        for step in 0..30_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            now = now + Duration::from_micros(if x % 97 == 0 { (x >> 32) % 30_000_000 } else { (x >> 32) % 40_000 });
+            let (mut rel, mut lost) = (Vec::new(), Vec::new());
+            match (x >> 8) % 10 {
+                0..=2 => ids.push(t.grant(now, 1, step)),
+                3 => ids.push(t.grant_for(now, Duration::from_millis((x >> 16) % 120_000), 1, step)),
+                4..=5 if !ids.is_empty() => {
+                    t.renew(h, &[ids[(x >> 20) as usize % ids.len()]], now, &mut lost, &mut rel);
+                }
+                6 if !ids.is_empty() => {
+                    let id = ids.swap_remove((x >> 20) as usize % ids.len());
+                    t.release(h, &[id], now, &mut lost, &mut rel);
+                }
+                _ => {
+                    t.tick_budget(now, 1 + (x >> 24) as usize % 8, &mut rel);
+                }
+            }
+            ids.retain(|id| t.get(*id).is_some());
+            let earliest = (0..t.cap).filter(|&s| t.hot(s).deadline != 0).map(|s| t.ns(t.hot(s).deadline)).min();
+            if let Some(e) = earliest {
+                // A lease already due (a budgeted tick left work over) is due now.
+                let due = e.max(now.0);
+                assert!(t.next_expiry().is_some_and(|n| n.0 <= due), "step {step}: next_expiry {:?} later than {due}", t.next_expiry());
+            }
+        }
     }
 
     /// The head-only sweep as it was first written: sort every live lease by id, walk up.
