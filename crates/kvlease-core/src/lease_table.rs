@@ -1176,7 +1176,7 @@ mod head_only_tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            now = now + Duration::from_micros(if x % 97 == 0 { (x >> 32) % 30_000_000 } else { (x >> 32) % 40_000 });
+            now = now + Duration::from_micros(if x.is_multiple_of(97) { (x >> 32) % 30_000_000 } else { (x >> 32) % 40_000 });
             let (mut rel, mut lost) = (Vec::new(), Vec::new());
             match (x >> 8) % 10 {
                 0..=2 => ids.push(t.grant(now, 1, step)),
