@@ -291,6 +291,7 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
         busy.push(tokio::spawn(async move { run(&d, &format!("busy {i}"), 4000, None).await }));
     }
     until("D is full", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 32).await;
+    let busy_from = std::time::Instant::now();
     // Waits in the queue behind them, tracked (and heartbeating) from its arrival.
     let remote = {
         let d = d.clone();
@@ -299,14 +300,18 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
     for b in busy {
         b.await.unwrap().unwrap();
     }
+    let busy_secs = busy_from.elapsed().as_secs_f64();
     remote.await.unwrap().unwrap();
     let h = &d.metrics().heartbeat_lateness;
     assert!(h.count() >= 3, "heartbeats were sent while the scheduler was busy: {}", h.count());
-    // Without a yield per step the first heartbeat would wait for all 32 × 4000 tokens
-    // (seconds). The D3 bound itself (I/10) is proven exactly under virtual time by
+    // Without a yield per step the first heartbeat would wait for all 32 × 4000 tokens: the
+    // whole busy period. The D3 bound itself (I/10) is proven exactly under virtual time by
     // `d3_a_long_forward_step_delays_no_heartbeat`; on this wall clock, shared with the rest of
-    // the suite on two cores, allow I/2.
-    assert!(h.max() <= 0.1, "a heartbeat was {:.3} s late (I/2 = 0.1 s)", h.max());
+    // the suite (and, in CI, an install) on two cores, the process itself may be descheduled for
+    // a while: allow I/2, or a quarter of the busy period when the machine stretched it.
+    let bound = 0.1f64.max(busy_secs / 4.0);
+    eprintln!("busy {busy_secs:.3} s, latest heartbeat {:.3} s late, bound {bound:.3} s", h.max());
+    assert!(h.max() <= bound, "a heartbeat was {:.3} s late (bound {bound:.3} s, busy for {busy_secs:.3} s)", h.max());
     assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
 }
 
