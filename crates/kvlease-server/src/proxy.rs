@@ -257,9 +257,15 @@ struct Turns {
     entries: std::sync::Mutex<TurnEntries>,
 }
 
-/// Each conversation's turn params and when they go stale, and the conversations in the order
-/// they came.
-type TurnEntries = (std::collections::BTreeMap<String, (Value, tokio::time::Instant)>, std::collections::VecDeque<String>);
+/// Each conversation's turn params, when they go stale and when they were kept (a sequence
+/// number), and the conversations in the order they were kept. An entry of `order` whose number
+/// is not its conversation's (taken, or kept again since) is stale and skipped.
+#[derive(Default)]
+struct TurnEntries {
+    map: std::collections::BTreeMap<String, (Value, tokio::time::Instant, u64)>,
+    order: std::collections::VecDeque<(u64, String)>,
+    seq: u64,
+}
 
 /// Conversations whose last turn the proxy remembers.
 const MAX_CONVERSATIONS: usize = 10_000;
@@ -269,19 +275,17 @@ impl Turns {
     /// or it has expired.
     fn take(&self, conversation: &str) -> Option<(Value, tokio::time::Instant)> {
         let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let (params, until) = e.0.remove(conversation)?;
+        let (params, until, _) = e.map.remove(conversation)?;
         (tokio::time::Instant::now() < until).then_some((params, until))
     }
 
     /// A taken turn no prefill got to read (no prefiller reached, or the request was a batch):
     /// back in the cache for the conversation's next request, with its own deadline, unless a
     /// newer turn came meanwhile.
-    fn put_back(&self, conversation: &str, (params, until): (Value, tokio::time::Instant)) {
+    fn put_back(&self, conversation: &str, turn: (Value, tokio::time::Instant)) {
         let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *e;
-        if !map.contains_key(conversation) {
-            map.insert(conversation.to_owned(), (params, until));
-            order.push_back(conversation.to_owned());
+        if !e.map.contains_key(conversation) {
+            e.keep(conversation.to_owned(), turn);
         }
     }
 
@@ -291,17 +295,26 @@ impl Turns {
             return;
         };
         let until = tokio::time::Instant::now() + Duration::from_secs_f64(ttl - 1.0);
-        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *e;
-        if map.insert(conversation.clone(), (params, until)).is_none() {
-            order.push_back(conversation);
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).keep(conversation, (params, until));
+    }
+}
+
+impl TurnEntries {
+    /// Keeps `turn` as the conversation's, within the bound: past [`MAX_CONVERSATIONS`] the
+    /// conversations kept longest ago go.
+    fn keep(&mut self, conversation: String, (params, until): (Value, tokio::time::Instant)) {
+        self.seq += 1;
+        self.map.insert(conversation.clone(), (params, until, self.seq));
+        self.order.push_back((self.seq, conversation));
+        while self.map.len() > MAX_CONVERSATIONS {
+            let Some((seq, oldest)) = self.order.pop_front() else { break };
+            if self.map.get(&oldest).is_some_and(|e| e.2 == seq) {
+                self.map.remove(&oldest);
+            }
         }
-        while map.len() > MAX_CONVERSATIONS {
-            let Some(oldest) = order.pop_front() else { break };
-            map.remove(&oldest);
-        }
-        if order.len() > 2 * MAX_CONVERSATIONS {
-            order.retain(|c| map.contains_key(c));
+        if self.order.len() > 2 * MAX_CONVERSATIONS {
+            let map = &self.map;
+            self.order.retain(|(seq, c)| map.get(c).is_some_and(|e| e.2 == *seq));
         }
     }
 }
@@ -1019,6 +1032,22 @@ mod tests {
         t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 2}));
         t.put_back("c", old);
         assert_eq!(t.take("c").expect("the newer").0["n"], 2, "a newer turn wins");
+    }
+
+    /// A turn given back counts against the bound like any other: a full cache stays full, the
+    /// oldest conversation going.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_given_back_keeps_the_bound() {
+        let t = Turns::default();
+        t.put("back".into(), json!({"remote_blocks_ttl_remaining": 100.0}));
+        let taken = t.take("back").expect("cached");
+        for i in 0..MAX_CONVERSATIONS {
+            t.put(format!("c{i}"), json!({"remote_blocks_ttl_remaining": 100.0}));
+        }
+        t.put_back("back", taken);
+        let e = t.entries.lock().unwrap();
+        assert_eq!(e.map.len(), MAX_CONVERSATIONS, "bounded");
+        assert!(e.map.contains_key("back") && !e.map.contains_key("c0"), "the oldest went, not the one given back");
     }
 
     #[test]
