@@ -99,7 +99,17 @@ impl Etcd {
             if let Some(t) = timeout {
                 req = req.timeout(t);
             }
-            match req.send().await {
+            // A member that accepts but does not answer (hung, or partitioned after the
+            // connect) is given up on after CALL_TIMEOUT for the answer's head, so the next is
+            // tried; a watch's body streams on after that, with no timeout.
+            let sent = match tokio::time::timeout(CALL_TIMEOUT, req.send()).await {
+                Ok(sent) => sent,
+                Err(_) => {
+                    unreachable.push(format!("{member}: no answer within {CALL_TIMEOUT:?}"));
+                    continue;
+                }
+            };
+            match sent {
                 Ok(r) if r.status().is_server_error() && k + 1 < self.members.len() => {
                     unreachable.push(format!("{member}: answered {}", r.status()));
                 }
@@ -173,10 +183,9 @@ impl Etcd {
     /// Watches the keys under `prefix` from `revision` on.
     pub async fn watch_prefix(&self, prefix: &str, revision: i64) -> Result<Watch, EtcdError> {
         let body = json!({"create_request": {"key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix)), "start_revision": revision.to_string()}});
-        // The answer streams for as long as the watch lives: no timeout on it, only on its start.
-        let r = tokio::time::timeout(CALL_TIMEOUT, self.send("/v3/watch", &body, None))
-            .await
-            .map_err(|_| EtcdError(format!("etcd {} did not answer a watch within {CALL_TIMEOUT:?}", self.list)))??;
+        // The answer streams for as long as the watch lives: no timeout on it, only on its start
+        // (each member's, in `send`).
+        let r = self.send("/v3/watch", &body, None).await?;
         if !r.status().is_success() {
             return Err(EtcdError(format!("etcd /v3/watch answered {}", r.status())));
         }
@@ -530,6 +539,47 @@ async fn register(etcd: &Etcd, key: &str, value: &[u8], ttl: Duration) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Membership through etcd: a member that accepts connections but never answers (hung, or
+    /// cut off after the connect) does not use up a watch's start: the next member is tried
+    /// after CALL_TIMEOUT and the watch starts there.
+    #[tokio::test]
+    async fn a_hung_member_is_passed_over_for_the_next() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let urls = format!("http://{},http://{}", hung.local_addr().unwrap(), live.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((c, _)) = hung.accept().await {
+                kept.push(c);
+            }
+        });
+        let answering = tokio::spawn(async move {
+            let (mut c, _) = live.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = c.read(&mut buf).await;
+            let body = b"{\"result\":{\"events\":[{\"kv\":{\"key\":\"L2t2bGVhc2UveA==\",\"value\":\"dg==\"}}]}}\n";
+            let head =
+                format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n", body.len());
+            c.write_all(head.as_bytes()).await.unwrap();
+            c.write_all(body).await.unwrap();
+            c.write_all(b"\r\n").await.unwrap();
+            // The watch stays open.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let etcd = Etcd::new(&urls).unwrap();
+        let started = std::time::Instant::now();
+        let mut watch = tokio::time::timeout(Duration::from_secs(20), etcd.watch_prefix("/kvlease/", 1))
+            .await
+            .expect("the watch start is bounded")
+            .expect("the second member answers the watch");
+        assert!(started.elapsed() >= CALL_TIMEOUT, "the hung member was waited on for its head");
+        let changes = watch.next().await.expect("the watch streams");
+        assert!(matches!(&changes[..], [Change::Put(k, v)] if k == "/kvlease/x" && v == b"v"), "the second member's change arrives");
+        held.abort();
+        answering.abort();
+    }
 
     #[test]
     fn prefix_end_increments_the_last_byte() {
