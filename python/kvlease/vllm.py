@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterator
@@ -49,7 +50,28 @@ from kvlease._core import (
     is_kvlease_message,
 )
 
+#: The vLLM release this connector is written against: it overrides private methods of that
+#: release's NIXL connector, which change between releases.
+SUPPORTED_VLLM = "0.33"
+#: Set to ``1`` to load the connector under another vLLM release anyway (at your own risk).
+UNCHECKED_ENV = "KVLEASE_VLLM_UNCHECKED"
+
+
+def check_vllm_version(version: str, unchecked: bool = False) -> None:
+    """Refuses (``ImportError`` naming both releases) a vLLM other than :data:`SUPPORTED_VLLM`
+    ``.x``, unless ``unchecked``: under another release the private methods the connector
+    overrides may have changed, and a connector that half-works could read blocks wrongly."""
+    if unchecked or version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
+        return
+    raise ImportError(
+        f"kvlease.vllm is written against vLLM {SUPPORTED_VLLM}.x (it overrides private methods of its "
+        f"NIXL connector) and this is vLLM {version or 'of unknown version'}: install vllm=={SUPPORTED_VLLM}.*, "
+        f"or set {UNCHECKED_ENV}=1 to load it anyway"
+    )
+
+
 try:  # vLLM is optional for `import kvlease`, required for this module.
+    import vllm as _vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
@@ -57,9 +79,24 @@ try:  # vLLM is optional for `import kvlease`, required for this module.
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
     raise ImportError("kvlease.vllm needs vLLM (pip install vllm); the rest of kvlease does not") from e
 
+check_vllm_version(str(getattr(_vllm, "__version__", "")), os.environ.get(UNCHECKED_ENV) == "1")
+
 logger = logging.getLogger("kvlease.vllm")
 
-__all__ = ["KvleaseConnector", "KvleaseConnectorScheduler", "KvleaseConnectorWorker", "LeaseBook", "lease_config_of"]
+__all__ = [
+    "KvleaseConnector",
+    "KvleaseConnectorScheduler",
+    "KvleaseConnectorWorker",
+    "LeaseBook",
+    "SUPPORTED_VLLM",
+    "check_vllm_version",
+    "lease_config_of",
+]
+
+
+#: Keys of ``kv_connector_extra_config`` that vLLM 0.33's NIXL connector reads itself and
+#: kvlease's core does not: they take effect (vLLM's), so they are not logged as unknown.
+VLLM_OWN_KEYS = frozenset({"engine_ttl", "enforce_handshake_compat", "push_registration_timeout"})
 
 
 def lease_config_of(vllm_config: Any) -> LeaseConfig:
@@ -67,7 +104,7 @@ def lease_config_of(vllm_config: Any) -> LeaseConfig:
     by kvlease's core: invalid values raise :class:`kvlease.ConfigInvalid` naming the key at
     start-up instead of misbehaving later; unknown keys are logged."""
     ktc = vllm_config.kv_transfer_config
-    extra = dict(ktc.kv_connector_extra_config or {})
+    extra = {k: v for k, v in dict(ktc.kv_connector_extra_config or {}).items() if k not in VLLM_OWN_KEYS}
     cfg, warnings = LeaseConfig.from_extra_config(extra)
     for w in warnings:
         logger.info("kvlease: %s", w)

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 import kvlease
-from kvlease.vllm import KvleaseConnector, KvleaseConnectorWorker, LeaseBook
+from kvlease.vllm import KvleaseConnector, KvleaseConnectorWorker, LeaseBook, check_vllm_version, lease_config_of
 
 DEADLINE = 30.0  # generous: a loaded 2-core machine
 
@@ -57,6 +57,27 @@ def test_spec2_loads_by_module_path_for_both_roles(create):
 def test_spec2_invalid_lease_refused_at_start_naming_key(create):
     with pytest.raises(kvlease.ConfigInvalid, match="kv_lease_duration"):
         create("KvleaseConnector", "kv_producer", "scheduler", "p-bad", lease="soon")
+
+
+def test_spec2_vllm_own_extra_config_keys_are_not_called_unknown(caplog):
+    """vLLM's own NIXL keys take effect (vLLM reads them), so only truly unknown keys are logged."""
+    extra = {"engine_ttl": 60.0, "enforce_handshake_compat": False, "push_registration_timeout": 30, "kv_lease_duratoin": 30}
+    cfg = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
+    with caplog.at_level("INFO", logger="kvlease.vllm"):
+        lease_config_of(cfg)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "kv_lease_duratoin" in logged, "a misspelt key is named"
+    for own in ("engine_ttl", "enforce_handshake_compat", "push_registration_timeout"):
+        assert own not in logged, f"vLLM's own key {own} was called unknown"
+
+
+def test_connector_refuses_another_vllm_release_naming_both():
+    check_vllm_version("0.33.0")
+    check_vllm_version("0.33.2+cpu")
+    for other in ("0.34.0", "0.3.3", "1.0.0", ""):
+        with pytest.raises(ImportError, match=r"vLLM 0\.33\.x.*KVLEASE_VLLM_UNCHECKED"):
+            check_vllm_version(other)
+    check_vllm_version("0.34.0", unchecked=True)
 
 
 # ---------------------------------------------------------------- scheduler level
