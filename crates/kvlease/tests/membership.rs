@@ -33,16 +33,29 @@ fn free_port() -> u16 {
 }
 
 impl EtcdServer {
+    /// An etcd on free ports. The ports are found free and then handed to etcd, so another
+    /// process may take one in between: etcd then exits at once, and new ports are tried.
     async fn start() -> EtcdServer {
-        let (client, peer) = (free_port(), free_port());
-        let dir = std::env::temp_dir().join(format!("kvlease-etcd-{}-{client}", std::process::id()));
-        let mut e = EtcdServer { child: None, url: format!("http://127.0.0.1:{client}"), peer: format!("http://127.0.0.1:{peer}"), dir };
-        e.spawn().await;
-        e
+        for _ in 0..5 {
+            let (client, peer) = (free_port(), free_port());
+            let dir = std::env::temp_dir().join(format!("kvlease-etcd-{}-{client}", std::process::id()));
+            let mut e =
+                EtcdServer { child: None, url: format!("http://127.0.0.1:{client}"), peer: format!("http://127.0.0.1:{peer}"), dir };
+            if e.try_spawn().await {
+                return e;
+            }
+        }
+        panic!("etcd exited at start five times over (its ports taken?)");
     }
 
-    /// Starts etcd on its ports with an empty data directory; waits until it answers.
+    /// Starts etcd again on its ports (after an outage).
     async fn spawn(&mut self) {
+        assert!(self.try_spawn().await, "etcd exited at start (its port taken meanwhile?)");
+    }
+
+    /// Starts etcd on its ports with an empty data directory; waits until it answers (true) or
+    /// exits (false).
+    async fn try_spawn(&mut self) -> bool {
         let _ = std::fs::remove_dir_all(&self.dir);
         let child = Command::new(server_binary("KVLEASE_ETCD", "etcd", "scripts/install-etcd.sh"))
             .args(["--name", "default", "--data-dir"])
@@ -56,13 +69,20 @@ impl EtcdServer {
             .expect("spawn etcd");
         self.child = Some(child);
         let health = format!("{}/health", self.url);
-        until("etcd to answer", DEADLINE, || async {
-            match client().get(&health).send().await {
-                Ok(r) => r.json::<Value>().await.is_ok_and(|v| v["health"] == "true"),
-                Err(_) => false,
+        let deadline = std::time::Instant::now() + DEADLINE;
+        loop {
+            if let Ok(r) = client().get(&health).send().await {
+                if r.json::<Value>().await.is_ok_and(|v| v["health"] == "true") {
+                    return true;
+                }
             }
-        })
-        .await;
+            if self.child.as_mut().is_some_and(|c| c.try_wait().is_ok_and(|s| s.is_some())) {
+                self.child = None;
+                return false;
+            }
+            assert!(std::time::Instant::now() < deadline, "etcd did not answer within {DEADLINE:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// SIGSTOP: etcd keeps its connections open and answers nothing (a hung member).
