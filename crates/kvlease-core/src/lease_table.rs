@@ -1159,6 +1159,14 @@ mod head_only_tests {
         assert_eq!(run(true), (true, true), "the head-only sweep stops at the renewed head");
     }
 
+    /// The tests' seeded random numbers.
+    fn xorshift(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
     /// SPEC P4: the reaper's wake-up time stops its scan early and still finds the earliest
     /// bucket (the `debug_assert` in `Wheel::earliest` compares it with the whole ring) under
     /// grants past the horizon (turns kept for their TTL), renewals, releases, budgeted ticks
@@ -1173,9 +1181,7 @@ mod head_only_tests {
         let mut x = 0x1234_5678_9abc_def1u64;
         let mut now = Nanos(5_000_000_000);
         for step in 0..30_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = xorshift(&mut x);
             now = now + Duration::from_micros(if x.is_multiple_of(97) { (x >> 32) % 30_000_000 } else { (x >> 32) % 40_000 });
             let (mut rel, mut lost) = (Vec::new(), Vec::new());
             match (x >> 8) % 10 {
@@ -1228,9 +1234,7 @@ mod head_only_tests {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let mut now = Nanos(1_000_000_000);
         for step in 0..20_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = xorshift(&mut x);
             now = now + Duration::from_millis(x % 50);
             let (mut ra, mut rb, mut lost) = (Vec::new(), Vec::new(), Vec::new());
             match x >> 60 {
