@@ -148,8 +148,26 @@ fn io(what: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Io(format!("NIXL: {what}: {e}"))
 }
 
+/// The thread's timer slack, in ns. Its sleeps are its poll intervals, and Linux lets a
+/// normal thread's timed sleep overshoot by its slack, 50 µs by default: every poll came up to
+/// 50 µs late (twice per notification round trip; BENCHMARKS.md, issue 15).
+const TIMER_SLACK_NS: u64 = 1_000;
+
+/// Sets the calling thread's timer slack to [`TIMER_SLACK_NS`]. Threads it starts afterwards
+/// (NIXL's progress thread) inherit it; that one sleeps in `poll` on UCX's event fd, which
+/// wakes on traffic whatever the slack.
+fn tighten_timer_slack() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK only reads its integer argument and changes the calling
+    // thread's slack; it fails harmlessly (left at the default) if refused.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, TIMER_SLACK_NS as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong);
+    }
+}
+
 pub(super) fn run(setup: Setup) {
     let Setup { name, arena, options, shared, events, cmds, ready, exited } = setup;
+    tighten_timer_slack();
     match Worker::start(name, arena, options, shared, events) {
         Err(e) => {
             let _ = ready.send(Err(e));
