@@ -109,7 +109,7 @@ pub struct NixlOptions {
     /// notification (standalone, or a READ's when the READ is over), until a notification
     /// from that peer arrives or `reply_window` passes (reads in flight take `xfer_poll`).
     /// Notifications can only be polled, so this is how late the answer of a round trip
-    /// (heartbeat, `ReadDone`) may be seen; each poll costs ~3–4 µs of CPU.
+    /// (heartbeat, `ReadDone`) may be seen; each poll costs ~4–6 µs of CPU here.
     pub reply_poll: Duration,
     /// How long after sending a peer a notification the thread polls at `reply_poll` if that
     /// peer sends nothing back (an acknowledgement, which is not answered, costs the whole
