@@ -17,9 +17,9 @@
 //! (c) idle CPU: the process's utime + stime over 3 s with both agents idle, as % of one core
 //!     (two agents: an engine's share is about half).
 //!
-//! The NIXL agents' polling can be set for experiments: `NIXL_BENCH_ACTIVE_POLL_US`,
-//! `NIXL_BENCH_IDLE_POLL_US`, `NIXL_BENCH_XFER_POLL_US`, `NIXL_BENCH_PROGRESS_DELAY_US`
-//! (defaults: `NixlOptions::default()`).
+//! The NIXL agents' polling can be set for experiments: `NIXL_BENCH_REPLY_POLL_US`,
+//! `NIXL_BENCH_REPLY_WINDOW_US`, `NIXL_BENCH_ACTIVE_POLL_US`, `NIXL_BENCH_IDLE_POLL_US`,
+//! `NIXL_BENCH_XFER_POLL_US`, `NIXL_BENCH_PROGRESS_DELAY_US` (defaults: `NixlOptions::default()`).
 
 use kvlease_transport::nixl::{self, NixlAgent, NixlOptions};
 use kvlease_transport::tcp::TcpAgent;
@@ -63,6 +63,8 @@ fn nixl_options(secret: Option<Vec<u8>>) -> NixlOptions {
     let d = NixlOptions::default();
     NixlOptions {
         secret,
+        reply_poll: us("NIXL_BENCH_REPLY_POLL_US", d.reply_poll),
+        reply_window: us("NIXL_BENCH_REPLY_WINDOW_US", d.reply_window),
         active_poll: us("NIXL_BENCH_ACTIVE_POLL_US", d.active_poll),
         idle_poll: us("NIXL_BENCH_IDLE_POLL_US", d.idle_poll),
         xfer_poll: us("NIXL_BENCH_XFER_POLL_US", d.xfer_poll),

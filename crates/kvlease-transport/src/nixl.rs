@@ -10,8 +10,9 @@
 //! * one OS thread per agent owns the NIXL agent and its UCX backend (NIXL takes one lock per
 //!   call and is not meant to be driven from several threads); it registers the whole
 //!   [`BlockArena`] once, and serves the API's commands from a channel, polling transfers and
-//!   notifications in between (a short sleep while reads are in flight or soon after traffic,
-//!   a longer one when idle: see [`NixlOptions`]);
+//!   notifications in between (a very short sleep while it awaits a peer's answer to a
+//!   notification it sent, a short one while reads are in flight or soon after traffic, a
+//!   longer one when idle: see [`NixlOptions`]);
 //! * [`Agent::metadata`] is NIXL's agent metadata plus our arena's address and geometry
 //!   (`envelope`), which the reader needs to address the peer's blocks; [`Agent::add_peer`]
 //!   is `load_remote_md`, [`Agent::remove_peer`] is `invalidate_remote_md`;
@@ -104,6 +105,16 @@ pub struct NixlOptions {
     /// The thread's poll interval while reads are in flight. Polling much faster takes the
     /// CPU and the agent's lock from UCX's progress thread and lowers throughput.
     pub xfer_poll: Duration,
+    /// The poll interval while an answer is awaited: after the thread sends a peer a
+    /// notification (standalone, or a READ's when the READ is over), until a notification
+    /// from that peer arrives or `reply_window` passes (reads in flight take `xfer_poll`).
+    /// Notifications can only be polled, so this is how late the answer of a round trip
+    /// (heartbeat, `ReadDone`) may be seen; each poll costs ~4–6 µs of CPU here.
+    pub reply_poll: Duration,
+    /// How long after sending a peer a notification the thread polls at `reply_poll` if that
+    /// peer sends nothing back (an acknowledgement, which is not answered, costs the whole
+    /// window: ~20 polls). Zero: never.
+    pub reply_window: Duration,
     /// The poll interval for `active_linger` after a command or a notification.
     pub active_poll: Duration,
     /// How long after the last activity the thread keeps polling at `active_poll`.
@@ -112,8 +123,11 @@ pub struct NixlOptions {
     /// the extra latency of the first notification after a quiet spell. 2 ms keeps an idle
     /// engine's agent at ~1.5 % of a core (500 µs: 2.3–3 %; issue 15, BENCHMARKS.md).
     pub idle_poll: Duration,
-    /// Delay of NIXL's progress thread, in µs (NIXL's default 0 here measured ~8 ms per
-    /// notification; 100 gives ~50 µs).
+    /// Delay of NIXL's progress thread, in µs. NIXL 1.5's thread waits in `poll` on UCX's
+    /// event fd, so traffic wakes it at once; the delay is only that poll's timeout, rounded
+    /// up to whole milliseconds (100 µs gives 1 ms: ~1 % of a core per idle agent here). NIXL
+    /// keeps the timeout because UCX does not always wake the poll. 0 makes the thread spin
+    /// (measured ~8 ms per notification on this 2-core machine).
     pub progress_delay_us: u64,
     /// How long the thread lets reads in flight finish at shutdown before it drops them.
     pub shutdown_grace: Duration,
@@ -127,6 +141,8 @@ impl std::fmt::Debug for NixlOptions {
             .field("max_held", &self.max_held)
             .field("max_notif", &self.max_notif)
             .field("xfer_poll", &self.xfer_poll)
+            .field("reply_poll", &self.reply_poll)
+            .field("reply_window", &self.reply_window)
             .field("active_poll", &self.active_poll)
             .field("active_linger", &self.active_linger)
             .field("idle_poll", &self.idle_poll)
@@ -144,6 +160,8 @@ impl Default for NixlOptions {
             max_held: 4096,
             max_notif: 16 * 1024 * 1024,
             xfer_poll: Duration::from_micros(200),
+            reply_poll: Duration::from_micros(20),
+            reply_window: Duration::from_micros(500),
             active_poll: Duration::from_micros(100),
             active_linger: Duration::from_millis(20),
             idle_poll: Duration::from_millis(2),

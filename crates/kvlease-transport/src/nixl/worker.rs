@@ -96,6 +96,8 @@ struct Registered {
 struct InFlight {
     peer: String,
     req: XferRequest,
+    /// NIXL sends the READ's notification when the READ is over.
+    notifies: bool,
     reply: oneshot::Sender<Result<(), TransportError>>,
 }
 
@@ -138,6 +140,8 @@ struct Worker {
     /// Re-adds that must unload the peer's old metadata first, waiting for its reads to end.
     deferred_adds: Vec<(PeerMd, oneshot::Sender<Result<String, TransportError>>)>,
     held: VecDeque<Held>,
+    /// Peers we just sent a notification, until when we poll fast for their answer.
+    awaiting_reply: HashMap<String, Instant>,
     last_activity: Instant,
     registered: Option<Registered>,
     _backend: Backend,
@@ -148,8 +152,26 @@ fn io(what: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Io(format!("NIXL: {what}: {e}"))
 }
 
+/// The thread's timer slack, in ns. Its sleeps are its poll intervals, and Linux lets a
+/// normal thread's timed sleep overshoot by its slack, 50 µs by default: every poll came up to
+/// 50 µs late (twice per notification round trip; BENCHMARKS.md, issue 15).
+const TIMER_SLACK_NS: u64 = 1_000;
+
+/// Sets the calling thread's timer slack to [`TIMER_SLACK_NS`]. Threads it starts afterwards
+/// (NIXL's progress thread) inherit it; that one sleeps in `poll` on UCX's event fd, which
+/// wakes on traffic whatever the slack.
+fn tighten_timer_slack() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK only reads its integer argument and changes the calling
+    // thread's slack; it fails harmlessly (left at the default) if refused.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, TIMER_SLACK_NS as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong);
+    }
+}
+
 pub(super) fn run(setup: Setup) {
     let Setup { name, arena, options, shared, events, cmds, ready, exited } = setup;
+    tighten_timer_slack();
     match Worker::start(name, arena, options, shared, events) {
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -203,6 +225,7 @@ impl Worker {
             unload_pending: HashSet::new(),
             deferred_adds: Vec::new(),
             held: VecDeque::new(),
+            awaiting_reply: HashMap::new(),
             last_activity: Instant::now(),
             registered: Some(Registered { _handle: handle, _region: region }),
             _backend: backend,
@@ -235,9 +258,15 @@ impl Worker {
     }
 
     /// How long to sleep before the next poll.
-    fn wait(&self) -> Duration {
+    fn wait(&mut self) -> Duration {
+        if !self.awaiting_reply.is_empty() {
+            let now = Instant::now();
+            self.awaiting_reply.retain(|_, until| *until > now);
+        }
         if !self.inflight.is_empty() {
             self.options.xfer_poll
+        } else if !self.awaiting_reply.is_empty() {
+            self.options.reply_poll
         } else if self.last_activity.elapsed() < self.options.active_linger {
             self.options.active_poll
         } else {
@@ -268,6 +297,8 @@ impl Worker {
                     let sealed = self.seal(&peer, bytes);
                     if self.agent.send_notification(&peer, &sealed, None).is_err() {
                         self.broke(&peer);
+                    } else {
+                        self.await_reply(&peer);
                     }
                 }
             }
@@ -275,6 +306,14 @@ impl Worker {
             Cmd::Shutdown => return false,
         }
         true
+    }
+
+    /// We sent `peer` a notification: poll at `reply_poll` until it answers or the window ends.
+    fn await_reply(&mut self, peer: &str) {
+        if self.options.reply_window.is_zero() {
+            return;
+        }
+        self.awaiting_reply.insert(peer.to_owned(), Instant::now() + self.options.reply_window);
     }
 
     fn reject(&self, reason: &'static str) {
@@ -415,10 +454,12 @@ impl Worker {
                     let _ = reply.send(Err(TransportError::Disconnected(peer)));
                     return;
                 }
+                self.await_reply(&peer);
             }
             let _ = reply.send(Ok(()));
             return;
         }
+        let notifies = notif.is_some();
         let req = match self.create_read(&peer, descs, notif.as_deref()) {
             Ok(req) => req,
             Err(e) => {
@@ -428,9 +469,12 @@ impl Worker {
         };
         match self.agent.post_xfer_req(&req, None) {
             Ok(false) => {
+                if notifies {
+                    self.await_reply(&peer);
+                }
                 let _ = reply.send(Ok(()));
             }
-            Ok(true) => self.inflight.push(InFlight { peer, req, reply }),
+            Ok(true) => self.inflight.push(InFlight { peer, req, notifies, reply }),
             Err(_) => {
                 self.broke(&peer);
                 let _ = reply.send(Err(TransportError::Disconnected(peer)));
@@ -473,8 +517,11 @@ impl Worker {
             };
             let done = self.inflight.swap_remove(i);
             // The request is released before the caller hears of it.
-            let InFlight { peer, req, reply } = done;
+            let InFlight { peer, req, notifies, reply } = done;
             drop(req);
+            if notifies && result.is_ok() {
+                self.await_reply(&peer);
+            }
             let _ = reply.send(result);
             self.last_activity = Instant::now();
             self.after_reads_of(&peer);
@@ -516,6 +563,8 @@ impl Worker {
                     self.reject("unauthenticated");
                     continue;
                 };
+                // Its answer, or as good as one: back to the usual polling.
+                self.awaiting_reply.remove(&from);
                 if known {
                     let _ = self.events.send(AgentEvent::Notification { from: from.clone(), bytes });
                 } else {
@@ -596,7 +645,7 @@ impl Worker {
             std::thread::sleep(self.options.xfer_poll);
             self.poll_xfers();
         }
-        for InFlight { peer, req, reply } in self.inflight.drain(..) {
+        for InFlight { peer, req, reply, .. } in self.inflight.drain(..) {
             drop(req);
             let _ = reply.send(Err(TransportError::Disconnected(peer)));
         }
