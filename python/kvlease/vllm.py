@@ -491,6 +491,12 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             except Exception:
                 logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
 
+    def kvlease_finished(self, req_ids: set[str]) -> None:
+        """Requests vLLM's scheduler finished or aborted: a lost lease remembered for a load
+        that will now never come is forgotten (it was kept until the load, to fail it)."""
+        with self._kvlease_lock:
+            self.kvlease_lost.difference_update(req_ids)
+
     def _kvlease_lost_request(self, req_id: str) -> None:
         logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
         if req_id in self._recving_metadata:
@@ -674,4 +680,10 @@ class KvleaseConnector(NixlPullConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = KvleaseConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # The worker hears here which requests the scheduler finished (aborted ones too).
+        if self.connector_worker is not None and finished_req_ids:
+            self.connector_worker.kvlease_finished(finished_req_ids)
+        return super().get_transfer_results(finished_req_ids)
 

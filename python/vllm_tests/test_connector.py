@@ -465,6 +465,21 @@ def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_s
     assert {3, 4} <= d.get_block_ids_with_load_errors()
 
 
+def test_d4_a_lost_request_that_never_loads_is_forgotten_when_it_finishes(create):
+    """A lease P reported lost is remembered until the request's load, to fail it; a request
+    aborted (or finished) before its load is forgotten when vLLM's scheduler says it finished,
+    so the worker keeps nothing for requests that are gone."""
+    conn = create("KvleaseConnector", "kv_consumer", "worker", "d-forget", lease=3)
+    d = conn.connector_worker
+    register_cpu_kv_caches(d)
+    d._kvlease_lost_request("gone-1")
+    d._kvlease_lost_request("waiting-1")
+    assert {"gone-1", "waiting-1"} <= d.kvlease_lost
+    conn.get_transfer_results({"gone-1"})
+    assert "gone-1" not in d.kvlease_lost, "forgotten when the scheduler finished it"
+    assert "waiting-1" in d.kvlease_lost, "a request still waiting keeps its mark (its load must fail)"
+
+
 def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_workers, p_side_channels):
     """SPEC D3 inside vLLM: once a kvlease D worker has handed its leases to kvlease's renewer,
     heartbeats go out from the renewer's own thread. Here D's forward loop makes no call at all
