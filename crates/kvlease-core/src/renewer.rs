@@ -405,6 +405,8 @@ pub struct Renewer {
     requests: RequestIndex,
     lost: Vec<(String, LeaseId)>,
     peers: Peers,
+    /// Whether P's gate admits a read only for a live lease (the `tcp` agent; not NIXL).
+    fenced_reads: bool,
 }
 
 /// What an accepted handshake with a P engine found.
@@ -438,6 +440,7 @@ impl Renewer {
             requests: RequestIndex::new(),
             lost: Vec::new(),
             peers: Peers::default(),
+            fenced_reads: false,
         }
     }
 
@@ -487,6 +490,13 @@ impl Renewer {
         i as u32
     }
 
+    /// Whether this engine's reads are fenced by P's gate (a read of a lease that is not live
+    /// is refused before a byte is served). Then a lease toward an idle engine is not renewed
+    /// at once on arrival: it is renewed in the engine's next round, an interval later.
+    pub fn set_fenced_reads(&mut self, fenced: bool) {
+        self.fenced_reads = fenced;
+    }
+
     /// SPEC D1: start renewing `lease_id` for `request_id` now, as it enters the scheduler.
     /// SPEC D5: a known engine seen at new coordinates or with a new incarnation is reconnected.
     pub fn track(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) {
@@ -506,8 +516,19 @@ impl Renewer {
             engine.reconnect();
         }
         if engine.leases.is_empty() {
-            // The first lease toward an idle engine is renewed at once: D learns it is live early.
-            engine.next_due = engine.next_due.min(now);
+            if self.fenced_reads {
+                // P's gate checks the lease at the read itself (D6 over a fenced transport):
+                // nothing waits on an early renewal, so the lease joins the engine's rounds, the
+                // first an interval from now (one message per interval, D2; a new engine's first
+                // heartbeat still goes as soon as its handshake is done, D5).
+                if engine.next_due <= now {
+                    engine.next_due = now + self.interval;
+                }
+            } else {
+                // The first lease toward an idle engine is renewed at once: D learns it is live
+                // early, and its read need not wait for the renewal (D6).
+                engine.next_due = engine.next_due.min(now);
+            }
         }
         let since = engine.seq as u32;
         if let Some(old) = engine.leases.get(lease_id) {

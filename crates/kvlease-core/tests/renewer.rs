@@ -74,6 +74,34 @@ fn d1_tracks_from_arrival_grouped_by_engine() {
     assert_eq!(sent(&acts, "P1").len(), 1, "one batched message per engine");
 }
 
+/// SPEC D2, D6: the first lease toward an idle engine is renewed at once when reads are not
+/// fenced (D must know it is live before reading); over a fenced transport it joins the engine's
+/// next round, an interval later (P's gate checks it at the read), one message per interval.
+#[test]
+fn d2_d6_a_fenced_reader_does_not_renew_the_first_lease_at_once() {
+    let i = LeaseConfig::default().heartbeat_interval;
+    for fenced in [false, true] {
+        let mut r = Renewer::new(&LeaseConfig::default());
+        r.set_fenced_reads(fenced);
+        r.track("req-0", &p("P1"), 1, at(0));
+        ready(&mut r, "P1", at(0));
+        assert_eq!(heartbeat_ids(&poll(&mut r, at(0)), "P1"), vec![1], "a new engine's first heartbeat follows its handshake (D5)");
+        r.untrack("req-0", Untrack::Transferred);
+        // Idle for longer than an interval, then a lease arrives.
+        let t = at(0) + i * 3;
+        r.track("req-1", &p("P1"), 2, t);
+        let first = heartbeat_ids(&poll(&mut r, t), "P1");
+        if fenced {
+            assert!(first.is_empty(), "fenced: no renewal at once ({first:?})");
+            assert!(heartbeat_ids(&poll(&mut r, t + i - Duration::from_millis(1)), "P1").is_empty());
+            assert_eq!(heartbeat_ids(&poll(&mut r, t + i), "P1"), vec![2], "renewed in the next round");
+            assert_eq!(r.read_check("req-1", Duration::from_secs(5), true, t), ReadCheck::Safe, "read at once");
+        } else {
+            assert_eq!(first, vec![2], "not fenced: renewed at once");
+        }
+    }
+}
+
 /// SPEC D2: one heartbeat per engine per interval I, covering every tracked lease, and chunked
 /// to max_notif_bytes (down to 256 B) when large.
 #[test]

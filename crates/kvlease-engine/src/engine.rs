@@ -103,7 +103,9 @@ impl EngineHandle {
         });
         // From here on, a failed start stops whatever was started (the owner's drop).
         let ranks = agents::start(&inner).await?;
-        *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, agents::reads_are_fenced(&ranks));
+        let fenced = agents::reads_are_fenced(&ranks);
+        *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, fenced);
+        lock(&inner.renewer).set_fenced_reads(fenced);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
         let (listener, local) = Listener::bind(&cfg.transport, &cfg.host, cfg.kv_port)
