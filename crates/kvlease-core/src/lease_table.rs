@@ -279,6 +279,9 @@ pub struct LeaseTable<T> {
     holders: BTreeMap<String, Holder>,
     /// Simulator only ([`LeaseTable::tick_head_only`]): ids below this have ended.
     head_only_from: LeaseId,
+    /// Every read of the leased blocks passes [`LeaseTable::begin_read`] (the `tcp` agent's
+    /// gate; not NIXL): a completion of a live lease needs no acknowledgement.
+    fenced_reads: bool,
 }
 
 impl<T> LeaseTable<T> {
@@ -310,6 +313,7 @@ impl<T> LeaseTable<T> {
             stats: LeaseStats::default(),
             holders: BTreeMap::new(),
             head_only_from: 1,
+            fenced_reads: false,
         };
         t.append(slots);
         t.cap = MIN_SLOTS;
@@ -317,6 +321,13 @@ impl<T> LeaseTable<T> {
             t.split();
         }
         t
+    }
+
+    /// Whether every read of the leased blocks is fenced by [`LeaseTable::begin_read`] (the
+    /// transport's gate refuses a read of a lease that is not live). Then a `ReadDone` of a live
+    /// lease is not acknowledged: D, reading through the same gate, does not wait for it.
+    pub fn set_fenced_reads(&mut self, fenced: bool) {
+        self.fenced_reads = fenced;
     }
 
     /// SPEC S5: the holder for an engine as the transport authenticated it (engine id and
@@ -1000,7 +1011,12 @@ impl<T: LeasePayload> LeaseTable<T> {
             }
             Message::ReadDone { lease_id, consumer_rank, n, digest } => {
                 let c = self.complete(holder, *lease_id, *consumer_rank, *n, *digest, now, released);
-                Answer { reply: Some(Message::ReadDoneAck { lease_id: *lease_id, live: c != Completion::Lost }), renewed: 0 }
+                let live = c != Completion::Lost;
+                // Over a fenced transport the read passed this table's `begin_read` (live lease,
+                // this prompt) and D used the bytes without waiting: only a completion of a
+                // lease no longer live is answered (P3), so D learns of it.
+                let reply = (!self.fenced_reads || !live).then_some(Message::ReadDoneAck { lease_id: *lease_id, live });
+                Answer { reply, renewed: 0 }
             }
             Message::ClockPing { seq, t0 } => {
                 Answer { reply: Some(Message::ClockPong { seq: *seq, t0: *t0, t1: now.0, t2: now.0 }), renewed: 0 }

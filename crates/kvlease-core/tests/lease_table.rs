@@ -375,6 +375,22 @@ fn p6_every_message_gets_its_answer() {
     assert_eq!(t.on_message(D, &Message::LeaseLost { lease_ids: vec![1] }, secs(17.0), &mut rel).reply, None, "not for P");
 }
 
+/// SPEC P3, P8 over a fenced transport: a completion of a live lease is not acknowledged (the
+/// read passed `begin_read`, and D used the bytes without waiting), a completion of a lease no
+/// longer live is still answered `live: false`, and the lease ends `transferred` as before.
+#[test]
+fn p8_a_fenced_completion_of_a_live_lease_needs_no_answer() {
+    use kvlease_core::wire::Message;
+    let mut t = table();
+    t.set_fenced_reads(true);
+    let a = t.grant(secs(0.0), 1, "a");
+    let mut rel = Vec::new();
+    let done = Message::ReadDone { lease_id: a, consumer_rank: 0, n: 1, digest: DIGEST };
+    assert_eq!(t.on_message(D, &done, secs(1.0), &mut rel).reply, None, "live: no acknowledgement");
+    assert_eq!(reasons(&rel), vec![(a, ReleaseReason::Transferred)]);
+    assert_eq!(t.on_message(D, &done, secs(1.0), &mut rel).reply, Some(Message::ReadDoneAck { lease_id: a, live: false }), "told lost");
+}
+
 /// SPEC S5: the first engine to name a lease owns it; another engine's heartbeat, release,
 /// completion or read of it is answered lost and changes nothing, and the holder's request goes
 /// on unaffected.

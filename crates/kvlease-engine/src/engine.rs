@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 
 /// A running engine; cheap to clone. When the last clone goes, the engine's tasks stop.
@@ -67,9 +67,9 @@ impl EngineHandle {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));
         }
         if cfg.engine_id.is_empty() {
-            cfg.engine_id = random_hex(16);
+            cfg.engine_id = crate::ids::random_hex(16);
         }
-        let incarnation = cfg.incarnation.unwrap_or_else(random_u64) | 1;
+        let incarnation = cfg.incarnation.unwrap_or_else(crate::ids::random_u64) | 1;
         let metrics = Arc::new(Metrics::default());
         let pool = BlockPool::new(cfg.num_gpu_blocks, metrics.clone());
         let (sched_tx, sched_rx) = mpsc::unbounded_channel();
@@ -106,6 +106,7 @@ impl EngineHandle {
         let fenced = agents::reads_are_fenced(&ranks);
         *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, fenced);
         lock(&inner.renewer).set_fenced_reads(fenced);
+        lock(&inner.leases).set_fenced_reads(fenced);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
         let (listener, local) = Listener::bind(&cfg.transport, &cfg.host, cfg.kv_port)
@@ -431,23 +432,4 @@ impl Drop for RequestStream {
             let _ = sched.send(SchedMsg::Abort(id));
         }
     }
-}
-
-pub(crate) fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id()));
-    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        h.write_u128(t.as_nanos());
-    }
-    h.finish()
-}
-
-pub(crate) fn random_hex(bytes: usize) -> String {
-    let mut s = String::new();
-    while s.len() < bytes * 2 {
-        s.push_str(&format!("{:016x}", random_u64()));
-    }
-    s.truncate(bytes * 2);
-    s
 }

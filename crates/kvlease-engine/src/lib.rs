@@ -16,6 +16,7 @@
 mod agents;
 mod engine;
 mod handshake;
+pub mod ids;
 pub mod kv_params;
 mod lease_holder;
 pub mod metrics;

@@ -1,33 +1,7 @@
-//! Random identifiers (request ids, engine ids) without a random-number dependency.
-//!
-//! They only need to be unique, not secret: std's per-process random hasher keys, a counter and
-//! the clock are enough, and keep the HTTP crates free of an RNG crate.
+//! Identifiers for the HTTP layer: the random ones are the engine's ([`kvlease_engine::ids`]).
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+pub use kvlease_engine::ids::{random_hex, random_u64};
 use std::time::{SystemTime, UNIX_EPOCH};
-
-static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// A random u64, distinct for every call in this process.
-pub fn random_u64() -> u64 {
-    let mut h = RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default());
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
-/// `bytes` random bytes as lower-case hex.
-pub fn random_hex(bytes: usize) -> String {
-    let mut s = String::with_capacity(bytes * 2);
-    while s.len() < bytes * 2 {
-        s.push_str(&format!("{:016x}", random_u64()));
-    }
-    s.truncate(bytes * 2);
-    s
-}
 
 /// A random id in the shape of a UUID (8-4-4-4-12 hex digits).
 pub fn random_uuid() -> String {
