@@ -49,8 +49,10 @@ impl BlockArena {
         if base.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        // SAFETY: the padding leaves `size` bytes after the aligned start.
-        let ptr = unsafe { base.add(base.align_offset(ARENA_ALIGN)) };
+        // Computed, not `align_offset`, which may answer "impossible" (usize::MAX) by contract.
+        let skip = (ARENA_ALIGN - base as usize % ARENA_ALIGN) % ARENA_ALIGN;
+        // SAFETY: skip < ARENA_ALIGN, so the padding leaves `size` bytes after the aligned start.
+        let ptr = unsafe { base.add(skip) };
         Arc::new(BlockArena { ptr, base, layout, size, num_blocks, block_bytes })
     }
 
