@@ -17,7 +17,8 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
     let block_bytes = cfg.model.block_bytes(hpr);
     let mut ranks = Vec::new();
     for r in 0..cfg.tp_size {
-        let arena = BlockArena::new(cfg.num_gpu_blocks, block_bytes);
+        let arena = BlockArena::try_new(cfg.num_gpu_blocks, block_bytes)
+            .map_err(|e| StartError::Config(format!("--num-gpu-blocks {}: {e}", cfg.num_gpu_blocks)))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let name = kvlease_core::peers::agent_name(&cfg.engine_id, inner.incarnation, r as usize);
         let gate: Arc<dyn ReadGate> = Arc::new(lease_holder::Gate { inner: Arc::downgrade(inner) });

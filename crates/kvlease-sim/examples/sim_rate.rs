@@ -13,6 +13,10 @@ fn main() {
     let sc = Scenario { rate, duration: Duration::from_secs_f64(seconds), d_crash: None, ..Scenario::default() };
     let started = Instant::now();
     let r = simulate(&sc, Policy::Lease(30.0));
+    if let Some(why) = &r.failed {
+        eprintln!("error: the run could not take place: {why}");
+        std::process::exit(1);
+    }
     let wall = started.elapsed().as_secs_f64();
     println!(
         "rate {rate}, {seconds} s simulated: {} arrived, {} served, {} recomputed, {} garbage in {wall:.2} s wall: {:.0} simulated requests/s",

@@ -146,6 +146,9 @@ pub struct Report {
     pub premature_frees: u64,
     /// KV blocks pinned on the P engines, sampled once per simulated second (for a chart).
     pub pinned: Vec<u64>,
+    /// Why the run could not take place (an engine did not start: e.g. a rate so high that P's
+    /// pool, sized for every request, does not fit); every figure above is then empty.
+    pub failed: Option<String>,
 }
 
 /// Tokens per block of the simulated model; a request generates this many tokens.
@@ -197,7 +200,7 @@ fn engine_config(sc: &Scenario, policy: Policy, net: &MemNetwork, name: &str, po
 pub fn simulate(sc: &Scenario, policy: Policy) -> Report {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build() {
         Ok(rt) => rt,
-        Err(_) => return Report { policy: policy.name(), ..Report::default() },
+        Err(e) => return Report { policy: policy.name(), failed: Some(format!("cannot start the runtime: {e}")), ..Report::default() },
     };
     rt.block_on(run(sc.clone(), policy))
 }
@@ -252,21 +255,26 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     // The local reference: same model, no compute time (answers do not depend on it).
     let mut local_cfg = engine_config(&sc, Policy::Lease(30.0), &MemNetwork::new(), "local", 0, 64 * (sc.blocks + 4), 64);
     local_cfg.model.decode_ms_per_token = 0.0;
-    let Ok(local) = EngineHandle::start(EngineConfig { planted_bug: None, ..local_cfg }).await else { return report };
+    let local = match EngineHandle::start(EngineConfig { planted_bug: None, ..local_cfg }).await {
+        Ok(e) => e,
+        Err(e) => return Report { failed: Some(format!("the reference engine did not start: {e}")), ..report },
+    };
     // The first P and D keep the names and ports of the one-P-one-D runs: same seed, same table.
     let mut ps = Vec::new();
     for i in 0..n_p {
         let (name, port) = if i == 0 { ("p".to_string(), 5000) } else { (format!("p{i}"), 5100 + i as u16) };
-        let Ok(p) = EngineHandle::start(engine_config(&sc, policy, &net, &name, port, p_blocks.max(sc.blocks), 64)).await else {
-            return report;
-        };
-        ps.push(p);
+        match EngineHandle::start(engine_config(&sc, policy, &net, &name, port, p_blocks.max(sc.blocks), 64)).await {
+            Ok(p) => ps.push(p),
+            Err(e) => return Report { failed: Some(format!("{name} did not start: {e}")), ..report },
+        }
     }
     let mut ds = Vec::new();
     for j in 0..n_d {
         let (name, port) = if j == 0 { ("d".to_string(), 5001) } else { (format!("d{j}"), 5200 + j as u16) };
-        let Ok(d) = EngineHandle::start(engine_config(&sc, policy, &net, &name, port, d_blocks, sc.d_slots)).await else { return report };
-        ds.push(Some(d));
+        match EngineHandle::start(engine_config(&sc, policy, &net, &name, port, d_blocks, sc.d_slots)).await {
+            Ok(d) => ds.push(Some(d)),
+            Err(e) => return Report { failed: Some(format!("{name} did not start: {e}")), ..report },
+        }
     }
     let ps = Arc::new(ps);
     let t0 = Instant::now();

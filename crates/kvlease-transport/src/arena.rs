@@ -34,26 +34,37 @@ impl std::fmt::Debug for BlockArena {
 }
 
 impl BlockArena {
-    /// Zeroed memory for `num_blocks` blocks of `block_bytes` (both > 0).
+    /// Zeroed memory for `num_blocks` blocks of `block_bytes` (both > 0); panics where
+    /// [`BlockArena::try_new`] errs (tests and tools with fixed sizes).
     pub fn new(num_blocks: u32, block_bytes: usize) -> Arc<BlockArena> {
-        assert!(num_blocks > 0 && block_bytes > 0, "an arena needs at least one non-empty block");
-        let size = (num_blocks as usize).checked_mul(block_bytes).expect("arena size overflows usize");
+        Self::try_new(num_blocks, block_bytes).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Zeroed memory for `num_blocks` blocks of `block_bytes`, or why not: an empty geometry,
+    /// a size past the address space, or memory the system will not give (a configured
+    /// `--num-gpu-blocks` too large for this machine is an error to report, not an abort).
+    pub fn try_new(num_blocks: u32, block_bytes: usize) -> Result<Arc<BlockArena>, String> {
+        if num_blocks == 0 || block_bytes == 0 {
+            return Err("an arena needs at least one non-empty block".into());
+        }
+        let too_big = || format!("a KV arena of {num_blocks} blocks of {block_bytes} bytes does not fit in memory");
+        let size = (num_blocks as usize).checked_mul(block_bytes).ok_or_else(too_big)?;
         // Allocated with the allocator's own alignment and aligned here: `alloc_zeroed` with
         // an alignment above it writes every byte (a 10 GiB arena resident at start), where
         // this is `calloc`, whose large blocks are fresh zero pages taking memory only once
         // touched.
-        let padded = size.checked_add(ARENA_ALIGN).expect("arena size overflows usize");
-        let layout = std::alloc::Layout::from_size_align(padded, 16).expect("arena layout");
+        let padded = size.checked_add(ARENA_ALIGN).ok_or_else(too_big)?;
+        let layout = std::alloc::Layout::from_size_align(padded, 16).map_err(|_| too_big())?;
         // SAFETY: padded > 0.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         if base.is_null() {
-            std::alloc::handle_alloc_error(layout);
+            return Err(format!("cannot allocate {size} bytes for the KV arena ({num_blocks} blocks of {block_bytes} bytes)"));
         }
         // Computed, not `align_offset`, which may answer "impossible" (usize::MAX) by contract.
         let skip = (ARENA_ALIGN - base as usize % ARENA_ALIGN) % ARENA_ALIGN;
         // SAFETY: skip < ARENA_ALIGN, so the padding leaves `size` bytes after the aligned start.
         let ptr = unsafe { base.add(skip) };
-        Arc::new(BlockArena { ptr, base, layout, size, num_blocks, block_bytes })
+        Ok(Arc::new(BlockArena { ptr, base, layout, size, num_blocks, block_bytes }))
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -154,7 +165,8 @@ mod tests {
         statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
     }
 
-    /// An arena starts 64-byte aligned, zeroed, and takes memory only for the blocks touched:
+    /// An arena starts 64-byte aligned, zeroed, and takes memory only for the blocks touched
+    /// (sizes it cannot have are errors, not aborts):
     /// a 4 GiB arena (the simulator's P is sized for every request a run could bring) does not
     /// become resident when created.
     #[test]
@@ -168,6 +180,11 @@ mod tests {
             unsafe { a.copy_out(n - 1, 0, &mut seen) };
             assert!(seen.iter().all(|&x| x == 0));
         }
+        assert!(BlockArena::try_new(0, 8).is_err() && BlockArena::try_new(8, 0).is_err());
+        let refused = BlockArena::try_new(u32::MAX, usize::MAX / 2).err().unwrap_or_default();
+        assert!(refused.contains("does not fit"), "a size past the address space is an error, not an abort: {refused}");
+        let refused = BlockArena::try_new(u32::MAX, 1 << 20).err().unwrap_or_default();
+        assert!(refused.contains("cannot allocate"), "memory the system will not give (4 PiB) is an error: {refused}");
         let before = resident();
         let big = BlockArena::new(1 << 20, 4096);
         let grown = resident().saturating_sub(before);

@@ -234,6 +234,10 @@ fn heartbeat_scale(a: &SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The most requests a `kvlease sim` run may bring (rate × surge × arrival window): P's pool,
+/// sized for all of them at 64 blocks each, counts blocks in a u32.
+const MAX_SIM_REQUESTS: f64 = 60_000_000.0;
+
 fn policies(a: &SimArgs) -> anyhow::Result<()> {
     let valid = a.rate > 0.0 && a.rate.is_finite() && (0.0..1.0).contains(&a.loss) && a.seconds > 0;
     if !valid {
@@ -268,6 +272,17 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
         },
         ..Scenario::default()
     };
+    // P's pool holds every request of the run (the simulator never turns one away), a u32 count
+    // of blocks: refuse up front what it cannot hold rather than fail at start or run for days.
+    let window = if sc.decoders > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
+    let most = sc.rate * sc.surge_factor * window.as_secs_f64();
+    if most > MAX_SIM_REQUESTS {
+        anyhow::bail!(
+            "--rate {} over {:.0} s of arrivals may bring {most:.0} requests, more than the simulator holds ({MAX_SIM_REQUESTS:.0}): lower --rate or --seconds",
+            a.rate,
+            window.as_secs_f64()
+        );
+    }
     let policies: Vec<Policy> = match &a.sweep {
         Some(values) => values.iter().map(|v| Policy::Lease(*v)).collect(),
         None => vec![Policy::Fixed(480.0), Policy::Fixed(30.0), Policy::VllmLease(30.0), Policy::Lease(30.0)],
@@ -314,6 +329,9 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for policy in policies {
         let r = simulate(&sc, policy);
+        if let Some(why) = &r.failed {
+            anyhow::bail!("the {} run could not take place: {why}", r.policy);
+        }
         let reclaim = match (sc.d_crash, r.reclaim_after_crash) {
             (None, _) => "-".to_string(),
             (Some(_), Some(s)) => format!("{s:.1} s"),

@@ -191,6 +191,18 @@ fn sim_heartbeat_scale_prints_kvlease_beside_vllm() {
     assert!(!bad.status.success());
 }
 
+/// Bad input gets a clear error: a `kvlease sim` whose traffic the simulator cannot hold is
+/// refused up front, naming the flags, instead of printing a table of zeros (its engines could
+/// not start) or running for days.
+#[test]
+fn sim_refuses_traffic_it_cannot_hold_naming_the_flags() {
+    let out = kvlease().args(["sim", "--rate", "10000000", "--seconds", "86400", "--sweep", "30"]).output().expect("kvlease sim");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--rate") && err.contains("--seconds") && err.contains("more than the simulator holds"), "{err}");
+    assert!(out.stdout.is_empty(), "no table: {}", String::from_utf8_lossy(&out.stdout));
+}
+
 /// `kvlease sim` puts vLLM's lease beside fixed timeouts and kvlease's on the same traffic, and
 /// runs several engines (`--prefills`, `--decoders`, `--routing`).
 #[test]
