@@ -96,6 +96,24 @@ pub enum Routing {
     LeastLoaded,
 }
 
+impl Scenario {
+    /// When requests stop arriving: at the end, or, with a single decoder, at its crash (the
+    /// router then has nowhere to send them).
+    pub fn arrivals_until(&self) -> Duration {
+        if self.decoders > 1 {
+            self.duration
+        } else {
+            self.d_crash.unwrap_or(self.duration).min(self.duration)
+        }
+    }
+
+    /// The most requests the run may bring, as if it surged throughout: P's pool is sized for
+    /// all of them (the simulator never turns a request away).
+    pub fn most_requests(&self) -> f64 {
+        self.rate * self.surge_factor * self.arrivals_until().as_secs_f64()
+    }
+}
+
 impl Default for Scenario {
     fn default() -> Self {
         Scenario {
@@ -245,11 +263,9 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     let net = MemNetwork::new();
     net.set_faults(Faults { seed: sc.seed, loss: sc.loss, delay: (sc.delay, sc.delay), unfenced: true, ..Faults::default() });
     // Each P has room for every request of the run; each D for its slots.
-    // Arrivals up to the end, or, with a single decoder, up to its crash (the router then has
-    // nowhere to send them).
-    let stop_arrivals = if n_d > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
+    let stop_arrivals = sc.arrivals_until();
     // (The pool and the arena take memory only for blocks used.)
-    let arrivals_bound = (sc.rate * sc.surge_factor * stop_arrivals.as_secs_f64()) as u32;
+    let arrivals_bound = sc.most_requests() as u32;
     let p_blocks = arrivals_bound.saturating_add(1).saturating_mul(sc.blocks);
     let d_blocks = (sc.d_slots as u32 + 1) * (sc.blocks + GENERATED.div_ceil(BLOCK_SIZE) + 1);
     // The local reference: same model, no compute time (answers do not depend on it).

@@ -274,13 +274,12 @@ fn policies(a: &SimArgs) -> anyhow::Result<()> {
     };
     // P's pool holds every request of the run (the simulator never turns one away), a u32 count
     // of blocks: refuse up front what it cannot hold rather than fail at start or run for days.
-    let window = if sc.decoders > 1 { sc.duration } else { sc.d_crash.unwrap_or(sc.duration).min(sc.duration) };
-    let most = sc.rate * sc.surge_factor * window.as_secs_f64();
+    let most = sc.most_requests();
     if most > MAX_SIM_REQUESTS {
         anyhow::bail!(
             "--rate {} over {:.0} s of arrivals may bring {most:.0} requests, more than the simulator holds ({MAX_SIM_REQUESTS:.0}): lower --rate or --seconds",
             a.rate,
-            window.as_secs_f64()
+            sc.arrivals_until().as_secs_f64()
         );
     }
     let policies: Vec<Policy> = match &a.sweep {
