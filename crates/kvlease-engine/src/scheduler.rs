@@ -136,9 +136,7 @@ pub(crate) async fn run(
     let mut running: Vec<Seq> = Vec::new();
     let mut loading: BTreeMap<u64, Seq> = BTreeMap::new();
     let mut aborted_loads: BTreeSet<u64> = BTreeSet::new();
-    // When the last decode step's tokens were due: steps are paced from it, not from when the
-    // previous sleep happened to end (see `step`).
-    let mut paced: Option<Instant> = None;
+    let mut pace = Pace { due: None, yielded: Instant::now() };
     loop {
         // Take every message that is already here.
         loop {
@@ -187,7 +185,7 @@ pub(crate) async fn run(
         inner.metrics.requests_waiting.store(waiting.len() as i64, Relaxed);
         inner.metrics.requests_running.store((running.len() + loading.len()) as i64, Relaxed);
         if running.is_empty() {
-            paced = None;
+            pace.due = None;
             // Biased: the simulator needs the same choice every run.
             tokio::select! {
                 biased;
@@ -202,9 +200,10 @@ pub(crate) async fn run(
                 },
                 _ = inner.pool.freed.notified(), if !waiting.is_empty() => {}
             }
+            pace.yielded = Instant::now();
             continue;
         }
-        step(&inner, &mut running, &mut paced).await;
+        step(&inner, &mut running, &mut pace).await;
     }
 }
 
@@ -344,11 +343,11 @@ fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
 /// produces one token. Emulated compute time is slept once per step.
 ///
 /// Decode steps are paced like a GPU's back-to-back steps: each one ends `decode_time` after the
-/// previous one was due (`paced`), not `decode_time` after the previous sleep happened to end,
+/// previous one was due (`pace.due`), not `decode_time` after the previous sleep happened to end,
 /// so the step's own work, the timer's millisecond rounding and a late wake-up do not add up
 /// across tokens: a client sees inter-token gaps of `--decode-ms-per-token` (issue 15). A step
 /// that falls a whole step behind starts the pace again from now.
-async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, paced: &mut Option<Instant>) {
+async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
     let m = &inner.cfg.model;
     running.retain(|s| !s.tx.is_closed());
     let prefilling = running.iter().any(|s| s.state == State::Prefill);
@@ -367,8 +366,8 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, paced: &mut Option<Ins
                 }
             }
         }
-        sleep(m.prefill_time(prefill_tokens)).await;
-        *paced = None;
+        pace.compute(m.prefill_time(prefill_tokens)).await;
+        pace.due = None;
         let mut i = 0;
         while i < running.len() {
             if running[i].state != State::Prefill {
@@ -402,12 +401,13 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, paced: &mut Option<Ins
     }
     let d = m.decode_time();
     if d.is_zero() {
-        sleep(d).await;
+        pace.zero().await;
     } else {
         let now = Instant::now();
-        let due = paced.map_or(now + d, |last| (last + d).max(now));
-        *paced = Some(due);
+        let due = pace.due.map_or(now + d, |last| (last + d).max(now));
+        pace.due = Some(due);
         tokio::time::sleep_until(due).await;
+        pace.yielded = Instant::now();
     }
     // The step's tokens come out when its compute is done, as on a GPU.
     for (seq, tok) in running.iter_mut().zip(tokens) {
@@ -519,13 +519,45 @@ impl From<Seq> for PrefillDone {
     }
 }
 
-/// The emulated compute of a step. With no compute time it still yields once: a step must
-/// never keep the runtime from heartbeats, the reaper and HTTP (SPEC D3, P4), even on one thread.
-async fn sleep(d: std::time::Duration) {
-    if d.is_zero() {
-        tokio::task::yield_now().await;
-    } else {
-        tokio::time::sleep(d).await;
+/// How long zero-time steps may run back to back before the scheduler gives its thread back.
+/// Far under D3's I/10 (heartbeats), P4's granularity (the reaper) and anything HTTP notices.
+const ZERO_STEPS_SLICE: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// When the scheduler's steps run, on the runtime's clock.
+struct Pace {
+    /// When the last decode step's tokens were due: steps are paced from it, not from when the
+    /// previous sleep happened to end (see `step`).
+    due: Option<Instant>,
+    /// When the scheduler last gave its thread back to the runtime.
+    yielded: Instant,
+}
+
+impl Pace {
+    /// The emulated compute of a prefill step.
+    async fn compute(&mut self, d: std::time::Duration) {
+        if d.is_zero() {
+            self.zero().await;
+        } else {
+            tokio::time::sleep(d).await;
+            self.yielded = Instant::now();
+        }
+    }
+
+    /// A step with no compute time. It still never keeps the runtime from heartbeats, the
+    /// reaper and HTTP (SPEC D3, P4), even on one thread: it gives the thread back once zero-time
+    /// steps have run for [`ZERO_STEPS_SLICE`], and in any case when the task's cooperative
+    /// budget is spent (tokio's 128 units a poll; under the simulator's paused clock no time
+    /// passes between steps). It does not yield after every step: a GPU step is never that
+    /// short, and a yield per step woke each stream's reader once per token, a write and a
+    /// wake-up a token at zero compute (issue 15), where the steps' tokens, all ready within
+    /// microseconds, now leave together.
+    async fn zero(&mut self) {
+        if self.yielded.elapsed() >= ZERO_STEPS_SLICE {
+            tokio::task::yield_now().await;
+            self.yielded = Instant::now();
+        } else {
+            tokio::task::coop::consume_budget().await;
+        }
     }
 }
 
