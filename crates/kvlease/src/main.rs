@@ -326,7 +326,16 @@ fn main() -> ExitCode {
             tune_ucx(!has_secret && !args.insecure);
         }
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    // The load generator runs on one thread, as vLLM's benchmark client (one asyncio loop)
+    // does: on a multi-threaded runtime every streamed chunk crossed threads to reach its
+    // request's task, a wake-up each, and that client cost was measured as the server's
+    // streaming latency (issue 15). One thread reads about 20,000 answers a second here, more
+    // than the servers it measures can give on this machine.
+    let runtime = match &cli.command {
+        Command::Load(_) => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        _ => tokio::runtime::Runtime::new(),
+    };
+    let runtime = match runtime {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the tokio runtime: {e}");
