@@ -7,13 +7,17 @@
 #     the CPU time (utime + stime from /proc/PID/stat) each process spent per request;
 #  2. latency at concurrency 1, zero compute, not streamed and streamed (TTFT, ITL, TPOT);
 #  3. the same at concurrency 1 with a realistic decode time (--decode-ms-per-token $DECODE_MS):
-#     the client must see inter-token gaps of about DECODE_MS.
+#     the client must see inter-token gaps of about DECODE_MS;
+#  4. the floor: part 1's CPU per request (not streamed) for null processes built from the same
+#     parts, with no engine in them (crates/kvlease/examples/floor.rs): what three HTTP hops and
+#     one transfer cost against one hop, on this stack and machine, next to kvlease's ratio.
 #
 # Afterwards P must hold no lease and every lease must be `transferred`.
 #
 #   scripts/bench-proxy.sh                      # 5000 requests, concurrency 16, max_tokens 8
 #   REQUESTS=5000 CONCURRENCY=32 scripts/bench-proxy.sh
 #   KVLEASE_BIN=/path/to/kvlease scripts/bench-proxy.sh   # another build (before/after), no cargo
+#                                                         # (FLOOR_BIN=path/to/floor: part 4 too)
 #
 # Everything listens on free loopback ports and is stopped on exit.
 set -euo pipefail
@@ -37,6 +41,8 @@ if [[ -n ${KVLEASE_BIN:-} ]]; then
 else
   echo "== cargo build --release -p kvlease"
   build_kvlease --quiet
+  cargo build --release --quiet -p kvlease --example floor
+  FLOOR_BIN=${CARGO_TARGET_DIR:-target}/release/examples/floor
 fi
 
 # A shared secret, so kv_transfer_params are signed and checked as in a real cluster.
@@ -111,6 +117,7 @@ for stream in "" --stream; do
   awk -v a="$(field "$A" rps)" -v b="$(field "$B" rps)" 'BEGIN { printf "rps direct=%s  rps via proxy=%s  ratio b/a=%.3f\n", a, b, (a > 0 ? b / a : 0) }'
   cs=$(cpu_us "$s0" "$s1"); cp=$(cpu_us "$p0" "$p1"); cd=$(cpu_us "$d0" "$d1"); cx=$(cpu_us "$x0" "$x1")
   awk -v s="$cs" -v p="$cp" -v d="$cd" -v x="$cx" 'BEGIN { printf "CPU us/request: single %d | P %d + D %d + proxy %d = %d (%.2fx single)\n", s, p, d, x, p + d + x, (s > 0 ? (p + d + x) / s : 0) }'
+  [[ -n $stream ]] || KVLEASE_RATIO=$(awk -v s="$cs" -v t="$((cp + cd + cx))" 'BEGIN { printf "%.4f", (s > 0 ? t / s : 0) }')
 done
 
 echo "== 2. latency: $LATENCY_REQUESTS requests, concurrency 1, max_tokens $MAX_TOKENS, zero compute"
@@ -126,6 +133,32 @@ done
 echo "== 3. decode $DECODE_MS ms/token: $DECODE_REQUESTS requests, concurrency 1, max_tokens $DECODE_TOKENS, streamed"
 echo "(a) single engine: $(load "$SINGLE_slow" "$DECODE_REQUESTS" 1 "$DECODE_TOKENS" --stream)"
 echo "(b) proxy P -> D:  $(load "$PROXY_slow" "$DECODE_REQUESTS" 1 "$DECODE_TOKENS" --stream)"
+
+echo "== 4. the floor: $REQUESTS requests, concurrency $CONCURRENCY, not streamed, null processes (no engine)"
+if [[ -z ${FLOOR_BIN:-} ]]; then
+  echo "skipped: set FLOOR_BIN (cargo build --release -p kvlease --example floor) with KVLEASE_BIN"
+else
+  KV_BYTES=${KV_BYTES:-57344} # a 32-word prompt: about 110 tokens, 7 blocks of 8 KiB
+  LAUNCH_BIN=$FLOOR_BIN launch floor_single engine --kv-bytes "$KV_BYTES"
+  LAUNCH_BIN=$FLOOR_BIN launch floor_p engine --kv-bytes "$KV_BYTES"
+  LAUNCH_BIN=$FLOOR_BIN launch floor_d engine --kv-bytes "$KV_BYTES"
+  FLOOR_SINGLE=$(url_of floor_single "floor engine listening on ")
+  LAUNCH_BIN=$FLOOR_BIN launch floor_proxy proxy --prefill "$(url_of floor_p "floor engine listening on ")" \
+    --decode "$(url_of floor_d "floor engine listening on ")"
+  FLOOR_PROXY=$(url_of floor_proxy "floor proxy listening on ")
+  load "$FLOOR_SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+  load "$FLOOR_PROXY" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+  s0=$(cpu_ticks floor_single)
+  A=$(load "$FLOOR_SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
+  s1=$(cpu_ticks floor_single)
+  f0=$(cpu_ticks floor_p floor_d floor_proxy)
+  B=$(load "$FLOOR_PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
+  f1=$(cpu_ticks floor_p floor_d floor_proxy)
+  echo "(c) null engine:        $A"
+  echo "(d) null proxy P -> D:  $B"
+  awk -v s="$(cpu_us "$s0" "$s1")" -v t="$(cpu_us "$f0" "$f1")" -v k="$KVLEASE_RATIO" \
+    'BEGIN { printf "CPU us/request: null engine %d | null P + D + proxy %d (%.2fx) | kvlease, part 1: %.2fx\n", s, t, (s > 0 ? t / s : 0), k }'
+fi
 
 # metric URL NAME: the value of one sample of P's /metrics.
 metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }

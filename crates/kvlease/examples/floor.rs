@@ -1,0 +1,151 @@
+//! The floor of a disaggregated request on this HTTP stack (issue 15): what three HTTP hops and
+//! one transfer cost with no engine in them, next to what one hop costs.
+//!
+//! Null processes built from what `kvlease serve` and `kvlease proxy` are built from (tokio's
+//! default runtime, axum on hyper with `TCP_NODELAY`, a keep-alive `reqwest` client, a
+//! kept-open TCP connection for the transfer), with every engine part left out: no tokenizer,
+//! no scheduler, no KV written or checked, no lease, no signature, no metrics.
+//!
+//! * `floor engine`: answers `POST /v1/completions` with a fixed completion. Asked to prefill
+//!   for a remote decoder (`kv_transfer_params.do_remote_decode`), it answers with the address
+//!   of its transfer agent; given `remote_agent`, it first reads `--kv-bytes` from that agent
+//!   (one request, the bytes back) and then tells it the read is done, without waiting.
+//! * `floor proxy --prefill URL --decode URL`: vLLM's toy proxy, as `kvlease proxy` does it:
+//!   the request to P with `max_tokens` 1 and `do_remote_decode`, P's `kv_transfer_params`
+//!   into the request to D, D's answer back.
+//!
+//! Each prints `floor … listening on http://ADDR` and serves until killed;
+//! `scripts/bench-floor.sh` starts them and measures them with `kvlease load`.
+use axum::extract::State;
+use axum::routing::post;
+use axum::serve::ListenerExt;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const READ: u8 = b'R';
+const DONE: u8 = b'D';
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let router = match args.first().map(String::as_str) {
+        Some("engine") => {
+            let kv_bytes = flag("--kv-bytes").map_or(Ok(16 << 10), |v| v.parse()).map_err(|e| anyhow::anyhow!("--kv-bytes: {e}"))?;
+            let agent = TcpListener::bind("127.0.0.1:0").await?;
+            let agent_addr = agent.local_addr()?;
+            tokio::spawn(serve_agent(agent, kv_bytes));
+            let engine = Arc::new(Engine { agent: agent_addr, kv_bytes, pulls: Mutex::new(Vec::new()) });
+            Router::new().route("/v1/completions", post(engine_answer)).with_state(engine)
+        }
+        Some("proxy") => {
+            let (Some(prefill), Some(decode)) = (flag("--prefill"), flag("--decode")) else {
+                anyhow::bail!("usage: floor proxy --prefill URL --decode URL");
+            };
+            let client = reqwest::Client::builder().no_proxy().tcp_nodelay(true).build()?;
+            let proxy =
+                Arc::new(Proxy { client, prefill: format!("{prefill}/v1/completions"), decode: format!("{decode}/v1/completions") });
+            Router::new().route("/v1/completions", post(proxy_answer)).with_state(proxy)
+        }
+        _ => anyhow::bail!("usage: floor engine [--kv-bytes N] | floor proxy --prefill URL --decode URL"),
+    };
+    println!("floor {} listening on http://{addr}", args[0]);
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+struct Engine {
+    agent: SocketAddr,
+    kv_bytes: usize,
+    /// Kept-open connections to transfer agents, as a decoder keeps its agents connected.
+    pulls: Mutex<Vec<(SocketAddr, TcpStream)>>,
+}
+
+/// The agent: for each `READ`, `kv_bytes` bytes back; a `DONE` is read and nothing answered.
+async fn serve_agent(listener: TcpListener, kv_bytes: usize) {
+    let kv = Arc::new(vec![7u8; kv_bytes]);
+    while let Ok((mut stream, _)) = listener.accept().await {
+        let _ = stream.set_nodelay(true);
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            let mut op = [0u8; 1];
+            while stream.read_exact(&mut op).await.is_ok() {
+                if op[0] == READ && stream.write_all(&kv).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+async fn engine_answer(State(e): State<Arc<Engine>>, Json(req): Json<Value>) -> Result<Json<Value>, String> {
+    let params = req.get("kv_transfer_params");
+    let mut kv_transfer_params = Value::Null;
+    if params.and_then(|p| p.get("do_remote_decode")).and_then(Value::as_bool) == Some(true) {
+        kv_transfer_params = json!({"do_remote_prefill": true, "remote_agent": e.agent.to_string()});
+    } else if let Some(agent) = params.and_then(|p| p.get("remote_agent")).and_then(Value::as_str) {
+        let agent: SocketAddr = agent.parse().map_err(|_| "bad remote_agent".to_string())?;
+        e.pull(agent).await.map_err(|err| format!("pull: {err}"))?;
+    }
+    Ok(Json(json!({
+        "id": "cmpl-floor", "object": "text_completion", "created": 0, "model": "floor",
+        "choices": [{"index": 0, "text": " lease block cache decode prefill engine token model", "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+        "usage": {"prompt_tokens": 32, "completion_tokens": 8, "total_tokens": 40},
+        "kv_transfer_params": kv_transfer_params,
+    })))
+}
+
+impl Engine {
+    /// One read of the KV from `agent`, then the completion, not waited for.
+    async fn pull(&self, agent: SocketAddr) -> std::io::Result<()> {
+        let kept = {
+            let mut pulls = self.pulls.lock().unwrap_or_else(|p| p.into_inner());
+            pulls.iter().position(|(a, _)| *a == agent).map(|i| pulls.swap_remove(i).1)
+        };
+        let mut stream = match kept {
+            Some(s) => s,
+            None => {
+                let s = TcpStream::connect(agent).await?;
+                s.set_nodelay(true)?;
+                s
+            }
+        };
+        let mut kv = vec![0u8; self.kv_bytes];
+        stream.write_all(&[READ]).await?;
+        stream.read_exact(&mut kv).await?;
+        stream.write_all(&[DONE]).await?;
+        self.pulls.lock().unwrap_or_else(|p| p.into_inner()).push((agent, stream));
+        Ok(())
+    }
+}
+
+struct Proxy {
+    client: reqwest::Client,
+    prefill: String,
+    decode: String,
+}
+
+async fn proxy_answer(State(p): State<Arc<Proxy>>, Json(req): Json<Value>) -> Result<Json<Value>, String> {
+    let mut to_p = req.clone();
+    to_p["max_tokens"] = json!(1);
+    to_p["stream"] = json!(false);
+    to_p["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    let from_p: Value = post_json(&p.client, &p.prefill, &to_p).await?;
+    let mut to_d = req;
+    to_d["kv_transfer_params"] = from_p.get("kv_transfer_params").cloned().unwrap_or(Value::Null);
+    Ok(Json(post_json(&p.client, &p.decode, &to_d).await?))
+}
+
+async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Value, String> {
+    let resp = client.post(url).json(body).send().await.map_err(|e| e.to_string())?;
+    resp.json().await.map_err(|e| e.to_string())
+}
