@@ -662,13 +662,45 @@ impl ResponseMeta {
         ))
     }
 
-    /// One streamed piece of a choice's text.
-    pub fn text_chunk(&self, index: u32, text: &str, logprobs: Value) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Completions => json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": null}),
-            Endpoint::Chat => json!({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null}),
+    /// One streamed piece of a choice's text, as JSON text. The most frequent event of a stream
+    /// is written straight from borrowed fields, building no map; its keys come in the order
+    /// serde_json gives every other object here (sorted), so it reads like the rest.
+    pub fn text_chunk(&self, index: u32, text: &str, logprobs: &Value) -> String {
+        #[derive(serde::Serialize)]
+        struct Chunk<'a, C> {
+            choices: [C; 1],
+            created: u64,
+            id: &'a str,
+            model: &'a str,
+            object: &'static str,
+        }
+        #[derive(serde::Serialize)]
+        struct TextChoice<'a> {
+            finish_reason: (),
+            index: u32,
+            logprobs: &'a Value,
+            text: &'a str,
+        }
+        #[derive(serde::Serialize)]
+        struct Delta<'a> {
+            content: &'a str,
+        }
+        #[derive(serde::Serialize)]
+        struct DeltaChoice<'a> {
+            delta: Delta<'a>,
+            finish_reason: (),
+            index: u32,
+            logprobs: &'a Value,
+        }
+        fn json<C: serde::Serialize>(m: &ResponseMeta, choice: C) -> serde_json::Result<String> {
+            serde_json::to_string(&Chunk { choices: [choice], created: m.created, id: &m.id, model: &m.model, object: m.object(true) })
+        }
+        let json = match self.endpoint {
+            Endpoint::Completions => json(self, TextChoice { finish_reason: (), index, logprobs, text }),
+            Endpoint::Chat => json(self, DeltaChoice { delta: Delta { content: text }, finish_reason: (), index, logprobs }),
         };
-        Value::Object(self.envelope(true, json!([choice])))
+        // Serialising these fields cannot fail (string keys, no maps of ours).
+        json.unwrap_or_default()
     }
 
     /// The chunk that carries a choice's finish reason (and, on a P leg, `kv_transfer_params`).
@@ -908,7 +940,14 @@ mod tests {
         assert_eq!(full["choices"][0]["message"]["content"], "ab");
         assert_eq!(full["choices"][0]["stop_reason"], "jade");
         assert_eq!(full["usage"]["total_tokens"], 5);
-        assert_eq!(m.text_chunk(1, "x", Value::Null)["choices"][0]["delta"]["content"], "x");
+        // The same text as the object the other events are built as.
+        assert_eq!(
+            m.text_chunk(1, "x\"y", &json!({"content": []})),
+            serde_json::to_string(
+                &m.envelope(true, json!([{"index": 1, "delta": {"content": "x\"y"}, "logprobs": {"content": []}, "finish_reason": null}]))
+            )
+            .unwrap()
+        );
         let lps =
             [TokenLogprobs { id: model::FIRST_WORD, logprob: -0.5, top: vec![(model::FIRST_WORD, -0.5), (model::FIRST_WORD + 1, -1.0)] }];
         let chat_lp = m.logprobs(&lps, 0);
@@ -916,6 +955,10 @@ mod tests {
         assert_eq!(chat_lp["content"][0]["top_logprobs"][1]["token"], " lease");
         let m = ResponseMeta::new(Endpoint::Completions, "r1", "m");
         let lp = m.logprobs(&lps, 4);
+        assert_eq!(
+            m.text_chunk(0, " the", &lp),
+            serde_json::to_string(&m.envelope(true, json!([{"index": 0, "text": " the", "logprobs": lp, "finish_reason": null}]))).unwrap()
+        );
         assert_eq!(
             (lp["tokens"][0].clone(), lp["text_offset"][0].clone(), lp["token_logprobs"][0].clone()),
             (json!(" the"), json!(4), json!(-0.5))

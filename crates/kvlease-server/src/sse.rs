@@ -1,6 +1,7 @@
 //! Server-sent events for streaming completions: the chunks of every choice as they come
 //! (interleaved, each with its `index`), each choice's finish chunk, the optional usage chunk,
 //! then `data: [DONE]`. A failure after the first byte is an error event, then `[DONE]`.
+//! Events that are ready together are written together, in one HTTP chunk.
 //!
 //! The choices (and their engine streams) live inside the response body, so a client that
 //! disconnects drops the body, the streams with it, and the engine aborts them (SPEC D4).
@@ -10,6 +11,7 @@ use crate::error::ApiError;
 use crate::openai::{Endpoint, ResponseMeta, Usage};
 use axum::body::{Body, Bytes};
 use futures_util::stream::{self, SelectAll, StreamExt};
+use futures_util::FutureExt;
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -53,8 +55,18 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
     };
     Body::from_stream(stream::unfold(st, |mut st| async move {
         loop {
-            if let Some(b) = st.out.pop_front() {
-                return Some((Ok::<Bytes, Infallible>(b), st));
+            if !st.out.is_empty() {
+                // Whatever else is already here goes out in the same chunk: events that are
+                // ready together (one step's tokens of `n` choices, or steps that took no
+                // time) leave in one write, and the client reads them in one go. Nothing waits
+                // for an event that is not here yet.
+                while !st.finished {
+                    match st.outs.next().now_or_never() {
+                        Some(next) => st.push(next),
+                        None => break,
+                    }
+                }
+                return Some((Ok::<Bytes, Infallible>(st.take_out()), st));
             }
             if st.finished {
                 return None;
@@ -66,12 +78,24 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
 }
 
 impl SseState {
+    /// Every event queued, as one chunk.
+    fn take_out(&mut self) -> Bytes {
+        if self.out.len() == 1 {
+            return self.out.pop_front().unwrap_or_default();
+        }
+        let mut chunk = Vec::with_capacity(self.out.iter().map(Bytes::len).sum());
+        for b in self.out.drain(..) {
+            chunk.extend_from_slice(&b);
+        }
+        Bytes::from(chunk)
+    }
+
     fn push(&mut self, next: Option<(u32, Out)>) {
         match next {
             Some((index, Out::Text { text, logprobs, offset })) => {
                 let lp = if self.logprobs { self.meta.logprobs(&logprobs, offset) } else { Value::Null };
-                let chunk = self.meta.text_chunk(index, &text, lp);
-                self.out.push_back(data(&chunk));
+                let chunk = self.meta.text_chunk(index, &text, &lp);
+                self.out.push_back(Bytes::from(format!("data: {chunk}\n\n")));
             }
             Some((index, Out::Finish(f))) => {
                 if index % self.n == 0 {

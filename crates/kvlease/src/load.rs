@@ -419,11 +419,11 @@ impl SseTimer {
                 self.done = true;
                 continue;
             }
-            let v: Value = serde_json::from_slice(data).map_err(|_| "bad_stream")?;
-            if v.get("error").is_some() {
+            let event: Event = serde_json::from_slice(data).map_err(|_| "bad_stream")?;
+            if event.error.is_some() {
                 return Err("stream_error");
             }
-            if carries_text(&v) {
+            if event.carries_text() {
                 self.timing.tokens += 1;
                 match self.last {
                     None => self.timing.ttft = Some(at - self.t0),
@@ -445,13 +445,41 @@ impl SseTimer {
     }
 }
 
-/// An event with a choice carrying text (`text` of a completion, `delta.content` of a chat).
-fn carries_text(v: &Value) -> bool {
-    let Some(choices) = v.get("choices").and_then(Value::as_array) else { return false };
-    choices.iter().any(|c| {
-        let text = c.get("text").or_else(|| c.get("delta").and_then(|d| d.get("content")));
-        text.and_then(Value::as_str).is_some_and(|t| !t.is_empty())
-    })
+/// What the load generator reads of an SSE event, borrowed from its bytes (a client that built
+/// a whole JSON tree per event spent as much on it as on the rest of the answer): whether it is
+/// an error, and its choices' text.
+#[derive(serde::Deserialize)]
+struct Event<'a> {
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+    #[serde(default, borrow)]
+    choices: Option<Vec<EventChoice<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct EventChoice<'a> {
+    /// A completion's.
+    #[serde(default, borrow)]
+    text: Option<std::borrow::Cow<'a, str>>,
+    /// A chat's.
+    #[serde(default, borrow)]
+    delta: Option<EventDelta<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct EventDelta<'a> {
+    #[serde(default, borrow)]
+    content: Option<std::borrow::Cow<'a, str>>,
+}
+
+impl Event<'_> {
+    /// A choice carries text (`text` of a completion, `delta.content` of a chat).
+    fn carries_text(&self) -> bool {
+        self.choices.iter().flatten().any(|c| {
+            let text = c.text.as_deref().or_else(|| c.delta.as_ref().and_then(|d| d.content.as_deref()));
+            text.is_some_and(|t| !t.is_empty())
+        })
+    }
 }
 
 fn transport_kind(e: &reqwest::Error) -> &'static str {
@@ -653,6 +681,10 @@ mod tests {
                       data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n";
         let (a, b) = events.split_at(20);
         assert_eq!(stream(&[a, b]), Ok(2));
+        // Escaped text (not borrowable) counts; null choices or text do not, and are no error.
+        assert_eq!(stream(&["data: {\"choices\":[{\"text\":\"\\u00e9\\n\"}]}\n\ndata: [DONE]\n\n"]), Ok(1));
+        assert_eq!(stream(&["data: {\"choices\":null}\n\ndata: {\"choices\":[{\"text\":null}]}\n\ndata: [DONE]\n\n"]), Ok(0));
+        assert_eq!(stream(&["data: {\"choices\":[{\"text\":7}]}\n\ndata: [DONE]\n\n"]), Err("bad_stream"));
     }
 
     #[test]
