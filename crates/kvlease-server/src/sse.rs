@@ -17,6 +17,9 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 
+/// Bytes of ready events one HTTP chunk gathers at most.
+const MAX_CHUNK_BYTES: usize = 64 << 10;
+
 type Outs = Pin<Box<dyn futures_util::Stream<Item = (u32, Out)> + Send>>;
 
 struct SseState {
@@ -59,8 +62,9 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
                 // Whatever else is already here goes out in the same chunk: events that are
                 // ready together (one step's tokens of `n` choices, or steps that took no
                 // time) leave in one write, and the client reads them in one go. Nothing waits
-                // for an event that is not here yet.
-                while !st.finished {
+                // for an event that is not here yet, and a chunk stops growing at
+                // `MAX_CHUNK_BYTES`, so a long backlog is still written as it is read.
+                while !st.finished && st.out.iter().map(Bytes::len).sum::<usize>() < MAX_CHUNK_BYTES {
                     match st.outs.next().now_or_never() {
                         Some(next) => st.push(next),
                         None => break,
