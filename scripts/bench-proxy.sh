@@ -42,7 +42,7 @@ else
   echo "== cargo build --release -p kvlease"
   build_kvlease --quiet
   cargo build --release --quiet -p kvlease --example floor
-  FLOOR_BIN=${CARGO_TARGET_DIR:-target}/release/examples/floor
+  FLOOR_BIN=${FLOOR_BIN:-${CARGO_TARGET_DIR:-target}/release/examples/floor}
 fi
 
 # A shared secret, so kv_transfer_params are signed and checked as in a real cluster.
@@ -104,6 +104,7 @@ load "$SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
 load "$PROXY" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
 load "$PROXY_slow" 16 16 2 >/dev/null
 
+KVLEASE_RATIO=0 # part 1's not-streamed ratio, for part 4
 echo "== 1. throughput: $REQUESTS requests, concurrency $CONCURRENCY, max_tokens $MAX_TOKENS, $PROMPT_WORDS-word prompts, zero compute"
 for stream in "" --stream; do
   s0=$(cpu_ticks single)
@@ -143,8 +144,9 @@ else
   LAUNCH_BIN=$FLOOR_BIN launch floor_p engine --kv-bytes "$KV_BYTES"
   LAUNCH_BIN=$FLOOR_BIN launch floor_d engine --kv-bytes "$KV_BYTES"
   FLOOR_SINGLE=$(url_of floor_single "floor engine listening on ")
-  LAUNCH_BIN=$FLOOR_BIN launch floor_proxy proxy --prefill "$(url_of floor_p "floor engine listening on ")" \
-    --decode "$(url_of floor_d "floor engine listening on ")"
+  floor_p=$(url_of floor_p "floor engine listening on ")
+  floor_d=$(url_of floor_d "floor engine listening on ")
+  LAUNCH_BIN=$FLOOR_BIN launch floor_proxy proxy --prefill "$floor_p" --decode "$floor_d"
   FLOOR_PROXY=$(url_of floor_proxy "floor proxy listening on ")
   load "$FLOOR_SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
   load "$FLOOR_PROXY" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null

@@ -4,7 +4,8 @@
 #
 #   build_kvlease               # sets BIN (KVLEASE_BIN=path: that binary, nothing built)
 #   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}
-#                               # (LAUNCH_BIN=path: that program instead of kvlease)
+#                               # (LAUNCH_BIN=path: that program instead of kvlease; it gets
+#                               # `--log-level warn` too)
 #   started_line NAME BANNER    # waits (10 s at most) for the start-up line; prints it, or fails
 #   ON_STOP='echo stopped'      # optional: run after everything was stopped
 

@@ -64,11 +64,14 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
                 // time) leave in one write, and the client reads them in one go. Nothing waits
                 // for an event that is not here yet, and a chunk stops growing at
                 // `MAX_CHUNK_BYTES`, so a long backlog is still written as it is read.
-                while !st.finished && st.out.iter().map(Bytes::len).sum::<usize>() < MAX_CHUNK_BYTES {
+                let mut bytes: usize = st.out.iter().map(Bytes::len).sum();
+                while !st.finished && bytes < MAX_CHUNK_BYTES {
+                    let queued = st.out.len();
                     match st.outs.next().now_or_never() {
                         Some(next) => st.push(next),
                         None => break,
                     }
+                    bytes += st.out.iter().skip(queued).map(Bytes::len).sum::<usize>();
                 }
                 return Some((Ok::<Bytes, Infallible>(st.take_out()), st));
             }

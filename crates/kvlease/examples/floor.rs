@@ -14,9 +14,11 @@
 //!   the request to P with `max_tokens` 1 and `do_remote_decode`, P's `kv_transfer_params`
 //!   into the request to D, D's answer back.
 //!
-//! Each prints `floor … listening on http://ADDR` and serves until killed;
-//! `scripts/bench-floor.sh` starts them and measures them with `kvlease load`.
+//! Each prints `floor … listening on http://ADDR` and serves until killed; part 4 of
+//! `scripts/bench-proxy.sh` starts them and measures them with `kvlease load`. A benchmark for
+//! loopback: a decoder reads from whatever agent address it is given, without a timeout.
 use axum::extract::State;
+use axum::http::StatusCode;
 use axum::routing::post;
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
@@ -37,7 +39,12 @@ async fn main() -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let router = match args.first().map(String::as_str) {
         Some("engine") => {
-            let kv_bytes = flag("--kv-bytes").map_or(Ok(16 << 10), |v| v.parse()).map_err(|e| anyhow::anyhow!("--kv-bytes: {e}"))?;
+            let kv_bytes = match args.iter().position(|a| a == "--kv-bytes") {
+                None => 16 << 10,
+                Some(_) => {
+                    flag("--kv-bytes").and_then(|v| v.parse().ok()).ok_or_else(|| anyhow::anyhow!("--kv-bytes needs a byte count"))?
+                }
+            };
             let agent = TcpListener::bind("127.0.0.1:0").await?;
             let agent_addr = agent.local_addr()?;
             tokio::spawn(serve_agent(agent, kv_bytes));
@@ -73,7 +80,16 @@ struct Engine {
 /// The agent: for each `READ`, `kv_bytes` bytes back; a `DONE` is read and nothing answered.
 async fn serve_agent(listener: TcpListener, kv_bytes: usize) {
     let kv = Arc::new(vec![7u8; kv_bytes]);
-    while let Ok((mut stream, _)) = listener.accept().await {
+    loop {
+        let mut stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // E.g. out of file descriptors: keep serving the connections there are.
+                eprintln!("floor agent: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         let kv = kv.clone();
         tokio::spawn(async move {
@@ -87,14 +103,17 @@ async fn serve_agent(listener: TcpListener, kv_bytes: usize) {
     }
 }
 
-async fn engine_answer(State(e): State<Arc<Engine>>, Json(req): Json<Value>) -> Result<Json<Value>, String> {
+/// A failed request: its status and why.
+type Failed = (StatusCode, String);
+
+async fn engine_answer(State(e): State<Arc<Engine>>, Json(req): Json<Value>) -> Result<Json<Value>, Failed> {
     let params = req.get("kv_transfer_params");
     let mut kv_transfer_params = Value::Null;
     if params.and_then(|p| p.get("do_remote_decode")).and_then(Value::as_bool) == Some(true) {
         kv_transfer_params = json!({"do_remote_prefill": true, "remote_agent": e.agent.to_string()});
     } else if let Some(agent) = params.and_then(|p| p.get("remote_agent")).and_then(Value::as_str) {
-        let agent: SocketAddr = agent.parse().map_err(|_| "bad remote_agent".to_string())?;
-        e.pull(agent).await.map_err(|err| format!("pull: {err}"))?;
+        let agent: SocketAddr = agent.parse().map_err(|_| (StatusCode::BAD_REQUEST, format!("bad remote_agent {agent:?}")))?;
+        e.pull(agent).await.map_err(|err| (StatusCode::BAD_GATEWAY, format!("pull from {agent}: {err}")))?;
     }
     Ok(Json(json!({
         "id": "cmpl-floor", "object": "text_completion", "created": 0, "model": "floor",
@@ -134,18 +153,23 @@ struct Proxy {
     decode: String,
 }
 
-async fn proxy_answer(State(p): State<Arc<Proxy>>, Json(req): Json<Value>) -> Result<Json<Value>, String> {
+async fn proxy_answer(State(p): State<Arc<Proxy>>, Json(req): Json<serde_json::Map<String, Value>>) -> Result<Json<Value>, Failed> {
     let mut to_p = req.clone();
-    to_p["max_tokens"] = json!(1);
-    to_p["stream"] = json!(false);
-    to_p["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
-    let from_p: Value = post_json(&p.client, &p.prefill, &to_p).await?;
+    to_p.insert("max_tokens".into(), json!(1));
+    to_p.insert("stream".into(), json!(false));
+    to_p.insert("kv_transfer_params".into(), json!({"do_remote_decode": true, "do_remote_prefill": false}));
+    let from_p = post_json(&p.client, &p.prefill, &to_p).await?;
     let mut to_d = req;
-    to_d["kv_transfer_params"] = from_p.get("kv_transfer_params").cloned().unwrap_or(Value::Null);
+    to_d.insert("kv_transfer_params".into(), from_p.get("kv_transfer_params").cloned().unwrap_or(Value::Null));
     Ok(Json(post_json(&p.client, &p.decode, &to_d).await?))
 }
 
-async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Value, String> {
-    let resp = client.post(url).json(body).send().await.map_err(|e| e.to_string())?;
-    resp.json().await.map_err(|e| e.to_string())
+/// One leg: the upstream's JSON answer, or a 502 saying why there is none.
+async fn post_json(client: &reqwest::Client, url: &str, body: &serde_json::Map<String, Value>) -> Result<Value, Failed> {
+    let bad_gateway = |e: reqwest::Error| (StatusCode::BAD_GATEWAY, format!("{url}: {e}"));
+    let resp = client.post(url).json(body).send().await.map_err(bad_gateway)?;
+    if !resp.status().is_success() {
+        return Err((StatusCode::BAD_GATEWAY, format!("{url}: {}", resp.status())));
+    }
+    resp.json().await.map_err(bad_gateway)
 }

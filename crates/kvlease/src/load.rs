@@ -681,9 +681,11 @@ mod tests {
                       data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n";
         let (a, b) = events.split_at(20);
         assert_eq!(stream(&[a, b]), Ok(2));
-        // Escaped text (not borrowable) counts; null choices or text do not, and are no error.
+        // Escaped text (not borrowable) counts; null choices, text or error do not, and are no
+        // error; a field of the wrong type makes the stream malformed.
         assert_eq!(stream(&["data: {\"choices\":[{\"text\":\"\\u00e9\\n\"}]}\n\ndata: [DONE]\n\n"]), Ok(1));
         assert_eq!(stream(&["data: {\"choices\":null}\n\ndata: {\"choices\":[{\"text\":null}]}\n\ndata: [DONE]\n\n"]), Ok(0));
+        assert_eq!(stream(&["data: {\"error\":null,\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n"]), Ok(1));
         assert_eq!(stream(&["data: {\"choices\":[{\"text\":7}]}\n\ndata: [DONE]\n\n"]), Err("bad_stream"));
     }
 
