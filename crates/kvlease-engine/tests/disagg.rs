@@ -366,6 +366,9 @@ async fn incarnation_fences_lease_ids_across_a_restart() {
     // D first works with the new incarnation (handshake done, engine ready).
     let (_, c) = run(&new, "a third prompt, read normally", 1, prefill_params()).await.unwrap();
     run(&d, "a third prompt, read normally", 2, c).await.unwrap();
+    // D does not wait for P to take its `ReadDone` (the read was fenced): the read lease ends
+    // when it lands, leaving the new incarnation's unread one.
+    until("the read lease is released", Duration::from_secs(10), || new.metrics().leases_active.load(Relaxed) == 1).await;
     // Then gets the old incarnation's lease, pointed at the new engine.
     let mut forged = new_params.clone();
     forged["remote_incarnation"] = old_params["remote_incarnation"].clone();
