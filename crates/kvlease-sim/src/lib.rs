@@ -112,6 +112,16 @@ impl Scenario {
     pub fn most_requests(&self) -> f64 {
         self.rate * self.surge_factor * self.arrivals_until().as_secs_f64()
     }
+
+    /// Blocks of each P's pool: room for every request the run may bring, and one more; `None`
+    /// when that is more than a pool counts (a u32).
+    pub fn p_blocks(&self) -> Option<u32> {
+        let most = self.most_requests();
+        if !(most.is_finite() && most < f64::from(u32::MAX)) {
+            return None;
+        }
+        (most as u32).checked_add(1)?.checked_mul(self.blocks).map(|b| b.max(self.blocks))
+    }
 }
 
 impl Default for Scenario {
@@ -265,8 +275,10 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     // Each P has room for every request of the run; each D for its slots.
     let stop_arrivals = sc.arrivals_until();
     // (The pool and the arena take memory only for blocks used.)
-    let arrivals_bound = sc.most_requests() as u32;
-    let p_blocks = arrivals_bound.saturating_add(1).saturating_mul(sc.blocks);
+    let Some(p_blocks) = sc.p_blocks() else {
+        let why = format!("P's pool cannot hold the {:.0} requests this traffic may bring", sc.most_requests());
+        return Report { failed: Some(why), ..report };
+    };
     let d_blocks = (sc.d_slots as u32 + 1) * (sc.blocks + GENERATED.div_ceil(BLOCK_SIZE) + 1);
     // The local reference: same model, no compute time (answers do not depend on it).
     let mut local_cfg = engine_config(&sc, Policy::Lease(30.0), &MemNetwork::new(), "local", 0, 64 * (sc.blocks + 4), 64);
@@ -279,7 +291,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
     let mut ps = Vec::new();
     for i in 0..n_p {
         let (name, port) = if i == 0 { ("p".to_string(), 5000) } else { (format!("p{i}"), 5100 + i as u16) };
-        match EngineHandle::start(engine_config(&sc, policy, &net, &name, port, p_blocks.max(sc.blocks), 64)).await {
+        match EngineHandle::start(engine_config(&sc, policy, &net, &name, port, p_blocks, 64)).await {
             Ok(p) => ps.push(p),
             Err(e) => return Report { failed: Some(format!("{name} did not start: {e}")), ..report },
         }

@@ -82,3 +82,19 @@ fn vllm_head_only_sweep_frees_a_crashed_decoders_blocks_late_behind_a_renewed_he
     assert!(vllm.dead_block_seconds > 1.5 * lease.dead_block_seconds, "{vllm:?} vs {lease:?}");
     assert_eq!(lease.garbage, 0, "{lease:?}");
 }
+
+/// Bad input gets a clear error and loses nothing: traffic whose every request P's pool (a u32
+/// count of blocks, sized for all of them) cannot hold is a failed run saying why, not a pool
+/// silently too small (a saturated count) or a table of zeros.
+#[test]
+fn traffic_p_cannot_hold_is_a_failed_run_saying_why() {
+    let sc = Scenario { rate: 1e6, duration: Duration::from_secs(86_400), ..Scenario::default() };
+    assert_eq!(sc.p_blocks(), None);
+    let r = simulate(&sc, Policy::Lease(30.0));
+    assert!(r.failed.as_deref().is_some_and(|w| w.contains("cannot hold")), "{:?}", r.failed);
+    assert_eq!(r.arrived, 0);
+    // Just under the bound at 64 blocks a request, and the same traffic with bigger requests.
+    let fits = Scenario { rate: 100.0, duration: Duration::from_secs(600), ..Scenario::default() };
+    assert!(fits.p_blocks().is_some_and(|b| b as f64 >= fits.most_requests() * f64::from(fits.blocks)));
+    assert_eq!(Scenario { blocks: u32::MAX / 2, ..fits }.p_blocks(), None, "a saturated count is refused");
+}
