@@ -35,6 +35,18 @@ const DONE: u8 = b'D';
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    // Flags and their values after the role; `--log-level` (which `launch` adds) is accepted
+    // and has no effect: these servers log nothing but errors.
+    let known: &[&str] = match args.first().map(String::as_str) {
+        Some("engine") => &["--kv-bytes", "--log-level"],
+        Some("proxy") => &["--prefill", "--decode", "--log-level"],
+        _ => &[],
+    };
+    for pair in args.get(1..).unwrap_or_default().chunks(2) {
+        if !known.contains(&pair[0].as_str()) || pair.len() < 2 {
+            anyhow::bail!("unknown flag or flag without a value: {}", pair[0]);
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let router = match args.first().map(String::as_str) {
