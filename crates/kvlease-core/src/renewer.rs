@@ -587,6 +587,20 @@ impl Renewer {
         }
     }
 
+    /// SPEC O3, O4: D will not read `lease_id` of `remote` (a refused request, params it decided
+    /// not to use): queue a `Release` to P at once, without tracking anything. A lease a request
+    /// here already renews is that request's and is left alone (callers ask
+    /// [`Renewer::tracks_lease`] first when a replay is possible).
+    pub fn release(&mut self, remote: &Remote, lease_id: LeaseId, now: Nanos) {
+        if self.tracks_lease(&remote.engine_id, lease_id, remote.incarnation) {
+            return;
+        }
+        let e = self.engine_index(remote, now);
+        if let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) {
+            engine.to_release.insert(lease_id, (remote.incarnation, None));
+        }
+    }
+
     /// The background handshake with `engine_id` finished: what it found, or failed. Leases
     /// granted by another incarnation of that engine are lost (SPEC §3), and the peer registry
     /// learns the engine's incarnation and agents.

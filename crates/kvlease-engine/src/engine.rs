@@ -48,11 +48,6 @@ impl EngineHandle {
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
-
-    /// A request number of this engine, never repeated.
-    pub(crate) fn next_id(&self) -> u64 {
-        self.owner.next_seq.fetch_add(1, Ordering::Relaxed)
-    }
 }
 
 impl EngineHandle {
@@ -300,10 +295,7 @@ impl EngineHandle {
                     // The router hands a turn's params out once: a turn not worth a read, or
                     // not of this prompt, nobody will read. Free the decoder's blocks now, not
                     // at its TTL (an expiring one goes by itself).
-                    let mut renewer = lock(&inner.renewer);
-                    renewer.track(internal, &remote, rk.lease_id, now);
-                    renewer.untrack(internal, Untrack::Abandoned);
-                    drop(renewer);
+                    lock(&inner.renewer).release(&remote, rk.lease_id, now);
                     inner.renewer_wake.notify_one();
                 }
                 Ok(None)

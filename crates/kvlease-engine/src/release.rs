@@ -15,7 +15,7 @@ use crate::kv_params::KvRole;
 use crate::lease_holder::settle;
 use crate::state::lock;
 use crate::RequestError;
-use kvlease_core::renewer::{Remote, Untrack};
+use kvlease_core::renewer::Remote;
 use serde_json::Value;
 
 impl EngineHandle {
@@ -63,8 +63,6 @@ impl EngineHandle {
         if rk.engine_id == inner.cfg.engine_id {
             return false;
         }
-        let id = self.next_id();
-        let internal = format!("{}#refused{id}", rk.request_id);
         let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
         {
             let mut r = lock(&inner.renewer);
@@ -73,8 +71,7 @@ impl EngineHandle {
             if r.tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
                 return false;
             }
-            r.track(&internal, &remote, rk.lease_id, inner.now());
-            r.untrack(&internal, Untrack::Abandoned);
+            r.release(&remote, rk.lease_id, inner.now());
         }
         inner.renewer_wake.notify_one();
         true
