@@ -626,6 +626,13 @@ impl<T> LeaseTable<T> {
         self.pages[s >> PAGE_BITS].payload[s & (PAGE - 1)].as_ref()
     }
 
+    /// The payload of a live lease, to change (P fills in what it learns at the grant: the
+    /// lease id its params digest binds, S4).
+    pub fn get_mut(&mut self, id: LeaseId) -> Option<&mut T> {
+        let s = self.find(id)?;
+        self.pages[s >> PAGE_BITS].payload[s & (PAGE - 1)].as_mut()
+    }
+
     /// The current deadline of a live lease (it may already be past, awaiting the reaper),
     /// rounded up to the millisecond.
     pub fn deadline(&self, id: LeaseId) -> Option<Nanos> {

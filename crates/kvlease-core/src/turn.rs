@@ -2,9 +2,10 @@
 //! reads the conversation's KV back from the decoder that holds it, and how much of it.
 //!
 //! D keeps a finished turn's blocks under a cached-turn lease (B1) and hands P, through the
-//! router, params naming them: how many tokens they cover, the digest of those tokens, and when
-//! they expire (on D's clock, and as a clock-free time-to-live). P reads them only when they
-//! cover a prefix of its own prompt (the digest of its first `n` tokens is theirs), the prefix is
+//! router, params naming them: how many tokens they cover, the digest of those tokens bound to
+//! the params' fields (S4), and when they expire (on D's clock, and as a clock-free
+//! time-to-live). P reads them only when they cover a prefix of its own prompt (the digest of its
+//! first `n` tokens with the fields it received is theirs), the prefix is
 //! long enough to be worth a read (`kv_recompute_threshold`), and they will still be there when
 //! the read ends — judged with the clock offset to D when there is a sample, else with the
 //! time-to-live counted from when P received the request (B2). Anything else is recomputed,
@@ -12,18 +13,20 @@
 //! apply as to any other read.
 
 use crate::clock::ClockOffset;
-use crate::digest::PromptDigest;
+use crate::digest::{Bound, PromptDigest};
 use crate::Nanos;
 use std::fmt;
 use std::time::Duration;
 
 /// What D's params say of its cached turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CachedTurn {
+pub struct CachedTurn<'a> {
     /// Tokens whose KV the blocks hold (the conversation up to D's last generated token).
     pub num_tokens: u32,
-    /// Digest of those tokens (SPEC S4).
+    /// Digest of those tokens bound to `fields` (SPEC S4).
     pub digest: PromptDigest,
+    /// The fields the params name the blocks by (S4: bound by the digest).
+    pub fields: Bound<'a>,
     /// `remote_blocks_expiry_time`, in nanoseconds of D's monotonic clock.
     pub expiry_ns: Option<u64>,
     /// `remote_blocks_ttl_remaining`: how long the blocks had left when D answered.
@@ -33,7 +36,8 @@ pub struct CachedTurn {
 /// Why a cached turn is not read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NoReuse {
-    /// The prompt does not start with the cached tokens (another conversation, an edited one).
+    /// The prompt does not start with the cached tokens (another conversation, an edited one),
+    /// or the params' fields are not the ones D sent (S4: a router mangled them).
     NotAPrefix,
     /// The shared prefix is shorter than `kv_recompute_threshold`.
     BelowThreshold { tokens: u32, threshold: u32 },
@@ -44,7 +48,7 @@ pub enum NoReuse {
 impl fmt::Display for NoReuse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            NoReuse::NotAPrefix => write!(f, "the prompt does not extend the cached turn"),
+            NoReuse::NotAPrefix => write!(f, "the prompt does not extend the cached turn, or its params were altered"),
             NoReuse::BelowThreshold { tokens, threshold } => {
                 write!(f, "a cached prefix of {tokens} tokens is below kv_recompute_threshold ({threshold})")
             }
@@ -68,7 +72,7 @@ pub enum TurnPlan {
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     prompt: &[u32],
-    turn: &CachedTurn,
+    turn: &CachedTurn<'_>,
     block_size: u32,
     threshold: u32,
     clock: Option<&ClockOffset>,
@@ -77,7 +81,7 @@ pub fn plan(
     margin: Duration,
 ) -> TurnPlan {
     let n = turn.num_tokens as usize;
-    if n == 0 || n > prompt.len() || PromptDigest::of(&prompt[..n]) != turn.digest {
+    if n == 0 || n > prompt.len() || !turn.digest.describes(turn.num_tokens, &prompt[..n], &turn.fields) {
         return TurnPlan::Recompute(NoReuse::NotAPrefix);
     }
     if turn.num_tokens < threshold {
@@ -92,7 +96,7 @@ pub fn plan(
 /// SPEC B2: with a clock sample, the expiry on D's clock, turned into ours with the offset and
 /// its uncertainty; without, the time-to-live counted from when the request arrived. Either way
 /// the read must end `margin` before it; without either, nothing is read.
-fn still_there(turn: &CachedTurn, clock: Option<&ClockOffset>, received: Nanos, now: Nanos, margin: Duration) -> bool {
+fn still_there(turn: &CachedTurn<'_>, clock: Option<&ClockOffset>, received: Nanos, now: Nanos, margin: Duration) -> bool {
     if let (Some(expiry), Some(clock)) = (turn.expiry_ns, clock) {
         if clock.estimate(now).is_some() {
             return clock.usable(expiry, now, margin);
@@ -111,8 +115,16 @@ mod tests {
 
     const S: u64 = 1_000_000_000;
 
-    fn turn(tokens: &[u32], expiry_ns: Option<u64>, ttl: Option<Duration>) -> CachedTurn {
-        CachedTurn { num_tokens: tokens.len() as u32, digest: PromptDigest::of(tokens), expiry_ns, ttl_remaining: ttl }
+    const FIELDS: Bound<'static> = Bound { engine_id: "d0", incarnation: 3, lease_id: 9, block_ids: &[7, 6, 5, 4, 3, 2, 1] };
+
+    fn turn(tokens: &[u32], expiry_ns: Option<u64>, ttl: Option<Duration>) -> CachedTurn<'static> {
+        CachedTurn {
+            num_tokens: tokens.len() as u32,
+            digest: PromptDigest::bound(tokens, &FIELDS),
+            fields: FIELDS,
+            expiry_ns,
+            ttl_remaining: ttl,
+        }
     }
 
     /// SPEC B4: only a prefix of the prompt is read, covering whole and partial blocks; another
@@ -137,6 +149,10 @@ mod tests {
             plan(&prompt, &turn(&longer, None, ttl), 16, 0, None, Nanos(0), Nanos(0), Duration::ZERO),
             TurnPlan::Recompute(NoReuse::NotAPrefix)
         );
+        // SPEC S4: the right conversation with its block list reordered by a router is not read.
+        let mut mangled = turn(&prompt[..70], None, ttl);
+        mangled.fields.block_ids = &[1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(plan(&prompt, &mangled, 16, 0, None, Nanos(0), Nanos(0), Duration::ZERO), TurnPlan::Recompute(NoReuse::NotAPrefix));
     }
 
     /// SPEC B2: with a clock sample, the expiry on D's clock decides, whatever the skew; without

@@ -158,18 +158,16 @@ impl EngineHandle {
             if let Some(secret) = &inner.cfg.secret {
                 rk.verify(secret).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
             }
-            // SPEC S4: genuine params of another prompt (a router that mixed requests up) are
-            // never read.
+            // SPEC S4: genuine params of another prompt (a router that mixed requests up), or
+            // with their fields mangled (a block list sorted, truncated, repeated), are never
+            // read; and (O4) the lease they name is released at once, not left to expire.
             if !rk.describes(&prompt) {
+                let why = "kv_transfer_params belong to another prompt or were altered on the way (kvlease_prompt_digest does not match this prompt with the blocks, lease and engine they name)";
+                self.forgo(rk);
                 if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::not_its_params(
-                        "kv_transfer_params belong to another prompt (kvlease_prompt_digest does not match this prompt); not reading them (kv_load_failure_policy=fail)",
-                    ));
+                    return Err(RequestError::not_its_params(format!("{why}; not reading them (kv_load_failure_policy=fail)")));
                 }
-                tracing::warn!(
-                    request = %req.request_id,
-                    "kv_transfer_params belong to another prompt (kvlease_prompt_digest does not match); computing this prompt locally"
-                );
+                tracing::warn!(request = %req.request_id, "{why}; computing this prompt locally");
                 inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
                 role = KvRole::Local;
             }
@@ -179,7 +177,7 @@ impl EngineHandle {
             // must not take the lease over from the first (which would then recompute), so it
             // computes the prompt itself. (Two replays racing here are still safe: the later
             // takes the lease over and the earlier recomputes.)
-            if lock(&inner.renewer).tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
+            if rk.engine_id != inner.cfg.engine_id && lock(&inner.renewer).tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
                 if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
                     return Err(RequestError::not_its_params(
                         "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
@@ -188,6 +186,26 @@ impl EngineHandle {
                 tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
                 inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
                 role = KvRole::Local;
+            }
+        }
+        // SPEC O4: an engine handed its own params (a kv_both engine a router paired with
+        // itself) takes the prompt's KV from its own lease: no transfer, no recompute.
+        let mut own_kv = None;
+        if let KvRole::DecodeRemote(rk) = &role {
+            if rk.engine_id == inner.cfg.engine_id {
+                match lease_holder::take_own(inner, rk) {
+                    Some(blocks) => own_kv = Some(blocks),
+                    None if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail => {
+                        return Err(RequestError::not_its_params(
+                            "kv_transfer_params name a lease of this engine that has ended (or a previous run of it); not reading them (kv_load_failure_policy=fail)",
+                        ));
+                    }
+                    None => {
+                        tracing::warn!(request = %req.request_id, "kv_transfer_params name a lease of this engine that has ended; computing this prompt locally");
+                        inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                        role = KvRole::Local;
+                    }
+                }
             }
         }
         let blocks_needed = scheduler::blocks_needed(&role, prompt.len(), req.max_tokens, m.block_size);
@@ -220,10 +238,12 @@ impl EngineHandle {
                     format!("tp_size {} does not divide {} KV heads", rk.tp_size, m.num_kv_heads),
                 ));
             }
-            let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
-            lock(&inner.renewer).track(&internal, &remote, rk.lease_id, inner.now());
-            inner.renewer_wake.notify_one();
-            tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
+            if own_kv.is_none() {
+                let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+                lock(&inner.renewer).track(&internal, &remote, rk.lease_id, inner.now());
+                inner.renewer_wake.notify_one();
+                tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
+            }
         }
         // Multi-turn (SPEC B2, B3, B4): the decoder's cached turn, read if it covers a prefix of
         // this prompt and will outlive the read; renewed from now until the read completes.
@@ -235,6 +255,9 @@ impl EngineHandle {
         let mut seq = Seq::new(id, internal.clone(), req.request_id, prompt, req.max_tokens, req.ignore_eos, req.sampling, role, tx);
         if let Some((rk, tokens)) = read_turn {
             seq = seq.read_turn(rk, tokens);
+        }
+        if let Some(blocks) = own_kv {
+            seq = seq.own_kv(blocks);
         }
         if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
@@ -266,6 +289,7 @@ impl EngineHandle {
         let cached = CachedTurn {
             num_tokens: rk.num_tokens,
             digest: rk.prompt_digest,
+            fields: rk.bound(),
             expiry_ns: turn.expiry_time.map(|s| (s * 1e9) as u64),
             ttl_remaining: turn.ttl_remaining.map(Duration::from_secs_f64),
         };
@@ -301,6 +325,23 @@ impl EngineHandle {
                 Ok(None)
             }
         }
+    }
+
+    /// SPEC O4: this engine will not read the lease `rk` names (its params do not describe the
+    /// request, S4): release it at once rather than leave it pinned on P until it expires. Our
+    /// own params, and a lease another request here renews (a replay), are left alone.
+    fn forgo(&self, rk: &RemoteKv) {
+        let inner = &self.inner;
+        if rk.engine_id == inner.cfg.engine_id {
+            if rk.incarnation == inner.incarnation {
+                lease_holder::release_own(inner, rk.lease_id);
+            }
+            return;
+        }
+        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+        lock(&inner.renewer).release(&remote, rk.lease_id, inner.now());
+        inner.renewer_wake.notify_one();
+        tracing::info!(engine = %rk.engine_id, lease_id = rk.lease_id, "released the prefill engine's lease: its params are not read here (O4)");
     }
 
     /// The model's context length (`--max-model-len`): prompt plus generated tokens.

@@ -4,13 +4,15 @@
 //! P signs the fields D acts on — among them the digest of the prompt they belong to — with
 //! HMAC-SHA256 under the cluster's secret, so a client cannot make D read another request's KV
 //! cache by crafting params (SPEC S1: a 400). With or without a secret, the params carry the
-//! digest of the prompt P prefilled (`kvlease_prompt_digest`, SPEC S4), which D compares with its
-//! own prompt before reading: genuine params handed to the wrong prompt are a mix-up, not a
-//! forgery, and D computes that prompt itself. Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
+//! digest of the prompt P prefilled bound to the fields D reads by — engine, incarnation, lease
+//! id, number of tokens, the ordered block list (`kvlease_prompt_digest`, SPEC S4) — which D
+//! computes again from its own prompt and the fields it received before reading: genuine params
+//! handed to the wrong prompt, or mangled by a router, are a mix-up, not a forgery, and D
+//! computes that prompt itself (and releases the lease at once, O4). Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
 //! adds fields of its own).
 
 use hmac::{Hmac, Mac};
-use kvlease_core::digest::PromptDigest;
+use kvlease_core::digest::{Bound, PromptDigest};
 use serde_json::{json, Map, Value};
 use sha2::Sha256;
 use thiserror::Error;
@@ -40,7 +42,7 @@ pub struct RemoteKv {
     pub num_tokens: u32,
     pub lease_id: u64,
     pub incarnation: u64,
-    /// SPEC S4: the digest of the token ids P prefilled.
+    /// SPEC S4: the digest of the token ids P prefilled, bound to the fields of [`RemoteKv::bound`].
     pub prompt_digest: PromptDigest,
     pub signature: Option<String>,
 }
@@ -196,10 +198,16 @@ impl RemoteKv {
         v
     }
 
-    /// SPEC S4: whether these params describe `prompt`: it is the prompt P prefilled, the same
-    /// length and the same digest.
+    /// SPEC S4: whether these params describe `prompt`: it is the prompt P prefilled (the same
+    /// length and tokens), with the fields P granted its lease under (the same engine,
+    /// incarnation, lease id and blocks in the same order).
     pub fn describes(&self, prompt: &[u32]) -> bool {
-        self.prompt_digest.describes(self.num_tokens, prompt)
+        self.prompt_digest.describes(self.num_tokens, prompt, &self.bound())
+    }
+
+    /// SPEC S4: the fields the digest binds.
+    pub fn bound(&self) -> Bound<'_> {
+        Bound { engine_id: &self.engine_id, incarnation: self.incarnation, lease_id: self.lease_id, block_ids: &self.block_ids }
     }
 
     /// SPEC S1: D checks P's signature over the fields it acts on, the prompt digest among them.
@@ -344,12 +352,19 @@ mod tests {
     fn s4_params_describe_only_their_prompt() {
         let mut r = remote();
         r.num_tokens = 3;
+        r.prompt_digest = PromptDigest::bound(&[1, 2, 3], &r.bound());
         assert!(r.describes(&[1, 2, 3]));
         assert!(!r.describes(&[1, 2, 4]), "same length, another prompt");
         assert!(!r.describes(&[1, 2]), "shorter");
         assert!(!r.describes(&[1, 2, 3, 4]), "longer, starting with it");
         r.num_tokens = 2;
         assert!(!r.describes(&[1, 2, 3]), "a prefix of another length");
+        r.num_tokens = 3;
+        for blocks in [vec![4, 3], vec![3, 3], vec![3], vec![3, 4, 5]] {
+            let mangled = RemoteKv { block_ids: blocks.clone(), ..r.clone() };
+            assert!(!mangled.describes(&[1, 2, 3]), "blocks {blocks:?}");
+        }
+        assert!(!RemoteKv { lease_id: 10, ..r.clone() }.describes(&[1, 2, 3]), "another lease");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::state::{lock, Inner, Lease};
 use crate::{FinishReason, GenerateEvent};
-use kvlease_core::digest::PromptDigest;
+use kvlease_core::digest::{reads_lease_blocks, Bound, PromptDigest};
 use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released, REAP_BUDGET};
 use kvlease_core::peers::agent_holder;
 use kvlease_core::pull::PlantedBug;
@@ -35,8 +35,7 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
         return;
     }
     let block_ids = blocks.ids().to_vec();
-    let prompt_digest = PromptDigest::of(&done.prompt);
-    let lease_id = grant(inner, &done.client_id, blocks, block_ids.len(), prompt_digest, None);
+    let (lease_id, prompt_digest) = grant(inner, &done.client_id, blocks, block_ids.len(), &done.prompt, None);
     let remote = remote_kv(inner, &done.client_id, block_ids, done.prompt.len() as u32, lease_id, prompt_digest);
     let mut params = remote.to_json(inner.cfg.secret.as_deref());
     // SPEC §10: vLLM's `remote_blocks_expiry_time`, when the lease would lapse without a
@@ -69,9 +68,8 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
     let bs = inner.cfg.model.block_size as usize;
     let used = tokens.len().div_ceil(bs).min(blocks.ids().len());
     let block_ids = blocks.ids()[..used].to_vec();
-    let digest = PromptDigest::of(tokens);
     let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
-    let lease_id = grant(inner, client_id, blocks, used, digest, Some(ttl));
+    let (lease_id, digest) = grant(inner, client_id, blocks, used, tokens, Some(ttl));
     inner.metrics.turns_kept.fetch_add(1, Relaxed);
     let mut kept = lock(&inner.kept_turns);
     kept.push_back(lease_id);
@@ -112,27 +110,43 @@ pub(crate) fn evict_turns(inner: &Inner, need: usize) -> usize {
     evicted
 }
 
-/// Grants a lease on `blocks` (`n` of them named in the params) for `lifetime` (L when `None`).
-fn grant(inner: &Inner, request: &str, blocks: Blocks, n: usize, digest: PromptDigest, lifetime: Option<std::time::Duration>) -> u64 {
-    let mut sorted = blocks.ids().to_vec();
-    sorted.sort_unstable();
-    let lease_id = {
+/// Grants a lease on `blocks` (the first `n` of them named in the params) for `lifetime` (L
+/// when `None`; a cached turn's TTL otherwise, B1), over the KV of `tokens`. Returns the lease id
+/// and the params digest (S4) that binds `tokens` to this engine, incarnation, lease and blocks.
+fn grant(
+    inner: &Inner,
+    request: &str,
+    blocks: Blocks,
+    n: usize,
+    tokens: &[u32],
+    lifetime: Option<std::time::Duration>,
+) -> (u64, PromptDigest) {
+    let named = blocks.ids()[..n].to_vec();
+    let (lease_id, digest) = {
         let mut table = lock(&inner.leases);
-        let lease = Lease { blocks, sorted, request: request.to_owned(), prompt_digest: digest };
+        let lease =
+            Lease { blocks, named, prefix_reads: lifetime.is_some(), request: request.to_owned(), prompt_digest: PromptDigest::default() };
         let id = match lifetime {
             Some(t) => table.grant_for(inner.now(), t, n as u32, lease),
             None => table.grant(inner.now(), n as u32, lease),
         };
+        // The digest binds the lease id, which the table has only now given out.
+        let mut digest = PromptDigest::default();
+        if let Some(lease) = table.get_mut(id) {
+            let fields = Bound { engine_id: &inner.cfg.engine_id, incarnation: inner.incarnation, lease_id: id, block_ids: &lease.named };
+            digest = PromptDigest::bound(tokens, &fields);
+            lease.prompt_digest = digest;
+        }
         inner.metrics.leases_active.store(table.live() as i64, Relaxed);
         inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
-        id
+        (id, digest)
     };
     // The new deadline may come before whatever the reaper sleeps until.
     inner.reaper_wake.notify_one();
     inner.metrics.leases_granted.fetch_add(1, Relaxed);
     let lifetime_s = lifetime.unwrap_or(inner.cfg.transfer.lease.lease_duration).as_secs_f64();
     tracing::debug!(request = %request, lease_id, blocks = n, lifetime_s, "lease granted");
-    lease_id
+    (lease_id, digest)
 }
 
 /// Where the blocks of a lease of ours are, as params say it.
@@ -162,6 +176,35 @@ fn remote_kv(
         prompt_digest,
         signature: None,
     }
+}
+
+/// SPEC O4: this engine was handed its own params (a `kv_both` engine a router paired with
+/// itself): the lease's blocks are here, so the request takes them instead of reading them over a
+/// transfer agent — a read of our own lease, checked like any other (live, the digest it was
+/// granted with, its blocks in order: S4, S5) and ended at once as `transferred`. Returns the
+/// blocks, which the request copies its prompt's KV from; `None` when the lease is not ours to
+/// take (another run of this engine granted it, it ended, another holder owns it, or the params
+/// do not match it): the request then computes the prompt itself.
+pub(crate) fn take_own(inner: &Inner, rk: &RemoteKv) -> Option<Blocks> {
+    if rk.incarnation != inner.incarnation {
+        return None;
+    }
+    let mut released = Vec::new();
+    let lease = {
+        let mut table = lock(&inner.leases);
+        if !table.get(rk.lease_id).is_some_and(|l| reads_lease_blocks(&l.named, &rk.block_ids, false)) {
+            return None;
+        }
+        let us = table.holder(&inner.holder_name());
+        let now = inner.now();
+        let ticket = table.begin_read(us, rk.lease_id, Some(rk.prompt_digest), now, &mut released)?;
+        table.complete(us, rk.lease_id, 0, 1, rk.prompt_digest, now, &mut released);
+        // The read "ends" now: the lease's payload comes back to us, not to the pool.
+        table.end_read(ticket)
+    };
+    settle(inner, released);
+    tracing::debug!(lease_id = rk.lease_id, "own params: the prompt's KV is taken from this engine's own lease");
+    lease.map(|l| l.blocks)
 }
 
 /// Releases a lease of ours that nobody will read (its client left).
@@ -286,8 +329,9 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
     }
 }
 
-/// SPEC P5, S2: a read is served only for a live lease, only of that lease's blocks, and the
-/// blocks stay out of the pool until the read has been copied out.
+/// SPEC P5, S2, S4: a read is served only for a live lease, only of that lease's blocks in the
+/// order its params name them, only for the params digest it was granted with, and the blocks
+/// stay out of the pool until the read has been copied out.
 pub(crate) struct Gate {
     pub inner: Weak<Inner>,
 }
@@ -310,7 +354,8 @@ impl ReadGate for Gate {
         let mut released = Vec::new();
         let ticket = {
             let mut table = lock(&inner.leases);
-            let owned = table.get(lease_id).is_some_and(|l| blocks.iter().all(|b| l.sorted.binary_search(b).is_ok()));
+            // SPEC S4: exactly the lease's blocks, in the order its params name them.
+            let owned = table.get(lease_id).is_some_and(|l| reads_lease_blocks(&l.named, blocks, l.prefix_reads));
             if owned {
                 let holder = table.holder(agent_holder(peer));
                 table.begin_read(holder, lease_id, digest, inner.now(), &mut released)
@@ -364,4 +409,64 @@ pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) 
 /// Live leases per holder (for the simulator's reclaim check and diagnostics).
 pub(crate) fn live_leases(inner: &Inner) -> usize {
     lock(&inner.leases).live()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_params::KvRole;
+    use crate::{EngineConfig, EngineHandle, GenerateRequest, Prompt};
+    use serde_json::json;
+
+    /// P's params for a 64-token prompt (four blocks of 16): a prefill for a remote decoder.
+    async fn prefilled(p: &EngineHandle) -> RemoteKv {
+        let prompt: Vec<u32> = (1..=64).collect();
+        let req = GenerateRequest {
+            request_id: "r".into(),
+            prompt: Prompt::Tokens(prompt),
+            max_tokens: 1,
+            ignore_eos: true,
+            kv_transfer_params: Some(json!({"do_remote_decode": true})),
+            sampling: Default::default(),
+        };
+        let mut stream = p.submit(req).unwrap();
+        loop {
+            match stream.next().await {
+                Some(GenerateEvent::Done { kv_transfer_params: Some(params), .. }) => match KvRole::parse(Some(&params)) {
+                    Ok(KvRole::DecodeRemote(rk)) => return rk,
+                    other => panic!("{other:?}"),
+                },
+                Some(GenerateEvent::Failed(e)) => panic!("{e:?}"),
+                None => panic!("no answer"),
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// SPEC S4, P5 (P's gate, the check over the fenced tcp agent): a read is served only for
+    /// exactly the lease's blocks in the order its params name them and for the digest the lease
+    /// was granted with. A read naming the blocks sorted, reversed, repeated or truncated, or
+    /// showing a bare prompt digest, is refused before a byte is served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn s4_the_gate_serves_only_the_leases_blocks_in_order() {
+        let p = EngineHandle::start(EngineConfig { num_gpu_blocks: 64, ..EngineConfig::default() }).await.unwrap();
+        let rk = prefilled(&p).await;
+        assert_eq!(rk.block_ids.len(), 4);
+        let gate = Gate { inner: Arc::downgrade(p.inner()) };
+        let tag = rk.prompt_digest.0;
+        let peer = "d/1/0";
+        let mut sorted = rk.block_ids.clone();
+        sorted.sort_unstable();
+        assert_ne!(sorted, rk.block_ids, "P hands blocks out in an order a router could change");
+        let reversed: Vec<u32> = rk.block_ids.iter().rev().copied().collect();
+        let b0 = rk.block_ids[0];
+        for bad in [sorted, reversed, vec![b0; 4], rk.block_ids[..3].to_vec(), rk.block_ids[1..].to_vec()] {
+            assert!(gate.begin_read(peer, rk.lease_id, &bad, &tag).is_none(), "{bad:?}");
+        }
+        let bare = PromptDigest::of(&(1..=64).collect::<Vec<u32>>()).0;
+        assert!(gate.begin_read(peer, rk.lease_id, &rk.block_ids, &bare).is_none(), "a digest without the lease's fields");
+        assert_eq!(p.metrics().reads_refused.load(Relaxed), 6);
+        let permit = gate.begin_read(peer, rk.lease_id, &rk.block_ids, &tag);
+        assert!(permit.is_some(), "the lease's own blocks, in order, for its digest");
+    }
 }

@@ -3,6 +3,7 @@
 //! whether P's incarnation still matches, whether the bytes may be used — is the core's.
 
 use crate::kv_params::RemoteKv;
+use crate::pool::Blocks;
 use crate::state::{lock, AckKey, Inner};
 use kvlease_core::pull::{AfterReads, Pull, Step, Verdict};
 use kvlease_core::wire::Message;
@@ -11,8 +12,13 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 
 /// Pulls the prompt's KV of `rk` into `local` blocks, every D rank from every P rank whose heads
-/// overlap its own; returns what the request does next.
-pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, local: &[u32]) -> Verdict {
+/// overlap its own; returns what the request does next. `own`: the blocks of this engine's own
+/// lease the params named (SPEC O4), copied rank by rank instead of read.
+pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, local: &[u32], own: Option<Blocks>) -> Verdict {
+    if let Some(own) = own {
+        copy_own(inner, &own, local);
+        return Verdict::Use;
+    }
     let cfg = &inner.cfg.transfer.lease;
     let fenced = crate::agents::reads_are_fenced(inner.ranks());
     let mut pull = Pull::new(cfg, &rk.engine_id, rk.incarnation, fenced, inner.now());
@@ -113,6 +119,21 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         }
     }
     pull.on_deadline()
+}
+
+/// SPEC O4: the prompt's KV from this engine's own blocks `own` (taken from its lease) into the
+/// request's `local` blocks, whole blocks on every rank.
+fn copy_own(inner: &Inner, own: &Blocks, local: &[u32]) {
+    for rank in inner.ranks() {
+        let arena = &rank.arena;
+        let len = arena.block_bytes();
+        for (&src, &dst) in own.ids().iter().zip(local) {
+            // SAFETY: both blocks are in the arena (the pool hands out only its blocks); `own`
+            // holds the source (nobody writes a leased block) and the request owns `dst`;
+            // they are different blocks, both held at once.
+            unsafe { arena.read_in_place(src, 0, len, |from| arena.write_in_place(dst, 0, len, |to| to.copy_from_slice(from))) }
+        }
+    }
 }
 
 /// The `ReadDoneAck`s a pull waits for; whatever is left when the pull ends is unregistered.

@@ -61,6 +61,9 @@ pub(crate) struct Seq {
     /// Multi-turn (P): the decoder's cached turn to read the prompt's first tokens from, with
     /// how many tokens it covers (SPEC B4). Its `block_ids` are the blocks to read.
     read_turn: Option<(RemoteKv, usize)>,
+    /// D handed its own params (SPEC O4): the blocks of this engine's lease that hold the
+    /// prompt's KV, copied into the request's own blocks instead of a read.
+    own_kv: Option<Blocks>,
     /// Prompt tokens whose KV was read back rather than prefilled.
     reused: usize,
     /// The tokens generated so far (a decoder's cached turn keeps their KV, SPEC B1).
@@ -98,6 +101,7 @@ impl Seq {
             generated: 0,
             recompute: false,
             read_turn: None,
+            own_kv: None,
             reused: 0,
             output: Vec::new(),
         }
@@ -106,6 +110,12 @@ impl Seq {
     /// SPEC B4: prefill after reading the first `tokens` tokens' KV from the cached turn `rk`.
     pub fn read_turn(mut self, rk: RemoteKv, tokens: usize) -> Seq {
         self.read_turn = Some((rk, tokens));
+        self
+    }
+
+    /// SPEC O4: the prompt's KV is in `blocks`, taken from this engine's own lease.
+    pub fn own_kv(mut self, blocks: Blocks) -> Seq {
+        self.own_kv = Some(blocks);
         self
     }
 
@@ -242,11 +252,12 @@ fn admit(
         match source {
             Some(rk) if !seq.recompute => {
                 let (inner2, internal, id, tx) = (inner.clone(), seq.internal.clone(), seq.id, tx.clone());
+                let own = seq.own_kv.take();
                 inner.tasks.spawn(async move {
                     let ids = blocks.ids().to_vec();
                     // Whatever happens to the pull, the scheduler hears back: a request is never
                     // left loading forever.
-                    let verdict = std::panic::AssertUnwindSafe(pull(&inner2, &internal, &rk, &ids))
+                    let verdict = std::panic::AssertUnwindSafe(pull(&inner2, &internal, &rk, &ids, own))
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|_| Verdict::Recompute(PullLost::ReadFailed("the pull panicked".into())));

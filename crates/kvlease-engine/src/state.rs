@@ -41,16 +41,22 @@ pub(crate) struct Rank {
     pub agent: Arc<dyn Agent>,
 }
 
-/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, their ids
-/// sorted, to check a read's blocks against quickly, and the prompt's digest (SPEC S4).
+/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, the block ids
+/// its params name, in their order (a read must name exactly those, SPEC S4), and the params
+/// digest (S4).
 #[derive(Debug)]
 pub(crate) struct Lease {
     pub blocks: Blocks,
-    pub sorted: Vec<u32>,
+    /// `remote_block_ids` as the params name them, in order.
+    pub named: Vec<u32>,
+    /// A cached turn (B1): read as far as the next turn's prompt shares it, so an in-order
+    /// prefix of `named` is a read of it too (B4).
+    pub prefix_reads: bool,
     /// The request the lease was granted for, for the log.
     pub request: String,
-    /// SPEC S4: the digest of the prompt the lease's KV belongs to; the lease table confirms a
-    /// completion only for it (it keeps no digest of its own: `LeasePayload`).
+    /// SPEC S4: the digest of the prompt the lease's KV belongs to, bound to the params' fields;
+    /// the lease table confirms a read or completion only for it (it keeps no digest of its
+    /// own: `LeasePayload`).
     pub prompt_digest: PromptDigest,
 }
 

@@ -197,18 +197,25 @@ impl Pool {
     /// The healthy instance with the fewest requests outstanding (ties in turn), not `except`;
     /// when none is healthy, the least busy of all (it may be back: trying beats refusing).
     fn pick(&self, except: Option<&Upstream>) -> Option<Arc<Instance>> {
+        self.pick_avoiding(except, None)
+    }
+
+    /// As [`Pool::pick`], and not `avoid` either while a healthy instance other than it can take
+    /// the leg (the decode leg avoids the engine that prefilled: a `kv_both` engine paired with
+    /// itself serves from its own blocks, SPEC O4, but another decoder spreads the load).
+    fn pick_avoiding(&self, except: Option<&Upstream>, avoid: Option<&Upstream>) -> Option<Arc<Instance>> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let instances = self.instances();
         let n = instances.len();
-        let least = |healthy_only: bool| {
+        let least = |healthy_only: bool, avoid: Option<&Upstream>| {
             (0..n)
                 .map(|k| &instances[(start + k) % n])
-                .filter(|i| Some(&i.up) != except)
+                .filter(|i| Some(&i.up) != except && (avoid.is_none() || Some(&i.up) != avoid))
                 .filter(|i| !healthy_only || i.healthy.load(Ordering::Acquire))
                 .min_by_key(|i| i.outstanding.load(Ordering::Acquire))
                 .cloned()
         };
-        least(true).or_else(|| least(false))
+        least(true, avoid).or_else(|| least(true, None)).or_else(|| least(false, None))
     }
 
     fn any_healthy(&self) -> bool {
@@ -726,7 +733,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     let mut last_err = None;
     let mut turned_away: Option<(Upstream, reqwest::Response)> = None;
     for attempt in 0..2 {
-        let Some(decoder) = p.decode.pick(tried.as_ref()) else { break };
+        let Some(decoder) = p.decode.pick_avoiding(tried.as_ref(), Some(&prefiller)) else { break };
         if attempt > 0 {
             p.retries.fetch_add(1, Ordering::Relaxed);
             tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", decoder.up);
@@ -959,6 +966,26 @@ fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SPEC O4 (self-pairing): the decode leg avoids the engine that prefilled while another
+    /// healthy decoder can take it — over many picks, whatever the load — and falls back to it
+    /// when it is the only healthy one (it then serves from its own blocks); a retry never goes
+    /// back to the decoder that failed.
+    #[test]
+    fn o4_the_decode_leg_avoids_the_prefilling_engine_while_another_can_take_it() {
+        let up = |port| Upstream { host: "127.0.0.1".into(), port };
+        let pool = Pool::new("decode", vec![up(1), up(2)]);
+        // Load on the other decoder does not send the leg back to the prefiller.
+        let _busy: Vec<_> = (0..5).map(|_| Outstanding::new(pool.instances()[1].clone())).collect();
+        for _ in 0..10 {
+            assert_eq!(pool.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(2)));
+        }
+        pool.instances()[1].healthy.store(false, Ordering::Release);
+        assert_eq!(pool.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(1)), "the only healthy one");
+        assert_eq!(pool.pick_avoiding(Some(&up(1)), Some(&up(1))).map(|i| i.up.clone()), Some(up(2)), "not the one that failed");
+        let alone = Pool::new("decode", vec![up(1)]);
+        assert_eq!(alone.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(1)));
+    }
 
     /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk.
     #[test]

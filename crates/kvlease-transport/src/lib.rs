@@ -76,7 +76,8 @@ pub enum AgentEvent {
 
 /// The serving side's say over reads of its memory (SPEC P5, S2).
 pub trait ReadGate: Send + Sync + 'static {
-    /// Peer `peer` asks to read `blocks` under `lease_id`, showing `tag` ([`ReadOp::tag`]).
+    /// Peer `peer` asks to read `blocks` (in the order its segments name them, a block repeated in
+    /// consecutive segments once) under `lease_id`, showing `tag` ([`ReadOp::tag`]).
     /// Return a permit to serve it, or `None` to refuse (the lease is not live, the blocks are
     /// not the lease's, or the tag does not match it). The agent drops the permit when the bytes
     /// have been copied out: until then no block of the lease is reused.

@@ -301,8 +301,9 @@ impl MemAgent {
             other.arena.check(s.remote_block, s.remote_offset, s.len, peer).map_err(TransportError::OutOfRange)?;
             self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
         }
+        // In the order the read names them (SPEC S4: the gate checks it), a block split over
+        // several segments counted once.
         let mut blocks: Vec<u32> = op.segments.iter().map(|s| s.remote_block).collect();
-        blocks.sort_unstable();
         blocks.dedup();
         let permit =
             other.gate.begin_read(&self.name, op.lease_id, &blocks, &op.tag).ok_or(TransportError::Refused { lease_id: op.lease_id })?;

@@ -901,8 +901,9 @@ impl Inner {
             let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
             return;
         }
+        // In the order the read names them (SPEC S4: the gate checks it), a block split over
+        // several segments counted once.
         let mut blocks: Vec<u32> = req.segments.iter().map(|s| s.block).collect();
-        blocks.sort_unstable();
         blocks.dedup();
         match self.gate.begin_read(&conn.peer, req.lease_id, &blocks, &req.tag) {
             None => {

@@ -31,11 +31,12 @@ async fn text(url: &str, body: &Value) -> String {
     text_of(&got, false)
 }
 
-/// SPEC S4, D7 (vLLM #52234): without a cluster secret, a router hands D prompt A with the params
-/// P returned for prompt B (same length). D must not read B's KV: it computes A itself and answers
-/// A's right output; B's lease is untouched and still serves B afterwards.
+/// SPEC S4, O4, D7 (vLLM #52234): without a cluster secret, a router hands D prompt A with the
+/// params P returned for prompt B (same length). D must not read B's KV: it computes A itself and
+/// answers A's right output, and releases B's lease at once (nobody will read it through params
+/// that went to another prompt): B's own request afterwards recomputes, still right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s4_params_of_another_prompt_are_recomputed_not_read() {
+async fn s4_o4_params_of_another_prompt_are_recomputed_and_released() {
     let cfg = lease_config(30.0);
     let p = Proc::serve_with_secret("s4-p", &["--kv-transfer-config", &cfg], None);
     let d = Proc::serve_with_secret("s4-d", &["--kv-transfer-config", &cfg], None);
@@ -50,22 +51,26 @@ async fn s4_params_of_another_prompt_are_recomputed_not_read() {
 
     assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_b))).await, want_a, "A with B's params");
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
-    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 2.0, "B's lease was not read, completed or released");
     assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 0.0, "D did not even try to read");
+    until("B's lease released at once (O4), A's kept", Duration::from_secs(2), || async {
+        metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await == 1.0
+    })
+    .await;
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0, "A's lease is untouched");
 
-    assert_eq!(text(&d.url, &completion(PROMPT_B, 8, Some(&params_b))).await, want_b, "B still pulls its own KV");
-    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_a))).await, want_a);
-    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0, "both pulled");
-    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 2.0);
+    assert_eq!(text(&d.url, &completion(PROMPT_B, 8, Some(&params_b))).await, want_b, "B, its lease gone, recomputes");
+    assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_a))).await, want_a, "A pulls its own KV");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 2.0, "A pulled");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 0.0);
 }
 
-/// SPEC S4, P5 over the fenced tcp agent: params of prompt B with their digest and token count
-/// forged to prompt A's (no cluster secret, so nothing is signed) pass D's own check; P's gate sees the
-/// digest the read shows, refuses the read before a byte is served, and D recomputes A's right
-/// answer. D uses no byte P did not admit: there is no after-the-fact confirmation to fall
-/// back on over tcp.
+/// SPEC S4 binds the fields, not only the prompt: params of prompt B with their digest and token
+/// count forged to prompt A's (no cluster secret, so nothing is signed) still name B's lease and
+/// blocks, which A's digest does not cover: D finds it before reading, computes A's right answer,
+/// and releases B's lease (O4). P's gate, which would refuse the read too, is never asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s4_a_forged_digest_is_refused_at_p_gate() {
+async fn s4_a_digest_moved_to_another_lease_is_not_read() {
     let cfg = lease_config(30.0);
     let p = Proc::serve_with_secret("s4g-p", &["--kv-transfer-config", &cfg], None);
     let d = Proc::serve_with_secret("s4g-d", &["--kv-transfer-config", &cfg], None);
@@ -76,16 +81,17 @@ async fn s4_a_forged_digest_is_refused_at_p_gate() {
     forged["kvlease_prompt_digest"] = params_a["kvlease_prompt_digest"].clone();
     forged["remote_num_tokens"] = params_a["remote_num_tokens"].clone();
     assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&forged))).await, want_a, "A with B's lease, A's digest");
-    assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 1.0, "P's gate refused the read");
+    assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 0.0, "D never read");
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    until("B's lease released (O4)", Duration::from_secs(2), || async { metric(&p.url, "kvlease_leases_active").await == 1.0 }).await;
     assert_eq!(text(&d.url, &completion(PROMPT_A, 8, Some(&params_a))).await, want_a, "A's own params still pull");
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
 }
 
 /// SPEC S4 under `kv_load_failure_policy: fail`: params of another prompt are a clear 400 naming
-/// `kv_transfer_params`, never a read.
+/// `kv_transfer_params`, never a read; the lease they name is released at once (O4).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s4_params_of_another_prompt_fail_clearly_under_fail_policy() {
+async fn s4_o4_params_of_another_prompt_fail_clearly_under_fail_policy() {
     let fail = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"fail"}"#;
     let p = Proc::serve_with_secret("s4f-p", &[], None);
     let d = Proc::serve_with_secret("s4f-d", &["--kv-transfer-config", fail], None);
@@ -94,14 +100,85 @@ async fn s4_params_of_another_prompt_fail_clearly_under_fail_policy() {
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"]["param"], "kv_transfer_params", "{body}");
     assert!(body["error"]["message"].as_str().unwrap_or("").contains("another prompt"), "{body}");
-    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
-    // The refusal released nothing (SPEC O3 releases only a refused request's own lease): B's
-    // own request still reads B's KV.
-    let local = Proc::serve_with_secret("s4f-local", &[], None);
-    let want_b = text(&local.url, &completion(PROMPT_B, 8, None)).await;
-    assert_eq!(text(&d.url, &completion(PROMPT_B, 8, Some(&params_b))).await, want_b);
-    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 0.0, "B pulled its own KV");
+    until("the lease released at once (O4)", Duration::from_secs(2), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 })
+        .await;
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 1.0);
+}
+
+/// A prompt of 69 tokens: five blocks of 16, so a block list can be reordered.
+const LONG_PROMPT: &str = "the lease holds the blocks of this prompt until the decoder reads them in order.";
+
+/// SPEC S4, O4, D7 (issue 22): genuine params whose `remote_block_ids` a router mangled — sorted
+/// (P hands blocks out in descending order), reversed, rotated, repeated, truncated, extended —
+/// are never read: no wrong answer with a 200, D recomputes the right one, and the lease they name
+/// is released at once (none left on P within 2 s). The same params unmangled are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_o4_mangled_block_lists_never_give_a_wrong_answer_nor_strand_a_lease() {
+    let cfg = lease_config(30.0);
+    let p = Proc::serve_with_secret("s4m-p", &["--kv-transfer-config", &cfg], None);
+    let d = Proc::serve_with_secret("s4m-d", &["--kv-transfer-config", &cfg], None);
+    let local = Proc::serve_with_secret("s4m-local", &[], None);
+    let want = text(&local.url, &completion(LONG_PROMPT, 8, None)).await;
+    type Mangle = fn(&mut Vec<u64>);
+    let mangles: [(&str, Mangle); 6] = [
+        ("sorted", |b| b.sort_unstable()),
+        ("reversed", |b| b.reverse()),
+        ("rotated", |b| b.rotate_left(1)),
+        ("repeated", |b| {
+            let b0 = b[0];
+            b.iter_mut().for_each(|x| *x = b0)
+        }),
+        ("truncated", |b| b.truncate(b.len() - 1)),
+        ("extended", |b| b.push(b[0])),
+    ];
+    for (i, (how, mangle)) in mangles.iter().enumerate() {
+        let mut params = prefill(&p, LONG_PROMPT).await;
+        let mut blocks: Vec<u64> = params["remote_block_ids"].as_array().expect("block ids").iter().filter_map(Value::as_u64).collect();
+        assert_eq!(blocks.len(), 5);
+        let before = blocks.clone();
+        mangle(&mut blocks);
+        assert_ne!(blocks, before, "{how}");
+        params["remote_block_ids"] = json!(blocks);
+        let (status, body) = post(&format!("{}/v1/completions", d.url), &completion(LONG_PROMPT, 8, Some(&params))).await;
+        assert!(status == 200 && text_of(&body, false) == want || status >= 400, "{how}: a wrong answer with {status}: {body}");
+        assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, (i + 1) as f64, "{how}: recomputed, not read");
+        until(&format!("{how}: no lease left on P"), Duration::from_secs(2), || async {
+            metric(&p.url, "kvlease_leases_active").await == 0.0
+        })
+        .await;
+    }
+    assert_eq!(metric(&p.url, "kvlease_reads_refused_total").await, 0.0, "D never tried a mangled read");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 0.0);
+    let params = prefill(&p, LONG_PROMPT).await;
+    assert_eq!(text(&d.url, &completion(LONG_PROMPT, 8, Some(&params))).await, want, "unmangled params are read");
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
+}
+
+/// SPEC O4, D7 (issue 22, self-pairing): a `kv_both` engine handed its own params — directly, and
+/// through `kvlease proxy` with it as the only prefiller and decoder — takes the prompt's KV from
+/// its own lease: the right answer, nothing recomputed, no handshake with itself, and the lease
+/// ends at once as `transferred`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn o4_an_engine_paired_with_itself_serves_from_its_own_blocks() {
+    let cfg = lease_config(30.0);
+    let e = Proc::serve_with_secret("self-e", &["--kv-transfer-config", &cfg], None);
+    let local = Proc::serve_with_secret("self-local", &[], None);
+    let want = text(&local.url, &completion(LONG_PROMPT, 8, None)).await;
+    let params = prefill(&e, LONG_PROMPT).await;
+    assert_eq!(text(&e.url, &completion(LONG_PROMPT, 8, Some(&params))).await, want);
+    assert_eq!(metric(&e.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 1.0);
+    assert_eq!(metric(&e.url, "kvlease_leases_active").await, 0.0);
+    // The same params again: the lease has ended, so the prompt is computed here, still right.
+    assert_eq!(text(&e.url, &completion(LONG_PROMPT, 8, Some(&params))).await, want);
+    assert_eq!(metric(&e.url, "kvlease_recomputed_requests_total").await, 1.0);
+
+    let proxy = Proc::proxy(&[&e], &[&e]);
+    for _ in 0..3 {
+        assert_eq!(text(&proxy.url, &completion(LONG_PROMPT, 8, None)).await, want, "through the proxy");
+    }
+    assert_eq!(metric(&e.url, "kvlease_recomputed_requests_total").await, 1.0, "nothing recomputed through the proxy");
+    assert_eq!(metric(&e.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 4.0);
+    until_nothing_held(&e.url, Duration::from_secs(2)).await;
 }
 
 /// SPEC S5: a lease belongs to the first engine that renews it. D1 holds a request queued behind
