@@ -114,9 +114,23 @@ const LONG_PROMPT: &str = "the lease holds the blocks of this prompt until the d
 /// is released at once (none left on P within 2 s). The same params unmangled are read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_o4_mangled_block_lists_never_give_a_wrong_answer_nor_strand_a_lease() {
+    mangled_block_lists("tcp").await;
+}
+
+/// The same over NIXL, whose READs P's gate does not see: D's check before it posts the read is
+/// what keeps a mangled list from being read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_s4_o4_mangled_block_lists_never_give_a_wrong_answer_nor_strand_a_lease() {
+    if nixl_or_skip() {
+        mangled_block_lists("nixl").await;
+    }
+}
+
+async fn mangled_block_lists(transport: &str) {
     let cfg = lease_config(30.0);
-    let p = Proc::serve_with_secret("s4m-p", &["--kv-transfer-config", &cfg], None);
-    let d = Proc::serve_with_secret("s4m-d", &["--kv-transfer-config", &cfg], None);
+    let args = ["--kv-transfer-config", &cfg, "--transport", transport];
+    let p = Proc::serve_with_secret("s4m-p", &args, None);
+    let d = Proc::serve_with_secret("s4m-d", &args, None);
     let local = Proc::serve_with_secret("s4m-local", &[], None);
     let want = text(&local.url, &completion(LONG_PROMPT, 8, None)).await;
     type Mangle = fn(&mut Vec<u64>);
