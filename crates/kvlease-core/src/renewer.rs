@@ -557,6 +557,19 @@ impl Renewer {
         }
     }
 
+    /// SPEC D1 for a request that must be its lease's only reader here: tracks it unless another
+    /// request already renews that lease (as granted by the same incarnation), in one step, so
+    /// two requests racing with the same params cannot both pass (a replayed decode leg computes
+    /// its prompt itself instead of taking the lease over from the first). Returns whether it
+    /// tracked.
+    pub fn track_first(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) -> bool {
+        if self.tracks_lease(&remote.engine_id, lease_id, remote.incarnation) {
+            return false;
+        }
+        self.track(request_id, remote, lease_id, now);
+        true
+    }
+
     /// Stops tracking entry `handle` everywhere; returns what it was.
     fn untrack_handle(&mut self, handle: u32) -> Option<Entry> {
         let e = self.entries.get(handle as usize)?;

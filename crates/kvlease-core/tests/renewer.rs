@@ -362,3 +362,33 @@ fn b2_the_clock_offset_is_refreshed_while_the_link_lives() {
     assert_eq!(est.offset_ns, 7_000_000_000);
     assert_eq!(pings(&poll(&mut r, at(31_000))), 0, "the next probe is 30 s away");
 }
+
+/// SPEC D1, S5 (issue 23: racing replays): `track_first` checks and tracks in one step: a second
+/// request naming a lease another request here renews is refused (it computes its prompt
+/// itself) and the first keeps the lease; once the first stops, the lease can be tracked again.
+#[test]
+fn d1_a_second_request_with_the_same_params_cannot_take_the_lease_over() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    assert!(r.track_first("a", &p("P"), 7, at(0)));
+    assert!(!r.track_first("b", &p("P"), 7, at(1)), "the replay is refused");
+    assert!(r.is_tracked("a") && !r.is_tracked("b"));
+    assert!(r.track_first("c", &p("P"), 8, at(1)), "another lease of the same engine");
+    let other_life = Remote { incarnation: 12, ..p("P") };
+    assert!(r.track_first("d", &other_life, 9, at(1)), "another incarnation's lease 9 is another lease");
+    r.untrack("a", Untrack::Transferred);
+    assert!(r.track_first("e", &p("P"), 7, at(2)));
+}
+
+/// SPEC O3, O4: `release` queues a `Release` for a lease nobody here tracks, delivered once the
+/// engine is ready; it leaves a lease another request renews alone.
+#[test]
+fn o4_release_queues_a_release_without_tracking() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 7, at(0));
+    r.release(&p("P"), 7, at(0));
+    r.release(&p("P"), 8, at(0));
+    assert_eq!(r.tracked(), 1);
+    ready(&mut r, "P", at(1));
+    let releases: Vec<Message> = sent(&poll(&mut r, at(2)), "P").into_iter().filter(|m| matches!(m, Message::Release { .. })).collect();
+    assert_eq!(releases, vec![Message::Release { lease_ids: vec![8] }], "7 is renewed by a request here");
+}

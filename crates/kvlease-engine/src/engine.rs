@@ -172,22 +172,6 @@ impl EngineHandle {
                 role = KvRole::Local;
             }
         }
-        if let KvRole::DecodeRemote(rk) = &role {
-            // A replay of params another request of this engine is already pulling with: it
-            // must not take the lease over from the first (which would then recompute), so it
-            // computes the prompt itself. (Two replays racing here are still safe: the later
-            // takes the lease over and the earlier recomputes.)
-            if rk.engine_id != inner.cfg.engine_id && lock(&inner.renewer).tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
-                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::not_its_params(
-                        "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
-                    ));
-                }
-                tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
-                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
-                role = KvRole::Local;
-            }
-        }
         // SPEC O4: an engine handed its own params (a kv_both engine a router paired with
         // itself) takes the prompt's KV from its own lease: no transfer, no recompute.
         let mut own_kv = None;
@@ -238,11 +222,25 @@ impl EngineHandle {
                     format!("tp_size {} does not divide {} KV heads", rk.tp_size, m.num_kv_heads),
                 ));
             }
-            if own_kv.is_none() {
-                let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
-                lock(&inner.renewer).track(&internal, &remote, rk.lease_id, inner.now());
+        }
+        if let (KvRole::DecodeRemote(rk), None) = (&role, &own_kv) {
+            let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+            // A replay of params another request of this engine is already pulling with must
+            // not take the lease over from the first (which would then recompute): it computes
+            // the prompt itself. Checked and tracked in one step, so racing replays cannot both
+            // pass.
+            if lock(&inner.renewer).track_first(&internal, &remote, rk.lease_id, inner.now()) {
                 inner.renewer_wake.notify_one();
                 tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
+            } else {
+                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
+                    return Err(RequestError::not_its_params(
+                        "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
+                    ));
+                }
+                tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
+                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                role = KvRole::Local;
             }
         }
         // Multi-turn (SPEC B2, B3, B4): the decoder's cached turn, read if it covers a prefix of
