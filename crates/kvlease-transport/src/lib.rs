@@ -16,7 +16,8 @@
 //! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
 
 mod arena;
-mod auth;
+pub mod admission;
+pub mod auth;
 pub mod mem;
 #[cfg(feature = "nixl")]
 pub mod nixl;
