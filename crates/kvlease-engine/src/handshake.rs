@@ -351,8 +351,9 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
             };
             tracing::warn!(
                 engine = %engine_id,
-                "handshake with {addr} failed: {why}; the {waiting} requests waiting for it are recomputed locally and their \
-                 leases released over its side channel (SPEC O4); retrying with back-off"
+                waiting,
+                "handshake with {addr} failed: {why}; the requests waiting for it are recomputed locally and their leases \
+                 released over its side channel (SPEC O4); retrying with back-off"
             );
         }
     }
