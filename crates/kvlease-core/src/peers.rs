@@ -54,7 +54,11 @@ impl fmt::Display for Refused {
             Refused::BadInfo(e) => write!(f, "bad engine info: {e}"),
             Refused::Geometry { key, ours, theirs } => {
                 let theirs = theirs.map_or_else(|| "none".to_string(), |v| v.to_string());
-                write!(f, "{key} ({}) differs: {ours} here, {theirs} on the peer; P and D must serve the same model geometry", geometry_flag(key))
+                write!(
+                    f,
+                    "{key} ({}) differs: {ours} here, {theirs} on the peer; P and D must serve the same model geometry",
+                    geometry_flag(key)
+                )
             }
             Refused::TpSize { tp, agents, heads } => write!(f, "peer tp_size {tp} does not fit {agents} agents and {heads} heads"),
             Refused::AgentName { engine_id, rank, name, want } => {

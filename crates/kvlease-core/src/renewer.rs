@@ -814,7 +814,12 @@ impl Renewer {
                 // just answered, so both live — said now.
                 if let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) {
                     let kept = engine.endpoint(incarnation);
-                    let others: Vec<Endpoint> = engine.seen.iter().filter(|s| s.incarnation != incarnation && engine.elsewhere(s.incarnation).is_some()).cloned().collect();
+                    let others: Vec<Endpoint> = engine
+                        .seen
+                        .iter()
+                        .filter(|s| s.incarnation != incarnation && engine.elsewhere(s.incarnation).is_some())
+                        .cloned()
+                        .collect();
                     for other in others {
                         if engine.duplicates.insert(other.incarnation) {
                             self.notices.push(Action::DuplicateEngine { engine_id: engine_id.to_string(), kept: kept.clone(), other });
@@ -1168,8 +1173,13 @@ impl Renewer {
 /// Queues `lease_id` for release over the side channel `key` says (SPEC O4); `queued`: when
 /// `poll` first saw it, if it did.
 fn queue_side(side: &mut BTreeMap<SideKey, SideBatch>, key: SideKey, lease_id: LeaseId, queued: Option<Nanos>, why: NotRead) {
-    let batch =
-        side.entry(key).or_insert_with(|| SideBatch { ids: BTreeMap::new(), why: why.clone(), in_flight: false, failures: 0, retry_at: Nanos::ZERO });
+    let batch = side.entry(key).or_insert_with(|| SideBatch {
+        ids: BTreeMap::new(),
+        why: why.clone(),
+        in_flight: false,
+        failures: 0,
+        retry_at: Nanos::ZERO,
+    });
     batch.why = why;
     batch.ids.entry(lease_id).or_insert(queued);
 }

@@ -269,7 +269,9 @@ impl Message {
                 let (t_send, echo) = (r.varint()?, (r.varint()?, r.varint()?));
                 Message::Hello(Hello { engine_id, incarnation, agents, info, t_send, echo, auth: r.bytes(MAX_STRING)?.to_vec() })
             }
-            tag::REFUSED => Message::Refused { what: r.string("refusal label is not UTF-8")?, reason: r.string("refusal reason is not UTF-8")? },
+            tag::REFUSED => {
+                Message::Refused { what: r.string("refusal label is not UTF-8")?, reason: r.string("refusal reason is not UTF-8")? }
+            }
             tag::SIDE_RELEASE => Message::SideRelease(SideRelease {
                 engine_id: r.string("engine_id is not UTF-8")?,
                 incarnation: r.varint()?,

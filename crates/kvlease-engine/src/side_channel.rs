@@ -253,7 +253,12 @@ async fn prove<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, addr: &str, ke
 /// D's side, on a connection to `addr`: prove, send our Hello, return P's once it proves it was
 /// signed with the secret for this connection; or P's refusal, with its reason. The caller
 /// bounds it in time ([`HANDSHAKE_TIMEOUT`]), connecting included.
-pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, addr: &str, key: &ClusterKey, ours: Hello) -> Result<Hello, DialError> {
+pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    addr: &str,
+    key: &ClusterKey,
+    ours: Hello,
+) -> Result<Hello, DialError> {
     let at = || addr.to_string();
     let nonces = prove(&mut stream, addr, key).await?;
     let mut ours = Message::Hello(ours);

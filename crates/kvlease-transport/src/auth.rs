@@ -59,9 +59,7 @@ impl Channel {
     fn labels(self) -> (&'static [u8], &'static [u8], &'static [u8]) {
         match self {
             Channel::Agent => (b"kvlease-agent-dial-v2", b"kvlease-agent-accept-v2", b"kvlease-agent-frame-v2"),
-            Channel::SideChannel => {
-                (b"kvlease-side-channel-dial-v3", b"kvlease-side-channel-accept-v3", b"kvlease-side-channel-frame-v3")
-            }
+            Channel::SideChannel => (b"kvlease-side-channel-dial-v3", b"kvlease-side-channel-accept-v3", b"kvlease-side-channel-frame-v3"),
         }
     }
 }
@@ -319,7 +317,8 @@ mod tests {
     fn frames_do_not_replay_or_reflect_s2() {
         let k = ClusterKey::new(Some(b"k"));
         let sc = Channel::SideChannel;
-        let (a, b) = (Nonces { dialer: [1; NONCE_LEN], acceptor: [2; NONCE_LEN] }, Nonces { dialer: [1; NONCE_LEN], acceptor: [3; NONCE_LEN] });
+        let (a, b) =
+            (Nonces { dialer: [1; NONCE_LEN], acceptor: [2; NONCE_LEN] }, Nonces { dialer: [1; NONCE_LEN], acceptor: [3; NONCE_LEN] });
         let t = k.frame_tag(sc, Side::Dialer, &a, b"hello");
         assert!(k.verify_frame(sc, Side::Dialer, &a, b"hello", &t));
         assert!(!k.verify_frame(sc, Side::Dialer, &b, b"hello", &t), "replayed on another connection");

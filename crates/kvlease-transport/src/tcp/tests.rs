@@ -3,8 +3,8 @@
 
 use super::wire::{self, Outgoing};
 use super::*;
-use crate::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use crate::auth::{Channel::Agent as AG, Nonces};
+use crate::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use crate::testing::*;
 use crate::OpenGate;
 use std::collections::BTreeMap;
@@ -727,7 +727,7 @@ async fn silent_strangers_at_the_cap_never_keep_a_peer_out_s2() {
         silent.push(TcpStream::connect(p.local_addr()).await.expect("connect"));
     }
     eventually("the silent ones to take every place", || p.inner.admission.len() == 3).await;
-    let mut first = TcpStream::connect(p.local_addr()).await.expect("connect");
+    let first = TcpStream::connect(p.local_addr()).await.expect("connect");
     assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
     assert_eq!(recv(&mut silent[0]).await, None, "the oldest was evicted, unanswered");
     // D's dial (if D dials: P may dial first) evicts the next oldest and completes long before
