@@ -451,6 +451,57 @@ mod tests {
         a
     }
 
+    /// Grants a lease on one block of `inner`'s pool, as a prefill would.
+    fn lease(inner: &Inner) -> u64 {
+        let blocks = inner.pool.alloc(1).expect("a free block");
+        let sorted = blocks.ids().to_vec();
+        let lease =
+            crate::state::Lease { blocks, sorted, request: "r".into(), prompt_digest: kvlease_core::digest::PromptDigest::of(&[1]) };
+        lock(&inner.leases).grant(inner.now(), 1, lease)
+    }
+
+    fn release_from(engine_id: &str, incarnation: u64, granted_by: u64, lease_ids: Vec<u64>) -> SideRelease {
+        SideRelease {
+            engine_id: engine_id.into(),
+            incarnation,
+            granted_by,
+            lease_ids,
+            what: "no_handshake".into(),
+            why: String::new(),
+            auth: vec![],
+        }
+    }
+
+    /// SPEC O4, S5: P applies a release over its side channel as the same release from that
+    /// holder over the agents: a lease nobody claimed yet, or the holder's own, ends at once as
+    /// `released`; another engine's lease is untouched and answered as lost; ids granted by
+    /// another incarnation of P are not touched at all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn o4_s5_a_release_over_the_side_channel_acts_as_the_holders_release() {
+        let p = EngineHandle::start(EngineConfig::default()).await.unwrap();
+        let inner = p.inner();
+        let (unclaimed, held) = (lease(inner), lease(inner));
+        // `held` is claimed by another decoder ("d2"), as a heartbeat over its agents would.
+        {
+            let mut table = lock(&inner.leases);
+            let d2 = table.holder(&holder_name("d2", 5));
+            let mut released = Vec::new();
+            table.on_message(d2, &Message::Heartbeat { seq: 1, lease_ids: vec![held] }, inner.now(), &mut released);
+        }
+        let other_incarnation = inner.incarnation.wrapping_add(1);
+        let ack = apply_side_release(inner, &release_from("d", 7, other_incarnation, vec![unclaimed]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![unclaimed] });
+        assert!(p.holds_lease(unclaimed), "ids of another incarnation name other leases: untouched");
+        let ack = apply_side_release(inner, &release_from("d", 7, inner.incarnation, vec![unclaimed, held]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![held] });
+        assert!(!p.holds_lease(unclaimed), "an unclaimed lease ends at once");
+        assert!(p.holds_lease(held), "another holder's lease is untouched (S5)");
+        let ack = apply_side_release(inner, &release_from("d2", 5, 0, vec![held]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![] });
+        assert!(!p.holds_lease(held), "its holder's release ends it");
+        assert_eq!(inner.metrics.released(kvlease_core::lease_table::ReleaseReason::Released).load(Relaxed), 2);
+    }
+
     /// SPEC S5: leases are held under agent names, so an engine of the cluster may introduce only
     /// agents named for itself; agents named for another engine (whose leases it would then hold)
     /// are refused and forgotten.
