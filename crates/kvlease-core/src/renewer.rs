@@ -611,8 +611,9 @@ impl Renewer {
     /// apart: the old one's agents disconnect, or the old address answers with the new
     /// incarnation). D does not flap between the two: it keeps the engine it has, does not
     /// track the request (it is reported lost, so it is recomputed) and releases the other's
-    /// lease at once over that engine's side channel. While a handshake is in flight, the params
-    /// of another address wait for it to say which engine D is linked to.
+    /// lease at once over that engine's side channel. The same while a handshake with the first
+    /// one's address is in flight (it is not abandoned for them, and the lease ids of the two
+    /// would collide); the mistake is said once that handshake proves the first one alive.
     pub fn track(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) {
         if self.requests.find(request_id, &self.entries).is_some() {
             return;
