@@ -7,7 +7,7 @@
 //! promises one.
 
 use kvlease_core::peers::{agent_name, check_agent_names, check_reply, Geometry};
-use kvlease_core::wire::{Hello, Message};
+use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_engine::KvRole;
 use serde_json::Value;
 
@@ -23,29 +23,41 @@ pub fn wire(data: &[u8]) {
     }
 }
 
-/// SPEC §3, D5, P7: the side channel's Hello, as the engine takes it from a peer (the side
-/// channel's module is private, so this follows its steps through public functions): a frame
-/// of a 4-byte big-endian length and a message (`read_frame`: refused over [`MAX_FRAME`]), which
-/// must be a Hello; its MAC input is the Hello re-encoded without its `auth`; its `info` is the
-/// geometry JSON the connector reads with `serde_json::from_slice` (`check_geometry`).
+/// SPEC §3, D5, P7, O4: the side channel's request, as the engine takes it from a proven peer
+/// (the side channel's module is private, so this follows its steps through public functions):
+/// a frame of a 4-byte big-endian length and a message (`read_frame`: refused over
+/// [`MAX_FRAME`]), which must be a Hello or a release (`SideRelease`); its MAC input is the
+/// message re-encoded without its `auth`; a Hello's `info` is the geometry JSON the connector
+/// reads with `serde_json::from_slice` (`check_geometry`), and a geometry refusal is put in words.
 pub fn hello(data: &[u8]) {
     let Some((len, body)) = data.split_first_chunk::<4>() else { return };
     let len = u32::from_be_bytes(*len) as usize;
     if len > MAX_FRAME || len > body.len() {
         return; // refused as oversized, or the connection waits for more (and times out)
     }
-    let Ok(Message::Hello(hello)) = Message::decode(&body[..len]) else { return };
-    let unsigned = Hello { auth: Vec::new(), ..hello.clone() };
-    let encoded = Message::Hello(unsigned.clone()).encode();
-    assert_eq!(Message::decode(&encoded), Ok(Message::Hello(unsigned)), "the signed form of a Hello must round-trip");
-    geometry(&hello);
+    match Message::decode(&body[..len]) {
+        Ok(Message::Hello(hello)) => {
+            let unsigned = Hello { auth: Vec::new(), ..hello.clone() };
+            let encoded = Message::Hello(unsigned.clone()).encode();
+            assert_eq!(Message::decode(&encoded), Ok(Message::Hello(unsigned)), "the signed form of a Hello must round-trip");
+            geometry(&hello);
+        }
+        Ok(Message::SideRelease(release)) => {
+            let unsigned = SideRelease { auth: Vec::new(), ..release };
+            let encoded = Message::SideRelease(unsigned.clone()).encode();
+            assert_eq!(Message::decode(&encoded), Ok(Message::SideRelease(unsigned)), "the signed form of a release must round-trip");
+        }
+        _ => {}
+    }
 }
 
 /// The engine's handshake checks of a peer's Hello, which live in core: its geometry (`info`)
 /// and its agents' names, and that a reply answers our request.
 fn geometry(hello: &Hello) {
     let ours = Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 };
-    let _ = ours.check_peer(hello);
+    if let Err(refused) = ours.check_peer(hello) {
+        let _ = refused.between("us", &hello.engine_id);
+    }
     let _ = check_reply(&hello.engine_id, hello.echo.0, hello);
     let names: Vec<String> = (0..hello.agents.len()).map(|r| agent_name(&hello.engine_id, hello.incarnation, r)).collect();
     assert_eq!(check_agent_names(hello, &names), Ok(()), "agents named for their engine are accepted");

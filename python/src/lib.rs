@@ -502,6 +502,18 @@ fn action(py: Python<'_>, a: Action) -> PyAction {
             p.engine_id = Some(engine_id);
             p.agents = Some(agents);
         }
+        // SPEC O4: releases over P's side channel (kvlease's own, which vLLM's does not
+        // speak): the connector has none, and lets such leases expire.
+        Action::ReleaseOverSideChannel(r) => {
+            p.kind = "release_over_side_channel";
+            p.engine_id = Some(r.engine_id);
+            p.host = Some(r.host);
+            p.port = Some(r.port);
+        }
+        Action::DuplicateEngine { engine_id, .. } => {
+            p.kind = "duplicate_engine";
+            p.engine_id = Some(engine_id);
+        }
     }
     p
 }
@@ -721,6 +733,24 @@ fn dict_of<'py>(py: Python<'py>, m: &Message) -> PyResult<Bound<'py, PyDict>> {
             d.set_item("t_send", h.t_send)?;
             d.set_item("echo", h.echo)?;
             d.set_item("auth", PyBytes::new(py, &h.auth))?;
+        }
+        // kvlease's own side channel (SPEC O4), which the connector does not speak.
+        Message::Refused { what, reason } => {
+            d.set_item("type", "refused")?;
+            d.set_item("what", what)?;
+            d.set_item("reason", reason)?;
+        }
+        Message::SideRelease(r) => {
+            d.set_item("type", "side_release")?;
+            d.set_item("engine_id", &r.engine_id)?;
+            d.set_item("incarnation", r.incarnation)?;
+            d.set_item("granted_by", r.granted_by)?;
+            d.set_item("lease_ids", &r.lease_ids)?;
+        }
+        Message::SideReleaseAck { incarnation, lost_ids } => {
+            d.set_item("type", "side_release_ack")?;
+            d.set_item("incarnation", incarnation)?;
+            d.set_item("lost_ids", lost_ids)?;
         }
     }
     Ok(d)

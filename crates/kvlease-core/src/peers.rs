@@ -53,7 +53,12 @@ impl fmt::Display for Refused {
             Refused::WrongEngine { dialled, answered } => write!(f, "the engine there is {answered:?}, not {dialled:?}"),
             Refused::BadInfo(e) => write!(f, "bad engine info: {e}"),
             Refused::Geometry { key, ours, theirs } => {
-                write!(f, "{key} differs: ours {ours}, theirs {theirs:?}; P and D must serve the same model geometry")
+                let theirs = theirs.map_or_else(|| "none".to_string(), |v| v.to_string());
+                write!(
+                    f,
+                    "{key} ({}) differs: {ours} here, {theirs} on the peer; P and D must serve the same model geometry",
+                    geometry_flag(key)
+                )
             }
             Refused::TpSize { tp, agents, heads } => write!(f, "peer tp_size {tp} does not fit {agents} agents and {heads} heads"),
             Refused::AgentName { engine_id, rank, name, want } => {
@@ -64,6 +69,48 @@ impl fmt::Display for Refused {
 }
 
 impl std::error::Error for Refused {}
+
+impl Refused {
+    /// The refusal in words that read the same in both engines' logs, naming both: `us`
+    /// refused `peer`. A geometry refusal names the field, its flag and both values.
+    pub fn between(&self, us: &str, peer: &str) -> String {
+        match self {
+            Refused::Geometry { key, ours, theirs } => {
+                let theirs = theirs.map_or_else(|| "none".to_string(), |v| v.to_string());
+                format!(
+                    "{key} ({}) differs: {ours} on engine {us:?}, {theirs} on engine {peer:?}; P and D must serve the same model geometry",
+                    geometry_flag(key)
+                )
+            }
+            Refused::TpSize { tp, agents, heads } => format!(
+                "engine {peer:?} says tp_size {tp} with {agents} agents, which does not fit the {heads} KV heads (--num-kv-heads) of engine {us:?}"
+            ),
+            other => format!("engine {us:?} refused engine {peer:?}: {other}"),
+        }
+    }
+
+    /// The label of this refusal for `kvlease_handshakes_refused_total{reason}`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Refused::Geometry { .. } | Refused::TpSize { .. } => "geometry",
+            _ => "other",
+        }
+    }
+}
+
+/// The `kvlease serve` flag that sets a geometry key, for messages that tell an operator what
+/// to change.
+pub fn geometry_flag(key: &str) -> &'static str {
+    match key {
+        "num_layers" => "--num-layers",
+        "num_kv_heads" => "--num-kv-heads",
+        "head_dim" => "--head-dim",
+        "dtype_bytes" => "--dtype-bytes",
+        "block_size" => "--block-size",
+        "tp_size" => "--tp-size",
+        _ => "the engine's model",
+    }
+}
 
 impl Geometry {
     /// The `info` of our Hello.
@@ -252,7 +299,12 @@ mod tests {
         let other = Geometry { tp_size: 4, ..g };
         assert_eq!(g.check_peer(&hello("p", 1, other.to_info(), 4)), Ok(4));
         let wrong = Geometry { head_dim: 32, ..g };
-        assert!(matches!(g.check_peer(&hello("p", 1, wrong.to_info(), 2)), Err(Refused::Geometry { key: "head_dim", .. })));
+        let refused = g.check_peer(&hello("p", 1, wrong.to_info(), 2)).unwrap_err();
+        assert!(matches!(refused, Refused::Geometry { key: "head_dim", .. }));
+        // Both logs name the field, its flag and both values, and who has which.
+        let said = refused.between("p", "d");
+        assert!(said.contains("head_dim (--head-dim) differs: 16 on engine \"p\", 32 on engine \"d\""), "{said}");
+        assert_eq!(refused.label(), "geometry");
         assert!(matches!(g.check_peer(&hello("p", 1, g.to_info(), 3)), Err(Refused::TpSize { .. })));
         assert!(matches!(g.check_peer(&hello("p", 1, b"{".to_vec(), 2)), Err(Refused::BadInfo(_))));
     }

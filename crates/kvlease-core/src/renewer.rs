@@ -39,6 +39,56 @@ pub enum Action {
     /// Nothing has been tracked toward this P engine for a long while: it is forgotten; close
     /// the connections to its `agents` (a new request naming it handshakes again).
     Forget { engine_id: String, agents: Vec<String> },
+    /// SPEC O4: D will not read these leases and no transfer link can carry their release (the
+    /// handshake failed or was refused, or they are a duplicate engine's): deliver it over the
+    /// P engine's side channel, then report with [`Renewer::side_release_done`].
+    ReleaseOverSideChannel(SideChannelRelease),
+    /// SPEC O4, §3: two live engines claim `engine_id` — D is linked to `kept` while `other`
+    /// grants leases under the same id (an operator's mistake: two `--engine-id`s alike). D
+    /// keeps reading from `kept` and releases `other`'s leases at once, unread; said once per
+    /// incarnation of `other`, for the log and the metrics.
+    DuplicateEngine { engine_id: String, kept: Endpoint, other: Endpoint },
+}
+
+/// Where one incarnation of a P engine answers: its side channel, as its params said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    pub incarnation: u64,
+}
+
+/// Releases for one P engine, granted by one of its incarnations, to deliver over its side
+/// channel at `host:port` (SPEC O4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SideChannelRelease {
+    pub engine_id: String,
+    pub host: String,
+    pub port: u16,
+    /// The incarnation that granted them (0: unknown): P releases none if it is another.
+    pub granted_by: u64,
+    pub lease_ids: Vec<LeaseId>,
+    pub why: NotRead,
+}
+
+/// Why D releases leases over the side channel instead of reading them (SPEC O4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotRead {
+    /// No transfer link to the engine can carry the release: its handshake failed (timed out,
+    /// unreachable) or was refused (a geometry mismatch, say).
+    NoLink,
+    /// Another live engine claims the same engine id, and D is linked to that one, `kept`.
+    Duplicate { kept: Endpoint },
+}
+
+impl NotRead {
+    /// The label P counts it under.
+    pub fn label(&self) -> &'static str {
+        match self {
+            NotRead::NoLink => "no_handshake",
+            NotRead::Duplicate { .. } => "duplicate_engine_id",
+        }
+    }
 }
 
 /// What a [`Action::Send`] carries, for metrics.
@@ -368,9 +418,40 @@ struct RemoteEngine {
     /// When the next clock probe is due while leases are tracked (SPEC B2).
     next_probe: Nanos,
     probe_seq: u64,
+    /// Where the last few incarnations' params said they answer, newest last (SPEC O4): a lease
+    /// of an incarnation seen at another address than the one we are linked to may be a live
+    /// duplicate's, and is released there.
+    seen: Vec<Endpoint>,
+    /// Incarnations of another engine under this id already reported as duplicates.
+    duplicates: BTreeSet<u64>,
 }
 
+/// How many incarnations' addresses an engine remembers.
+const SEEN: usize = 4;
+
 impl RemoteEngine {
+    /// Remembers where `remote`'s incarnation answers.
+    fn saw(&mut self, remote: &Remote) {
+        if remote.incarnation == 0 {
+            return;
+        }
+        self.seen.retain(|s| s.incarnation != remote.incarnation);
+        if self.seen.len() == SEEN {
+            self.seen.remove(0);
+        }
+        self.seen.push(Endpoint { host: remote.host.clone(), port: remote.port, incarnation: remote.incarnation });
+    }
+
+    /// Where incarnation `incarnation` was seen, if not at the address we are bound to.
+    fn elsewhere(&self, incarnation: u64) -> Option<&Endpoint> {
+        self.seen.iter().find(|s| s.incarnation == incarnation && (s.host != self.host || s.port != self.port))
+    }
+
+    /// The endpoint we are bound to, as incarnation `incarnation`.
+    fn endpoint(&self, incarnation: u64) -> Endpoint {
+        Endpoint { host: self.host.clone(), port: self.port, incarnation }
+    }
+
     /// Acknowledgements of what was sent so far no longer count (the link is new).
     fn reconnect(&mut self) {
         self.link = Link::Unknown;
@@ -385,6 +466,23 @@ const BACKOFF_BASE: Duration = Duration::from_millis(100);
 /// An engine nothing was tracked toward for max(12 I, this) is forgotten.
 const FORGET_AFTER_MIN: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// Releases over a side channel retry sooner: they are worth something only within E.
+const SIDE_BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The most lease ids in one release over a side channel.
+const SIDE_BATCH: usize = 4096;
+
+/// Releases waiting for a side channel (SPEC O4), for one (engine, host, port, granted_by).
+#[derive(Debug)]
+struct SideBatch {
+    /// Each id with when `poll` first saw it (after E it is pointless: P expired it itself).
+    ids: BTreeMap<LeaseId, Option<Nanos>>,
+    why: NotRead,
+    in_flight: bool,
+    failures: u32,
+    retry_at: Nanos,
+}
+
+type SideKey = (String, String, u16, u64);
 
 /// D's lease renewer for one engine: all remote P engines, all tracked requests.
 ///
@@ -407,6 +505,10 @@ pub struct Renewer {
     peers: Peers,
     /// Whether P's gate admits a read only for a live lease (the `tcp` agent; not NIXL).
     fenced_reads: bool,
+    /// SPEC O4: releases no transfer link can carry, by where they go (ordered: deterministic).
+    side: BTreeMap<SideKey, SideBatch>,
+    /// Actions decided outside `poll` (a duplicate engine seen by `track`), for the next poll.
+    notices: Vec<Action>,
 }
 
 /// What an accepted handshake with a P engine found.
@@ -441,6 +543,8 @@ impl Renewer {
             lost: Vec::new(),
             peers: Peers::default(),
             fenced_reads: false,
+            side: BTreeMap::new(),
+            notices: Vec::new(),
         }
     }
 
@@ -475,6 +579,8 @@ impl Renewer {
             idle_since: None,
             next_probe: now + CLOCK_REFRESH,
             probe_seq: 0,
+            seen: Vec::new(),
+            duplicates: BTreeSet::new(),
         };
         let i = match self.engines.iter().position(Option::is_none) {
             Some(i) => {
@@ -499,17 +605,45 @@ impl Renewer {
 
     /// SPEC D1: start renewing `lease_id` for `request_id` now, as it enters the scheduler.
     /// SPEC D5: a known engine seen at new coordinates or with a new incarnation is reconnected.
+    ///
+    /// SPEC O4: params of another incarnation at another address, while D is linked to a live
+    /// incarnation of the engine, are a second live engine under the same id (a restart is told
+    /// apart: the old one's agents disconnect, or the old address answers with the new
+    /// incarnation). D does not flap between the two: it keeps the engine it has, does not
+    /// track the request (it is reported lost, so it is recomputed) and releases the other's
+    /// lease at once over that engine's side channel. The same while a handshake with the first
+    /// one's address is in flight (it is not abandoned for them, and the lease ids of the two
+    /// would collide); the mistake is said once that handshake proves the first one alive.
     pub fn track(&mut self, request_id: &str, remote: &Remote, lease_id: LeaseId, now: Nanos) {
         if self.requests.find(request_id, &self.entries).is_some() {
             return;
         }
         let e = self.engine_index(remote, now);
         let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) else { return };
+        engine.saw(remote);
         let moved = engine.host != remote.host || engine.port != remote.port;
-        let reborn = engine.link == Link::Ready
-            && remote.incarnation != 0
-            && self.peers.get(&remote.engine_id).is_some_and(|p| p.incarnation != remote.incarnation);
+        let linked = if engine.link == Link::Ready { self.peers.get(&remote.engine_id).map(|p| p.incarnation) } else { None };
+        // The incarnation D is linked to, or dialling (the last one whose params named the
+        // address of the handshake in flight).
+        let bound = match engine.link {
+            Link::Ready => linked,
+            Link::Pending => engine.seen.iter().rev().find(|s| s.host == engine.host && s.port == engine.port).map(|s| s.incarnation),
+            _ => None,
+        };
+        if let Some(kept) = bound.filter(|&a| moved && remote.incarnation != 0 && a != remote.incarnation) {
+            let kept = engine.endpoint(kept);
+            let other = Endpoint { host: remote.host.clone(), port: remote.port, incarnation: remote.incarnation };
+            self.lost.push((request_id.into(), lease_id));
+            // Said once the link proves the kept engine alive (at once if it is up).
+            self.duplicate(e, kept, other, lease_id, linked.is_some());
+            return;
+        }
+        let reborn = linked.is_some_and(|a| remote.incarnation != 0 && a != remote.incarnation);
         if moved || reborn {
+            if moved {
+                // The old address is not a live duplicate's: forget what was seen there.
+                engine.seen.retain(|s| s.host != engine.host || s.port != engine.port);
+            }
             engine.host = remote.host.clone();
             engine.port = remote.port;
             engine.failures = 0;
@@ -610,8 +744,57 @@ impl Renewer {
         }
         let e = self.engine_index(remote, now);
         if let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) {
+            engine.saw(remote);
             engine.to_release.insert(lease_id, (remote.incarnation, None));
         }
+    }
+
+    /// SPEC O4: engine `e` (linked or linking to `kept`) has a live duplicate `other`: release
+    /// its lease `lease_id` over its side channel, and, when `say`, say so once per incarnation.
+    fn duplicate(&mut self, e: u32, kept: Endpoint, other: Endpoint, lease_id: LeaseId, say: bool) {
+        let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) else { return };
+        let engine_id = engine.name.clone();
+        if say && engine.duplicates.insert(other.incarnation) {
+            self.notices.push(Action::DuplicateEngine { engine_id: engine_id.clone(), kept: kept.clone(), other: other.clone() });
+        }
+        let key = (engine_id, other.host, other.port, other.incarnation);
+        queue_side(&mut self.side, key, lease_id, None, NotRead::Duplicate { kept });
+    }
+
+    /// SPEC O4: a release over a side channel finished: `Ok` with the answering engine's
+    /// incarnation (what it did not release is ended or never was its own: either way nothing
+    /// is left to do), or `Err` (unreachable, refused): retried with back-off while it is still
+    /// worth it (E).
+    pub fn side_release_done(&mut self, sent: &SideChannelRelease, result: Result<u64, ()>, now: Nanos) {
+        let key = (sent.engine_id.clone(), sent.host.clone(), sent.port, sent.granted_by);
+        let Some(batch) = self.side.get_mut(&key) else { return };
+        batch.in_flight = false;
+        match result {
+            Ok(_) => {
+                batch.failures = 0;
+                for id in &sent.lease_ids {
+                    batch.ids.remove(id);
+                }
+            }
+            Err(()) => {
+                batch.failures += 1;
+                let backoff = BACKOFF_BASE.saturating_mul(1 << batch.failures.min(16).saturating_sub(1)).min(SIDE_BACKOFF_MAX);
+                batch.retry_at = now + backoff;
+            }
+        }
+        if batch.ids.is_empty() {
+            self.side.remove(&key);
+        }
+    }
+
+    /// Leases to be released over a side channel, not yet acknowledged (SPEC O4).
+    pub fn side_releases_pending(&self) -> usize {
+        self.side.values().map(|b| b.ids.len()).sum()
+    }
+
+    /// Requests tracked toward `engine_id`.
+    pub fn tracked_toward(&self, engine_id: &str) -> usize {
+        self.engine(engine_id).map_or(0, |e| e.leases.len())
     }
 
     /// The background handshake with `engine_id` finished: what it found, or failed. Leases
@@ -639,6 +822,23 @@ impl Renewer {
                     .collect();
                 for id in stale {
                     self.lose(index, id, false);
+                }
+                // SPEC O4: incarnations whose params named another address while this handshake
+                // was in flight (their leases were released, unread): the engine we dialled
+                // just answered, so both live — said now.
+                if let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) {
+                    let kept = engine.endpoint(incarnation);
+                    let others: Vec<Endpoint> = engine
+                        .seen
+                        .iter()
+                        .filter(|s| s.incarnation != incarnation && engine.elsewhere(s.incarnation).is_some())
+                        .cloned()
+                        .collect();
+                    for other in others {
+                        if engine.duplicates.insert(other.incarnation) {
+                            self.notices.push(Action::DuplicateEngine { engine_id: engine_id.to_string(), kept: kept.clone(), other });
+                        }
+                    }
                 }
                 let drop_agents = self.peers.learned(engine_id, incarnation, agents);
                 HandshakeTaken { taken: true, drop_agents }
@@ -777,6 +977,7 @@ impl Renewer {
         for (request_id, lease_id) in self.lost.drain(..) {
             out.push(Action::Lost { request_id, lease_id });
         }
+        out.append(&mut self.notices);
         for &index in self.by_name.values() {
             let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) else { continue };
             let engine_id = &engine.name;
@@ -788,6 +989,29 @@ impl Renewer {
                 queued.get_or_insert(now);
             }
             engine.to_release.retain(|_, (_, queued)| queued.is_none_or(|t| now.since(t) < self.extension));
+            let linked = if engine.link == Link::Ready { self.peers.get(engine_id).map(|p| p.incarnation) } else { None };
+            // SPEC O4: releases no transfer link can carry go over a side channel: all of them
+            // while the handshake fails; on a live link, those of a duplicate engine elsewhere
+            // (those of an earlier incarnation here ended with it).
+            let by_side: Vec<LeaseId> = match (engine.link, linked) {
+                (Link::Failed { .. }, _) => engine.to_release.keys().copied().collect(),
+                (Link::Ready, Some(inc)) => engine
+                    .to_release
+                    .iter()
+                    .filter(|(_, (by, _))| *by != 0 && *by != inc && engine.elsewhere(*by).is_some())
+                    .map(|(&id, _)| id)
+                    .collect(),
+                _ => Vec::new(),
+            };
+            for id in by_side {
+                let Some((by, queued)) = engine.to_release.remove(&id) else { continue };
+                let (to, why) = match (engine.elsewhere(by), linked) {
+                    (Some(at), Some(inc)) => (at.clone(), NotRead::Duplicate { kept: engine.endpoint(inc) }),
+                    (Some(at), None) => (at.clone(), NotRead::NoLink),
+                    (None, _) => (engine.endpoint(by), NotRead::NoLink),
+                };
+                queue_side(&mut self.side, (engine_id.clone(), to.host, to.port, by), id, queued, why);
+            }
             // Leases to renew, or releases to deliver, need a connection.
             let wanted = !engine.leases.is_empty() || !engine.to_release.is_empty();
             match engine.link {
@@ -838,6 +1062,29 @@ impl Renewer {
             let idle = engine.leases.is_empty() && engine.to_release.is_empty() && engine.link != Link::Pending;
             engine.idle_since = if idle { engine.idle_since.or(Some(now)) } else { None };
         }
+        // SPEC O4: releases over side channels, each batch one at a time, with back-off.
+        let extension = self.extension;
+        self.side.retain(|_, b| {
+            for queued in b.ids.values_mut() {
+                queued.get_or_insert(now);
+            }
+            b.ids.retain(|_, queued| queued.is_none_or(|t| now.since(t) < extension));
+            b.in_flight || !b.ids.is_empty()
+        });
+        for ((engine_id, host, port, granted_by), b) in &mut self.side {
+            if b.in_flight || now < b.retry_at {
+                continue;
+            }
+            b.in_flight = true;
+            out.push(Action::ReleaseOverSideChannel(SideChannelRelease {
+                engine_id: engine_id.clone(),
+                host: host.clone(),
+                port: *port,
+                granted_by: *granted_by,
+                lease_ids: b.ids.keys().take(SIDE_BATCH).copied().collect(),
+                why: b.why.clone(),
+            }));
+        }
         let forget_after = self.forget_after();
         let stale: Vec<(String, u32)> = self
             .by_name
@@ -855,21 +1102,25 @@ impl Renewer {
 
     /// When [`Renewer::poll`] next has something to do; `None` when nothing is scheduled.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        if !self.lost.is_empty() {
+        if !self.lost.is_empty() || !self.notices.is_empty() {
             return Some(Nanos::ZERO);
         }
         let forget_after = self.forget_after();
+        let side = self.side.values().filter(|b| !b.in_flight).map(|b| b.retry_at).min();
         self.engines
             .iter()
             .flatten()
             .filter_map(|e| match e.link {
                 Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
-                Link::Failed { retry_at, .. } if !e.leases.is_empty() || !e.to_release.is_empty() => Some(retry_at),
+                // Releases to hand over to the side channel (SPEC O4).
+                Link::Failed { .. } if !e.to_release.is_empty() => Some(Nanos::ZERO),
+                Link::Failed { retry_at, .. } if !e.leases.is_empty() => Some(retry_at),
                 Link::Ready if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
                 Link::Ready if !e.leases.is_empty() => Some(e.next_due.min(e.next_probe)),
                 // An idle engine is forgotten after a while.
                 _ => e.idle_since.map(|t| t + forget_after),
             })
+            .chain(side)
             .min()
     }
 
@@ -931,6 +1182,20 @@ impl Renewer {
         }
         self.lost.push((t.request_id.into(), lease_id));
     }
+}
+
+/// Queues `lease_id` for release over the side channel `key` says (SPEC O4); `queued`: when
+/// `poll` first saw it, if it did.
+fn queue_side(side: &mut BTreeMap<SideKey, SideBatch>, key: SideKey, lease_id: LeaseId, queued: Option<Nanos>, why: NotRead) {
+    let batch = side.entry(key).or_insert_with(|| SideBatch {
+        ids: BTreeMap::new(),
+        why: why.clone(),
+        in_flight: false,
+        failures: 0,
+        retry_at: Nanos::ZERO,
+    });
+    batch.why = why;
+    batch.ids.entry(lease_id).or_insert(queued);
 }
 
 /// A heartbeat round: every tracked lease of `engine` (settled, so `ids` is sorted), in as

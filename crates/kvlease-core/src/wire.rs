@@ -47,6 +47,35 @@ pub enum Message {
     ClockPong { seq: u64, t0: u64, t1: u64, t2: u64 },
     /// Handshake, both directions: who the engine is and how to reach each rank's agent.
     Hello(Hello),
+    /// Side channel, P → D: P will not take D's Hello, and why, in words both logs print (a
+    /// geometry field and both values, say). `what` labels the kind of refusal (`geometry`,
+    /// ...) for metrics. P closes the connection after it.
+    Refused { what: String, reason: String },
+    /// Side channel, D → P (SPEC O4): D will not read these leases and has no transfer link to
+    /// P to say so; P applies it as the `Release` from that holder over the agents would.
+    SideRelease(SideRelease),
+    /// Side channel, P → D: the answer to a `SideRelease`: P's incarnation, and the ids it did
+    /// not release (not live, held by another engine, or granted by another incarnation).
+    SideReleaseAck { incarnation: u64, lost_ids: Vec<LeaseId> },
+}
+
+/// D's release over P's side channel (SPEC O4): the holder, the leases, the incarnation of P
+/// that granted them, and why D will not read them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SideRelease {
+    /// The holder (SPEC S5): D's engine id and incarnation, as its agents are named.
+    pub engine_id: String,
+    pub incarnation: u64,
+    /// The incarnation of P that granted the leases; another incarnation releases none (where
+    /// the same ids name other leases). 0: unknown (P did not say one in its params).
+    pub granted_by: u64,
+    pub lease_ids: Vec<LeaseId>,
+    /// Why D will not read them: a label (`duplicate_engine_id`, `no_handshake`) for P's
+    /// metrics and a sentence for P's log.
+    pub what: String,
+    pub why: String,
+    /// A MAC over the rest for this connection, under the cluster's secret (SPEC S2).
+    pub auth: Vec<u8>,
 }
 
 /// The handshake payload (SPEC §3, D5): identity, incarnation, one transport metadata blob per
@@ -103,6 +132,9 @@ mod tag {
     pub const CLOCK_PING: u8 = 7;
     pub const CLOCK_PONG: u8 = 8;
     pub const HELLO: u8 = 9;
+    pub const REFUSED: u8 = 10;
+    pub const SIDE_RELEASE: u8 = 11;
+    pub const SIDE_RELEASE_ACK: u8 = 12;
 }
 
 impl Message {
@@ -171,6 +203,26 @@ impl Message {
                 put_varint(out, h.echo.1);
                 put_bytes(out, &h.auth);
             }
+            Message::Refused { what, reason } => {
+                out.push(tag::REFUSED);
+                put_bytes(out, what.as_bytes());
+                put_bytes(out, reason.as_bytes());
+            }
+            Message::SideRelease(r) => {
+                out.push(tag::SIDE_RELEASE);
+                put_bytes(out, r.engine_id.as_bytes());
+                put_varint(out, r.incarnation);
+                put_varint(out, r.granted_by);
+                put_ids(out, &r.lease_ids);
+                put_bytes(out, r.what.as_bytes());
+                put_bytes(out, r.why.as_bytes());
+                put_bytes(out, &r.auth);
+            }
+            Message::SideReleaseAck { incarnation, lost_ids } => {
+                out.push(tag::SIDE_RELEASE_ACK);
+                put_varint(out, *incarnation);
+                put_ids(out, lost_ids);
+            }
         }
     }
 
@@ -217,6 +269,19 @@ impl Message {
                 let (t_send, echo) = (r.varint()?, (r.varint()?, r.varint()?));
                 Message::Hello(Hello { engine_id, incarnation, agents, info, t_send, echo, auth: r.bytes(MAX_STRING)?.to_vec() })
             }
+            tag::REFUSED => {
+                Message::Refused { what: r.string("refusal label is not UTF-8")?, reason: r.string("refusal reason is not UTF-8")? }
+            }
+            tag::SIDE_RELEASE => Message::SideRelease(SideRelease {
+                engine_id: r.string("engine_id is not UTF-8")?,
+                incarnation: r.varint()?,
+                granted_by: r.varint()?,
+                lease_ids: r.ids()?,
+                what: r.string("release label is not UTF-8")?,
+                why: r.string("release reason is not UTF-8")?,
+                auth: r.bytes(MAX_STRING)?.to_vec(),
+            }),
+            tag::SIDE_RELEASE_ACK => Message::SideReleaseAck { incarnation: r.varint()?, lost_ids: r.ids()? },
             t => return Err(WireError::UnknownType(t)),
         };
         if !r.buf.is_empty() {
@@ -345,6 +410,11 @@ impl Reader<'_> {
         Ok(n as usize)
     }
 
+    /// A UTF-8 string of at most `MAX_STRING` bytes.
+    fn string(&mut self, not_utf8: &'static str) -> Result<String, WireError> {
+        String::from_utf8(self.bytes(MAX_STRING)?.to_vec()).map_err(|_| WireError::Body(not_utf8))
+    }
+
     fn bytes(&mut self, max: usize) -> Result<&[u8], WireError> {
         let n = self.varint()?;
         if n > max as u64 || n > self.buf.len() as u64 {
@@ -401,6 +471,17 @@ mod tests {
             Message::ClockPing { seq: 3, t0: 4 },
             Message::ClockPong { seq: 3, t0: 4, t1: 5, t2: 6 },
             Message::Hello(hello()),
+            Message::Refused { what: "geometry".into(), reason: "num_layers differs: 2 on \"p\", 4 on \"d\"".into() },
+            Message::SideRelease(SideRelease {
+                engine_id: "d,0:HB".into(),
+                incarnation: u64::MAX,
+                granted_by: 7,
+                lease_ids: vec![1, 5, 1 << 40],
+                what: "duplicate_engine_id".into(),
+                why: "two live engines claim \"p\"".into(),
+                auth: vec![3; 32],
+            }),
+            Message::SideReleaseAck { incarnation: 7, lost_ids: vec![5] },
         ] {
             assert_eq!(Message::decode(&m.encode()), Ok(m));
         }
@@ -462,7 +543,7 @@ mod tests {
 
         /// SPEC §9: valid headers followed by arbitrary bodies never panic either.
         #[test]
-        fn decode_never_panics_behind_a_valid_header(t in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn decode_never_panics_behind_a_valid_header(t in 0u8..16, body in proptest::collection::vec(any::<u8>(), 0..128)) {
             let mut b = vec![b'K', b'L', VERSION, t];
             b.extend(body);
             if let Ok(m) = Message::decode(&b) {

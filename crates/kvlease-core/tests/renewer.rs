@@ -1,7 +1,7 @@
 //! D's renewer against SPEC §5, one test per invariant.
 
 use kvlease_core::config::LeaseConfig;
-use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
+use kvlease_core::renewer::{Action, Endpoint, Handshook, NotRead, ReadCheck, Remote, Renewer, SendKind, SideChannelRelease, Untrack};
 use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
 use std::time::Duration;
@@ -391,4 +391,141 @@ fn o4_release_queues_a_release_without_tracking() {
     ready(&mut r, "P", at(1));
     let releases: Vec<Message> = sent(&poll(&mut r, at(2)), "P").into_iter().filter(|m| matches!(m, Message::Release { .. })).collect();
     assert_eq!(releases, vec![Message::Release { lease_ids: vec![8] }], "7 is renewed by a request here");
+
+/// The releases over a side channel among `actions`.
+fn side_releases(actions: &[Action]) -> Vec<SideChannelRelease> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::ReleaseOverSideChannel(r) => Some(r.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// SPEC O4: when the handshake with P fails (timed out, refused: a geometry mismatch), what D
+/// will not read is released at once over P's side channel, without a transfer link: retried
+/// with back-off while it fails, never sent twice at once, forgotten once P answered or after E.
+#[test]
+fn o4_releases_without_a_link_go_over_the_side_channel() {
+    let mut r = Renewer::new(&LeaseConfig::default()); // E = 20 s
+    r.track("a", &p("P"), 1, at(0));
+    r.track("b", &p("P"), 2, at(0));
+    assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
+    r.handshake_done("P", Err(()), at(1));
+    assert_eq!(r.read_check("a", Duration::from_secs(1), true, at(1)), ReadCheck::Unreachable);
+    r.untrack("a", Untrack::Abandoned);
+    r.untrack("b", Untrack::Abandoned);
+    assert_eq!(r.poll_timeout(), Some(Nanos::ZERO), "a release to hand over is due at once");
+    let acts = poll(&mut r, at(2));
+    let want = SideChannelRelease {
+        engine_id: "P".into(),
+        host: "127.0.0.1".into(),
+        port: 7000,
+        granted_by: 11,
+        lease_ids: vec![1, 2],
+        why: NotRead::NoLink,
+    };
+    assert_eq!(side_releases(&acts), vec![want.clone()], "{acts:?}");
+    assert!(sent(&acts, "P").is_empty(), "nothing over the agents: there is no link");
+    assert!(side_releases(&poll(&mut r, at(3))).is_empty(), "one delivery at a time");
+    // Unreachable too: retried after a back-off.
+    r.side_release_done(&want, Err(()), at(4));
+    assert!(side_releases(&poll(&mut r, at(103))).is_empty());
+    assert_eq!(side_releases(&poll(&mut r, at(104))), vec![want.clone()]);
+    // A refused request's params toward the same engine join the next delivery.
+    r.release(&p("P"), 3, at(105));
+    r.side_release_done(&want, Ok(11), at(106));
+    assert_eq!(side_releases(&poll(&mut r, at(106))).iter().map(|r| r.lease_ids.clone()).collect::<Vec<_>>(), vec![vec![3]]);
+    r.side_release_done(&SideChannelRelease { lease_ids: vec![3], ..want.clone() }, Ok(11), at(107));
+    assert_eq!(r.side_releases_pending(), 0);
+    // Never delivered: dropped after E (P has expired the lease by then).
+    r.release(&p("P"), 4, at(200));
+    let first = side_releases(&poll(&mut r, at(200)));
+    assert_eq!(first.len(), 1);
+    r.side_release_done(&first[0], Err(()), at(201));
+    assert!(side_releases(&poll(&mut r, at(20_200))).is_empty(), "aged out after E");
+    assert_eq!(r.side_releases_pending(), 0);
+}
+
+fn endpoint(port: u16, incarnation: u64) -> Endpoint {
+    Endpoint { host: "127.0.0.1".into(), port, incarnation }
+}
+
+/// SPEC O4, §3, D5: params of another incarnation at another address while D is linked to a
+/// live incarnation are a second live engine under the same id (an operator's mistake). D does
+/// not flap: no reconnect, the linked engine keeps its leases and heartbeats; the duplicate's
+/// request is reported lost (recomputed) and its lease released at once over its own side
+/// channel; the mistake is said once.
+#[test]
+fn o4_a_duplicate_engine_id_is_not_read_and_its_lease_released_at_once() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    ready(&mut r, "P", at(0));
+    assert_eq!(heartbeat_ids(&poll(&mut r, at(0)), "P"), vec![1]);
+    let twin = Remote { port: 7001, incarnation: 12, ..p("P") };
+    r.track("b", &twin, 1, at(10));
+    assert!(!r.is_tracked("b"));
+    let acts = poll(&mut r, at(10));
+    assert!(acts.iter().any(|a| matches!(a, Action::Lost { request_id, lease_id: 1 } if request_id == "b")), "{acts:?}");
+    assert!(acts.contains(&Action::DuplicateEngine { engine_id: "P".into(), kept: endpoint(7000, 11), other: endpoint(7001, 12) }));
+    assert_eq!(
+        side_releases(&acts),
+        vec![SideChannelRelease {
+            engine_id: "P".into(),
+            host: "127.0.0.1".into(),
+            port: 7001,
+            granted_by: 12,
+            lease_ids: vec![1],
+            why: NotRead::Duplicate { kept: endpoint(7000, 11) },
+        }]
+    );
+    assert!(!acts.iter().any(|a| matches!(a, Action::Handshake { .. })), "no flapping: {acts:?}");
+    assert!(r.is_ready("P") && r.is_tracked("a"));
+    // Another of its requests: released too, the mistake not said again.
+    r.track("c", &twin, 2, at(20));
+    let acts = poll(&mut r, at(20));
+    assert!(!acts.iter().any(|a| matches!(a, Action::DuplicateEngine { .. })), "{acts:?}");
+    assert!(acts.iter().any(|a| matches!(a, Action::Lost { request_id, .. } if request_id == "c")));
+    // The linked engine is renewed as before.
+    assert_eq!(heartbeat_ids(&poll(&mut r, at(5_000)), "P"), vec![1]);
+}
+
+/// SPEC O4: while the handshake with one address is in flight, params of another incarnation at
+/// another address are not read either (their lease is released there at once), and the
+/// handshake in flight is not abandoned for them; once it answers, the mistake is said.
+#[test]
+fn o4_params_of_another_address_during_the_handshake_are_not_read() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { port: 7000, .. }]));
+    r.track("b", &Remote { port: 7001, incarnation: 12, ..p("P") }, 1, at(1));
+    let acts = poll(&mut r, at(1));
+    assert!(acts.iter().any(|a| matches!(a, Action::Lost { request_id, .. } if request_id == "b")), "{acts:?}");
+    assert_eq!(side_releases(&acts).iter().map(|s| (s.port, s.granted_by)).collect::<Vec<_>>(), vec![(7001, 12)]);
+    assert!(!acts.iter().any(|a| matches!(a, Action::Handshake { .. } | Action::DuplicateEngine { .. })), "{acts:?}");
+    assert!(r.is_tracked("a"), "lease ids of the two engines collide: the first keeps its own");
+    r.handshake_done("P", Ok(found(11)), at(2));
+    let acts = poll(&mut r, at(2));
+    assert!(acts.contains(&Action::DuplicateEngine { engine_id: "P".into(), kept: endpoint(7000, 11), other: endpoint(7001, 12) }));
+    assert_eq!(heartbeat_ids(&acts, "P"), vec![1]);
+}
+
+/// SPEC D5, §3: a restart elsewhere is not a duplicate: once the old address fails, params of
+/// the new address move D there; the old incarnation's lease is lost (it died with it), and
+/// nothing is released or said about a duplicate.
+#[test]
+fn d5_a_restart_at_another_address_moves_there_once_the_old_one_fails() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 1, at(0));
+    assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { port: 7000, .. }]));
+    r.handshake_done("P", Err(()), at(2));
+    r.track("b", &Remote { port: 7001, incarnation: 12, ..p("P") }, 1, at(3));
+    let acts = poll(&mut r, at(3));
+    assert!(acts.iter().any(|a| matches!(a, Action::Handshake { port: 7001, .. })), "{acts:?}");
+    r.handshake_done("P", Ok(found(12)), at(4));
+    let acts = poll(&mut r, at(4));
+    assert!(!acts.iter().any(|a| matches!(a, Action::DuplicateEngine { .. } | Action::ReleaseOverSideChannel(_))), "{acts:?}");
+    assert_eq!(heartbeat_ids(&acts, "P"), vec![1]);
+    assert!(r.is_tracked("b") && !r.is_tracked("a"));
 }

@@ -72,7 +72,10 @@ fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
         // For D, from a P engine.
         Message::HeartbeatAck { .. } | Message::LeaseLost { .. } | Message::ClockPong { .. } => renewal::on_message(inner, from, &msg),
         Message::ReadDoneAck { lease_id, live } => pull::on_read_done_ack(inner, rank, from, lease_id, live),
-        Message::Hello(_) => inner.metrics.rejected("malformed"),
+        // Side-channel messages have no business on a transfer agent.
+        Message::Hello(_) | Message::Refused { .. } | Message::SideRelease(_) | Message::SideReleaseAck { .. } => {
+            inner.metrics.rejected("malformed")
+        }
         // For P, from a D engine.
         Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {
             lease_holder::on_message(inner, rank, from, &msg)

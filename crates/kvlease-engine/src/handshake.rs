@@ -1,24 +1,32 @@
 //! The handshake, both ways: answering on our side channel and dialling a P engine's in the
-//! background (SPEC D5), then introducing the peer's transfer agents to ours.
+//! background (SPEC D5), then introducing the peer's transfer agents to ours. And releases over
+//! the side channel (SPEC O4), both ways: D delivers those no transfer link can carry, P applies
+//! them as the same release over the agents.
 //!
 //! The side channel ([`crate::side_channel`]) authenticates the bytes with the cluster secret
-//! (SPEC S1, S2); what a Hello must say to be accepted — the echo, the engine id, the geometry,
-//! agents named for their engine (S5) — is decided in `kvlease_core::peers`, and what a new
-//! incarnation means for leases in the renewer. This module moves bytes and agents.
+//! (SPEC S1, S2) and admits strangers so that they never keep a peer out (issue 22); what a Hello
+//! must say to be accepted — the echo, the engine id, the geometry, agents named for their engine
+//! (S5) — is decided in `kvlease_core::peers`, and what a new incarnation, a failed handshake or
+//! a duplicate engine id means for leases in the renewer. This module moves bytes and agents.
 
-use crate::side_channel::{self, write_frame, Side};
+use crate::lease_holder::settle;
+use crate::side_channel::{self, write_frame, DialError, Request};
 use crate::state::{lock, Inner};
 use crate::TransportKind;
 use kvlease_core::clock::ClockSample;
-use kvlease_core::peers::{check_agent_names, check_reply, Geometry, Refused};
-use kvlease_core::renewer::Handshook;
-use kvlease_core::wire::{Hello, Message};
-use std::net::SocketAddr;
+use kvlease_core::peers::{check_agent_names, check_reply, holder_name, Geometry, Refused};
+use kvlease_core::renewer::{Handshook, NotRead, SideChannelRelease};
+use kvlease_core::wire::{Hello, Message, SideRelease};
+use kvlease_transport::admission::{Admission, Unproven};
+use kvlease_transport::auth::{ClusterKey, Nonces, Side};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 /// A side-channel connection: a TCP socket, or an in-memory stream under the simulator.
 pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -47,15 +55,16 @@ impl Listener {
         }
     }
 
-    async fn accept(&mut self) -> std::io::Result<Box<dyn Stream>> {
+    /// The next connection, and the address it comes from.
+    async fn accept(&mut self) -> std::io::Result<(Box<dyn Stream>, IpAddr)> {
         match self {
             Listener::Tcp(l) => {
-                let (s, _) = l.accept().await?;
+                let (s, peer) = l.accept().await?;
                 s.set_nodelay(true).ok();
-                Ok(Box::new(s))
+                Ok((Box::new(s), peer.ip()))
             }
             Listener::Mem(l) => match l.accept().await {
-                Some(s) => Ok(Box::new(s)),
+                Some(s) => Ok((Box::new(s), IpAddr::V4(Ipv4Addr::LOCALHOST))),
                 None => Err(std::io::ErrorKind::NotConnected.into()),
             },
         }
@@ -114,12 +123,22 @@ pub(crate) fn our_hello(inner: &Inner) -> Hello {
     }
 }
 
-/// Answers handshakes: the side channel checks the peer's proof of the cluster secret and its
-/// signature, core checks its geometry; we reply with our Hello and introduce its agents.
+/// The key of every proof and signature on the side channel (SPEC S1, S2).
+fn cluster_key(inner: &Inner) -> ClusterKey {
+    ClusterKey::new(inner.cfg.secret.as_deref())
+}
+
+/// Answers handshakes and releases: the side channel checks the peer's proof of the cluster
+/// secret and its signature, core checks its geometry; we reply with our Hello (or say why not)
+/// and introduce its agents. Every connection is admitted: one that has proven nothing yet is
+/// evicted by newcomers once too many wait (oldest first), so strangers never keep a member of
+/// the cluster out (issue 22), and proven ones share a few places of their own.
 pub(crate) async fn serve(inner: Arc<Inner>, mut listener: Listener) {
-    let pending = Arc::new(tokio::sync::Semaphore::new(side_channel::MAX_PENDING));
+    let unproven = Admission::new(side_channel::MAX_UNPROVEN, side_channel::MAX_UNPROVEN_PER_SOURCE);
+    let proven = Arc::new(Semaphore::new(side_channel::MAX_PROVEN));
+    let key = Arc::new(cluster_key(&inner));
     loop {
-        let mut stream = match listener.accept().await {
+        let (mut stream, source) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -128,34 +147,62 @@ pub(crate) async fn serve(inner: Arc<Inner>, mut listener: Listener) {
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&pending).try_acquire_owned() else {
-            // A flood of handshakes: close at once rather than hold buffers for them all.
+        let (place, evicted) = unproven.admit(source);
+        for _ in 0..evicted {
             inner.metrics.rejected("overloaded");
-            continue;
-        };
-        let inner2 = inner.clone();
-        inner.tasks.spawn(async move {
-            let _slot = slot;
-            answer(&inner2, &mut stream).await;
-        });
+        }
+        let (inner2, key, proven) = (inner.clone(), key.clone(), proven.clone());
+        inner.tasks.spawn(async move { answer(&inner2, &key, &mut stream, place, &proven).await });
     }
 }
 
-async fn answer(inner: &Arc<Inner>, stream: &mut Box<dyn Stream>) {
-    let secret = inner.cfg.secret.clone();
-    let got = side_channel::accept(stream, secret.as_deref()).await;
-    let t_recv = inner.now().0;
-    let (hello, nonces) = match got {
-        Ok(h) => h,
-        Err(e) => {
-            if matches!(e, side_channel::HandshakeError::Unauthenticated) {
-                tracing::warn!("handshake refused: the peer does not hold this cluster's secret");
-            }
-            return e.reason().into_iter().for_each(|r| inner.metrics.rejected(r));
-        }
+async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Stream>, mut place: Unproven, proven: &Arc<Semaphore>) {
+    let proof = tokio::select! {
+        // A newcomer took its place (counted then).
+        _ = place.evicted() => return,
+        r = tokio::time::timeout(side_channel::PROOF_TIMEOUT, side_channel::challenge(stream, key)) => r,
     };
+    let nonces = match proof {
+        // Silent past the deadline: a probe or a stranger, nothing to count.
+        Err(_) => return,
+        Ok(Err(e)) => return refused(inner, &e),
+        Ok(Ok(n)) => n,
+    };
+    place.proven();
+    // A member of the cluster: it waits for one of the few places for proven handshakes.
+    let Ok(Ok(_permit)) = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, proven.clone().acquire_owned()).await else { return };
+    let request = match tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, side_channel::request(stream, key, &nonces)).await {
+        Err(_) => return,
+        Ok(Err(e)) => return refused(inner, &e),
+        Ok(Ok(r)) => r,
+    };
+    let t_recv = inner.now().0;
+    match request {
+        Request::Hello(hello) => answer_hello(inner, key, stream, hello, &nonces, t_recv).await,
+        Request::Release(release) => {
+            let ack = apply_side_release(inner, &release);
+            let _ = write_frame(stream, &ack).await;
+        }
+    }
+}
+
+/// A side-channel connection closed for `e`: counted, and logged when the peer lacks the secret.
+fn refused(inner: &Inner, e: &side_channel::HandshakeError) {
+    if matches!(e, side_channel::HandshakeError::Unauthenticated) {
+        tracing::warn!("handshake refused: the peer does not hold this cluster's secret");
+    }
+    if let Some(r) = e.reason() {
+        inner.metrics.rejected(r);
+    }
+}
+
+async fn answer_hello(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Stream>, hello: Hello, nonces: &Nonces, t_recv: u64) {
     if let Err(e) = geometry(inner).check_peer(&hello) {
-        tracing::warn!(peer = %hello.engine_id, "handshake refused: {e}");
+        // Said in both logs, in the same words: the field, its flag and both values.
+        let reason = e.between(&inner.cfg.engine_id, &hello.engine_id);
+        tracing::warn!(peer = %hello.engine_id, "handshake refused: {reason}");
+        inner.metrics.handshake_refused(e.label());
+        let _ = write_frame(stream, &Message::Refused { what: e.label().into(), reason }).await;
         return;
     }
     // The peer adds our agents only once it has our reply: introduce its agents to ours
@@ -173,8 +220,41 @@ async fn answer(inner: &Arc<Inner>, stream: &mut Box<dyn Stream>) {
     });
     let mut ours = our_hello(inner);
     ours.echo = (hello.t_send, t_recv);
-    side_channel::sign(secret.as_deref(), &nonces, Side::Server, &mut ours);
-    let _ = write_frame(stream, &Message::Hello(ours)).await;
+    let mut ours = Message::Hello(ours);
+    side_channel::sign(key, nonces, Side::Acceptor, &mut ours);
+    let _ = write_frame(stream, &ours).await;
+}
+
+/// P, SPEC O4: D releases leases over our side channel, since no transfer link can carry it.
+/// Applied to the lease table as the same `Release` from that holder (D's engine id and
+/// incarnation) over the agents would be: only the lease's holder, or anyone for a lease nobody
+/// claimed yet (SPEC S5). Leases of another incarnation of ours are not touched. Returns the
+/// answer.
+fn apply_side_release(inner: &Inner, r: &SideRelease) -> Message {
+    let lost = if r.granted_by != 0 && r.granted_by != inner.incarnation {
+        r.lease_ids.clone()
+    } else {
+        let mut released = Vec::new();
+        let answer = {
+            let mut table = lock(&inner.leases);
+            let holder = table.holder(&holder_name(&r.engine_id, r.incarnation));
+            table.on_message(holder, &Message::Release { lease_ids: r.lease_ids.clone() }, inner.now(), &mut released)
+        };
+        settle(inner, released);
+        match answer.reply {
+            Some(Message::LeaseLost { lease_ids }) => lease_ids,
+            _ => Vec::new(),
+        }
+    };
+    let n = r.lease_ids.len() - lost.len().min(r.lease_ids.len());
+    if r.what == "duplicate_engine_id" {
+        // The operator's mistake, named in our log too (D names it in its own).
+        tracing::warn!(peer = %r.engine_id, released = n, "leases released unread over the side channel: {}", r.why);
+        inner.metrics.handshake_refused("duplicate_engine_id");
+    } else {
+        tracing::info!(peer = %r.engine_id, released = n, "leases released unread over the side channel: {}", r.why);
+    }
+    Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: lost }
 }
 
 /// Checks a peer's geometry, adds its agents to every rank's agent, and checks they are named
@@ -220,14 +300,16 @@ pub(crate) fn drop_agents(inner: &Inner, agents: &[String]) {
     }
 }
 
-/// SPEC D5: a background handshake with a P engine; reports to the renewer when done.
+/// SPEC D5: a background handshake with a P engine; reports to the renewer when done. One that
+/// fails or is refused says why, and what happens to the requests waiting for it (SPEC O4).
 pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, port: u16) {
     let addr = format!("{host}:{port}");
     let ours = our_hello(&inner);
+    let key = cluster_key(&inner);
     let result = async {
         let run = async {
             let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| HandshakeFailed::Connect(addr.clone(), e))?;
-            Ok::<_, HandshakeFailed>(side_channel::exchange(stream, &addr, inner.cfg.secret.as_deref(), ours.clone()).await?)
+            Ok::<_, HandshakeFailed>(side_channel::exchange(stream, &addr, &key, ours.clone()).await?)
         };
         let theirs =
             tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, run).await.map_err(|_| HandshakeFailed::TimedOut(addr.clone()))??;
@@ -251,12 +333,80 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
             drop_agents(&inner, &taken.drop_agents);
         }
         Err(e) => {
-            tracing::warn!(engine = %engine_id, "handshake with {addr} failed: {e}; retrying with back-off");
-            lock(&inner.renewer).handshake_done(&engine_id, Err(()), now);
+            let why = match &e {
+                HandshakeFailed::Refused(r) => {
+                    inner.metrics.handshake_refused(r.label());
+                    format!("refused: {}", r.between(&inner.cfg.engine_id, &engine_id))
+                }
+                HandshakeFailed::Channel(DialError::Refused { what, .. }) => {
+                    inner.metrics.handshake_refused(if what == "geometry" { "geometry" } else { "other" });
+                    e.to_string()
+                }
+                e => e.to_string(),
+            };
+            let waiting = {
+                let mut renewer = lock(&inner.renewer);
+                renewer.handshake_done(&engine_id, Err(()), now);
+                renewer.tracked_toward(&engine_id)
+            };
+            tracing::warn!(
+                engine = %engine_id,
+                waiting,
+                "handshake with {addr} failed: {why}; the requests waiting for it are recomputed locally and their leases \
+                 released over its side channel (SPEC O4); retrying with back-off"
+            );
         }
     }
     inner.renewer_wake.notify_one();
     inner.bump_news();
+}
+
+/// D, SPEC O4: releases no transfer link can carry, delivered over the P engine's side channel;
+/// reports to the renewer, which retries a failure while it can still matter.
+pub(crate) async fn release_over_side_channel(inner: Arc<Inner>, batch: SideChannelRelease) {
+    let addr = format!("{}:{}", batch.host, batch.port);
+    let why = match &batch.why {
+        NotRead::NoLink => format!(
+            "engine {:?} has no transfer link to engine {:?} (its handshake failed or was refused) and recomputes these requests locally",
+            inner.cfg.engine_id, batch.engine_id
+        ),
+        NotRead::Duplicate { kept } => format!(
+            "two live engines claim engine id {:?}: engine {:?} reads from incarnation {:x} at {}:{} and will not read the leases of \
+             incarnation {:x} at {addr}; give each engine its own --engine-id",
+            batch.engine_id, inner.cfg.engine_id, kept.incarnation, kept.host, kept.port, batch.granted_by
+        ),
+    };
+    let release = SideRelease {
+        engine_id: inner.cfg.engine_id.clone(),
+        incarnation: inner.incarnation,
+        granted_by: batch.granted_by,
+        lease_ids: batch.lease_ids.clone(),
+        what: batch.why.label().into(),
+        why: why.clone(),
+        auth: Vec::new(),
+    };
+    let key = cluster_key(&inner);
+    let run = async {
+        let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| HandshakeFailed::Connect(addr.clone(), e))?;
+        Ok::<_, HandshakeFailed>(side_channel::release(stream, &addr, &key, release).await?)
+    };
+    let result = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, run).await.map_err(|_| HandshakeFailed::TimedOut(addr.clone()));
+    let now = inner.now();
+    let n = batch.lease_ids.len();
+    let outcome = match result.and_then(|r| r) {
+        Ok((incarnation, lost)) => {
+            let released = if batch.granted_by == 0 || batch.granted_by == incarnation { n - lost.len().min(n) } else { 0 };
+            inner.metrics.side_channel_releases.fetch_add(released as u64, Relaxed);
+            tracing::info!(engine = %batch.engine_id, "released {released} of {n} leases over the side channel at {addr}: {why}");
+            Ok(incarnation)
+        }
+        Err(e) => {
+            tracing::warn!(engine = %batch.engine_id, "cannot release {n} leases over the side channel at {addr}: {e}; retrying");
+            Err(())
+        }
+    };
+    lock(&inner.renewer).side_release_done(&batch, outcome, now);
+    inner.renewer_wake.notify_one();
 }
 
 /// A peer agent's connection broke. A P engine we renew with: forget its agents and handshake
@@ -299,6 +449,57 @@ mod tests {
         let a2 = a.clone();
         tokio::spawn(async move { a2.add_peer(&peer).await });
         a
+    }
+
+    /// Grants a lease on one block of `inner`'s pool, as a prefill would.
+    fn lease(inner: &Inner) -> u64 {
+        let blocks = inner.pool.alloc(1).expect("a free block");
+        let sorted = blocks.ids().to_vec();
+        let lease =
+            crate::state::Lease { blocks, sorted, request: "r".into(), prompt_digest: kvlease_core::digest::PromptDigest::of(&[1]) };
+        lock(&inner.leases).grant(inner.now(), 1, lease)
+    }
+
+    fn release_from(engine_id: &str, incarnation: u64, granted_by: u64, lease_ids: Vec<u64>) -> SideRelease {
+        SideRelease {
+            engine_id: engine_id.into(),
+            incarnation,
+            granted_by,
+            lease_ids,
+            what: "no_handshake".into(),
+            why: String::new(),
+            auth: vec![],
+        }
+    }
+
+    /// SPEC O4, S5: P applies a release over its side channel as the same release from that
+    /// holder over the agents: a lease nobody claimed yet, or the holder's own, ends at once as
+    /// `released`; another engine's lease is untouched and answered as lost; ids granted by
+    /// another incarnation of P are not touched at all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn o4_s5_a_release_over_the_side_channel_acts_as_the_holders_release() {
+        let p = EngineHandle::start(EngineConfig::default()).await.unwrap();
+        let inner = p.inner();
+        let (unclaimed, held) = (lease(inner), lease(inner));
+        // `held` is claimed by another decoder ("d2"), as a heartbeat over its agents would.
+        {
+            let mut table = lock(&inner.leases);
+            let d2 = table.holder(&holder_name("d2", 5));
+            let mut released = Vec::new();
+            table.on_message(d2, &Message::Heartbeat { seq: 1, lease_ids: vec![held] }, inner.now(), &mut released);
+        }
+        let other_incarnation = inner.incarnation.wrapping_add(1);
+        let ack = apply_side_release(inner, &release_from("d", 7, other_incarnation, vec![unclaimed]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![unclaimed] });
+        assert!(p.holds_lease(unclaimed), "ids of another incarnation name other leases: untouched");
+        let ack = apply_side_release(inner, &release_from("d", 7, inner.incarnation, vec![unclaimed, held]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![held] });
+        assert!(!p.holds_lease(unclaimed), "an unclaimed lease ends at once");
+        assert!(p.holds_lease(held), "another holder's lease is untouched (S5)");
+        let ack = apply_side_release(inner, &release_from("d2", 5, 0, vec![held]));
+        assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![] });
+        assert!(!p.holds_lease(held), "its holder's release ends it");
+        assert_eq!(inner.metrics.released(kvlease_core::lease_table::ReleaseReason::Released).load(Relaxed), 2);
     }
 
     /// SPEC S5: leases are held under agent names, so an engine of the cluster may introduce only

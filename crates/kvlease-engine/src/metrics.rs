@@ -13,6 +13,11 @@ use std::sync::Mutex;
 /// `overloaded` (a handshake refused because too many were pending).
 pub const REJECT_REASONS: [&str; 5] = ["malformed", "unknown_agent", "oversized", "unauthenticated", "overloaded"];
 
+/// The `reason` labels of `kvlease_handshakes_refused_total`: an operator's mistake between two
+/// engines, named in both logs (SPEC O4): a model geometry that differs (`--num-layers`, ...),
+/// two live engines with one `--engine-id`, or another refusal of a peer that holds the secret.
+pub const REFUSED_REASONS: [&str; 3] = ["geometry", "duplicate_engine_id", "other"];
+
 #[derive(Debug)]
 pub struct Histogram {
     bounds: &'static [f64],
@@ -103,6 +108,11 @@ pub struct Metrics {
     pub turns_recomputed: AtomicU64,
     /// Prompt tokens prefilled on this engine.
     pub prefill_tokens: AtomicU64,
+    /// Handshakes refused, or a peer's params refused, for an operator's mistake (SPEC O4).
+    pub handshakes_refused: [AtomicU64; REFUSED_REASONS.len()],
+    /// D: leases released over a P engine's side channel, no transfer link being there to carry
+    /// the release (SPEC O4).
+    pub side_channel_releases: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -131,6 +141,8 @@ impl Default for Metrics {
             turn_tokens_read: AtomicU64::new(0),
             turns_recomputed: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
+            handshakes_refused: Default::default(),
+            side_channel_releases: AtomicU64::new(0),
         }
     }
 }
@@ -149,6 +161,12 @@ impl Metrics {
                 0
             }
         };
+    }
+
+    /// Counts a refused handshake (or peer) under one of [`REFUSED_REASONS`] (others: `other`).
+    pub fn handshake_refused(&self, reason: &str) {
+        let i = REFUSED_REASONS.iter().position(|r| *r == reason).unwrap_or(REFUSED_REASONS.len() - 1);
+        self.handshakes_refused[i].fetch_add(1, Relaxed);
     }
 
     /// Prometheus text exposition format.
@@ -238,10 +256,27 @@ impl Metrics {
         for (i, r) in REJECT_REASONS.iter().enumerate() {
             let _ = writeln!(out, "kvlease_messages_rejected_total{{reason=\"{r}\"}} {}", self.messages_rejected[i].load(Relaxed));
         }
+        let _ = writeln!(
+            out,
+            "# HELP kvlease_handshakes_refused_total Handshakes (or a peer's params) refused for an operator's mistake, by reason.\n# TYPE kvlease_handshakes_refused_total counter"
+        );
+        for (i, r) in REFUSED_REASONS.iter().enumerate() {
+            let _ = writeln!(out, "kvlease_handshakes_refused_total{{reason=\"{r}\"}} {}", self.handshakes_refused[i].load(Relaxed));
+        }
+        one_counter(
+            &mut out,
+            "kvlease_side_channel_releases_total",
+            "Leases released over a prefill engine's side channel, with no transfer link to carry the release (D).",
+            self.side_channel_releases.load(Relaxed),
+        );
         self.heartbeat_lateness.render(&mut out, "kvlease_heartbeat_lateness_seconds", "Heartbeat send time minus due time (D).");
         self.lease_hold.render(&mut out, "kvlease_lease_hold_seconds", "Lease grant to release (P).");
         out
     }
+}
+
+fn one_counter(out: &mut String, name: &str, help: &str, v: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
 }
 
 #[cfg(test)]
@@ -281,6 +316,9 @@ mod tests {
             "kvlease_reads_refused_total ",
             "kvlease_messages_rejected_total{reason=\"unauthenticated\"} 0",
             "kvlease_messages_rejected_total{reason=\"overloaded\"} 0",
+            "kvlease_handshakes_refused_total{reason=\"geometry\"} 0",
+            "kvlease_handshakes_refused_total{reason=\"duplicate_engine_id\"} 0",
+            "kvlease_side_channel_releases_total 0",
         ] {
             assert!(text.contains(name), "missing {name}");
         }

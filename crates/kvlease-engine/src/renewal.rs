@@ -51,6 +51,20 @@ pub(crate) fn drive(inner: &Arc<Inner>) -> Option<Nanos> {
                 inner.bump_news();
             }
             Action::Forget { agents, .. } => handshake::drop_agents(inner, &agents),
+            Action::ReleaseOverSideChannel(batch) => {
+                let inner2 = inner.clone();
+                inner.tasks.spawn(async move { handshake::release_over_side_channel(inner2, batch).await });
+            }
+            Action::DuplicateEngine { engine_id, kept, other } => {
+                tracing::warn!(
+                    engine = %engine_id,
+                    "two live engines claim engine id {engine_id:?}: incarnation {:x} at {}:{}, which this engine is linked to, and \
+                     incarnation {:x} at {}:{}; reading from the first only, recomputing the other's requests and releasing their \
+                     leases at once (SPEC O4); give each engine its own --engine-id",
+                    kept.incarnation, kept.host, kept.port, other.incarnation, other.host, other.port
+                );
+                inner.metrics.handshake_refused("duplicate_engine_id");
+            }
         }
     }
     next

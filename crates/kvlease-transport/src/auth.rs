@@ -1,18 +1,36 @@
-//! Proof that a peer agent holds the cluster secret (SPEC S2), for both networked backends:
-//! the tcp backend's connection handshake (a challenge-response in each direction) and the nixl
-//! backend's notification tags (a MAC and a counter on every notification). Pure functions of
-//! keys and bytes, plus the OS's random nonces; the backends decide what to do with a verdict.
+//! Proof that a peer holds the cluster secret (SPEC S2), for every channel between engines: the
+//! tcp backend's connection handshake and the engine's side channel (one challenge-response, the
+//! same order for both), and the nixl backend's notification tags (a MAC and a counter on every
+//! notification). Pure functions of keys and bytes, plus the OS's random nonces; the channels
+//! decide what to do with a verdict.
+//!
+//! The handshake, on both channels (`K` the secret, `·` concatenation):
+//!
+//! ```text
+//! dialer                                             acceptor
+//!                                                 ←  nonce_a (fresh)
+//!   nonce_d, HMAC(K, dial · names · nonce_d · nonce_a) →
+//!                                                 ←  HMAC(K, accept · names · nonce_d · nonce_a)
+//! ```
+//!
+//! **The dialer proves first.** An acceptor's port is reachable by anyone; a dialer dials only
+//! addresses it has reason to trust (signed `kv_transfer_params`, or an agent its engine was
+//! introduced to). So the acceptor sends nothing computed from the secret until the dialer has
+//! proven it holds it: whoever merely reaches a port gets a nonce and nothing to test guesses of
+//! a weak secret against offline. The acceptor's proof then tells the dialer it reached a member
+//! of the cluster, before it sends anything worth having (its agents' metadata).
 //!
 //! Agent names (`{engine_id}/{incarnation:x}/{rank}`) are public: any HTTP client can learn
 //! them. What an outsider cannot learn is the secret, so every proof is an HMAC-SHA256 under it,
-//! bound to both agents' names (which include their incarnations) so a proof for one pair is
-//! worth nothing for another. Each MAC input starts with its own label (`kvlease-agent-…`,
-//! `kvlease-nixl-…`), which no other MAC under the secret starts with (the engine's begin with
-//! `kvlease-hello-v2`, `kvlease-side-channel-` or a length), and variable fields are length-prefixed, so no input of one
-//! kind can be read as another. Tags are compared in constant time (`hmac`'s `verify_slice`).
+//! bound to both peers' names where the channel knows them (the tcp agents' names, which include
+//! their incarnations) so a proof for one pair is worth nothing for another. Each MAC input starts
+//! with its own label (`kvlease-agent-…`, `kvlease-side-channel-…`, `kvlease-nixl-…`), which no
+//! other MAC under the secret starts with (the params' begin with a length), and variable fields
+//! are length-prefixed, so no input of one kind can be read as another. Tags are compared in
+//! constant time (`hmac`'s `verify_slice`).
 //!
 //! Without a secret the same exchange runs under the empty key: it proves nothing (anyone can
-//! compute it), and the agents must then be reachable from the local host only (SPEC S3).
+//! compute it), and the engines must then be reachable from the local host only (SPEC S3).
 
 use crate::TransportError;
 use hmac::{Hmac, Mac};
@@ -20,15 +38,45 @@ use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
-pub(crate) const NONCE_LEN: usize = 32;
-pub(crate) const TAG_LEN: usize = 32;
-pub(crate) type Nonce = [u8; NONCE_LEN];
-pub(crate) type Tag = [u8; TAG_LEN];
+pub const NONCE_LEN: usize = 32;
+pub const TAG_LEN: usize = 32;
+pub type Nonce = [u8; NONCE_LEN];
+pub type Tag = [u8; TAG_LEN];
 
-/// What the acceptor of a tcp connection proves (it holds the secret, now, for this dial).
-const ACCEPT: &[u8] = b"kvlease-agent-accept-v1";
-/// What the dialer of a tcp connection proves.
-const DIAL: &[u8] = b"kvlease-agent-dial-v1";
+/// Which channel a handshake runs on: each has its own labels, so a proof made for one is worth
+/// nothing on the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    /// A tcp transfer agent's connection (names: both agents').
+    Agent,
+    /// The engine's handshake side channel (no names: they travel in the signed Hellos).
+    SideChannel,
+}
+
+impl Channel {
+    /// (the dialer's label, the acceptor's label, the label of a signed frame). Version 2 of the
+    /// agent's: the dialer proves first.
+    fn labels(self) -> (&'static [u8], &'static [u8], &'static [u8]) {
+        match self {
+            Channel::Agent => (b"kvlease-agent-dial-v2", b"kvlease-agent-accept-v2", b"kvlease-agent-frame-v2"),
+            Channel::SideChannel => (b"kvlease-side-channel-dial-v3", b"kvlease-side-channel-accept-v3", b"kvlease-side-channel-frame-v3"),
+        }
+    }
+}
+
+/// Which side of a connection made a proof or signed a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Dialer,
+    Acceptor,
+}
+
+/// The two fresh nonces of one connection: the acceptor's challenge and the dialer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nonces {
+    pub dialer: Nonce,
+    pub acceptor: Nonce,
+}
 /// Derives the key of the notifications one nixl agent sends another.
 #[cfg(any(feature = "nixl", test))]
 const NOTIF: &[u8] = b"kvlease-nixl-notif-v1";
@@ -42,7 +90,7 @@ const WINDOW_WORDS: usize = (REPLAY_WINDOW / 64) as usize;
 
 /// The cluster secret, as the key of every proof: HMAC-SHA256 keyed once, cloned per use.
 #[derive(Clone)]
-pub(crate) struct ClusterKey {
+pub struct ClusterKey {
     mac: HmacSha256,
 }
 
@@ -68,38 +116,65 @@ impl ClusterKey {
         ClusterKey { mac: keyed(secret.unwrap_or_default()) }
     }
 
-    fn handshake(&self, label: &[u8], dialer: &str, acceptor: &str, dialer_nonce: &Nonce, acceptor_nonce: &Nonce) -> HmacSha256 {
+    fn handshake(&self, channel: Channel, side: Side, dialer: &str, acceptor: &str, n: &Nonces) -> HmacSha256 {
+        let (dial, accept, _) = channel.labels();
         let mut mac = self.mac.clone();
-        mac.update(label);
+        mac.update(match side {
+            Side::Dialer => dial,
+            Side::Acceptor => accept,
+        });
         put_name(&mut mac, dialer);
         put_name(&mut mac, acceptor);
-        mac.update(dialer_nonce);
-        mac.update(acceptor_nonce);
+        mac.update(&n.dialer);
+        mac.update(&n.acceptor);
         mac
     }
 
-    /// The acceptor's proof, answering the dialer's nonce.
-    pub fn accept_tag(&self, dialer: &str, acceptor: &str, dialer_nonce: &Nonce, acceptor_nonce: &Nonce) -> Tag {
-        self.handshake(ACCEPT, dialer, acceptor, dialer_nonce, acceptor_nonce).finalize().into_bytes().into()
+    /// The dialer's proof, answering the acceptor's challenge: sent first (see the module doc).
+    pub fn dial_tag(&self, channel: Channel, dialer: &str, acceptor: &str, n: &Nonces) -> Tag {
+        self.handshake(channel, Side::Dialer, dialer, acceptor, n).finalize().into_bytes().into()
     }
 
-    pub fn verify_accept(&self, dialer: &str, acceptor: &str, dialer_nonce: &Nonce, acceptor_nonce: &Nonce, tag: &[u8]) -> bool {
-        self.handshake(ACCEPT, dialer, acceptor, dialer_nonce, acceptor_nonce).verify_slice(tag).is_ok()
+    pub fn verify_dial(&self, channel: Channel, dialer: &str, acceptor: &str, n: &Nonces, tag: &[u8]) -> bool {
+        self.handshake(channel, Side::Dialer, dialer, acceptor, n).verify_slice(tag).is_ok()
     }
 
-    /// The dialer's proof, answering the acceptor's nonce.
-    pub fn dial_tag(&self, dialer: &str, acceptor: &str, dialer_nonce: &Nonce, acceptor_nonce: &Nonce) -> Tag {
-        self.handshake(DIAL, dialer, acceptor, dialer_nonce, acceptor_nonce).finalize().into_bytes().into()
+    /// The acceptor's proof: sent only once the dialer's has been checked.
+    pub fn accept_tag(&self, channel: Channel, dialer: &str, acceptor: &str, n: &Nonces) -> Tag {
+        self.handshake(channel, Side::Acceptor, dialer, acceptor, n).finalize().into_bytes().into()
     }
 
-    pub fn verify_dial(&self, dialer: &str, acceptor: &str, dialer_nonce: &Nonce, acceptor_nonce: &Nonce, tag: &[u8]) -> bool {
-        self.handshake(DIAL, dialer, acceptor, dialer_nonce, acceptor_nonce).verify_slice(tag).is_ok()
+    pub fn verify_accept(&self, channel: Channel, dialer: &str, acceptor: &str, n: &Nonces, tag: &[u8]) -> bool {
+        self.handshake(channel, Side::Acceptor, dialer, acceptor, n).verify_slice(tag).is_ok()
+    }
+
+    fn frame(&self, channel: Channel, side: Side, n: &Nonces, frame: &[u8]) -> HmacSha256 {
+        let mut mac = self.mac.clone();
+        mac.update(channel.labels().2);
+        mac.update(&n.dialer);
+        mac.update(&n.acceptor);
+        mac.update(match side {
+            Side::Dialer => b"dialer",
+            Side::Acceptor => b"accept",
+        });
+        mac.update(frame);
+        mac
+    }
+
+    /// A MAC over `frame`, sent by `side` on the connection these nonces opened: a frame recorded
+    /// on one connection does not verify on another, nor as the other side's (reflected).
+    pub fn frame_tag(&self, channel: Channel, side: Side, n: &Nonces, frame: &[u8]) -> Tag {
+        self.frame(channel, side, n, frame).finalize().into_bytes().into()
+    }
+
+    pub fn verify_frame(&self, channel: Channel, side: Side, n: &Nonces, frame: &[u8], tag: &[u8]) -> bool {
+        self.frame(channel, side, n, frame).verify_slice(tag).is_ok()
     }
 
     /// The key of the notifications `sender` sends `receiver`: one per ordered pair, so a tag
     /// is not valid for another pair, nor the other way round.
     #[cfg(any(feature = "nixl", test))]
-    pub fn notif_key(&self, sender: &str, receiver: &str) -> NotifKey {
+    pub(crate) fn notif_key(&self, sender: &str, receiver: &str) -> NotifKey {
         let mut mac = self.mac.clone();
         mac.update(NOTIF);
         put_name(&mut mac, sender);
@@ -134,7 +209,7 @@ impl NotifKey {
 }
 
 /// A fresh random nonce from the OS.
-pub(crate) fn nonce() -> Result<Nonce, TransportError> {
+pub fn nonce() -> Result<Nonce, TransportError> {
     let mut n = [0u8; NONCE_LEN];
     getrandom::fill(&mut n).map_err(|e| TransportError::Io(format!("no randomness from the OS for a handshake nonce: {e}")))?;
     Ok(n)
@@ -203,33 +278,54 @@ impl ReplayWindow {
 mod tests {
     use super::*;
 
+    /// SPEC S2: a proof verifies only for the same secret, channel, names, nonces and direction.
     #[test]
     fn proofs_verify_only_for_the_same_secret_names_nonces_and_direction_s2() {
         let k = ClusterKey::new(Some(b"cluster secret"));
-        let (na, nb) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let a = k.accept_tag("d/1/0", "p/2/0", &na, &nb);
-        let d = k.dial_tag("d/1/0", "p/2/0", &na, &nb);
-        assert!(k.verify_accept("d/1/0", "p/2/0", &na, &nb, &a));
-        assert!(k.verify_dial("d/1/0", "p/2/0", &na, &nb, &d));
+        let n = Nonces { dialer: [1u8; NONCE_LEN], acceptor: [2u8; NONCE_LEN] };
+        let ag = Channel::Agent;
+        let a = k.accept_tag(ag, "d/1/0", "p/2/0", &n);
+        let d = k.dial_tag(ag, "d/1/0", "p/2/0", &n);
+        assert!(k.verify_accept(ag, "d/1/0", "p/2/0", &n, &a));
+        assert!(k.verify_dial(ag, "d/1/0", "p/2/0", &n, &d));
         // A reflected proof (the acceptor's, replayed as the dialer's) is not a proof.
-        assert!(!k.verify_dial("d/1/0", "p/2/0", &na, &nb, &a));
-        assert!(!k.verify_accept("d/1/0", "p/2/0", &na, &nb, &d));
+        assert!(!k.verify_dial(ag, "d/1/0", "p/2/0", &n, &a));
+        assert!(!k.verify_accept(ag, "d/1/0", "p/2/0", &n, &d));
+        let swapped = Nonces { dialer: n.acceptor, acceptor: n.dialer };
+        let other = Nonces { acceptor: [3u8; NONCE_LEN], ..n };
         for wrong in [
-            k.verify_dial("d/1/0", "p/3/0", &na, &nb, &d),               // another incarnation
-            k.verify_dial("p/2/0", "d/1/0", &na, &nb, &d),               // names swapped
-            k.verify_dial("d/1/0p", "/2/0", &na, &nb, &d),               // the same bytes, cut elsewhere
-            k.verify_dial("d/1/0", "p/2/0", &nb, &na, &d),               // nonces swapped
-            k.verify_dial("d/1/0", "p/2/0", &na, &[3u8; NONCE_LEN], &d), // another challenge
-            ClusterKey::new(Some(b"another secret")).verify_dial("d/1/0", "p/2/0", &na, &nb, &d), // another secret
-            ClusterKey::new(None).verify_dial("d/1/0", "p/2/0", &na, &nb, &d), // no secret
-            k.verify_dial("d/1/0", "p/2/0", &na, &nb, &d[..31]),         // truncated
+            k.verify_dial(ag, "d/1/0", "p/3/0", &n, &d),                   // another incarnation
+            k.verify_dial(ag, "p/2/0", "d/1/0", &n, &d),                   // names swapped
+            k.verify_dial(ag, "d/1/0p", "/2/0", &n, &d),                   // the same bytes, cut elsewhere
+            k.verify_dial(ag, "d/1/0", "p/2/0", &swapped, &d),             // nonces swapped
+            k.verify_dial(ag, "d/1/0", "p/2/0", &other, &d),               // another challenge
+            k.verify_dial(Channel::SideChannel, "d/1/0", "p/2/0", &n, &d), // another channel
+            ClusterKey::new(Some(b"another secret")).verify_dial(ag, "d/1/0", "p/2/0", &n, &d), // another secret
+            ClusterKey::new(None).verify_dial(ag, "d/1/0", "p/2/0", &n, &d), // no secret
+            k.verify_dial(ag, "d/1/0", "p/2/0", &n, &d[..31]),             // truncated
         ] {
             assert!(!wrong);
         }
         // Without a secret the exchange still works (and proves nothing).
         let none = ClusterKey::new(None);
-        assert!(none.verify_accept("a", "b", &na, &nb, &none.accept_tag("a", "b", &na, &nb)));
-        assert_eq!(none.accept_tag("a", "b", &na, &nb), ClusterKey::new(Some(b"")).accept_tag("a", "b", &na, &nb));
+        assert!(none.verify_accept(ag, "a", "b", &n, &none.accept_tag(ag, "a", "b", &n)));
+        assert_eq!(none.accept_tag(ag, "a", "b", &n), ClusterKey::new(Some(b"")).accept_tag(ag, "a", "b", &n));
+    }
+
+    /// SPEC S2: a signed frame verifies only on its own connection, from its own side.
+    #[test]
+    fn frames_do_not_replay_or_reflect_s2() {
+        let k = ClusterKey::new(Some(b"k"));
+        let sc = Channel::SideChannel;
+        let (a, b) =
+            (Nonces { dialer: [1; NONCE_LEN], acceptor: [2; NONCE_LEN] }, Nonces { dialer: [1; NONCE_LEN], acceptor: [3; NONCE_LEN] });
+        let t = k.frame_tag(sc, Side::Dialer, &a, b"hello");
+        assert!(k.verify_frame(sc, Side::Dialer, &a, b"hello", &t));
+        assert!(!k.verify_frame(sc, Side::Dialer, &b, b"hello", &t), "replayed on another connection");
+        assert!(!k.verify_frame(sc, Side::Acceptor, &a, b"hello", &t), "reflected");
+        assert!(!k.verify_frame(sc, Side::Dialer, &a, b"hellO", &t), "altered");
+        assert!(!k.verify_frame(Channel::Agent, Side::Dialer, &a, b"hello", &t), "another channel");
+        assert!(!ClusterKey::new(Some(b"other")).verify_frame(sc, Side::Dialer, &a, b"hello", &t), "another secret");
     }
 
     #[test]

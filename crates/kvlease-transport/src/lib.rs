@@ -15,8 +15,9 @@
 //! The networked backends take the cluster secret and accept a peer's name only with proof that
 //! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
 
+pub mod admission;
 mod arena;
-mod auth;
+pub mod auth;
 pub mod mem;
 #[cfg(feature = "nixl")]
 pub mod nixl;

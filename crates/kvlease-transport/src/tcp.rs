@@ -4,42 +4,51 @@
 //! Who talks to us (SPEC S2, P7): only agents introduced by [`Agent::add_peer`] that prove they
 //! hold the cluster secret ([`TcpOptions::secret`]). A name proves nothing by itself: agent names
 //! (`{engine_id}/{incarnation}/{rank}`) are public, any HTTP client can learn them. So every
-//! connection is mutually authenticated before either side adopts it (`K` the secret):
+//! connection is mutually authenticated before either side adopts it (`K` the secret), with the
+//! challenge-response the engine's side channel uses too (the crate's `auth` module):
 //!
 //! ```text
 //! dialer D                                          acceptor P
 //!   Hello{from D, to P, nonce_d}                 →
-//!                                                ←  HelloChallenge{nonce_p, HMAC(K, "accept" · D · P · nonce_d · nonce_p)}
+//!                                                ←  HelloChallenge{nonce_p}
 //!   HelloProof{HMAC(K, "dial" · D · P · nonce_d · nonce_p)} →
-//!                                                ←  HelloAck (adopted) or HelloNack (P keeps its own dial)
+//!                                                ←  HelloAck or HelloNack{HMAC(K, "accept" · D · P · nonce_d · nonce_p)}
 //! ```
 //!
 //! Why this shape: each side proves the secret on a nonce the other chose just now, so nothing
 //! recorded from an earlier connection can be replayed; both names (with their incarnations) and
 //! a label per direction are in every proof, so a proof is worth nothing for another pair, for
-//! the other direction, or reflected back (an acceptor cannot be used as an oracle for the
-//! dialer's proof); the acceptor proves itself first, so a dialer learns at once that it reached
-//! an agent with another secret, and says so in `add_peer`'s error. It costs one round trip per
-//! connection more than an unauthenticated hello, and nothing per frame. (The labels and the
-//! encoding are in the crate's `auth` module.)
+//! the other direction, or reflected back. **The dialer proves first**: anyone can reach an
+//! acceptor's port, and it hands out nothing computed from the secret until the dialer has
+//! proven it holds it, so nobody gets a MAC to test guesses of a weak secret against offline (a
+//! dialer only dials agents its engine was introduced to over the signed handshake). The dialer
+//! checks the acceptor's proof before it adopts the connection or believes a `HelloNack`, and
+//! says so in `add_peer`'s error when it fails. It costs one round trip per connection more than
+//! an unauthenticated hello, and nothing per frame.
 //!
 //! The acceptor checks the proof *before* it looks at its peers: the hold for `add_peer`, the
 //! tie-break between simultaneous dials and the replacement of an older connection act only on
 //! proven connections. A connection that does not prove itself (a wrong proof, anything else, or
-//! nothing within [`TcpOptions::hold_unknown`]) is closed and counted as `unauthenticated`, and
-//! never touches the connection of the agent it claimed to be. Notifications and reads travel
-//! only on adopted connections, so they are authenticated by construction.
+//! nothing within [`TcpOptions::proof_timeout`]) is closed and counted as `unauthenticated` (as
+//! `unknown_agent` when it never said hello), and never touches the connection of the agent it
+//! claimed to be. Notifications and reads travel only on adopted connections, so they are
+//! authenticated by construction.
 //!
 //! What it does not do: authenticate each frame. An attacker on the path, who can inject into or
 //! take over an established TCP connection, is out of scope (that needs TLS or IPsec). Without a
 //! secret the exchange runs under the empty key and proves nothing: the agents must then listen
 //! on loopback only (SPEC S3; the binary enforces it).
 //!
-//! What a stranger can cost us: a handshake frame's length is checked (at most `MAX_HELLO`, about
-//! 2 KiB) before its body is read, the handshake buffers nothing else, it must be proven within
-//! `hold_unknown`, and at most [`TcpOptions::max_handshakes`] inbound connections are in their
-//! handshake (or waiting for `add_peer`) at once: beyond, new ones are closed at once and
-//! counted as `overloaded`.
+//! What a stranger can cost us, and why it cannot keep a peer out (issue 22): a handshake
+//! frame's length is checked (at most `MAX_HELLO`, about 2 KiB) before its body is read, and the
+//! handshake buffers nothing else. Until it has proven the secret, a connection is one of at most
+//! [`TcpOptions::max_unproven`] (at most [`TcpOptions::max_unproven_per_source`] from one address)
+//! and must prove itself within [`TcpOptions::proof_timeout`]; a newcomer beyond either cap
+//! evicts the oldest unproven connection (of its own address first, counted as `overloaded`), so
+//! a real peer, which answers within a round trip, always gets in (`crate::admission`). Proven
+//! connections waiting for `add_peer` are capped apart ([`TcpOptions::max_handshakes`]); strangers
+//! never take their places. Established connections run on their own tasks: nothing on them
+//! waits for a handshake.
 //!
 //! A proven connection from an agent not (yet) added is held for `hold_unknown` waiting for the
 //! engine's `add_peer`, then dropped and counted as `unknown_agent`. When both sides dial at
@@ -63,7 +72,8 @@
 
 mod wire;
 
-use crate::auth::{self, ClusterKey};
+use crate::admission::{Admission, Unproven};
+use crate::auth::{self, Channel, ClusterKey, Nonces};
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
 use std::collections::HashMap;
 use std::future::Future;
@@ -102,12 +112,20 @@ pub struct TcpOptions {
     /// nothing, so listen on loopback only (SPEC S3).
     pub secret: Option<Vec<u8>>,
     /// How long a dialer has to say hello and prove the secret before its connection is dropped
-    /// (as `unknown_agent` without a hello, `unauthenticated` without the proof); then how long a
-    /// proven connection from an agent not yet added waits for `add_peer` before it is dropped
-    /// as `unknown_agent`.
+    /// (as `unknown_agent` without a hello, `unauthenticated` without the proof). Short: a peer
+    /// answers within a round trip, and a stranger holds its place no longer than this.
+    pub proof_timeout: Duration,
+    /// The most inbound connections that have not proven the secret yet; a newcomer beyond it
+    /// evicts the oldest (counted as `overloaded`), so strangers can never keep a peer out.
+    pub max_unproven: usize,
+    /// Of those, the most from one address: a newcomer from an address at this cap evicts that
+    /// address's oldest unproven connection, not another address's.
+    pub max_unproven_per_source: usize,
+    /// How long a proven connection from an agent not yet added waits for `add_peer` before it
+    /// is dropped as `unknown_agent`.
     pub hold_unknown: Duration,
-    /// The most inbound connections in their handshake or waiting for `add_peer` at once; more
-    /// are closed at once and counted as `overloaded`. Bounds what strangers can hold.
+    /// The most proven inbound connections waiting for `add_peer` (or being adopted) at once;
+    /// more are closed at once and counted as `overloaded`. Only holders of the secret get here.
     pub max_handshakes: usize,
     /// How long `add_peer` tries to get a connection up.
     pub connect_timeout: Duration,
@@ -132,6 +150,9 @@ impl std::fmt::Debug for TcpOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpOptions")
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("proof_timeout", &self.proof_timeout)
+            .field("max_unproven", &self.max_unproven)
+            .field("max_unproven_per_source", &self.max_unproven_per_source)
             .field("hold_unknown", &self.hold_unknown)
             .field("max_handshakes", &self.max_handshakes)
             .field("connect_timeout", &self.connect_timeout)
@@ -147,8 +168,11 @@ impl Default for TcpOptions {
     fn default() -> Self {
         TcpOptions {
             secret: None,
+            proof_timeout: Duration::from_secs(2),
+            max_unproven: 1024,
+            max_unproven_per_source: 256,
             hold_unknown: Duration::from_secs(5),
-            max_handshakes: 256,
+            max_handshakes: 64,
             connect_timeout: Duration::from_secs(10),
             max_frame: 16 * 1024 * 1024,
             write_stall: Duration::from_secs(10),
@@ -179,7 +203,9 @@ struct Inner {
     options: TcpOptions,
     /// The key of every handshake proof, from `options.secret`.
     key: ClusterKey,
-    /// Inbound connections not yet adopted nor closed (see [`TcpOptions::max_handshakes`]).
+    /// Inbound connections that have not proven the secret yet (see [`TcpOptions::max_unproven`]).
+    admission: Admission,
+    /// Proven inbound connections not yet adopted nor closed (see [`TcpOptions::max_handshakes`]).
     handshakes: AtomicUsize,
     state: Mutex<State>,
     /// Signalled whenever `state` changes in a way a waiter may care about.
@@ -317,7 +343,9 @@ impl TcpAgent {
             addr.set_ip(ip);
         }
         let key = ClusterKey::new(options.secret.as_deref());
+        let admission = Admission::new(options.max_unproven, options.max_unproven_per_source);
         let inner = Arc::new(Inner {
+            admission,
             name,
             addr,
             arena,
@@ -509,13 +537,14 @@ impl Inner {
             tokio::select! {
                 _ = &mut stop => return,
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => match HandshakeSlot::take(&self) {
-                        Some(slot) => {
-                            tokio::spawn(Arc::clone(&self).accept_inbound(stream, slot));
+                    Ok((stream, source)) => {
+                        // Always admitted: at the cap, the oldest stranger makes room.
+                        let (place, evicted) = self.admission.admit(source.ip());
+                        for _ in 0..evicted {
+                            self.reject("overloaded");
                         }
-                        // Too many connections in their handshake: this one costs nothing more.
-                        None => self.reject("overloaded"),
-                    },
+                        tokio::spawn(Arc::clone(&self).accept_inbound(stream, place));
+                    }
                     // Out of descriptors or similar: back off instead of spinning.
                     Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                 },
@@ -532,12 +561,15 @@ impl Inner {
     }
 
     /// Handshake of a connection someone dialed to us: the dialer proves who it is, waits for
-    /// `add_peer` if need be, and is adopted (or told to wait for our own dial).
-    async fn accept_inbound(self: Arc<Self>, stream: TcpStream, slot: HandshakeSlot) {
+    /// `add_peer` if need be, and is adopted (or told to wait for our own dial), with our proof.
+    async fn accept_inbound(self: Arc<Self>, stream: TcpStream, place: Unproven) {
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
         let (mut rd, mut wr) = stream.into_split();
-        let Some(from) = self.prove_inbound(&mut rd, &mut wr).await else { return };
+        let Some((from, nonces)) = self.prove_inbound(&mut rd, &mut wr, place).await else { return };
+        // Proven: one of the few places for a holder of the secret (never a stranger's).
+        let Some(slot) = HandshakeSlot::take(&self) else { return self.reject("overloaded") };
+        let ours = self.key.accept_tag(Channel::Agent, &from, &self.name, &nonces);
 
         // Hold the connection until the engine adds the peer (SPEC S2), or give up.
         let deadline = Instant::now() + self.options.hold_unknown;
@@ -587,7 +619,7 @@ impl Inner {
                     let (conn, queues) = Conn::new(from, false, ends);
                     // Queued before anyone else can see the connection: the first frame out.
                     // (Not through `send_ctrl`: closing needs the state lock we hold.)
-                    let ack = Outgoing::hello_ack();
+                    let ack = Outgoing::hello_ack(&ours);
                     conn.queued.fetch_add(ack.len(), Ordering::Relaxed);
                     let _ = conn.ctrl.send(ack);
                     let old = peer.conn.replace(Arc::clone(&conn));
@@ -601,7 +633,7 @@ impl Inner {
             Verdict::Closed => {}
             Verdict::Unknown => self.reject("unknown_agent"),
             Verdict::Nack => {
-                let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(&Outgoing::hello_nack().to_bytes())).await;
+                let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(&Outgoing::hello_nack(&ours).to_bytes())).await;
             }
             Verdict::Adopt(conn, queues, old) => {
                 let rd = BufReader::with_capacity(READ_BUFFER, rd);
@@ -615,40 +647,56 @@ impl Inner {
         }
     }
 
-    /// The unauthenticated part of an inbound connection, all within `hold_unknown`: the
-    /// dialer's `Hello`, our proof, its proof (SPEC S2; see the module doc). Returns the proven
-    /// dialer's name; otherwise the refusal is counted and the connection is to be closed.
-    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Option<String> {
-        let deadline = Instant::now() + self.options.hold_unknown;
-        let hello = match self.bounded(deadline, read_handshake_frame(rd)).await? {
-            Err(_) => return self.refuse("unknown_agent"), // never said who it is
-            Ok(Err(HandshakeError::Closed)) => return None,
-            Ok(Err(HandshakeError::Broken)) => return self.refuse("malformed"),
-            Ok(Ok((wire::HELLO, body))) => match wire::decode_hello(&body) {
-                Some(h) => h,
-                None => return self.refuse("malformed"),
-            },
-            Ok(Ok(_)) => return self.refuse("malformed"),
-        };
-        if hello.to != self.name || hello.from == self.name {
-            return self.refuse("unknown_agent");
-        }
-        let nonce = auth::nonce().ok()?;
-        let ours = self.key.accept_tag(&hello.from, &self.name, &hello.nonce, &nonce);
-        let challenge = Outgoing::hello_challenge(&nonce, &ours).to_bytes();
-        let answer = self
-            .bounded(deadline, async {
-                wr.write_all(&challenge).await.map_err(|_| HandshakeError::Closed)?;
-                read_handshake_frame(rd).await
-            })
-            .await?;
-        // Anything but a valid proof in time (a wrong one, another frame, silence, a close)
-        // is a failed proof.
-        match answer {
-            Ok(Ok((wire::HELLO_PROOF, proof))) if self.key.verify_dial(&hello.from, &self.name, &hello.nonce, &nonce, &proof) => {
-                Some(hello.from)
+    /// The unauthenticated part of an inbound connection, all within `proof_timeout` and unless
+    /// a newcomer evicts it first: the dialer's `Hello`, our challenge, its proof (SPEC S2; see
+    /// the module doc). Nothing we send depends on the secret. Returns the proven dialer's name
+    /// and the connection's nonces; otherwise the refusal is counted and the connection is to be
+    /// closed.
+    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, mut place: Unproven) -> Option<(String, Nonces)> {
+        let deadline = Instant::now() + self.options.proof_timeout;
+        let said_hello = std::sync::atomic::AtomicBool::new(false);
+        let exchange = async {
+            let hello = match read_handshake_frame(rd).await {
+                Err(HandshakeError::Closed) => return Err(None),
+                Err(HandshakeError::Broken) => return Err(Some("malformed")),
+                Ok((wire::HELLO, body)) => wire::decode_hello(&body).ok_or(Some("malformed"))?,
+                Ok(_) => return Err(Some("malformed")),
+            };
+            said_hello.store(true, Ordering::Relaxed);
+            if hello.to != self.name || hello.from == self.name {
+                return Err(Some("unknown_agent"));
             }
-            _ => self.refuse("unauthenticated"),
+            let nonces = Nonces { dialer: hello.nonce, acceptor: auth::nonce().map_err(|_| None)? };
+            wr.write_all(&Outgoing::hello_challenge(&nonces.acceptor).to_bytes()).await.map_err(|_| Some("unauthenticated"))?;
+            // Anything but a valid proof (a wrong one, another frame, a close) is a failed proof.
+            match read_handshake_frame(rd).await {
+                Ok((wire::HELLO_PROOF, proof)) if self.key.verify_dial(Channel::Agent, &hello.from, &self.name, &nonces, &proof) => {
+                    Ok((hello.from, nonces))
+                }
+                Ok((wire::HELLO_PROOF, _)) => {
+                    // Says nothing of the secret, and spares a peer configured with another one
+                    // its retries: it learns at once (best effort; we close anyway).
+                    let _ = wr.write_all(&Outgoing::hello_refused().to_bytes()).await;
+                    Err(Some("unauthenticated"))
+                }
+                _ => Err(Some("unauthenticated")),
+            }
+        };
+        let outcome = tokio::select! {
+            // A newcomer took the place (counted when it did).
+            _ = place.evicted() => return None,
+            r = self.bounded(deadline, exchange) => r?,
+        };
+        match outcome {
+            Ok(Ok(proven)) => {
+                place.proven();
+                Some(proven)
+            }
+            Ok(Err(Some(reason))) => self.refuse(reason),
+            Ok(Err(None)) => None,
+            // Silence: never said who it is, or never proved it.
+            Err(_) if said_hello.load(Ordering::Relaxed) => self.refuse("unauthenticated"),
+            Err(_) => self.refuse("unknown_agent"),
         }
     }
 
@@ -716,7 +764,7 @@ impl Inner {
                 // It does not know us (yet), or it still sees an old connection of ours.
                 Ok(Dialed::Closed) => {
                     last_error = Some(TransportError::Io(format!(
-                        "{peer} at {addr} closed the handshake: it has not added us (or takes no more handshakes now)"
+                        "{peer} at {addr} closed the handshake: it has not added us, refused our proof (another cluster secret?), or takes no more handshakes now"
                     )));
                     redial_at = Some(Instant::now() + NACK_RETRY);
                 }
@@ -737,26 +785,37 @@ impl Inner {
         let (mut rd, mut wr) = stream.into_split();
         let nonce = auth::nonce()?;
         wr.write_all(&Outgoing::hello(&self.name, peer, &nonce).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
-        let (their_nonce, their_proof) = match read_handshake_frame(&mut rd).await {
-            Ok((wire::HELLO_CHALLENGE, body)) => wire::decode_challenge(&body).ok_or_else(bad_reply)?,
+        let nonces = match read_handshake_frame(&mut rd).await {
+            Ok((wire::HELLO_CHALLENGE, body)) => Nonces { dialer: nonce, acceptor: wire::decode_challenge(&body).ok_or_else(bad_reply)? },
             Ok(_) => return Err(bad_reply()),
             // Refused before any proof: not the agent we mean, or too many handshakes there.
             Err(_) => return Ok(Dialed::Closed),
         };
-        if !self.key.verify_accept(&self.name, peer, &nonce, &their_nonce, &their_proof) {
+        // We prove first (see the module doc); the acceptor's proof comes with its verdict.
+        let ours = self.key.dial_tag(Channel::Agent, &self.name, peer, &nonces);
+        wr.write_all(&Outgoing::hello_proof(&ours).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
+        let (verdict, theirs) = match read_handshake_frame(&mut rd).await {
+            Ok((kind @ (wire::HELLO_ACK | wire::HELLO_NACK), body)) => (kind, wire::decode_proof(&body).ok_or_else(bad_reply)?),
+            Ok((wire::HELLO_REFUSED, _)) => {
+                self.reject("unauthenticated");
+                return Err(io_err(
+                    "handshake refused by",
+                    &"it refused our proof of the cluster secret: it holds another one (check --kv-transfer-secret-file on both engines)",
+                ));
+            }
+            Ok(_) => return Err(bad_reply()),
+            // It refused our proof (another secret?), did not add us in time, or is full.
+            Err(_) => return Ok(Dialed::Closed),
+        };
+        if !self.key.verify_accept(Channel::Agent, &self.name, peer, &nonces, &theirs) {
             self.reject("unauthenticated");
             return Err(io_err(
                 "refusing",
                 &"it did not prove it holds the cluster secret (check --kv-transfer-secret-file on both engines)",
             ));
         }
-        let ours = self.key.dial_tag(&self.name, peer, &nonce, &their_nonce);
-        wr.write_all(&Outgoing::hello_proof(&ours).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
-        match read_handshake_frame(&mut rd).await {
-            Ok((wire::HELLO_ACK, body)) if body.is_empty() => {}
-            Ok((wire::HELLO_NACK, _)) => return Ok(Dialed::Nacked),
-            Ok(_) => return Err(bad_reply()),
-            Err(_) => return Ok(Dialed::Closed),
+        if verdict == wire::HELLO_NACK {
+            return Ok(Dialed::Nacked);
         }
         // The handshake read exactly its frames: whatever follows is the connection's.
         let rd = BufReader::with_capacity(READ_BUFFER, rd);
@@ -1070,8 +1129,8 @@ impl Drop for PendingGuard<'_> {
     }
 }
 
-/// One of the [`TcpOptions::max_handshakes`] places for an inbound connection not yet adopted;
-/// given back when dropped.
+/// One of the [`TcpOptions::max_handshakes`] places for a proven inbound connection not yet
+/// adopted; given back when dropped.
 struct HandshakeSlot(Arc<Inner>);
 
 impl HandshakeSlot {

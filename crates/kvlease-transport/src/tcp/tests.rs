@@ -3,15 +3,22 @@
 
 use super::wire::{self, Outgoing};
 use super::*;
+use crate::auth::{Channel::Agent as AG, Nonces};
 use crate::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use crate::testing::*;
 use crate::OpenGate;
 use std::collections::BTreeMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Short hold, so tests about strangers do not wait 5 s; a 2 MiB frame limit.
+/// Short hold and proof deadline, so tests about strangers do not wait seconds; a 2 MiB frame
+/// limit.
 fn quick() -> TcpOptions {
-    TcpOptions { hold_unknown: Duration::from_millis(300), max_frame: 2 * 1024 * 1024, ..TcpOptions::default() }
+    TcpOptions {
+        hold_unknown: Duration::from_millis(300),
+        proof_timeout: Duration::from_millis(300),
+        max_frame: 2 * 1024 * 1024,
+        ..TcpOptions::default()
+    }
 }
 
 const SECRET: &[u8] = b"the cluster's secret";
@@ -99,27 +106,30 @@ async fn closed(s: &mut TcpStream) {
 }
 
 /// A raw client's side of the handshake, as `from` to the agent `to` at `addr`, with the key
-/// `key`: says hello, checks the agent's proof, and proves itself. This pins the wire format.
-async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey) -> TcpStream {
+/// `key`: says hello, gets a bare nonce, and proves itself first. This pins the wire format.
+async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey) -> (TcpStream, Nonces) {
     let mut s = TcpStream::connect(addr).await.expect("connect");
     let nonce: Nonce = [0x11; NONCE_LEN];
     send(&mut s, &Outgoing::hello(from, to, &nonce)).await;
     let (kind, body) = recv(&mut s).await.expect("a challenge");
     assert_eq!(kind, wire::HELLO_CHALLENGE);
-    let (theirs, proof) = wire::decode_challenge(&body).expect("a well-formed challenge");
-    assert!(key.verify_accept(from, to, &nonce, &theirs, &proof), "the agent proves the secret first");
-    send(&mut s, &Outgoing::hello_proof(&key.dial_tag(from, to, &nonce, &theirs))).await;
-    s
+    assert_eq!(body.len(), NONCE_LEN, "the challenge is a nonce and nothing computed from the secret");
+    let nonces = Nonces { dialer: nonce, acceptor: wire::decode_challenge(&body).expect("a well-formed challenge") };
+    send(&mut s, &Outgoing::hello_proof(&key.dial_tag(AG, from, to, &nonces))).await;
+    (s, nonces)
 }
 
 /// A raw client that completes the handshake as the known peer `name` of `agent` (which has
-/// no secret).
+/// no secret), checking the agent's proof in its ack.
 async fn raw_known_peer(agent: &TcpAgent, name: &str) -> TcpStream {
-    let mut s = raw_handshake(agent.local_addr(), name, agent.name(), &ClusterKey::new(None)).await;
+    let key = ClusterKey::new(None);
+    let (mut s, nonces) = raw_handshake(agent.local_addr(), name, agent.name(), &key).await;
     eventually("the agent to hold the proven stranger", || agent.holds(name)).await;
     let md = wire::encode_metadata(name, "127.0.0.1:9".parse().unwrap());
     assert_eq!(within("add_peer", agent.add_peer(&md)).await.expect("adopts the held connection"), name);
-    assert_eq!(recv(&mut s).await, Some((wire::HELLO_ACK, Vec::new())));
+    let (kind, proof) = recv(&mut s).await.expect("the ack");
+    assert_eq!(kind, wire::HELLO_ACK);
+    assert!(key.verify_accept(AG, name, agent.name(), &nonces, &proof), "the ack carries the agent's proof");
     s
 }
 
@@ -260,12 +270,12 @@ async fn fake_p_handshake(d: &TcpAgent, listener: &TcpListener) -> TcpStream {
         assert_eq!(kind, wire::HELLO);
         let hello = wire::decode_hello(&body).expect("a well-formed hello");
         assert_eq!((hello.from.as_str(), hello.to.as_str()), ("d", "fake-p"));
-        let (key, nonce) = (ClusterKey::new(None), [0x22; NONCE_LEN]);
-        send(&mut s, &Outgoing::hello_challenge(&nonce, &key.accept_tag("d", "fake-p", &hello.nonce, &nonce))).await;
+        let (key, nonces) = (ClusterKey::new(None), Nonces { dialer: hello.nonce, acceptor: [0x22; NONCE_LEN] });
+        send(&mut s, &Outgoing::hello_challenge(&nonces.acceptor)).await;
         let (kind, proof) = recv(&mut s).await.expect("d's proof");
         assert_eq!(kind, wire::HELLO_PROOF);
-        assert!(key.verify_dial("d", "fake-p", &hello.nonce, &nonce, &proof), "d proves itself");
-        send(&mut s, &Outgoing::hello_ack()).await;
+        assert!(key.verify_dial(AG, "d", "fake-p", &nonces, &proof), "d proves itself");
+        send(&mut s, &Outgoing::hello_ack(&key.accept_tag(AG, "d", "fake-p", &nonces))).await;
         s
     };
     let (added, s) = within("handshake with the fake", async { tokio::join!(d.add_peer(&md), fake) }).await;
@@ -634,7 +644,7 @@ async fn impostor_with_a_wrong_secret_dialing_d_as_p_is_refused_and_p_keeps_its_
     let (impostor, mut impostor_events) = agent("p", 8, 4096, Arc::new(OpenGate), secured(b"a guess")).await;
     let refused = within("the impostor's add_peer", impostor.add_peer(&pr.d.metadata())).await;
     match refused {
-        Err(TransportError::Io(why)) => assert!(why.contains("did not prove it holds the cluster secret"), "{why}"),
+        Err(TransportError::Io(why)) => assert!(why.contains("refused our proof") && why.contains("cluster secret"), "{why}"),
         other => panic!("the impostor's dial was not refused: {other:?}"),
     }
     assert_eq!(next_event(&mut impostor_events).await, AgentEvent::Rejected { reason: "unauthenticated" });
@@ -666,9 +676,10 @@ async fn impostor_with_a_wrong_secret_dialing_p_as_d_reads_nothing_s2() {
 
 /// SPEC S2: what the old attack did, against either side. A raw client says `Hello` with the
 /// right names (D's agent to P, P's agent to D), cannot answer the challenge, and sends a forged
-/// proof followed by a read request and a notification. It gets the challenge and then nothing:
-/// no ack, no data, no delivery; the gate is never asked. A client that never answers the
-/// challenge is dropped after `hold_unknown`. Each is counted as `unauthenticated`, and P and D
+/// proof followed by a read request and a notification. It gets the challenge — a bare nonce,
+/// nothing to test guesses of the secret against (the dialer proves first) — and then only a
+/// bare refusal of its proof: no ack, no data, no delivery; the gate is never asked. A client that never answers the
+/// challenge is dropped after `proof_timeout`. Each is counted as `unauthenticated`, and P and D
 /// keep their connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_hello_with_the_right_names_gets_nothing_s2() {
@@ -680,8 +691,8 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
         for proof in [Some([0u8; TAG_LEN]), None] {
             let mut s = TcpStream::connect(target).await.expect("connect");
             send(&mut s, &Outgoing::hello(claimed, to, &[0x33; NONCE_LEN])).await;
-            let (kind, _) = recv(&mut s).await.expect("the challenge");
-            assert_eq!(kind, wire::HELLO_CHALLENGE);
+            let (kind, body) = recv(&mut s).await.expect("the challenge");
+            assert_eq!((kind, body.len()), (wire::HELLO_CHALLENGE, NONCE_LEN), "a bare nonce");
             if let Some(proof) = proof {
                 let forged = [
                     Outgoing::hello_proof(&proof).to_bytes(),
@@ -691,8 +702,9 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
                 .concat();
                 // The agent may have closed the connection already: that is the point.
                 let _ = s.write_all(&forged).await;
+                assert_eq!(recv(&mut s).await, Some((wire::HELLO_REFUSED, Vec::new())), "a bare refusal");
             }
-            assert_eq!(recv(&mut s).await, None, "closed, having sent nothing after the challenge");
+            assert_eq!(recv(&mut s).await, None, "closed, having sent nothing else after the challenge");
             let events = if claimed == "d" { &mut pr.p_events } else { &mut pr.d_events };
             assert_eq!(next_event(events).await, AgentEvent::Rejected { reason: "unauthenticated" });
         }
@@ -701,30 +713,47 @@ async fn forged_hello_with_the_right_names_gets_nothing_s2() {
     real_connection_unharmed(&mut pr, ends).await;
 }
 
-/// SPEC S2: strangers cannot hold unbounded resources. With `max_handshakes` connections in
-/// their handshake, the next is closed at once (long before `hold_unknown`) and counted as
-/// `overloaded`; once they go, peers connect again.
+/// SPEC S2, issue 22: strangers cannot keep a peer out. With `max_unproven` silent connections
+/// held, each newcomer evicts the oldest (counted as `overloaded`) instead of being turned away,
+/// so the real peer's dial, the newest, gets in and completes while the silent ones are still
+/// there; they are dropped after `proof_timeout` without a word to count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn inbound_handshakes_beyond_the_cap_are_closed_at_once_and_counted_s2() {
-    let capped = TcpOptions { max_handshakes: 3, hold_unknown: Duration::from_secs(60), ..secured(SECRET) };
+async fn silent_strangers_at_the_cap_never_keep_a_peer_out_s2() {
+    let capped = TcpOptions { max_unproven: 3, max_unproven_per_source: 3, proof_timeout: Duration::from_secs(60), ..secured(SECRET) };
     let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), capped).await;
     let (d, mut d_events) = agent("d", 4, 4096, Arc::new(OpenGate), secured(SECRET)).await;
     let mut silent = Vec::new();
     for _ in 0..3 {
         silent.push(TcpStream::connect(p.local_addr()).await.expect("connect"));
     }
-    eventually("the silent ones to take every place", || p.inner.handshakes.load(Ordering::Relaxed) == 3).await;
-    for _ in 0..2 {
-        let mut over = TcpStream::connect(p.local_addr()).await.expect("connect");
-        // Best effort: the agent may have closed it already.
-        let _ = over.write_all(&Outgoing::hello("d", "p", &[0; NONCE_LEN]).to_bytes()).await;
-        assert_eq!(recv(&mut over).await, None, "closed at once, unanswered");
-        assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
-    }
-    drop(silent);
-    eventually("the places to be given back", || p.inner.handshakes.load(Ordering::Relaxed) == 0).await;
+    eventually("the silent ones to take every place", || p.inner.admission.len() == 3).await;
+    let first = TcpStream::connect(p.local_addr()).await.expect("connect");
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
+    assert_eq!(recv(&mut silent[0]).await, None, "the oldest was evicted, unanswered");
+    // D's dial (if D dials: P may dial first) evicts the next oldest and completes long before
+    // the 60 s the strangers may wait.
     connect(&p, &d).await;
-    assert_eq!(p.inner.handshakes.load(Ordering::Relaxed), 0, "an adopted connection holds no place");
+    while let Ok(e) = p_events.try_recv() {
+        assert_eq!(e, AgentEvent::Rejected { reason: "overloaded" }, "only D's dial made room");
+    }
     check_both_directions(&*p, &mut p_events, &*d, &mut d_events).await;
+    drop(silent);
+    drop(first);
+    eventually("the places to be given back", || p.inner.admission.is_empty()).await;
     assert!(p_events.try_recv().is_err(), "the silent ones that left were not counted");
+}
+
+/// SPEC S2: proven connections waiting for `add_peer` have their own small cap: beyond
+/// `max_handshakes`, a proven stranger is closed at once and counted as `overloaded`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proven_connections_waiting_for_add_peer_are_capped_apart_s2() {
+    let capped = TcpOptions { max_handshakes: 1, hold_unknown: Duration::from_secs(60), ..secured(SECRET) };
+    let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), capped).await;
+    let key = ClusterKey::new(Some(SECRET));
+    let (_held, _) = raw_handshake(p.local_addr(), "x1", "p", &key).await;
+    eventually("the proven stranger to be held", || p.holds("x1")).await;
+    let (mut over, _) = raw_handshake(p.local_addr(), "x2", "p", &key).await;
+    assert_eq!(recv(&mut over).await, None, "closed at once, unanswered");
+    assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
+    assert_eq!(p.inner.handshakes.load(Ordering::Relaxed), 1);
 }

@@ -9,17 +9,18 @@
 //!
 //! | kind | body |
 //! |---|---|
-//! | Hello | `KVLT` · version 3 · from (u16 + UTF-8) · to (u16 + UTF-8) · nonce (32): the dialer's first frame |
-//! | HelloChallenge | the acceptor's nonce (32) · its proof (32) |
-//! | HelloProof | the dialer's proof (32) |
-//! | HelloAck | empty: the connection is adopted |
-//! | HelloNack | empty: the acceptor keeps the connection it dialed itself (simultaneous dials) |
+//! | Hello | `KVLT` · version 4 · from (u16 + UTF-8) · to (u16 + UTF-8) · nonce (32): the dialer's first frame |
+//! | HelloChallenge | the acceptor's nonce (32), nothing computed from the secret |
+//! | HelloProof | the dialer's proof (32): the first proof of the connection |
+//! | HelloAck | the acceptor's proof (32): the connection is adopted |
+//! | HelloNack | the acceptor's proof (32): it keeps the connection it dialed itself (simultaneous dials) |
+//! | HelloRefused | empty: the dialer's proof is wrong (another secret); the acceptor closes |
 //! | Notif | the payload |
 //! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) · tag (u16 + bytes, for the gate) |
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
 //! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
 
-use crate::auth::{Nonce, Tag, NONCE_LEN};
+use crate::auth::{Nonce, Tag, NONCE_LEN, TAG_LEN};
 use crate::{Segment, TransportError};
 use std::net::SocketAddr;
 
@@ -28,8 +29,9 @@ pub(super) const MAGIC: [u8; 4] = *b"KVLT";
 pub(super) const VERSION: u8 = 1;
 /// Of the handshake: 2 added the nonces and proofs (SPEC S2), so a version-1 dialer is refused;
 /// 3 added the read request's tag, so an agent that would misread requests is refused at the
-/// handshake rather than at its first read.
-pub(super) const HELLO_VERSION: u8 = 3;
+/// handshake rather than at its first read; 4 has the dialer prove first (issue 22: an acceptor
+/// that proved first handed anyone a MAC to test guesses of the secret against).
+pub(super) const HELLO_VERSION: u8 = 4;
 /// Longest tag a read request may carry.
 pub(super) const MAX_TAG: usize = 256;
 /// Longest agent name, in bytes.
@@ -53,6 +55,7 @@ pub(super) const READ_DATA: u8 = 6;
 pub(super) const READ_ERR: u8 = 7;
 pub(super) const HELLO_CHALLENGE: u8 = 8;
 pub(super) const HELLO_PROOF: u8 = 9;
+pub(super) const HELLO_REFUSED: u8 = 10;
 
 pub(super) const ERR_REFUSED: u8 = 1;
 pub(super) const ERR_OUT_OF_RANGE: u8 = 2;
@@ -169,12 +172,14 @@ pub(super) fn decode_hello(body: &[u8]) -> Option<Hello> {
     (valid_name(from) && valid_name(to) && b.is_empty()).then(|| Hello { from: from.to_owned(), to: to.to_owned(), nonce })
 }
 
-/// `(the acceptor's nonce, its proof)`.
-pub(super) fn decode_challenge(body: &[u8]) -> Option<(Nonce, Tag)> {
-    let mut b = Bytes(body);
-    let nonce = b.array()?;
-    let tag = b.array()?;
-    b.is_empty().then_some((nonce, tag))
+/// The acceptor's nonce.
+pub(super) fn decode_challenge(body: &[u8]) -> Option<Nonce> {
+    body.try_into().ok()
+}
+
+/// A proof (the dialer's `HelloProof`, the acceptor's `HelloAck` and `HelloNack`).
+pub(super) fn decode_proof(body: &[u8]) -> Option<Tag> {
+    (body.len() == TAG_LEN).then(|| body.try_into().ok()).flatten()
 }
 
 /// A remote piece of a read, as the serving side sees it.
@@ -277,20 +282,24 @@ impl Outgoing {
         Outgoing::new(HELLO, body)
     }
 
-    pub fn hello_challenge(nonce: &Nonce, proof: &Tag) -> Outgoing {
-        Outgoing::new(HELLO_CHALLENGE, [&nonce[..], &proof[..]].concat())
+    pub fn hello_challenge(nonce: &Nonce) -> Outgoing {
+        Outgoing::new(HELLO_CHALLENGE, nonce.to_vec())
     }
 
     pub fn hello_proof(proof: &Tag) -> Outgoing {
         Outgoing::new(HELLO_PROOF, proof.to_vec())
     }
 
-    pub fn hello_ack() -> Outgoing {
-        Outgoing::new(HELLO_ACK, Vec::new())
+    pub fn hello_ack(proof: &Tag) -> Outgoing {
+        Outgoing::new(HELLO_ACK, proof.to_vec())
     }
 
-    pub fn hello_nack() -> Outgoing {
-        Outgoing::new(HELLO_NACK, Vec::new())
+    pub fn hello_nack(proof: &Tag) -> Outgoing {
+        Outgoing::new(HELLO_NACK, proof.to_vec())
+    }
+
+    pub fn hello_refused() -> Outgoing {
+        Outgoing::new(HELLO_REFUSED, Vec::new())
     }
 
     pub fn notif(bytes: Vec<u8>) -> Outgoing {
@@ -332,7 +341,6 @@ impl Outgoing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::TAG_LEN;
 
     #[test]
     fn metadata_round_trips() {
@@ -386,10 +394,12 @@ mod tests {
         assert_eq!(decode_hello(&v1), None, "a version-1 hello (no nonce) is refused");
         let longest = Outgoing::hello(&"x".repeat(MAX_NAME), &"y".repeat(MAX_NAME), &[0; NONCE_LEN]);
         assert_eq!(longest.body().len(), MAX_HELLO);
-        let c = Outgoing::hello_challenge(&[1; NONCE_LEN], &[2; TAG_LEN]);
-        assert_eq!(decode_challenge(c.body()), Some(([1; NONCE_LEN], [2; TAG_LEN])));
+        let c = Outgoing::hello_challenge(&[1; NONCE_LEN]);
+        assert_eq!(decode_challenge(c.body()), Some([1; NONCE_LEN]), "a nonce, and no proof: the dialer proves first");
         assert_eq!(decode_challenge(&c.body()[1..]), None);
-        assert_eq!(Outgoing::hello_proof(&[3; TAG_LEN]).body(), &[3; TAG_LEN]);
+        assert_eq!(decode_proof(Outgoing::hello_proof(&[3; TAG_LEN]).body()), Some([3; TAG_LEN]));
+        assert_eq!(decode_proof(Outgoing::hello_ack(&[4; TAG_LEN]).body()), Some([4; TAG_LEN]));
+        assert_eq!(decode_proof(&[4; TAG_LEN - 1]), None);
         let segs = [Segment { remote_block: 3, remote_offset: 16, local_block: 9, local_offset: 0, len: 100 }];
         let r = Outgoing::read_req(5, 77, &segs, b"digest");
         assert_eq!(
