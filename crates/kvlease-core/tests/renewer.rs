@@ -391,6 +391,7 @@ fn o4_release_queues_a_release_without_tracking() {
     ready(&mut r, "P", at(1));
     let releases: Vec<Message> = sent(&poll(&mut r, at(2)), "P").into_iter().filter(|m| matches!(m, Message::Release { .. })).collect();
     assert_eq!(releases, vec![Message::Release { lease_ids: vec![8] }], "7 is renewed by a request here");
+}
 
 /// The releases over a side channel among `actions`.
 fn side_releases(actions: &[Action]) -> Vec<SideChannelRelease> {

@@ -454,9 +454,14 @@ mod tests {
     /// Grants a lease on one block of `inner`'s pool, as a prefill would.
     fn lease(inner: &Inner) -> u64 {
         let blocks = inner.pool.alloc(1).expect("a free block");
-        let sorted = blocks.ids().to_vec();
-        let lease =
-            crate::state::Lease { blocks, sorted, request: "r".into(), prompt_digest: kvlease_core::digest::PromptDigest::of(&[1]) };
+        let named = blocks.ids().to_vec();
+        let lease = crate::state::Lease {
+            blocks,
+            named,
+            prefix_reads: false,
+            request: "r".into(),
+            prompt_digest: kvlease_core::digest::PromptDigest::of(&[1]),
+        };
         lock(&inner.leases).grant(inner.now(), 1, lease)
     }
 
