@@ -17,7 +17,8 @@
 //! given a work budget and carries the rest over. An index entry whose lease was renewed since
 //! is moved to the bucket of its current deadline when its old bucket comes due, at most once
 //! per extension period. Per live lease: 16 B hot record, 12 B link (blocks, next, prev), the
-//! payload's slot; nothing else grows with the live count.
+//! payload's slot; nothing else grows with the live count (but for a decoder's cached turns,
+//! SPEC B1, whose ids also sit in an ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
