@@ -7,7 +7,8 @@
 #     and 10^9 (P never reads, so it prefills the whole history every turn). Prefill costs
 #     --prefill-ms-per-token on both (0.1 ms: 10k tokens/s, a mid-size model on one GPU).
 #     Conversations alternate between the clusters; the table gives each turn's median. Both
-#     clusters must answer every turn alike (D7).
+#     clusters must answer every turn alike (D7). PARALLEL=N runs N conversations at once
+#     (default 1: one after the other).
 # (2) KV blocks a decoder holds for abandoned conversations over time: conversations stop after
 #     two turns, the decoder keeps each last turn until its decoder_kv_blocks_ttl. Two
 #     decoders side by side, same workload: TTL 20 s (safe with kvlease, because a next turn
@@ -15,8 +16,12 @@
 #     against vLLM's fixed 480 s (which must also cover any wait in P's queue). Sampled every
 #     5 s for SAMPLE_SECS.
 #
+# Every engine gets NUM_GPU_BLOCKS KV blocks (8192): with 4096, the ten conversations' last turns
+# (about 390 blocks each) fill the decoders' pools, so the decoders evict cached turns (SPEC B1,
+# kvlease_turns_evicted_total) to serve the next conversations.
+#
 #   scripts/bench-multiturn.sh
-#   CONVERSATIONS=10 USER_WORDS=1500 PREFILL_MS=0.1 SAMPLE_SECS=60 scripts/bench-multiturn.sh
+#   CONVERSATIONS=10 USER_WORDS=1500 PREFILL_MS=0.1 SAMPLE_SECS=60 NUM_GPU_BLOCKS=4096 scripts/bench-multiturn.sh
 #
 # Everything listens on free loopback ports and is stopped on exit.
 set -euo pipefail
@@ -30,6 +35,8 @@ PREFILL_MS=${PREFILL_MS:-0.1}
 ABANDONED=${ABANDONED:-20}
 SHORT_TTL=${SHORT_TTL:-20}
 SAMPLE_SECS=${SAMPLE_SECS:-60}
+NUM_GPU_BLOCKS=${NUM_GPU_BLOCKS:-8192}
+PARALLEL=${PARALLEL:-1}
 
 command -v python3 >/dev/null || { echo "error: python3 is needed" >&2; exit 1; }
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
@@ -49,7 +56,7 @@ url_of() {
 config() { # TTL THRESHOLD
   echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"bidirectional_kv_xfer\":true,\"decoder_kv_blocks_ttl\":$1,\"kv_recompute_threshold\":$2}}"
 }
-ENGINE=(serve --host 127.0.0.1 --port 0 --max-model-len 16384 --num-gpu-blocks 8192 --decode-ms-per-token 0)
+ENGINE=(serve --host 127.0.0.1 --port 0 --max-model-len 16384 --num-gpu-blocks "$NUM_GPU_BLOCKS" --decode-ms-per-token 0)
 # cluster NAME TTL THRESHOLD: P, D and a proxy; sets NAME_P, NAME_D, NAME_PROXY.
 cluster() {
   local name=$1 cfg p d p_hp d_hp
@@ -71,12 +78,15 @@ metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 
 echo "== (1) time to first token, history read from D vs recomputed"
 cluster read 480 64
 cluster recompute 480 1000000000
-echo "$CONVERSATIONS conversations x $TURNS turns each side, $USER_WORDS-word user messages, max_tokens $MAX_TOKENS, prefill $PREFILL_MS ms/token"
-"${DRIVER[@]}" ttft "$read_PROXY" "$recompute_PROXY" "$CONVERSATIONS" "$TURNS" "$USER_WORDS" "$MAX_TOKENS"
+echo "$CONVERSATIONS conversations x $TURNS turns each side, $USER_WORDS-word user messages, max_tokens $MAX_TOKENS, prefill $PREFILL_MS ms/token, $NUM_GPU_BLOCKS KV blocks an engine, $PARALLEL at once"
+MULTITURN_PARALLEL=$PARALLEL "${DRIVER[@]}" ttft "$read_PROXY" "$recompute_PROXY" "$CONVERSATIONS" "$TURNS" "$USER_WORDS" "$MAX_TOKENS"
 for side in read recompute; do
   var=${side}_P
   p=${!var}
+  var=${side}_D
+  d=${!var}
   echo "$side P: turn_tokens_read=$(metric "$p" kvlease_turn_tokens_read_total) prefill_tokens=$(metric "$p" kvlease_prefill_tokens_total) turns_recomputed=$(metric "$p" kvlease_turns_recomputed_total)"
+  echo "$side D: turns_kept=$(metric "$d" kvlease_turns_kept_total) turns_evicted=$(metric "$d" kvlease_turns_evicted_total) kv_blocks_free=$(metric "$d" kvlease_kv_blocks_free)"
 done
 
 echo "== (2) blocks held on D after $ABANDONED conversations are abandoned after two turns"

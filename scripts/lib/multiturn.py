@@ -5,7 +5,9 @@
       conversation i, then recompute conversation i), each turn a streamed /v1/completions with a
       top-level conversation_id whose prompt is the whole history so far. Prints, per turn, the
       median time to first token (request sent -> first SSE chunk with text) on each side and
-      their ratio. Fails if the two sides ever answer differently (SPEC D7).
+      their ratio. Fails if the two sides ever answer differently (SPEC D7). With
+      MULTITURN_PARALLEL=N, N conversations run at once (both sides' conversations share the N
+      clients, still started in that interleaved order); the default 1 runs them one by one.
 
   multiturn.py abandon PROXY CONVERSATIONS USER_WORDS MAX_TOKENS TAG
       Runs CONVERSATIONS two-turn conversations through PROXY and walks away: the decoder keeps
@@ -16,6 +18,7 @@
       blocks held (kvlease_kv_blocks_total - kvlease_kv_blocks_free).
 """
 
+import concurrent.futures
 import http.client
 import json
 import os
@@ -76,19 +79,29 @@ def user_message(conversation, k, words):
     return "\n" + " ".join(f"{WORDS[(j * 7 + k * 3 + len(conversation)) % len(WORDS)]}" for j in range(words)) + "\n"
 
 
+def conversation(side, url, i, turns, words, max_tokens):
+    """Conversation i of one side, turn by turn: [(seconds to first token, prompt, reply)]."""
+    cid = f"bench-{side}-{i}-{time.time_ns()}"
+    prompt, out = "", []
+    for k in range(turns):
+        prompt += user_message(f"c{i}", k, words)
+        t, reply = turn(url, cid, prompt, max_tokens)
+        if os.environ.get("MULTITURN_VERBOSE"):
+            print(f"{side} conversation {i} turn {k + 1}: {t * 1000:.1f} ms", file=sys.stderr)
+        out.append((t, prompt, reply))
+        prompt += reply
+    return out
+
+
 def ttft(read_url, recompute_url, conversations, turns, words, max_tokens):
+    parallel = int(os.environ.get("MULTITURN_PARALLEL", "1"))
+    jobs = [(side, url, i) for i in range(conversations) for side, url in (("read", read_url), ("recompute", recompute_url))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        done = list(pool.map(lambda j: conversation(*j, turns, words, max_tokens), jobs))
     times = {"read": [[] for _ in range(turns)], "recompute": [[] for _ in range(turns)]}
-    for i in range(conversations):
-        for side, url in (("read", read_url), ("recompute", recompute_url)):
-            cid = f"bench-{side}-{i}-{time.time_ns()}"
-            prompt = ""
-            for k in range(turns):
-                prompt += user_message(f"c{i}", k, words)
-                t, reply = turn(url, cid, prompt, max_tokens)
-                if os.environ.get("MULTITURN_VERBOSE"):
-                    print(f"{side} conversation {i} turn {k + 1}: {t * 1000:.1f} ms", file=sys.stderr)
-                times[side][k].append((t, prompt, reply))
-                prompt += reply
+    for (side, _, _), turns_of in zip(jobs, done):
+        for k, t in enumerate(turns_of):
+            times[side][k].append(t)
     for k in range(turns):
         for (_, pa, ra), (_, pb, rb) in zip(times["read"][k], times["recompute"][k]):
             if (pa, ra) != (pb, rb):

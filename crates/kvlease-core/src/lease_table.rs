@@ -17,7 +17,8 @@
 //! given a work budget and carries the rest over. An index entry whose lease was renewed since
 //! is moved to the bucket of its current deadline when its old bucket comes due, at most once
 //! per extension period. Per live lease: 16 B hot record, 12 B link (blocks, next, prev), the
-//! payload's slot; nothing else grows with the live count.
+//! payload's slot; nothing else grows with the live count (but for a decoder's cached turns,
+//! SPEC B1, whose ids also sit in an ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -34,7 +35,7 @@ use crate::config::LeaseConfig;
 use crate::digest::PromptDigest;
 use crate::wire::Message;
 use crate::{LeaseId, Nanos};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -282,6 +283,30 @@ pub struct LeaseTable<T> {
     /// Every read of the leased blocks passes [`LeaseTable::begin_read`] (the `tcp` agent's
     /// gate; not NIXL): a completion of a live lease needs no acknowledgement.
     fenced_reads: bool,
+    /// SPEC B1: the live cached turns ([`LeaseTable::grant_turn`]), the ones
+    /// [`LeaseTable::evict_turn`] may end. Ids only increase, so this is oldest first. Empty on
+    /// an engine that keeps no turns: nothing else pays for it.
+    turns: BTreeSet<LeaseId>,
+}
+
+/// The cached turn [`LeaseTable::evict_turn`] ended (as `released`), and what its conversation
+/// loses by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evicted {
+    /// No engine had named it (no heartbeat, read or release): nobody continues the
+    /// conversation now; its next turn, if any, is recomputed.
+    Unclaimed(LeaseId),
+    /// A prefill engine was renewing it (B3) but not reading it: its next turn, waiting on that
+    /// engine, is recomputed there (D7: same output) rather than holding the blocks.
+    Claimed(LeaseId),
+}
+
+impl Evicted {
+    pub fn lease_id(self) -> LeaseId {
+        match self {
+            Evicted::Unclaimed(id) | Evicted::Claimed(id) => id,
+        }
+    }
 }
 
 impl<T> LeaseTable<T> {
@@ -314,6 +339,7 @@ impl<T> LeaseTable<T> {
             holders: BTreeMap::new(),
             head_only_from: 1,
             fenced_reads: false,
+            turns: BTreeSet::new(),
         };
         t.append(slots);
         t.cap = MIN_SLOTS;
@@ -465,20 +491,58 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// Ends lease `id` as `released` if no holder has claimed it yet (no heartbeat, read or
-    /// release named it) and it is live: the granting engine takes back the blocks of a lease
-    /// nobody is using — a decoder's cached turn no conversation continued yet (SPEC B1) — when
-    /// it needs them for new requests. A claimed lease is in use (B3: the next turn's prefill
-    /// engine renews it, or reads it) and is left alone. Returns whether the lease ended.
-    pub fn revoke_unclaimed(&mut self, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
+    /// SPEC B1: a decoder's cached turn: a lease like [`LeaseTable::grant_for`]'s (first
+    /// deadline `ttl` away), that the granting engine may also take back when it needs the blocks
+    /// ([`LeaseTable::evict_turn`]).
+    pub fn grant_turn(&mut self, now: Nanos, ttl: Duration, blocks: u32, payload: T) -> LeaseId {
+        let id = self.grant_for(now, ttl, blocks, payload);
+        self.turns.insert(id);
+        id
+    }
+
+    /// SPEC B1: the granting engine needs blocks for new requests: end the cached turn it can
+    /// best spare, as `released`, and say which. A cached turn is a cache, and a turn ended early
+    /// costs its conversation a recompute, never a wrong answer (D7: a later heartbeat or read of
+    /// it is answered `LeaseLost`, P5, P6). The order:
+    ///
+    /// 1. the oldest turn no engine has claimed: nobody continues that conversation now;
+    /// 2. else the oldest turn a prefill engine renews (B3) but is not reading: its next turn
+    ///    waits on that engine, which recomputes the prompt instead. Never evicting those could
+    ///    hold the decoder's pool forever: a prefill engine whose queue waits on the decoder's
+    ///    requests (their leases pin its blocks while the decoder cannot admit them) keeps
+    ///    renewing the turns that fill the decoder's pool;
+    /// 3. never a turn under a read (P5): the read ends soon, and its blocks come back then.
+    ///
+    /// A turn past its deadline that the scan meets is released as `expired` (what the reaper
+    /// would do on its next tick) and its blocks are in `released` too, without counting as an
+    /// eviction. `None`: no turn can be evicted now.
+    pub fn evict_turn(&mut self, now: Nanos, released: &mut Vec<Released<T>>) -> Option<Evicted> {
         self.rebase(now);
-        match self.find(id) {
-            Some(s) if self.hot(s).holder == 0 && !self.expired(s, now) => {
-                self.end(s, ReleaseReason::Released, now, released);
-                true
+        let (mut unclaimed, mut claimed, mut expired) = (None, None, Vec::new());
+        for &id in &self.turns {
+            let Some(s) = self.find(id) else { continue };
+            if self.expired(s, now) {
+                expired.push(s);
+            } else if self.aux.get(&id).is_some_and(|a| a.readers > 0) {
+                continue;
+            } else if self.hot(s).holder == 0 {
+                unclaimed = Some((s, Evicted::Unclaimed(id)));
+                break;
+            } else if claimed.is_none() {
+                claimed = Some((s, Evicted::Claimed(id)));
             }
-            _ => false,
         }
+        for s in expired {
+            self.end(s, ReleaseReason::Expired, now, released);
+        }
+        let (s, evicted) = unclaimed.or(claimed)?;
+        self.end(s, ReleaseReason::Released, now, released);
+        Some(evicted)
+    }
+
+    /// Live cached turns ([`LeaseTable::grant_turn`]).
+    pub fn turns(&self) -> usize {
+        self.turns.len()
     }
 
     /// SPEC P5: a read of a live lease begins. Refused (`None`) for a lease that is not live,
@@ -765,6 +829,9 @@ impl<T> LeaseTable<T> {
         }
         let id = self.id_of(s);
         self.unfile(s);
+        if !self.turns.is_empty() {
+            self.turns.remove(&id);
+        }
         *self.hot_mut(s) = VACANT;
         let (p, i) = (s >> PAGE_BITS, s & (PAGE - 1));
         let payload = self.pages[p].payload[i].take();

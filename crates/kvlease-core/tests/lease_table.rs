@@ -708,27 +708,54 @@ fn p2_p4_long_lived_lease_across_epoch_moves() {
     assert!(rel[0].held >= Duration::from_secs(12 * 86_400) && rel[0].held <= now.since(t0));
 }
 
-/// SPEC B1, B3: the granting engine takes back a lease nobody claimed (a cached turn no
-/// conversation continued) as `released`; one a holder claimed by a heartbeat or a read, an
-/// unknown id, and an expired lease are left alone.
+/// SPEC B1, B3, P5: the engine that keeps cached turns takes them back when it needs blocks, as
+/// `released`, in this order: the oldest no engine claimed; then the oldest a prefill engine
+/// renews but is not reading; never one under a read (its blocks come back when the read ends).
+/// Ordinary leases are never evicted; an expired turn met on the way ends as `expired`.
 #[test]
-fn b3_only_an_unclaimed_lease_is_revoked() {
+fn b1_evicts_unclaimed_turns_oldest_first_then_claimed_never_under_a_read() {
+    use kvlease_core::lease_table::Evicted;
     use kvlease_core::wire::Message;
     let mut t = table();
-    let (a, b, c) = (t.grant(secs(0.0), 1, "a"), t.grant(secs(0.0), 1, "b"), t.grant(secs(0.0), 1, "c"));
+    let ttl = Duration::from_secs(480);
+    let lease = t.grant(secs(0.0), 1, "an ordinary lease");
+    let reading = t.grant_turn(secs(0.0), ttl, 1, "read");
+    let renewed_old = t.grant_turn(secs(0.0), ttl, 1, "renewed, older");
+    let renewed = t.grant_turn(secs(0.0), ttl, 1, "renewed");
+    let old = t.grant_turn(secs(0.0), ttl, 1, "unclaimed, older");
+    let young = t.grant_turn(secs(0.0), ttl, 1, "unclaimed");
+    assert_eq!(t.turns(), 5);
     let mut rel = Vec::new();
-    t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![b] }, secs(1.0), &mut rel);
-    let ticket = t.begin_read(D, c, None, secs(1.0), &mut rel).expect("read");
-    assert!(t.revoke_unclaimed(a, secs(2.0), &mut rel));
-    assert_eq!(rel.len(), 1);
-    assert_eq!((rel[0].lease_id, rel[0].reason), (a, ReleaseReason::Released));
-    assert!(!t.revoke_unclaimed(b, secs(2.0), &mut rel), "claimed by a heartbeat: in use");
-    assert!(!t.revoke_unclaimed(c, secs(2.0), &mut rel), "claimed by a read: in use");
-    assert!(!t.revoke_unclaimed(a, secs(2.0), &mut rel), "gone already");
+    t.on_message(D, &Message::Heartbeat { seq: 1, lease_ids: vec![renewed_old, renewed] }, secs(1.0), &mut rel);
+    let ticket = t.begin_read(D, reading, None, secs(1.0), &mut rel).expect("read");
+    assert!(rel.is_empty());
+    let mut order = Vec::new();
+    while let Some(e) = t.evict_turn(secs(2.0), &mut rel) {
+        order.push(e);
+    }
+    assert_eq!(
+        order,
+        [Evicted::Unclaimed(old), Evicted::Unclaimed(young), Evicted::Claimed(renewed_old), Evicted::Claimed(renewed)],
+        "unclaimed oldest first, then claimed oldest first"
+    );
+    assert_eq!(reasons(&rel), [old, young, renewed_old, renewed].map(|id| (id, ReleaseReason::Released)));
+    assert!(rel.iter().all(|r| r.payload.is_some()), "blocks of turns nobody reads come back at once");
+    assert_eq!((t.live(), t.turns()), (2, 1), "the ordinary lease and the turn under a read stay");
+    // P6: the prefill engine renewing an evicted turn learns at once.
+    let answer = t.on_message(D, &Message::Heartbeat { seq: 2, lease_ids: vec![renewed] }, secs(2.5), &mut rel);
+    assert!(matches!(answer.reply, Some(Message::HeartbeatAck { lost_ids, .. }) if lost_ids == [renewed]));
+    // P5: once the read ends the turn may go (its reader would have reported completion first).
     assert!(t.end_read(ticket).is_none());
-    let d = t.grant(secs(0.0), 1, "d");
-    assert!(!t.revoke_unclaimed(d, secs(31.0), &mut rel), "expired: the reaper's");
-    assert_eq!(t.live(), 3);
+    rel.clear();
+    assert_eq!(t.evict_turn(secs(3.0), &mut rel), Some(Evicted::Claimed(reading)));
+    assert_eq!(t.evict_turn(secs(3.0), &mut rel), None, "an ordinary lease is not a cached turn");
+    assert_eq!(t.deadline(lease), Some(secs(30.0)));
+    // Past its TTL: released as `expired` by the scan, not counted as an eviction.
+    let late = t.grant_turn(secs(3.0), Duration::from_secs(10), 1, "late");
+    rel.clear();
+    assert_eq!(t.evict_turn(secs(14.0), &mut rel), None);
+    assert_eq!(reasons(&rel), [(late, ReleaseReason::Expired)]);
+    assert_eq!(t.turns(), 0);
 }
 
 /// SPEC P1, P2, P4 with times that are not whole milliseconds (the table keeps milliseconds):

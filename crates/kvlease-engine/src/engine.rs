@@ -79,7 +79,6 @@ impl EngineHandle {
             ranks: OnceLock::new(),
             kv_addr: OnceLock::new(),
             leases: Mutex::new(LeaseTable::new(&lease_cfg)),
-            kept_turns: Mutex::default(),
             quarantine: Mutex::new(Quarantine::new(&lease_cfg, true)),
             reaper_wake: Notify::new(),
             renewer: Mutex::new(Renewer::new(&lease_cfg)),

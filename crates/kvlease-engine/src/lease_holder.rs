@@ -9,7 +9,7 @@ use crate::pool::Blocks;
 use crate::state::{lock, Inner, Lease};
 use crate::{FinishReason, GenerateEvent};
 use kvlease_core::digest::{reads_lease_blocks, Bound, PromptDigest};
-use kvlease_core::lease_table::{ReadTicket, ReleaseReason, Released, REAP_BUDGET};
+use kvlease_core::lease_table::{Evicted, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
 use kvlease_core::peers::agent_holder;
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::wire::Message;
@@ -71,43 +71,47 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
     let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
     let (lease_id, digest) = grant(inner, client_id, blocks, used, tokens, Some(ttl));
     inner.metrics.turns_kept.fetch_add(1, Relaxed);
-    let mut kept = lock(&inner.kept_turns);
-    kept.push_back(lease_id);
-    // Turns that ended otherwise (read, released, expired) leave their ids here until evicting
-    // reaches them: every so often drop those, so the queue stays the size of the live turns.
-    if kept.len().is_power_of_two() && kept.len() >= 1024 {
-        let table = lock(&inner.leases);
-        kept.retain(|&id| table.deadline(id).is_some());
-    }
     let remote = remote_kv(inner, client_id, block_ids, tokens.len() as u32, lease_id, digest);
     let expiry = (inner.now() + ttl).0 as f64 / 1e9;
     (lease_id, remote.to_turn_json(inner.cfg.secret.as_deref(), expiry, ttl.as_secs_f64()))
 }
 
-/// The scheduler cannot admit a request for want of `need` free blocks: end the oldest cached
-/// turns no prefill engine has claimed (no heartbeat or read of them yet: nobody continues that
-/// conversation now, SPEC B1) until `need` blocks are free or none is left to end. A cached turn
-/// is a cache: its blocks go to new requests rather than leaving them waiting out the TTL; a
-/// conversation whose turn was evicted is recomputed by its next prefill (D7). Turns a prefill
-/// engine is renewing or reading (B3) are never evicted. Returns how many were ended.
+/// The scheduler cannot admit a request for want of `need` free blocks: end cached turns, in
+/// the lease table's order (SPEC B1: the oldest nobody claimed, then the oldest a prefill engine
+/// renews but is not reading; never one under a read, P5), until `need` blocks are free or none
+/// is left to end. A cached turn is a cache: its blocks go to new requests rather than leaving
+/// them waiting out the TTL; a conversation whose turn was evicted is recomputed by its next
+/// prefill (D7). Returns how many turns ended (evicted, or found expired on the way).
 pub(crate) fn evict_turns(inner: &Inner, need: usize) -> usize {
     // Blocks come back at once where reads are fenced, after the quarantine otherwise: count
     // what the quarantine and the evictions will give back, not only what the pool has now, or
     // each pass during a quarantine would evict more turns.
     let mut coming = inner.pool.free() as usize + lock(&inner.quarantine).iter().map(|b| b.ids().len()).sum::<usize>();
-    let mut evicted = 0;
+    let mut ended = 0;
     while coming < need {
-        let Some(id) = lock(&inner.kept_turns).pop_front() else { break };
         let mut released = Vec::new();
-        if lock(&inner.leases).revoke_unclaimed(id, inner.now(), &mut released) {
-            coming += released.iter().filter_map(|r| r.payload.as_ref()).map(|l| l.blocks.ids().len()).sum::<usize>();
-            evicted += 1;
+        let evicted = lock(&inner.leases).evict_turn(inner.now(), &mut released);
+        coming += released.iter().filter_map(|r| r.payload.as_ref()).map(|l| l.blocks.ids().len()).sum::<usize>();
+        ended += released.len();
+        match evicted {
+            Some(Evicted::Unclaimed(lease_id)) => tracing::debug!(lease_id, "cached turn evicted: its blocks are needed"),
+            Some(Evicted::Claimed(lease_id)) => {
+                tracing::info!(
+                    lease_id,
+                    "cached turn evicted while a prefill engine renews it: its blocks are needed; that turn is recomputed"
+                )
+            }
+            None => {}
+        }
+        if evicted.is_some() {
             inner.metrics.turns_evicted.fetch_add(1, Relaxed);
-            tracing::debug!(lease_id = id, "cached turn evicted: its blocks are needed");
         }
         settle(inner, released);
+        if evicted.is_none() {
+            break;
+        }
     }
-    evicted
+    ended
 }
 
 /// Grants a lease on `blocks` (the first `n` of them named in the params) for `lifetime` (L
@@ -127,7 +131,7 @@ fn grant(
         let lease =
             Lease { blocks, named, prefix_reads: lifetime.is_some(), request: request.to_owned(), prompt_digest: PromptDigest::default() };
         let id = match lifetime {
-            Some(t) => table.grant_for(inner.now(), t, n as u32, lease),
+            Some(t) => table.grant_turn(inner.now(), t, n as u32, lease),
             None => table.grant(inner.now(), n as u32, lease),
         };
         // The digest binds the lease id, which the table has only now given out.

@@ -19,7 +19,7 @@ use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::Renewer;
 use kvlease_core::Nanos;
 use kvlease_transport::{Agent, BlockArena};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -82,9 +82,6 @@ pub(crate) struct Inner {
     pub kv_addr: OnceLock<SocketAddr>,
     /// P: leases on our blocks.
     pub leases: Mutex<LeaseTable<Lease>>,
-    /// D in bidirectional mode: the lease ids of the cached turns we kept, oldest first
-    /// (`lease_holder::evict_turns`; ids that ended meanwhile are skipped).
-    pub kept_turns: Mutex<VecDeque<u64>>,
     /// Blocks an unfenced READ may still target (SPEC P5, D6).
     pub quarantine: Mutex<Quarantine<Blocks>>,
     /// Wakes the reaper when the quarantine's next release moved earlier.

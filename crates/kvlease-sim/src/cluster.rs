@@ -130,6 +130,7 @@ impl Cluster {
             refuse_handshake: if r.chance(0.3) { r.unit() * 0.3 } else { 0.0 },
             hang_handshake: if r.chance(0.2) { r.unit() * 0.1 } else { 0.0 },
             unfenced: r.chance(0.3),
+            ..Faults::default()
         };
         let mut partitions = Vec::new();
         for _ in 0..r.below(3) {

@@ -69,6 +69,9 @@ pub struct Faults {
     pub delay: (Duration, Duration),
     /// A read's delay before it touches memory.
     pub read_delay: (Duration, Duration),
+    /// How long a fenced read is in progress: the serving side's permit is held this long
+    /// before the bytes are copied (a long read; SPEC P5 on the serving side).
+    pub read_hold: (Duration, Duration),
     /// A handshake connection is refused.
     pub refuse_handshake: f64,
     /// A handshake connection is accepted by nobody: it hangs until the dialer gives up.
@@ -292,7 +295,8 @@ impl MemAgent {
         Ok(other)
     }
 
-    fn read_now(&self, peer: &str, op: ReadOp) -> Result<(), TransportError> {
+    /// A fenced read, at once, or with the serving side's permit held for `hold` first.
+    async fn read_fenced(&self, peer: &str, op: ReadOp, hold: Duration) -> Result<(), TransportError> {
         let other = self.link(peer).map_err(|down| match down {
             LinkDown::Unknown => TransportError::UnknownPeer(peer.to_owned()),
             LinkDown::Gone | LinkDown::Cut => TransportError::Disconnected(peer.to_owned()),
@@ -307,6 +311,9 @@ impl MemAgent {
         blocks.dedup();
         let permit =
             other.gate.begin_read(&self.name, op.lease_id, &blocks, &op.tag).ok_or(TransportError::Refused { lease_id: op.lease_id })?;
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
         let same_arena = Arc::ptr_eq(&self.arena, &other.arena);
         for s in &op.segments {
             // SAFETY: both ranges passed `contains`; the permit keeps the remote blocks from
@@ -456,17 +463,17 @@ impl Agent for MemAgent {
     }
 
     fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>> {
-        let (delay, unfenced) = {
+        let (delay, hold, unfenced) = {
             let mut st = lock(&self.net.state);
-            let range = st.faults.read_delay;
-            (st.between(range), st.faults.unfenced)
+            let (range, hold) = (st.faults.read_delay, st.faults.read_hold);
+            (st.between(range), st.between(hold), st.faults.unfenced)
         };
         Box::pin(async move {
             if !unfenced {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                return self.read_now(peer, op);
+                return self.read_fenced(peer, op, hold).await;
             }
             // As NIXL: posted now, lands after the delay whether or not anyone still waits.
             let other = self.link(peer).map_err(|_| TransportError::Disconnected(peer.to_owned()))?;
