@@ -97,8 +97,8 @@ async fn fifty_requests_through_the_proxy(transport: &str) {
 }
 
 /// SPEC S1, S4: with a secret configured on both, D refuses altered or unsigned params with a
-/// 400 naming kv_transfer_params; params of another prompt are computed locally (S4). Nothing is
-/// read: P's lease stays untouched.
+/// 400 naming kv_transfer_params, and P's lease stays untouched; params of another prompt are
+/// computed locally (S4), and the lease they name is released at once (O4).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
     let p = Proc::serve("s1-p", &[]);
@@ -129,19 +129,28 @@ async fn s1_altered_or_unsigned_params_get_400_and_nothing_is_read() {
         assert_eq!(status, 400, "{what}: {err}");
         assert_eq!(err["error"]["param"], "kv_transfer_params", "{what}: {err}");
     }
-    let (status, body) = post(&format!("{}/v1/completions", d.url), &other_prompt.take()).await;
-    assert_eq!(status, 200, "another prompt is computed locally: {body}");
-    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
-    assert_eq!(metric(&p.url, "kvlease_heartbeats_received_total").await, 0.0, "D never contacted P");
-    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0);
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0, "refused params released nothing");
     // The genuine params still pull.
-    let good = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params});
+    let good = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params.clone()});
     let (status, body) = post(&format!("{}/v1/completions", d.url), &good).await;
     assert_eq!(status, 200, "{body}");
     until("transferred", Duration::from_secs(10), || async {
         metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
     })
     .await;
+    // Genuine params of another prompt are computed locally, never read (S4), and the lease they
+    // name is released at once (O4).
+    let (status, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
+    assert_eq!(status, 200, "{body}");
+    other_prompt["kv_transfer_params"] = body["kv_transfer_params"].clone();
+    let (status, body) = post(&format!("{}/v1/completions", d.url), &other_prompt.take()).await;
+    assert_eq!(status, 200, "another prompt is computed locally: {body}");
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    until("the other prompt's lease released (O4)", Duration::from_secs(2), || async {
+        metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await == 1.0
+    })
+    .await;
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 0.0);
 }
 
 /// SPEC P7, S2: junk on P's handshake side channel — an oversized frame header, a well-framed
