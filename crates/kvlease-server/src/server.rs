@@ -61,8 +61,8 @@ pub struct HttpLimits {
     pub body_timeout: Duration,
     /// A kept-alive connection is closed after this long without a request.
     pub idle_timeout: Duration,
-    /// A response write that found the socket full: the connection (and its request) is cut when
-    /// the client takes nothing of what the socket holds for this long.
+    /// Response bytes wait in the socket and the client acknowledges none of them for this long:
+    /// the connection is reset and its request ends.
     pub write_timeout: Duration,
     /// Open connections at most.
     pub max_connections: usize,
@@ -110,20 +110,24 @@ const LOOKS_PER_WRITE_TIMEOUT: u32 = 4;
 /// Why a response was cut before its end: the `reason` of `kvlease_http_responses_aborted_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Abort {
-    /// The client took nothing of a full socket for `write_timeout`.
+    /// Bytes waited in the socket, and the client acknowledged none, for `write_timeout`.
     WriteTimeout,
     /// More of a stream was produced and not taken than its outbox's bound.
-    BufferFull,
+    BufferFull { max_bytes: usize },
 }
 
 impl Abort {
-    const ALL: [Abort; 2] = [Abort::WriteTimeout, Abort::BufferFull];
+    const LABELS: [&'static str; 2] = ["write_timeout", "buffer_full"];
+
+    fn index(self) -> usize {
+        match self {
+            Abort::WriteTimeout => 0,
+            Abort::BufferFull { .. } => 1,
+        }
+    }
 
     fn label(self) -> &'static str {
-        match self {
-            Abort::WriteTimeout => "write_timeout",
-            Abort::BufferFull => "buffer_full",
-        }
+        Abort::LABELS[self.index()]
     }
 }
 
@@ -135,7 +139,7 @@ pub(crate) struct HttpMetrics {
 
 impl HttpMetrics {
     fn count(&self, why: Abort) {
-        self.aborted[why as usize].fetch_add(1, Ordering::Relaxed);
+        self.aborted[why.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Prometheus text, appended to `out`.
@@ -146,8 +150,8 @@ impl HttpMetrics {
             out,
             "# HELP {name} Responses cut before their end because the client did not take them (its request ended): no write progress for --http-write-timeout (write_timeout), or a stream over --http-max-buffered-stream-bytes (buffer_full).\n# TYPE {name} counter"
         );
-        for why in Abort::ALL {
-            let _ = writeln!(out, "{name}{{reason=\"{}\"}} {}", why.label(), self.aborted[why as usize].load(Ordering::Relaxed));
+        for (label, n) in Abort::LABELS.iter().zip(&self.aborted) {
+            let _ = writeln!(out, "{name}{{reason=\"{label}\"}} {}", n.load(Ordering::Relaxed));
         }
     }
 }
@@ -313,14 +317,7 @@ impl Server {
                 match slot.drive(cx) {
                     Driven::Idle => break,
                     Driven::Ready => continue,
-                    Driven::Overflowed { max_bytes } => {
-                        self.metrics.count(Abort::BufferFull);
-                        tracing::info!(
-                            request_id = slot.request_id().as_deref().unwrap_or("-"),
-                            "stream cut: its client left more than {max_bytes} bytes untaken (--http-max-buffered-stream-bytes); its request ends"
-                        );
-                        return Poll::Ready(Err("the stream's client left more than its bound untaken".into()));
-                    }
+                    Driven::Overflowed { max_bytes } => return Poll::Ready(Err(self.abort(&slot, fd, Abort::BufferFull { max_bytes }))),
                 }
             }
             // Only to be woken: the phase says whether this connection was evicted.
@@ -330,8 +327,9 @@ impl Server {
                 if draining && phase.evictable() {
                     return Poll::Ready(Err("the server is shutting down".into()));
                 }
-                let now = Instant::now();
+                // An evicted connection's deadline is the instant it is asked for: ask first.
                 let phase_due = phase.deadline(&self.limits);
+                let now = Instant::now();
                 if phase_due.is_some_and(|due| due <= now) {
                     return Poll::Ready(Err(phase.cut_reason().into()));
                 }
@@ -339,15 +337,7 @@ impl Server {
                 let look_due = match stall.look(responses, phase.writing(), self.limits.write_timeout, now, || sent(fd)) {
                     Look::Settled => None,
                     Look::At(due) => Some(due),
-                    Look::Cut => {
-                        self.metrics.count(Abort::WriteTimeout);
-                        tracing::info!(
-                            request_id = slot.request_id().as_deref().unwrap_or("-"),
-                            "response cut: its client took nothing for {} s (--http-write-timeout); its request ends",
-                            self.limits.write_timeout.as_secs_f64()
-                        );
-                        return Poll::Ready(Err("the client took nothing for the write timeout".into()));
-                    }
+                    Look::Cut => return Poll::Ready(Err(self.abort(&slot, fd, Abort::WriteTimeout))),
                 };
                 let Some(due) = [phase_due, look_due].into_iter().flatten().min() else { return Poll::Pending };
                 // A timer that fires early only makes the deadlines be looked at again: it is
@@ -438,8 +428,11 @@ impl StallWatch {
                     return Look::Settled;
                 }
             }
-            // Nothing to see (an old kernel): no cut.
-            None => self.took_at = scheduled,
+            // Nothing to see (an old kernel, another system): no cut, and no more looks.
+            None => {
+                self.watching = false;
+                return Look::Settled;
+            }
         }
         if now >= self.took_at + timeout {
             return Look::Cut;
@@ -477,6 +470,46 @@ fn sent(fd: RawFd) -> Option<Sent> {
 #[cfg(not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl"))))]
 fn sent(_fd: RawFd) -> Option<Sent> {
     None
+}
+
+impl Server {
+    /// Counts and logs a response cut because its client did not take it, and makes the socket's
+    /// close a reset: what the kernel still holds for the client is dropped at once (a client that
+    /// does not read would never see a FIN queued behind it), and the client's next read fails.
+    fn abort(&self, slot: &Slot, fd: RawFd, why: Abort) -> String {
+        self.metrics.count(why);
+        let request_id = slot.request_id();
+        let request_id = request_id.as_deref().unwrap_or("-");
+        match why {
+            Abort::WriteTimeout => tracing::info!(
+                request_id,
+                "response cut: its client took nothing for {} s (--http-write-timeout); its request ends",
+                self.limits.write_timeout.as_secs_f64()
+            ),
+            Abort::BufferFull { max_bytes } => tracing::info!(
+                request_id,
+                "stream cut: its client left more than {max_bytes} bytes untaken (--http-max-buffered-stream-bytes); its request ends"
+            ),
+        }
+        reset_on_close(fd);
+        format!("response aborted: {}", why.label())
+    }
+}
+
+/// Sets `SO_LINGER` to zero: closing the socket resets the connection.
+fn reset_on_close(fd: RawFd) {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: SO_LINGER reads one `linger` from the pointer for the given length; `fd` is the
+    // connection's socket, open while its task runs. A failure leaves an orderly close.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
 }
 
 /// Removes a connection from the server's table when its task ends, however it ends.
@@ -535,8 +568,8 @@ impl Phase {
     }
 }
 
-/// One connection's phase, shared by its socket (bytes arrive, writes are refused), its service
-/// (requests begin and end), its task (deadlines) and the accept loop (eviction).
+/// One connection's phase, shared by its socket (bytes arrive), its service (requests begin and
+/// end, responses start), its task (deadlines) and the accept loop (eviction).
 struct Slot {
     phase: Mutex<Phase>,
     evicted: Notify,
