@@ -2,15 +2,18 @@
 //! `/v1/models`, `/health` and `/metrics` (SPEC §10, §11), served within [`HttpLimits`].
 //!
 //! A request's [`RequestStream`] is owned by the handler future (non-streaming) or by the
-//! response body (streaming). When the client goes away hyper drops both, the stream is dropped
-//! and the engine aborts the request: on D that releases P's lease at once (SPEC D4).
+//! response body's producer (streaming, [`Outbox`]). When the client goes away, or stops taking
+//! its answer (`--http-write-timeout`, `--http-max-buffered-stream-bytes`), both are dropped, the
+//! stream with them, and the engine aborts the request: on D that releases P's lease at once
+//! (SPEC D4).
 
 use crate::body;
 use crate::choice::{self, Choice, Out, StopRules};
 use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::openai::{self, Completion, Endpoint, ResponseMeta, Usage};
-use crate::server::{self, HttpLimits};
+use crate::outbox::Outbox;
+use crate::server::{self, HttpLimits, HttpMetrics};
 use crate::sse;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -24,16 +27,26 @@ use serde_json::json;
 use std::future::Future;
 use std::sync::Arc;
 
-/// The header that carries a request's id, in and out (and from the proxy to both legs).
-pub const REQUEST_ID: &str = "x-request-id";
+pub use crate::ids::REQUEST_ID;
 
 /// Longest `X-Request-Id` accepted.
 const MAX_REQUEST_ID_LEN: usize = 512;
 
+/// Bytes of a streamed answer produced and not yet taken by its client, at most, by default
+/// (`--http-max-buffered-stream-bytes`): some answers of the longest the default
+/// `--max-model-len` allows, so a client that reads is never near it.
+pub const DEFAULT_MAX_BUFFERED_STREAM_BYTES: usize = 4 << 20;
+
+/// The smallest bound a stream may have: one SSE chunk at its largest.
+pub const MIN_BUFFERED_STREAM_BYTES: usize = crate::sse::MAX_CHUNK_BYTES;
+
 /// How `kvlease serve` exposes its engine over HTTP.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub http: HttpLimits,
+    /// A streamed answer whose client leaves more than this produced and untaken is cut, and its
+    /// request aborted (issue 22).
+    pub max_buffered_stream_bytes: usize,
     /// The engine listens beyond loopback without a cluster secret (`--insecure`, SPEC S3):
     /// `/health` says so.
     pub insecure: bool,
@@ -45,6 +58,19 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
 }
 
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            http: HttpLimits::default(),
+            max_buffered_stream_bytes: DEFAULT_MAX_BUFFERED_STREAM_BYTES,
+            insecure: false,
+            drain: Arc::default(),
+            served_model_names: Vec::new(),
+            api_key: None,
+        }
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     engine: EngineHandle,
@@ -53,6 +79,8 @@ struct AppState {
     drain: Arc<Drain>,
     names: Arc<Vec<String>>,
     api_key: Option<Arc<str>>,
+    max_stream_bytes: usize,
+    http: Arc<HttpMetrics>,
 }
 
 impl AppState {
@@ -77,6 +105,11 @@ impl AppState {
 
 /// The router of `kvlease serve`, for tests that want to mount it themselves.
 pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
+    app(engine, options, Arc::default())
+}
+
+/// The router, counting into `http` what the listener under it counts.
+fn app(engine: EngineHandle, options: &ServeOptions, http: Arc<HttpMetrics>) -> Router {
     let names =
         if options.served_model_names.is_empty() { vec![engine.model_name().to_owned()] } else { options.served_model_names.clone() };
     let state = AppState {
@@ -86,6 +119,8 @@ pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
         drain: options.drain.clone(),
         names: Arc::new(names),
         api_key: options.api_key.as_deref().map(Arc::from),
+        max_stream_bytes: options.max_buffered_stream_bytes,
+        http,
     };
     Router::new()
         .route("/v1/completions", post(completions))
@@ -112,8 +147,9 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(engine.clone(), &options);
-    server::run(listener, app, options.http, async move {
+    let metrics = Arc::<HttpMetrics>::default();
+    let app = app(engine.clone(), &options, metrics.clone());
+    server::run(listener, app, options.http, metrics, async move {
         shutdown.await;
         tracing::info!("shutting down: aborting in-flight requests");
         engine.shutdown().await;
@@ -220,15 +256,18 @@ async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endp
         }
     }
     if c.stream {
-        let body = sse::body(meta, choices, c.include_usage, c.n, c.logprobs.is_some());
-        return Ok((
+        let events = sse::events(meta, choices, c.include_usage, c.n, c.logprobs.is_some());
+        let (body, outbox) = Outbox::new(events, st.max_stream_bytes);
+        let mut resp = (
             [
                 (header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream")),
                 (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
             ],
             body,
         )
-            .into_response());
+            .into_response();
+        resp.extensions_mut().insert(outbox);
+        return Ok(resp);
     }
     collect(meta, choices, c.n, c.logprobs.is_some()).await.map(|v| axum::Json(v).into_response())
 }
@@ -432,6 +471,7 @@ async fn health(State(st): State<AppState>) -> Response {
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {
-    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], st.engine.metrics().render())
-        .into_response()
+    let mut out = st.engine.metrics().render();
+    st.http.render(&mut out);
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], out).into_response()
 }

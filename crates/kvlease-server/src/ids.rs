@@ -3,6 +3,9 @@
 pub use kvlease_engine::ids::{random_hex, random_u64};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// The header that carries a request's id, in and out (and from the proxy to both legs).
+pub const REQUEST_ID: &str = "x-request-id";
+
 /// A random id in the shape of a UUID (8-4-4-4-12 hex digits).
 pub fn random_uuid() -> String {
     let h = random_hex(16);

@@ -6,7 +6,9 @@
 //! * [`etcd`]: cluster membership: engines register in etcd, the proxy routes to what is there.
 //!
 //! Both run on [`server`]'s accept loop, which bounds what a client can hold ([`HttpLimits`]):
-//! header, body and idle timeouts, a connection cap, a budget for bodies still arriving.
+//! header, body, idle and write timeouts, a connection cap, a budget for bodies still arriving;
+//! and `serve` bounds what a streamed answer holds for a client that does not take it
+//! ([`outbox`]).
 //!
 //! Bad input always gets a 4xx in the OpenAI error shape ([`ApiError`]), never a 5xx or a panic.
 
@@ -18,11 +20,12 @@ mod error;
 pub mod etcd;
 pub mod ids;
 mod openai;
+mod outbox;
 mod proxy;
 mod server;
 mod sse;
 
-pub use api::{router, serve, ServeOptions, REQUEST_ID};
+pub use api::{router, serve, ServeOptions, DEFAULT_MAX_BUFFERED_STREAM_BYTES, MIN_BUFFERED_STREAM_BYTES, REQUEST_ID};
 pub use body::{MAX_BODY_BYTES, UNCOUNTED_BODY_BYTES};
 pub use drain::Drain;
 pub use error::ApiError;

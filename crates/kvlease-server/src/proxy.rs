@@ -7,9 +7,11 @@
 //! P leg: the client's request with `n = 1`, `stream = false` and `do_remote_decode = true`
 //! (its own `max_tokens`, so P's length checks see the client's numbers: P prefills only);
 //! P's response carries the `kv_transfer_params` that the D leg then sends unchanged. D's response
-//! is streamed back as it comes. Beyond the toy: a client that disconnects drops the upstream
-//! request and its body stream, so P or D sees the connection close and aborts (SPEC D4), and an
-//! unreachable upstream is a 502 in the OpenAI error shape.
+//! is streamed back as it comes, read from D only as fast as the client takes it (so the proxy
+//! holds at most a chunk of it, and a client that stops reading stops D's writes too). Beyond the
+//! toy: a client that disconnects, or takes nothing for `--http-write-timeout`, drops the
+//! upstream request and its body stream, so P or D sees the connection close and aborts (SPEC
+//! D4), and an unreachable upstream is a 502 in the OpenAI error shape.
 //!
 //! The D leg carries P's `kv_transfer_params` or none, never the client's: the proxy is the
 //! cluster's front door, and a client must not steer D's reads through it (SPEC S1, S3).
@@ -17,7 +19,7 @@
 use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
 use crate::error::ApiError;
-use crate::server::{self, HttpLimits};
+use crate::server::{self, HttpLimits, HttpMetrics};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
@@ -246,6 +248,8 @@ struct Proxy {
     turns_used: AtomicU64,
     /// With `--etcd`: whether the last read of the registrations succeeded.
     etcd: Option<EtcdState>,
+    /// What the listener counts (responses cut).
+    http: Arc<HttpMetrics>,
 }
 
 /// The proxy's view of etcd.
@@ -340,6 +344,11 @@ impl std::error::Error for ProxyError {}
 
 /// The proxy's router.
 pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
+    app(cfg, Arc::default())
+}
+
+/// The router, counting into `http` what the listener under it counts.
+fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
     if cfg.membership.is_none() && (cfg.prefillers.is_empty() || cfg.decoders.is_empty()) {
         return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
     }
@@ -371,6 +380,7 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
             up: AtomicBool::new(false),
             failures: AtomicU64::new(0),
         }),
+        http,
     });
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(health_checks(Arc::downgrade(&proxy), cfg.health_interval));
@@ -397,8 +407,9 @@ pub async fn proxy(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(cfg).map_err(std::io::Error::other)?;
-    server::run(listener, app, limits, shutdown).await
+    let metrics = Arc::<HttpMetrics>::default();
+    let app = app(cfg, metrics.clone()).map_err(std::io::Error::other)?;
+    server::run(listener, app, limits, metrics, shutdown).await
 }
 
 /// Probes every upstream's `/health` each `interval` (1 s timeout): out of rotation on a failed
@@ -597,6 +608,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
         "Legs that could not reach the upstream, and failed probes.",
         &|i| i.failures.load(Ordering::Relaxed),
     );
+    p.http.render(&mut out);
     ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], out).into_response()
 }
 

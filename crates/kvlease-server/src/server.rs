@@ -8,9 +8,15 @@
 //! * `Head`: the request head must be complete within `header_timeout` of the connection opening
 //!   or of the first byte after an idle spell (slowloris);
 //! * `Idle`: a kept-alive connection gets its next request within `idle_timeout`;
-//! * `Busy`: a request is in flight. No connection deadline (a response may stream for minutes);
-//!   the handler reads the body within `body_timeout` or answers 408, and bodies still arriving
-//!   share one byte budget ([`crate::body`]).
+//! * `Busy`: a request is in flight. No deadline on the whole (a response may stream for
+//!   minutes); the handler reads the body within `body_timeout` or answers 408, and bodies still
+//!   arriving share one byte budget ([`crate::body`]).
+//!
+//! In any phase, a response the client stops taking is cut (issue 22): while response bytes wait
+//! in the socket, the client has `write_timeout` to acknowledge some of them, or the connection is
+//! closed, and with it the request (an engine aborts it, the proxy drops its upstream). A
+//! streamed response's producer is driven here even while the socket is full, within its bound
+//! ([`crate::outbox`]). Both cuts are counted ([`HttpMetrics`]) and logged once.
 //!
 //! At `max_connections`, a new connection closes the open connection that is not busy and is
 //! nearest its deadline (it was about to be closed anyway); only when every connection is busy
@@ -20,8 +26,10 @@
 
 use crate::body::{BodyBudget, BodyLimits};
 use crate::error::ApiError;
+use crate::ids::REQUEST_ID;
+use crate::outbox::{Driven, Outbox};
 use axum::body::{Body, Bytes, HttpBody};
-use axum::http::{Request, Response};
+use axum::http::{HeaderValue, Request, Response};
 use axum::Router;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -31,6 +39,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -52,6 +61,9 @@ pub struct HttpLimits {
     pub body_timeout: Duration,
     /// A kept-alive connection is closed after this long without a request.
     pub idle_timeout: Duration,
+    /// Response bytes wait in the socket and the client acknowledges none of them for this long:
+    /// the connection is reset and its request ends.
+    pub write_timeout: Duration,
     /// Open connections at most.
     pub max_connections: usize,
     /// Bytes buffered for request bodies still arriving, across all connections (each body's
@@ -67,6 +79,10 @@ impl Default for HttpLimits {
             // Longer than the 30 s a client pool (ours in `proxy`, most HTTP libraries') keeps an
             // idle connection, so the client closes first and never sends on a closing socket.
             idle_timeout: Duration::from_secs(60),
+            // Far above what a reading client leaves between two reads; a client that stopped
+            // reading holds its slot and its request at most this long (issue 22 asks 8 such
+            // streams cut within 60 s).
+            write_timeout: Duration::from_secs(30),
             max_connections: 1024,
             max_buffered_body_bytes: 64 << 20,
         }
@@ -87,14 +103,74 @@ const REFUSE_TIME: Duration = Duration::from_secs(1);
 /// The file descriptors a process needs besides its HTTP connections (engine, agents, upstreams).
 const OTHER_FILES: u64 = 64;
 
+/// Looks at a socket with response bytes in it this many times per `write_timeout`: a client that
+/// stopped taking them is cut at most a quarter of the timeout late, never early.
+const LOOKS_PER_WRITE_TIMEOUT: u32 = 4;
+
+/// Why a response was cut before its end: the `reason` of `kvlease_http_responses_aborted_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Abort {
+    /// Bytes waited in the socket, and the client acknowledged none, for `write_timeout`.
+    WriteTimeout,
+    /// More of a stream was produced and not taken than its outbox's bound.
+    BufferFull { max_bytes: usize },
+}
+
+impl Abort {
+    const LABELS: [&'static str; 2] = ["write_timeout", "buffer_full"];
+
+    fn index(self) -> usize {
+        match self {
+            Abort::WriteTimeout => 0,
+            Abort::BufferFull { .. } => 1,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        Abort::LABELS[self.index()]
+    }
+}
+
+/// What one HTTP listener counts, for the `/metrics` of the routes it serves.
+#[derive(Debug, Default)]
+pub(crate) struct HttpMetrics {
+    aborted: [AtomicU64; 2],
+}
+
+impl HttpMetrics {
+    fn count(&self, why: Abort) {
+        self.aborted[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus text, appended to `out`.
+    pub(crate) fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        let name = "kvlease_http_responses_aborted_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Responses cut before their end because the client did not take them (its request ended): no write progress for --http-write-timeout (write_timeout), or a stream over --http-max-buffered-stream-bytes (buffer_full).\n# TYPE {name} counter"
+        );
+        for (label, n) in Abort::LABELS.iter().zip(&self.aborted) {
+            let _ = writeln!(out, "{name}{{reason=\"{label}\"}} {}", n.load(Ordering::Relaxed));
+        }
+    }
+}
+
 /// Serves `router` on `listener` within `limits` until `shutdown` resolves; then stops
 /// accepting, closes connections that are not busy, lets busy ones finish their request, and
 /// returns when every connection is closed.
-pub(crate) async fn run(listener: TcpListener, router: Router, limits: HttpLimits, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+pub(crate) async fn run(
+    listener: TcpListener,
+    router: Router,
+    limits: HttpLimits,
+    metrics: Arc<HttpMetrics>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
     raise_open_files_limit();
     warn_if_files_are_short(limits.max_connections);
     let server = Arc::new(Server {
         budget: Arc::new(BodyBudget::new(limits.max_buffered_body_bytes)),
+        metrics,
         limits,
         connections: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(0),
@@ -148,6 +224,7 @@ fn is_connection_error(e: &io::Error) -> bool {
 struct Server {
     limits: HttpLimits,
     budget: Arc<BodyBudget>,
+    metrics: Arc<HttpMetrics>,
     connections: Mutex<HashMap<u64, Arc<Slot>>>,
     next_id: AtomicU64,
     refusing: AtomicUsize,
@@ -203,8 +280,9 @@ impl Server {
         });
     }
 
-    /// Serves one connection until it ends, its phase's deadline passes, it is evicted, or the
-    /// server stops (then a busy connection finishes its request first).
+    /// Serves one connection until it ends, its phase's deadline passes, its client stops taking
+    /// its response, it is evicted, or the server stops (then a busy connection finishes its
+    /// request first).
     async fn connection(self: Arc<Self>, id: u64, slot: Arc<Slot>, stream: TcpStream, router: Router, mut stop: watch::Receiver<()>) {
         let _registered = Registered { server: &self, id };
         let service = ConnectionService {
@@ -213,6 +291,7 @@ impl Server {
             budget: self.budget.clone(),
             body_timeout: self.limits.body_timeout,
         };
+        let fd = stream.as_raw_fd();
         let io = TokioIo::new(Watched { stream, slot: slot.clone() });
         let mut builder = http1::Builder::new();
         builder.max_buf_size(MAX_CONNECTION_BUFFER).header_read_timeout(None);
@@ -221,6 +300,7 @@ impl Server {
         let mut evicted = pin!(slot.evicted.notified());
         let mut stopped = pin!(stop.changed());
         let mut draining = false;
+        let mut stall = StallWatch::default();
         let ended = poll_fn(|cx| {
             // Hyper closes a connection after the request in flight, once its response is
             // flushed; one with no request in flight is closed here at once (hyper would wait
@@ -229,8 +309,16 @@ impl Server {
                 draining = true;
                 conn.as_mut().graceful_shutdown();
             }
-            if let Poll::Ready(r) = conn.as_mut().poll(cx) {
-                return Poll::Ready(r.map_err(|e| e.to_string()));
+            loop {
+                if let Poll::Ready(r) = conn.as_mut().poll(cx) {
+                    return Poll::Ready(r.map_err(|e| e.to_string()));
+                }
+                // A streamed response is produced whether or not hyper has room for it.
+                match slot.drive(cx) {
+                    Driven::Idle => break,
+                    Driven::Ready => continue,
+                    Driven::Overflowed { max_bytes } => return Poll::Ready(Err(self.abort(&slot, fd, Abort::BufferFull { max_bytes }))),
+                }
             }
             // Only to be woken: the phase says whether this connection was evicted.
             let _ = evicted.as_mut().poll(cx);
@@ -239,11 +327,22 @@ impl Server {
                 if draining && phase.evictable() {
                     return Poll::Ready(Err("the server is shutting down".into()));
                 }
-                let Some(due) = phase.deadline(&self.limits) else { return Poll::Pending };
-                if due <= Instant::now() {
+                // An evicted connection's deadline is the instant it is asked for: ask first.
+                let phase_due = phase.deadline(&self.limits);
+                let now = Instant::now();
+                if phase_due.is_some_and(|due| due <= now) {
                     return Poll::Ready(Err(phase.cut_reason().into()));
                 }
-                if timer.deadline() != due {
+                let responses = slot.responses.load(Ordering::Relaxed);
+                let look_due = match stall.look(responses, phase.writing(), self.limits.write_timeout, now, || sent(fd)) {
+                    Look::Settled => None,
+                    Look::At(due) => Some(due),
+                    Look::Cut => return Poll::Ready(Err(self.abort(&slot, fd, Abort::WriteTimeout))),
+                };
+                let Some(due) = [phase_due, look_due].into_iter().flatten().min() else { return Poll::Pending };
+                // A timer that fires early only makes the deadlines be looked at again: it is
+                // moved earlier at once, later only once it has fired (not on every request).
+                if due < timer.deadline() || timer.is_elapsed() {
                     timer.as_mut().reset(due);
                 }
                 if timer.as_mut().poll(cx).is_pending() {
@@ -255,6 +354,161 @@ impl Server {
         if let Err(why) = ended {
             tracing::debug!("HTTP connection closed: {why}");
         }
+    }
+}
+
+/// The connection task's watch over what its socket holds for the client. From the start of each
+/// response until a look finds the socket empty with no response being written, it reads the
+/// socket's TCP counters every quarter of the write timeout: bytes the client acknowledged since
+/// the last look, or none waiting, are progress; bytes waiting and none acknowledged for the
+/// whole timeout are a client that stopped reading. A look is one `getsockopt`, at most four per
+/// write timeout per connection however many requests it carries; the writes themselves are not
+/// touched.
+#[derive(Debug)]
+struct StallWatch {
+    /// The slot's response count when last seen: a new response starts the watch.
+    responses: u64,
+    watching: bool,
+    /// Bytes the client had acknowledged at the last look.
+    acked: Option<u64>,
+    /// The last look that saw progress (or the watch's start).
+    took_at: Instant,
+    next_look: Instant,
+}
+
+impl Default for StallWatch {
+    fn default() -> Self {
+        let now = Instant::now();
+        StallWatch { responses: 0, watching: false, acked: None, took_at: now, next_look: now }
+    }
+}
+
+/// What [`StallWatch::look`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Look {
+    /// Nothing is being written or waits in the socket: no look is due.
+    Settled,
+    /// Look again at this instant.
+    At(Instant),
+    /// Bytes have waited for the client, and it acknowledged none, for the write timeout.
+    Cut,
+}
+
+impl StallWatch {
+    /// `responses`: begun on the connection so far; `writing`: a response is being written (more
+    /// may come however empty the socket is); `sent`: the socket's counters, read only when a
+    /// look is due.
+    fn look(&mut self, responses: u64, writing: bool, timeout: Duration, now: Instant, sent: impl FnOnce() -> Option<Sent>) -> Look {
+        let every = (timeout / LOOKS_PER_WRITE_TIMEOUT).max(Duration::from_millis(10));
+        if responses != self.responses {
+            self.responses = responses;
+            if !self.watching {
+                self.watching = true;
+                self.took_at = now;
+                self.next_look = now + every;
+            }
+        }
+        if !self.watching {
+            return Look::Settled;
+        }
+        if self.next_look > now {
+            return Look::At(self.next_look);
+        }
+        // Looks keep to their schedule, so the fourth after the last progress is the timeout.
+        let scheduled = self.next_look;
+        self.next_look = if scheduled + every > now { scheduled + every } else { now + every };
+        match sent() {
+            Some(Sent { acked, waiting }) => {
+                if waiting == 0 || self.acked.is_none_or(|before| acked > before) {
+                    self.took_at = scheduled;
+                }
+                self.acked = Some(acked);
+                if waiting == 0 && !writing {
+                    self.watching = false;
+                    return Look::Settled;
+                }
+            }
+            // Nothing to see (an old kernel, another system): no cut, and no more looks.
+            None => {
+                self.watching = false;
+                return Look::Settled;
+            }
+        }
+        if now >= self.took_at + timeout {
+            return Look::Cut;
+        }
+        Look::At(self.next_look)
+    }
+}
+
+/// A socket's TCP counters: bytes the peer has acknowledged, and bytes waiting for it (sent and
+/// not acknowledged, or not sent for want of room in its window).
+#[derive(Debug, PartialEq, Eq)]
+struct Sent {
+    acked: u64,
+    waiting: u64,
+}
+
+#[cfg(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))]
+fn sent(fd: RawFd) -> Option<Sent> {
+    // SAFETY: tcp_info is plain integers, for which all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes into `info` and the length it wrote into `len`;
+    // `fd` is the connection's socket, open while its task runs (hyper owns the stream until the
+    // task drops it).
+    let ok = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len) } == 0;
+    // `tcpi_notsent_bytes` came last, in Linux 4.6.
+    if !ok || (len as usize) < std::mem::offset_of!(libc::tcp_info, tcpi_min_rtt) {
+        return None;
+    }
+    let unacked = u64::from(info.tcpi_unacked) * u64::from(info.tcpi_snd_mss.max(1));
+    Some(Sent { acked: info.tcpi_bytes_acked, waiting: unacked + u64::from(info.tcpi_notsent_bytes) })
+}
+
+/// Elsewhere nothing is seen, and no response is cut for its client's pace.
+#[cfg(not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl"))))]
+fn sent(_fd: RawFd) -> Option<Sent> {
+    None
+}
+
+impl Server {
+    /// Counts and logs a response cut because its client did not take it, and makes the socket's
+    /// close a reset: what the kernel still holds for the client is dropped at once (a client that
+    /// does not read would never see a FIN queued behind it), and the client's next read fails.
+    fn abort(&self, slot: &Slot, fd: RawFd, why: Abort) -> String {
+        self.metrics.count(why);
+        let request_id = slot.request_id();
+        let request_id = request_id.as_deref().unwrap_or("-");
+        match why {
+            Abort::WriteTimeout => tracing::info!(
+                request_id,
+                "response cut: its client took nothing for {} s (--http-write-timeout); its request ends",
+                self.limits.write_timeout.as_secs_f64()
+            ),
+            Abort::BufferFull { max_bytes } => tracing::info!(
+                request_id,
+                "stream cut: its client left more than {max_bytes} bytes untaken (--http-max-buffered-stream-bytes); its request ends"
+            ),
+        }
+        reset_on_close(fd);
+        format!("response aborted: {}", why.label())
+    }
+}
+
+/// Sets `SO_LINGER` to zero: closing the socket resets the connection.
+fn reset_on_close(fd: RawFd) {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: SO_LINGER reads one `linger` from the pointer for the given length; `fd` is the
+    // connection's socket, open while its task runs. A failure leaves an orderly close.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
     }
 }
 
@@ -295,6 +549,11 @@ impl Phase {
         }
     }
 
+    /// A response is being written: more may come, however empty the socket is.
+    fn writing(self) -> bool {
+        matches!(self, Phase::Busy { .. } | Phase::Idle { flushed: false, .. })
+    }
+
     fn evictable(self) -> bool {
         matches!(self, Phase::Head { .. } | Phase::Idle { flushed: true, .. })
     }
@@ -310,20 +569,59 @@ impl Phase {
 }
 
 /// One connection's phase, shared by its socket (bytes arrive), its service (requests begin and
-/// end), its task (deadlines) and the accept loop (eviction).
-#[derive(Debug)]
+/// end, responses start), its task (deadlines) and the accept loop (eviction).
 struct Slot {
     phase: Mutex<Phase>,
     evicted: Notify,
+    /// Responses begun on the connection (each starts its task's watch over the socket).
+    responses: AtomicU64,
+    current: Mutex<Current>,
+}
+
+/// The response a connection is writing: its request's id (for the log; kept until the next
+/// response, as a cut may come while its end is still being flushed) and its outbox if it streams.
+#[derive(Default)]
+struct Current {
+    request_id: Option<HeaderValue>,
+    outbox: Option<Outbox>,
 }
 
 impl Slot {
     fn new() -> Slot {
-        Slot { phase: Mutex::new(Phase::Head { since: Instant::now() }), evicted: Notify::new() }
+        Slot {
+            phase: Mutex::new(Phase::Head { since: Instant::now() }),
+            evicted: Notify::new(),
+            responses: AtomicU64::new(0),
+            current: Mutex::new(Current::default()),
+        }
     }
 
     fn phase(&self) -> MutexGuard<'_, Phase> {
         self.phase.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn current(&self) -> MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A response is ready to be written: it becomes the connection's current one.
+    fn on_response(&self, response: &mut Response<Body>) {
+        let outbox = response.extensions_mut().remove::<Outbox>();
+        let request_id = response.headers().get(REQUEST_ID).cloned();
+        *self.current() = Current { request_id, outbox };
+        self.responses.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn request_id(&self) -> Option<String> {
+        self.current().request_id.as_ref().and_then(|v| v.to_str().ok()).map(str::to_owned)
+    }
+
+    /// Drives the current response's outbox, if it streams.
+    fn drive(&self, cx: &mut Context<'_>) -> Driven {
+        match &self.current().outbox {
+            Some(outbox) => outbox.drive(cx),
+            None => Driven::Idle,
+        }
     }
 
     /// Bytes arrived: an idle connection is now receiving a request head.
@@ -358,6 +656,9 @@ impl Slot {
         if let Phase::Busy { requests } = *phase {
             *phase =
                 if requests > 1 { Phase::Busy { requests: requests - 1 } } else { Phase::Idle { since: Instant::now(), flushed: false } };
+            if requests == 1 {
+                self.current().outbox = None;
+            }
         }
     }
 
@@ -413,8 +714,10 @@ impl hyper::service::Service<Request<Incoming>> for ConnectionService {
             budget: self.budget.clone(),
         });
         let response = hyper::service::Service::call(&self.router, req);
+        let slot = self.slot.clone();
         Box::pin(async move {
-            let response = response.await?;
+            let mut response = response.await?;
+            slot.on_response(&mut response);
             Ok(response.map(|body| Body::new(Tracked { body, _in_flight: in_flight })))
         })
     }
@@ -563,6 +866,7 @@ mod tests {
         Server {
             limits: limits(max_connections),
             budget: Arc::new(BodyBudget::new(0)),
+            metrics: Arc::default(),
             connections: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
             refusing: AtomicUsize::new(0),
@@ -612,6 +916,82 @@ mod tests {
         let _r3 = fourth.begin().unwrap();
         assert!(s.admit().is_none(), "every open connection is busy: refused");
         assert_eq!(s.connections().len(), 4, "the evicted one leaves when its task ends");
+    }
+
+    /// Issue 22: a socket whose bytes wait and are never acknowledged is cut at the write timeout
+    /// after the first look (a quarter late, never early: the first look of a connection has
+    /// nothing to compare with); progress (bytes acknowledged, or none
+    /// waiting) starts the clock again; a socket found empty with no response being written is
+    /// no longer looked at, until the next response.
+    #[test]
+    fn the_write_timeout_counts_from_the_last_progress() {
+        let t = Duration::from_secs(4);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let stuck = || Some(Sent { acked: 100, waiting: 5000 });
+        let mut w = StallWatch::default();
+        assert_eq!(w.look(0, false, t, at(0), || panic!("no response yet: no look")), Look::Settled);
+        assert_eq!(w.look(1, true, t, at(0), || panic!("not due")), Look::At(at(1000)));
+        for s in 1..=4 {
+            assert_eq!(w.look(1, true, t, at(s * 1000), stuck), Look::At(at(s * 1000 + 1000)), "{s} s");
+        }
+        assert_eq!(w.look(1, true, t, at(4999), || panic!("not due")), Look::At(at(5000)));
+        assert_eq!(w.look(1, true, t, at(5010), stuck), Look::Cut, "nothing taken for 4 s since the first look");
+
+        // A client that takes a little every few seconds is never cut.
+        let mut w = StallWatch::default();
+        w.look(1, true, t, at(0), || None);
+        let mut acked = 0;
+        for s in 1..=20 {
+            if s % 3 == 0 {
+                acked += 10;
+            }
+            let look = w.look(1, true, t, at(s * 1000), || Some(Sent { acked, waiting: 5000 }));
+            assert_eq!(look, Look::At(at(s * 1000 + 1000)), "{s} s");
+        }
+        // Then it stops taking: cut 4 s after the last look that saw progress (18 s).
+        let still = || Some(Sent { acked: 60, waiting: 5000 });
+        assert_eq!(w.look(1, true, t, at(21_000), still), Look::At(at(22_000)));
+        assert_eq!(w.look(1, true, t, at(22_000), still), Look::Cut);
+
+        // Nothing waiting is progress; once the response is written, an empty socket settles.
+        let mut w = StallWatch::default();
+        w.look(1, true, t, at(0), || None);
+        for s in 1..=6 {
+            assert_eq!(w.look(1, true, t, at(s * 1000), || Some(Sent { acked: 7, waiting: 0 })), Look::At(at(s * 1000 + 1000)));
+        }
+        assert_eq!(w.look(1, false, t, at(7000), || Some(Sent { acked: 7, waiting: 0 })), Look::Settled);
+        assert_eq!(w.look(1, false, t, at(9000), || panic!("settled: no look")), Look::Settled);
+        assert_eq!(w.look(2, true, t, at(9000), || panic!("not due")), Look::At(at(10_000)), "the next response");
+    }
+
+    /// Issue 22: the socket counters are read from a real connection: bytes a client leaves
+    /// unread wait, and are not acknowledged once its window is full.
+    #[tokio::test]
+    async fn reads_what_waits_in_a_socket() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().await.unwrap();
+        let empty = sent(server.as_raw_fd());
+        if cfg!(all(target_os = "linux", any(target_env = "gnu", target_env = "musl"))) {
+            assert_eq!(empty.map(|s| s.waiting), Some(0));
+        }
+        let chunk = vec![b'x'; 64 << 10];
+        while tokio::time::timeout(Duration::from_millis(200), server.write_all(&chunk)).await.is_ok() {}
+        let Some(mut before) = sent(server.as_raw_fd()) else { return };
+        // The client's kernel takes what its window holds, then nothing.
+        let t0 = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let now = sent(server.as_raw_fd()).expect("counters");
+            assert!(now.waiting > 0, "{now:?}");
+            if now.acked == before.acked {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "the client's window never filled: {now:?}");
+            before = now;
+        }
+        drop(client);
     }
 
     #[test]

@@ -3,22 +3,23 @@
 //! then `data: [DONE]`. A failure after the first byte is an error event, then `[DONE]`.
 //! Events that are ready together are written together, in one HTTP chunk.
 //!
-//! The choices (and their engine streams) live inside the response body, so a client that
-//! disconnects drops the body, the streams with it, and the engine aborts them (SPEC D4).
+//! The choices (and their engine streams) live inside the response body's producer
+//! ([`crate::outbox`]), so a client that disconnects, or stops reading for too long, drops them
+//! and the engine aborts them (SPEC D4).
 
 use crate::choice::{Choice, Out};
 use crate::error::ApiError;
 use crate::openai::{Endpoint, ResponseMeta, Usage};
-use axum::body::{Body, Bytes};
+use crate::outbox::Producer;
+use axum::body::Bytes;
 use futures_util::stream::{self, SelectAll, StreamExt};
 use futures_util::FutureExt;
 use serde_json::Value;
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::pin::Pin;
 
 /// Bytes of ready events one HTTP chunk gathers at most.
-const MAX_CHUNK_BYTES: usize = 64 << 10;
+pub(crate) const MAX_CHUNK_BYTES: usize = 64 << 10;
 
 type Outs = Pin<Box<dyn futures_util::Stream<Item = (u32, Out)> + Send>>;
 
@@ -33,8 +34,8 @@ struct SseState {
     finished: bool,
 }
 
-/// The SSE body of a request whose choices have all passed their first event.
-pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u32, logprobs: bool) -> Body {
+/// The SSE events of a request whose choices have all passed their first event, a chunk at a time.
+pub fn events(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u32, logprobs: bool) -> Producer {
     let mut out = VecDeque::new();
     if meta.endpoint == Endpoint::Chat {
         for ch in &choices {
@@ -56,7 +57,7 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
         out,
         finished: false,
     };
-    Body::from_stream(stream::unfold(st, |mut st| async move {
+    Box::pin(stream::unfold(st, |mut st| async move {
         loop {
             if !st.out.is_empty() {
                 // Whatever else is already here goes out in the same chunk: events that are
@@ -73,7 +74,7 @@ pub fn body(meta: ResponseMeta, choices: Vec<Choice>, include_usage: bool, n: u3
                     }
                     bytes += st.out.iter().skip(queued).map(Bytes::len).sum::<usize>();
                 }
-                return Some((Ok::<Bytes, Infallible>(st.take_out()), st));
+                return Some((st.take_out(), st));
             }
             if st.finished {
                 return None;

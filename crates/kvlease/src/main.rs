@@ -165,6 +165,23 @@ struct ServeArgs {
     etcd_ttl: u64,
     #[command(flatten)]
     http: HttpArgs,
+    /// Bytes of a streamed answer produced and not yet taken by its client, at most: past it the
+    /// stream is cut and its request aborted (a client that stopped reading).
+    #[arg(long, value_name = "BYTES", default_value_t = kvlease_server::DEFAULT_MAX_BUFFERED_STREAM_BYTES as i64, allow_negative_numbers = true)]
+    http_max_buffered_stream_bytes: i64,
+}
+
+impl ServeArgs {
+    /// `--http-max-buffered-stream-bytes`, checked.
+    fn max_buffered_stream_bytes(&self) -> Result<usize, InvalidConfig> {
+        let min = kvlease_server::MIN_BUFFERED_STREAM_BYTES;
+        usize::try_from(self.http_max_buffered_stream_bytes).ok().filter(|b| *b >= min).ok_or_else(|| {
+            InvalidConfig(format!(
+                "--http-max-buffered-stream-bytes {} must be at least {min} (one SSE chunk)",
+                self.http_max_buffered_stream_bytes
+            ))
+        })
+    }
 }
 
 /// Where registrations live in etcd, shared by `serve` and `proxy`.
@@ -189,14 +206,18 @@ fn etcd_prefix(s: &str) -> Result<String, String> {
 struct HttpArgs {
     /// Seconds a client has to send a whole request head, from the connection opening or from
     /// its first byte after an idle spell (slowloris).
-    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, allow_negative_numbers = true)]
     http_header_timeout: f64,
     /// Seconds a client has to send a whole request body once its head is in; else 408.
-    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, allow_negative_numbers = true)]
     http_body_timeout: f64,
     /// Seconds a kept-alive connection may wait for its next request.
-    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 60.0, allow_negative_numbers = true)]
     http_idle_timeout: f64,
+    /// Seconds a response may wait on a full socket with its client taking none of it; then the
+    /// connection is closed and its request ends (a client that stopped reading).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, allow_negative_numbers = true)]
+    http_write_timeout: f64,
     /// Open HTTP connections at most. At the cap a new connection closes the idle one nearest its
     /// timeout; if every connection has a request in flight, it is answered 503.
     #[arg(long, value_name = "N", default_value_t = 1024)]
@@ -226,6 +247,7 @@ impl HttpArgs {
             header_timeout: secs(self.http_header_timeout, "--http-header-timeout")?,
             body_timeout: secs(self.http_body_timeout, "--http-body-timeout")?,
             idle_timeout: secs(self.http_idle_timeout, "--http-idle-timeout")?,
+            write_timeout: secs(self.http_write_timeout, "--http-write-timeout")?,
             max_connections: self.http_max_connections,
             max_buffered_body_bytes: self.http_max_buffered_body_bytes,
         })
@@ -612,6 +634,7 @@ fn check_exposure(host: &str, bound: std::net::IpAddr, has_secret: bool, insecur
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = engine_config(&args)?;
     let limits = args.http.limits()?;
+    let max_buffered_stream_bytes = args.max_buffered_stream_bytes()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
     let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
@@ -633,7 +656,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let drain = Arc::new(Drain::default());
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let api_key = args.api_key.clone().or_else(|| std::env::var("VLLM_API_KEY").ok()).filter(|k| !k.is_empty());
-    let options = ServeOptions { http: limits, insecure, drain: drain.clone(), served_model_names: served_names(&args), api_key };
+    let options = ServeOptions {
+        http: limits,
+        max_buffered_stream_bytes,
+        insecure,
+        drain: drain.clone(),
+        served_model_names: served_names(&args),
+        api_key,
+    };
     let server = kvlease_server::serve(engine.clone(), listener, options, async move {
         drain_on_signal(signals, &drain, drain_timeout, registrar).await;
         let _ = stopped_tx.send(());
@@ -964,10 +994,35 @@ mod tests {
         let l = p.http.limits().unwrap();
         assert_eq!((l.header_timeout, l.max_connections), (Duration::from_millis(500), 7));
         assert_eq!(l.body_timeout, HttpLimits::default().body_timeout);
-        for (flag, v) in [("--http-body-timeout", "0"), ("--http-idle-timeout", "NaN"), ("--http-max-connections", "0")] {
+        assert_eq!(l.write_timeout, HttpLimits::default().write_timeout);
+        for (flag, v) in [
+            ("--http-body-timeout", "0"),
+            ("--http-idle-timeout", "NaN"),
+            ("--http-max-connections", "0"),
+            ("--http-write-timeout", "0"),
+            ("--http-write-timeout", "-1"),
+            ("--http-write-timeout", "NaN"),
+        ] {
             let cli = Cli::try_parse_from(["kvlease", "serve", flag, v]).unwrap();
             let Command::Serve(s) = cli.command else { panic!("expected serve") };
             assert!(s.http.limits().unwrap_err().to_string().contains(flag));
+        }
+        let cli = Cli::try_parse_from(["kvlease", "proxy", "--http-write-timeout", "2.5"]).unwrap();
+        let Command::Proxy(p) = cli.command else { panic!("expected proxy") };
+        assert_eq!(p.http.limits().unwrap().write_timeout, Duration::from_millis(2500));
+    }
+
+    /// Issue 22: the stream bound defaults to 4 MiB, and one below an SSE chunk (or negative)
+    /// is refused naming the flag.
+    #[test]
+    fn the_stream_bound_is_checked() {
+        let cli = Cli::try_parse_from(["kvlease", "serve"]).unwrap();
+        let Command::Serve(s) = cli.command else { panic!("expected serve") };
+        assert_eq!(s.max_buffered_stream_bytes().unwrap(), 4 << 20);
+        for v in ["0", "-5", "1000"] {
+            let cli = Cli::try_parse_from(["kvlease", "serve", "--http-max-buffered-stream-bytes", v]).unwrap();
+            let Command::Serve(s) = cli.command else { panic!("expected serve") };
+            assert!(s.max_buffered_stream_bytes().unwrap_err().to_string().contains("--http-max-buffered-stream-bytes"), "{v}");
         }
     }
 
