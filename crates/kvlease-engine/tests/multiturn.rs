@@ -191,6 +191,27 @@ fn opening(c: &str) -> Vec<u32> {
 }
 
 /// Blocks of `tokens` tokens (16 a block).
+/// What a local run answers, for the eviction tests: conversation A's opening `a0`, its next turn
+/// `a1` with its answer, and a request of D's own with its answer.
+struct Expected {
+    a0: Vec<u32>,
+    a1: Vec<u32>,
+    a1_ans: Vec<u32>,
+    own: Vec<u32>,
+    own_ans: Vec<u32>,
+}
+
+async fn expected(max: u32) -> Expected {
+    let local = engine(config(30.0, 1)).await;
+    let a0 = opening("A");
+    let a_ans = tokens(&local, &a0, max, None).await.0;
+    let a1 = [a0.clone(), a_ans, user(1)].concat();
+    let a1_ans = tokens(&local, &a1, max, None).await.0;
+    let own: Vec<u32> = [user(7), user(8)].concat();
+    let own_ans = tokens(&local, &own, max, None).await.0;
+    Expected { a0, a1, a1_ans, own, own_ans }
+}
+
 fn blocks_of(tokens: usize) -> u32 {
     tokens.div_ceil(16) as u32
 }
@@ -279,13 +300,7 @@ async fn b1_b3_d7_turns_renewed_by_a_waiting_prefill_do_not_hold_d_forever() {
 async fn b1_d7_a_claimed_turn_is_evicted_and_its_next_turn_recomputed() {
     const MAX: u32 = 12;
     let net = MemNetwork::new();
-    let local = engine(config(30.0, 1)).await;
-    let a0 = opening("A");
-    let a_ans = tokens(&local, &a0, MAX, None).await.0;
-    let a1 = [a0.clone(), a_ans, user(1)].concat();
-    let a1_ans = tokens(&local, &a1, MAX, None).await.0;
-    let own: Vec<u32> = [user(7), user(8)].concat();
-    let own_ans = tokens(&local, &own, MAX, None).await.0;
+    let Expected { a0, a1, a1_ans, own, own_ans } = expected(MAX).await;
     let mut pcfg = bidirectional(config(30.0, 1), &net);
     pcfg.max_num_seqs = 1;
     pcfg.model.decode_ms_per_token = 1000.0;
@@ -325,13 +340,7 @@ async fn b1_p5_a_turn_under_a_read_is_not_evicted_until_the_read_ends() {
     const MAX: u32 = 12;
     const HOLD: Duration = Duration::from_secs(5);
     let net = MemNetwork::new();
-    let local = engine(config(30.0, 1)).await;
-    let a0 = opening("A");
-    let a_ans = tokens(&local, &a0, MAX, None).await.0;
-    let a1 = [a0.clone(), a_ans, user(1)].concat();
-    let a1_ans = tokens(&local, &a1, MAX, None).await.0;
-    let own: Vec<u32> = [user(7), user(8)].concat();
-    let own_ans = tokens(&local, &own, MAX, None).await.0;
+    let Expected { a0, a1, a1_ans, own, own_ans } = expected(MAX).await;
     let p = engine(bidirectional(config(30.0, 1), &net)).await;
     let mut dcfg = bidirectional(config(30.0, 1), &net);
     dcfg.num_gpu_blocks = blocks_of(a0.len() + MAX as usize) + blocks_of(own.len() + MAX as usize) - 1;
