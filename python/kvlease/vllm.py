@@ -30,9 +30,11 @@ reads, block accounting, when D heartbeats). What changes:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -79,6 +81,7 @@ try:  # vLLM is optional for `import kvlease`, required for this module.
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
     raise ImportError("kvlease.vllm needs vLLM (pip install vllm); the rest of kvlease does not") from e
 
@@ -91,7 +94,10 @@ __all__ = [
     "KvleaseConnector",
     "KvleaseConnectorScheduler",
     "KvleaseConnectorWorker",
+    "KvleaseKVConnectorStats",
+    "KvleasePromMetrics",
     "LeaseBook",
+    "NIXL_PROGRESS_DELAY_KEY",
     "SUPPORTED_VLLM",
     "check_vllm_version",
     "lease_config_of",
@@ -102,13 +108,58 @@ __all__ = [
 #: kvlease's core does not: they take effect (vLLM's), so they are not logged as unknown.
 VLLM_OWN_KEYS = frozenset({"engine_ttl", "enforce_handshake_compat", "push_registration_timeout"})
 
+#: ``kv_connector_extra_config`` key: the NIXL progress thread's delay between polls, in
+#: microseconds. NIXL's Python agent sets 0 (the thread busy-polls a core per agent, the lowest
+#: latency on a machine with cores to spare); on a small CPU machine that starves the engine
+#: itself (requests took 22-54 s on 2 cores until it was 100). Unset: NIXL's 0.
+NIXL_PROGRESS_DELAY_KEY = "kvlease_nixl_progress_delay_us"
+#: Keys the connector reads itself (not lease parameters of kvlease's core).
+CONNECTOR_KEYS = frozenset({NIXL_PROGRESS_DELAY_KEY})
+
+
+def nixl_progress_delay_of(vllm_config: Any) -> int | None:
+    """The progress-thread delay the config asks for (microseconds), or ``None``; a value that
+    is not a whole number ≥ 0 is refused at start-up, naming the key."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    value = extra.get(NIXL_PROGRESS_DELAY_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"kv_connector_extra_config.{NIXL_PROGRESS_DELAY_KEY} must be a whole number of microseconds ≥ 0, not {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
+    """While vLLM's worker creates its NIXL agent, the agent's config gets ``pthrDelay =
+    delay_us``: NIXL's Python agent hard-codes 0 and offers no parameter for it, so the native
+    agent constructor it calls is wrapped for that one call."""
+    if delay_us is None:
+        yield
+        return
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    api = sys.modules[NixlWrapper.__module__]
+    bind = api.nixlBind
+    real = bind.nixlAgent
+
+    def agent_with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return real(name, config)
+
+    bind.nixlAgent = agent_with_delay
+    try:
+        yield
+    finally:
+        bind.nixlAgent = real
+
 
 def lease_config_of(vllm_config: Any) -> LeaseConfig:
     """The lease parameters of a vLLM config's ``kv_connector_extra_config`` (SPEC §2), parsed
     by kvlease's core: invalid values raise :class:`kvlease.ConfigInvalid` naming the key at
     start-up instead of misbehaving later; unknown keys are logged."""
     ktc = vllm_config.kv_transfer_config
-    extra = {k: v for k, v in dict(ktc.kv_connector_extra_config or {}).items() if k not in VLLM_OWN_KEYS}
+    extra = {k: v for k, v in dict(ktc.kv_connector_extra_config or {}).items() if k not in VLLM_OWN_KEYS | CONNECTOR_KEYS}
     cfg, warnings = LeaseConfig.from_extra_config(extra)
     for w in warnings:
         logger.info("kvlease: %s", w)
@@ -126,7 +177,10 @@ class LeaseBook:
     vLLM).
     """
 
-    __slots__ = ("table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live")
+    __slots__ = (
+        "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
+        "transferred", "released",
+    )
 
     #: How many leases ended by a completed read the book remembers, for D's confirmations.
     READ_MEMORY = 1 << 16
@@ -146,6 +200,9 @@ class LeaseBook:
         # Wire ids of leases that ended because vLLM reported their read complete while they
         # were still held (oldest first, bounded): D's ReadDone for them is confirmed (SPEC P5).
         self._read_while_live: dict[int, None] = {}
+        #: SPEC §11 (``kvlease_leases_released_total``): leases ended by their read, and without one.
+        self.transferred = 0
+        self.released = 0
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
     def __contains__(self, req_id: object) -> bool:
@@ -172,7 +229,7 @@ class LeaseBook:
         seconds, as vLLM computes it: now + ``kv_lease_duration``)."""
         now = time.monotonic_ns()
         if req_id in self._lease_of:
-            self.release(req_id)
+            self._end(req_id)
         lifetime = max(deadline - time.perf_counter(), 1e-9)
         self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
 
@@ -190,16 +247,23 @@ class LeaseBook:
             self._read_while_live[wid] = None
             if len(self._read_while_live) > self.READ_MEMORY:
                 del self._read_while_live[next(iter(self._read_while_live))]
-        return self.release(req_id, default)
+        if self._end(req_id):
+            self.transferred += 1
+        return default
 
     def release(self, req_id: str, default: Any = None) -> Any:
         """The lease ends without a read (D released it, or vLLM dropped the request)."""
+        if self._end(req_id):
+            self.released += 1
+        return default
+
+    def _end(self, req_id: str) -> bool:
         lease = self._lease_of.pop(req_id, None)
         self._forget_wire(req_id)
         if lease is None:
-            return default
+            return False
         self.table.release(self._holder, [lease], time.monotonic_ns())
-        return default
+        return True
 
     def read_confirmed(self, wire_id: int) -> bool:
         """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
@@ -293,13 +357,82 @@ class LeaseBook:
         return out
 
 
+#: SPEC §11 counters the connector reports through vLLM's own metrics (its KV connector stats,
+#: aggregated across workers and served on vLLM's ``/metrics``): stats key -> (metric name,
+#: help, the ``reason`` label of ``kvlease_leases_released_total`` or ``None``).
+KVLEASE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
+    "kvlease_granted": ("kvlease_leases_granted", "Leases granted (P).", None),
+    "kvlease_renewals": ("kvlease_lease_renewals", "Leases renewed, one per lease per heartbeat (P).", None),
+    "kvlease_transferred": ("kvlease_leases_released", "Leases released, by reason (P).", "transferred"),
+    "kvlease_released": ("kvlease_leases_released", "Leases released, by reason (P).", "released"),
+    "kvlease_expired": ("kvlease_leases_released", "Leases released, by reason (P).", "expired"),
+    "kvlease_heartbeats_received": ("kvlease_heartbeats_received", "Heartbeat messages received (P).", None),
+    "kvlease_heartbeats_sent": ("kvlease_heartbeats_sent", "Binary heartbeat messages sent (D).", None),
+    "kvlease_lease_lost": ("kvlease_lease_lost", "Leases found lost before or during a read, or whose read P did not confirm (D).", None),
+    "kvlease_malformed": ("kvlease_messages_rejected", "kvlease messages rejected, by reason.", "malformed"),
+}
+
+
+class KvleaseKVConnectorStats(NixlKVConnectorStats):
+    """vLLM's NIXL connector stats plus kvlease's counters (:data:`KVLEASE_COUNTERS`), each a
+    list of increments, as vLLM's own stats are lists of events."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in KVLEASE_COUNTERS:
+            self.data[key] = []
+
+    def count(self, key: str, n: int) -> None:
+        if n > 0:
+            self.data[key].append(n)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(k) for k in KVLEASE_COUNTERS)
+
+    def reduce(self) -> dict[str, int | float]:
+        out = super().reduce()
+        for key in KVLEASE_COUNTERS:
+            out[key] = sum(self.data.get(key, ()))
+        return out
+
+
+class KvleasePromMetrics(NixlPromMetrics):
+    """vLLM's NIXL Prometheus metrics plus kvlease's counters, under SPEC §11's names."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        made: dict[str, Any] = {}
+        #: stats key -> engine index -> the counter (with its reason label) to add to.
+        self.kvlease_counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc, reason) in KVLEASE_COUNTERS.items():
+            if name not in made:
+                made[name] = self._counter_cls(name=name, documentation=doc, labelnames=labelnames + (["reason"] if reason else []))
+            counter = made[name]
+            self.kvlease_counters[key] = {
+                idx: counter.labels(*values, *([reason] if reason else [])) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        for key, per_engine in self.kvlease_counters.items():
+            for n in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].inc(n)
+
+
 class KvleaseConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL worker with ``_reqs_to_send`` a :class:`LeaseBook`."""
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        with _nixl_progress_delay(nixl_progress_delay_of(vllm_config)):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_config = lease_config_of(vllm_config)
         self._reqs_to_send = LeaseBook(self.kvlease_config)  # type: ignore[assignment]
+        self.xfer_stats = KvleaseKVConnectorStats()
+        # SPEC §11: what this worker counted, and what it already reported to vLLM's metrics.
+        self._kvlease_hb_received = 0
+        self._kvlease_hb_sent = 0
+        self._kvlease_lost_count = 0
+        self._kvlease_reported: dict[str, int] = {}
 
         #: SPEC P7: binary notifications that did not decode, dropped.
         self.kvlease_malformed = 0
@@ -331,6 +464,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
+        self._kvlease_hb_received += 1
         self._reqs_to_send.renew(payload.split(","))  # type: ignore[attr-defined]
 
     # -- P: the binary wire ---------------------------------------------------------------
@@ -436,6 +570,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return set()
         kind = msg["type"]
         if kind == "heartbeat":
+            self._kvlease_hb_received += 1
             lost = book.renew_wire(msg["lease_ids"])  # type: ignore[attr-defined]
             sender = agent.decode() if isinstance(agent, bytes) else agent
             if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
@@ -540,7 +675,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 timeout = r.poll_timeout()
             for a in actions:
                 if a.kind == "send" and a.send_kind != "clock_probe":
-                    self._kvlease_send(a.engine_id, a.data)
+                    if self._kvlease_send(a.engine_id, a.data) and a.send_kind in ("heartbeat", "read_renewal"):
+                        self._kvlease_hb_sent += 1
             wait = 0.1 if timeout is None else min(max((timeout - time.monotonic_ns()) / 1e9, 0.001), 0.1)
             self._kvlease_wake.wait(wait)
             self._kvlease_wake.clear()
@@ -600,9 +736,32 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 else:
                     why = "kvlease_read_lost" if not live else "kvlease_read_unconfirmed"
                     logger.warning("kvlease: the read of request %s is not used (%s): P did not confirm its lease", req_id, why)
+                    self._kvlease_lost_count += 1
                     self._log_failure(failure_type=why, req_id=req_id)
                     failed.add(req_id)
         return done, failed
+
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's NIXL stats plus what kvlease counted since the last call (SPEC §11), which vLLM
+        aggregates and serves on its ``/metrics``."""
+        book = self._reqs_to_send
+        table = book.table.stats()  # type: ignore[attr-defined]
+        now = {
+            "kvlease_granted": table["granted"],
+            "kvlease_renewals": table["renewals"],
+            "kvlease_transferred": book.transferred,  # type: ignore[attr-defined]
+            "kvlease_released": book.released,  # type: ignore[attr-defined]
+            "kvlease_expired": table["expired"],
+            "kvlease_heartbeats_received": self._kvlease_hb_received,
+            "kvlease_heartbeats_sent": self._kvlease_hb_sent,
+            "kvlease_lease_lost": self._kvlease_lost_count,
+            "kvlease_malformed": self.kvlease_malformed,
+        }
+        stats = self.xfer_stats
+        for key, value in now.items():
+            stats.count(key, value - self._kvlease_reported.get(key, 0))  # type: ignore[attr-defined]
+        self._kvlease_reported = now
+        return super().get_kv_connector_stats()
 
     def _kvlease_read_answered(self, wire_id: int, live: bool) -> None:
         """One P rank's answer to our ``ReadDone``."""
@@ -625,6 +784,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             logger.debug("kvlease: the lease of request %s ended after its read landed", req_id)
             return
         logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
+        self._kvlease_lost_count += 1
         if req_id in self._recving_metadata:
             self._failed_recv_reqs.put(req_id)
         else:
@@ -806,6 +966,7 @@ class KvleaseConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         # Refuse a bad lease config before anything starts (vLLM would take int() of it later).
         lease_config_of(vllm_config)
+        nixl_progress_delay_of(vllm_config)
         # NixlPullConnector.__init__ with our worker class (one NIXL agent, not two).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -814,6 +975,14 @@ class KvleaseConnector(NixlPullConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = KvleaseConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return KvleaseKVConnectorStats(data=data) if data is not None else KvleaseKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         # The worker hears here which requests the scheduler finished (aborted ones too).

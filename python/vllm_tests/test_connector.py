@@ -59,6 +59,35 @@ def test_spec2_invalid_lease_refused_at_start_naming_key(create):
         create("KvleaseConnector", "kv_producer", "scheduler", "p-bad", lease="soon")
 
 
+def test_nixl_progress_delay_is_set_from_extra_config_and_bad_values_refused(create, monkeypatch):
+    """Issue 25: NIXL's Python agent hard-codes its progress thread's delay to 0 (busy-polling a
+    core per agent: on a 2-core CPU host requests took 22-54 s). `kvlease_nixl_progress_delay_us`
+    sets it on the worker's agent; unset, NIXL's 0 stays; a bad value is refused at start naming
+    the key. Checked at the native constructor vLLM's NIXL wrapper calls."""
+    import sys as _sys
+
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    from kvlease.vllm import NIXL_PROGRESS_DELAY_KEY
+
+    bind = _sys.modules[NixlWrapper.__module__].nixlBind
+    real = bind.nixlAgent
+    seen = []
+
+    def spy(name, config):
+        seen.append(config.pthrDelay)
+        return real(name, config)
+
+    monkeypatch.setattr(bind, "nixlAgent", spy)
+    create("KvleaseConnector", "kv_consumer", "worker", "d-delay", **{NIXL_PROGRESS_DELAY_KEY: 100})
+    create("KvleaseConnector", "kv_consumer", "worker", "d-nodelay")
+    assert seen == [100, 0]
+    assert bind.nixlAgent is spy, "the wrapper is undone after the agent is made"
+    for bad in (-1, 1.5, "100", True):
+        with pytest.raises(ValueError, match=NIXL_PROGRESS_DELAY_KEY):
+            create("KvleaseConnector", "kv_consumer", "scheduler", "d-bad-delay", **{NIXL_PROGRESS_DELAY_KEY: bad})
+
+
 def test_spec2_vllm_own_extra_config_keys_are_not_called_unknown(caplog):
     """vLLM's own NIXL keys take effect (vLLM reads them), so only truly unknown keys are logged."""
     extra = {"engine_ttl": 60.0, "enforce_handshake_compat": False, "push_registration_timeout": 30, "kv_lease_duratoin": 30}
@@ -649,3 +678,44 @@ def test_p5_d6_a_read_is_used_only_once_p_confirms_its_lease(create, p_workers, 
             kv._reqs_to_send.release(p_req)
         wait_for(lambda: results.get(d_req), f"{d_req}: the load to end", step=step)
     assert results == {"d-p5-ok": {"done"}, "d-p5-lost": {"failed"}}, results
+
+
+def test_spec11_kvlease_counters_reach_vllms_prometheus_metrics(p_workers):
+    """SPEC §11 inside vLLM (issue 25): the connector's lease counters travel with vLLM's own KV
+    connector stats (aggregated across workers) and are served by vLLM's Prometheus metrics under
+    kvlease's names: leases granted, renewals, releases by reason, heartbeats received."""
+    import functools
+
+    import prometheus_client as prom
+
+    from kvlease.vllm import KvleaseKVConnectorStats
+
+    kv, _, d = p_workers
+    kv.get_kv_connector_stats()  # what earlier tests counted is reported and forgotten
+    grant(kv, ["m-1"], ttl=1)  # shorter than E (2 s): a heartbeat moves its deadline
+    grant(kv, ["m-2"], ttl=30)
+    before = kv._reqs_to_send["m-1"]
+    wait_for(lambda: kv._reqs_to_send["m-1"] > before + 0.5, "a heartbeat to renew m-1",
+             step=lambda: (d.send(0, b"HB:m-1"), time.sleep(0.3), kv._get_new_notifs()))
+    done = set()
+    d.send(0, b"m-1:1")  # m-1 read: transferred
+    wait_for(lambda: "m-1" in done, "m-1's read completion", step=lambda: done.update(kv._get_new_notifs()))
+    kv._reqs_to_send.release("m-2")
+    stats = kv.get_kv_connector_stats()
+    assert isinstance(stats, KvleaseKVConnectorStats)
+    reduced = stats.reduce()
+    assert reduced["kvlease_granted"] == 2 and reduced["kvlease_transferred"] == 1 and reduced["kvlease_released"] == 1
+    assert reduced["kvlease_renewals"] >= 1 and reduced["kvlease_heartbeats_received"] >= 1
+
+    # As vLLM's scheduler process rebuilds and aggregates them, then observes them.
+    merged = KvleaseConnector.build_kv_connector_stats(data=stats.data).aggregate(KvleaseConnector.build_kv_connector_stats())
+    reg = prom.CollectorRegistry()
+    kinds = {cls: functools.partial(cls, registry=reg) for cls in (prom.Gauge, prom.Counter, prom.Histogram)}
+    metrics = KvleaseConnector.build_prom_metrics(types.SimpleNamespace(kv_transfer_config=None), kinds, ["model_name", "engine"], {0: ["tiny", "0"]})
+    metrics.observe(merged.data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert reg.get_sample_value("kvlease_leases_granted_total", labels) == 2
+    assert reg.get_sample_value("kvlease_leases_released_total", {**labels, "reason": "transferred"}) == 1
+    assert reg.get_sample_value("kvlease_leases_released_total", {**labels, "reason": "released"}) == 1
+    assert reg.get_sample_value("kvlease_lease_renewals_total", labels) >= 1
+    assert kv.get_kv_connector_stats() is None, "nothing new: nothing reported"
