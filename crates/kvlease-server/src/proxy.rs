@@ -406,13 +406,8 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30));
-    let client = cfg
-        .tls
-        .client
-        .apply(client)
-        .map_err(ProxyError)?
-        .build()
-        .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+    let client =
+        cfg.tls.client.apply(client).map_err(ProxyError)?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
     let proxy = Arc::new(Proxy {
         client,
         prefill: Pool::new("prefill", cfg.prefillers),

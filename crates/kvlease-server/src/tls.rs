@@ -166,9 +166,11 @@ impl Tls {
                         builder.with_client_cert_verifier(verifier)
                     }
                 };
-                let mut config = builder
-                    .with_single_cert(chain, key)
-                    .map_err(|e| TlsError::Mismatch { key: key_path.clone(), cert: cert_path.clone(), why: e.to_string() })?;
+                let mut config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Mismatch {
+                    key: key_path.clone(),
+                    cert: cert_path.clone(),
+                    why: e.to_string(),
+                })?;
                 // The listener speaks HTTP/1.1 only.
                 config.alpn_protocols = vec![b"http/1.1".to_vec()];
                 Some((ServerTls(tokio_rustls::TlsAcceptor::from(Arc::new(config))), [cert_pem, key_pem].concat()))
@@ -188,11 +190,17 @@ fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
 
 /// The certificates of a PEM file: at least one, every one well formed.
 fn certs(flag: &'static str, path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Pem { flag, path: path.to_path_buf(), what: format!("not PEM certificates: {e}") })?;
+    let certs = CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>().map_err(|e| TlsError::Pem {
+        flag,
+        path: path.to_path_buf(),
+        what: format!("not PEM certificates: {e}"),
+    })?;
     if certs.is_empty() {
-        return Err(TlsError::Pem { flag, path: path.to_path_buf(), what: "no PEM certificate (-----BEGIN CERTIFICATE-----) in it".into() });
+        return Err(TlsError::Pem {
+            flag,
+            path: path.to_path_buf(),
+            what: "no PEM certificate (-----BEGIN CERTIFICATE-----) in it".into(),
+        });
     }
     Ok(certs)
 }
@@ -206,7 +214,7 @@ mod tests {
     }
 
     fn refused(f: TlsFlags) -> String {
-        Tls::load(&f).err().expect("refused").to_string()
+        Tls::load(&f).expect_err("refused").to_string()
     }
 
     /// SPEC S6: no flags, plain HTTP; flags that cannot make an HTTPS listener are refused

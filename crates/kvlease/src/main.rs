@@ -674,7 +674,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let max_buffered_stream_bytes = args.max_buffered_stream_bytes()?;
     let tls = args.tls.load()?.server;
     if tls.is_none() && args.tls.ssl_ca_certs.is_some() {
-        return Err(InvalidConfig("--ssl-ca-certs is given without --ssl-certfile and --ssl-keyfile: the HTTP surface would not speak HTTPS".into()).into());
+        return Err(InvalidConfig(
+            "--ssl-ca-certs is given without --ssl-certfile and --ssl-keyfile: the HTTP surface would not speak HTTPS".into(),
+        )
+        .into());
     }
     let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = bind(&args.host, args.port).await?;
@@ -687,7 +690,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
     // The listener is bound: a router that finds the engine at once is answered as soon as the
     // server runs.
-    let registrar = etcd.map(|(etcd, host)| register(etcd, (scheme, &host), &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
+    let registrar =
+        etcd.map(|(etcd, host)| register(etcd, (scheme, &host), &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
     announce(format!(

@@ -69,7 +69,9 @@ impl Pki {
         let ca = reqwest::Certificate::from_pem(&std::fs::read(self.dir.join("ca.pem")).unwrap()).unwrap();
         let mut b = reqwest::Client::builder().no_proxy().timeout(DEADLINE).tls_built_in_root_certs(false).add_root_certificate(ca);
         if let Some(id) = identity {
-            let pem = [std::fs::read(self.dir.join(format!("{id}.pem"))).unwrap(), std::fs::read(self.dir.join(format!("{id}.key"))).unwrap()].concat();
+            let pem =
+                [std::fs::read(self.dir.join(format!("{id}.pem"))).unwrap(), std::fs::read(self.dir.join(format!("{id}.key"))).unwrap()]
+                    .concat();
             b = b.identity(reqwest::Identity::from_pem(&pem).unwrap());
         }
         b.build().expect("client")
@@ -226,13 +228,22 @@ fn s6_bad_ssl_flags_are_refused_naming_the_flag() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["serve", "--ssl-keyfile", &key], "--ssl-keyfile is given without --ssl-certfile"),
         (vec!["serve", "--ssl-certfile", &cert], "--ssl-certfile is given without --ssl-keyfile"),
-        (vec!["serve", "--ssl-certfile", "/nonexistent/cert.pem", "--ssl-keyfile", &key], "--ssl-certfile /nonexistent/cert.pem: cannot read it"),
-        (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", "/nonexistent/key.pem"], "--ssl-keyfile /nonexistent/key.pem: cannot read it"),
+        (
+            vec!["serve", "--ssl-certfile", "/nonexistent/cert.pem", "--ssl-keyfile", &key],
+            "--ssl-certfile /nonexistent/cert.pem: cannot read it",
+        ),
+        (
+            vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", "/nonexistent/key.pem"],
+            "--ssl-keyfile /nonexistent/key.pem: cannot read it",
+        ),
         (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &other_key], "is not the private key of --ssl-certfile"),
         (vec!["serve", "--ssl-certfile", &garbage, "--ssl-keyfile", &key], "--ssl-certfile"),
         (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &cert], "--ssl-keyfile"),
         (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &key, "--ssl-cert-reqs", "3"], "--ssl-cert-reqs 3 must be 0"),
-        (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &key, "--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2 asks clients for certificates: give --ssl-ca-certs"),
+        (
+            vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &key, "--ssl-cert-reqs", "2"],
+            "--ssl-cert-reqs 2 asks clients for certificates: give --ssl-ca-certs",
+        ),
         (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &key, "--ssl-ca-certs", &garbage], "--ssl-ca-certs"),
         (vec!["serve", "--ssl-ca-certs", &ca], "--ssl-ca-certs is given without --ssl-certfile"),
         (vec!["proxy", "--prefiller-hosts", "https://127.0.0.1", "--prefiller-ports", "1"], "speaks HTTPS: give --ssl-ca-certs"),
