@@ -192,6 +192,55 @@ async fn s6_plain_http_to_an_https_port_is_closed_and_the_server_goes_on() {
     assert_eq!(status, 200, "{body}");
 }
 
+/// SPEC S6 with issue 22's bound: over TLS, a client that never reads its stream is reset at
+/// `--http-write-timeout` (2 s, + a quarter, + slack), its request aborted and counted as
+/// `write_timeout`; the timeout still reads the TCP socket under the TLS stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_a_never_reading_tls_client_is_cut_at_the_write_timeout() {
+    use tokio::io::AsyncWriteExt;
+    use tokio_rustls::rustls;
+    let pki = Pki::new("unread");
+    let serve = Proc::serve(
+        "s6-unread",
+        &refs(&pki.flags(&["--http-write-timeout", "2", "--decode-ms-per-token", "3", "--num-gpu-blocks", "4096"])),
+    );
+    let addr: std::net::SocketAddr = serve.url.trim_start_matches("https://").parse().expect("host:port");
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = rustls::pki_types::pem::PemObject::from_pem_file(pki.dir.join("ca.pem")).expect("CA");
+    roots.add(ca).expect("root");
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let tcp = socket.connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)).connect(name, tcp).await.expect("handshake");
+    let body = json!({"prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "stream": true}).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvlease\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    tls.write_all(format!("{head}{body}").as_bytes()).await.expect("request");
+    tls.flush().await.expect("flush");
+    let sent = Instant::now();
+    let limit = Duration::from_secs_f64(2.0 * 1.25) + Duration::from_secs(3);
+    while !matches!(tls.get_ref().0.take_error(), Ok(Some(_))) {
+        assert!(sent.elapsed() < limit, "the never-reading TLS client was not reset within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(sent.elapsed() >= Duration::from_secs(2), "cut before the write timeout: {:?}", sent.elapsed());
+    let client = pki.client(None);
+    let aborted = "kvlease_http_responses_aborted_total{reason=\"write_timeout\"}";
+    assert_eq!(metric(&client, &serve.url, aborted).await, 1.0);
+    common::until("the request aborted", Duration::from_secs(8), || async {
+        metric(&client, &serve.url, "kvlease_requests_running").await == 0.0
+    })
+    .await;
+}
+
 /// SPEC S6, vLLM's `--ssl-cert-reqs 2` (ssl.CERT_REQUIRED): a client without a certificate, or
 /// with one another CA signed, is refused; one with a certificate `--ssl-ca-certs` signed is
 /// served. With 1 (CERT_OPTIONAL), a client without one is served too.
