@@ -56,6 +56,8 @@ pub struct ServeOptions {
     pub served_model_names: Vec<String>,
     /// vLLM's `--api-key`: `/v1/*` requires `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
+    /// vLLM's `--ssl-certfile` and the rest (SPEC S6): the listener speaks HTTPS.
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for ServeOptions {
@@ -67,6 +69,7 @@ impl Default for ServeOptions {
             drain: Arc::default(),
             served_model_names: Vec::new(),
             api_key: None,
+            tls: None,
         }
     }
 }
@@ -149,7 +152,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let metrics = Arc::<HttpMetrics>::default();
     let app = app(engine.clone(), &options, metrics.clone());
-    server::run(listener, app, options.http, metrics, async move {
+    server::run(listener, app, options.http, options.tls, metrics, async move {
         shutdown.await;
         tracing::info!("shutting down: aborting in-flight requests");
         engine.shutdown().await;

@@ -443,12 +443,14 @@ impl Registration {
 
 fn upstream_of(url: &str) -> Result<crate::Upstream, String> {
     let u = reqwest::Url::parse(url).map_err(|e| format!("url {url:?}: {e}"))?;
-    if u.scheme() != "http" {
-        return Err(format!("url {url:?} is not http://"));
-    }
+    let https = match u.scheme() {
+        "http" => false,
+        "https" => true,
+        _ => return Err(format!("url {url:?} is not http:// or https://")),
+    };
     let host = u.host_str().ok_or_else(|| format!("url {url:?} has no host"))?;
     let port = u.port_or_known_default().ok_or_else(|| format!("url {url:?} has no port"))?;
-    Ok(crate::Upstream { host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
+    Ok(crate::Upstream { host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port, https })
 }
 
 /// Keeps one engine registered: a lease of `ttl`, renewed every third of it; the registration put
@@ -597,7 +599,7 @@ mod tests {
             tp_size: 2,
         };
         assert_eq!(Registration::parse(&r.to_json()).unwrap(), r);
-        assert_eq!(r.upstream().unwrap(), crate::Upstream { host: "::1".into(), port: 8200 });
+        assert_eq!(r.upstream().unwrap(), crate::Upstream::http("::1", 8200));
         for (raw, why) in [
             (&b"nope"[..], "not JSON"),
             (br#"{"role":"router","url":"http://a:1","engine_id":"e","kv_addr":"a:2","tp_size":1}"#, "role"),

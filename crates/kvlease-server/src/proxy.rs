@@ -39,14 +39,22 @@ use std::time::Duration;
 pub struct Upstream {
     pub host: String,
     pub port: u16,
+    /// SPEC S6: the engine speaks HTTPS (`https://host` in `--*-hosts`, or registered so).
+    pub https: bool,
 }
 
 impl Upstream {
+    /// Plain HTTP at `host:port`.
+    pub fn http(host: impl Into<String>, port: u16) -> Upstream {
+        Upstream { host: host.into(), port, https: false }
+    }
+
     fn url(&self, path: &str) -> String {
+        let scheme = if self.https { "https" } else { "http" };
         if self.host.contains(':') && !self.host.starts_with('[') {
-            format!("http://[{}]:{}{path}", self.host, self.port)
+            format!("{scheme}://[{}]:{}{path}", self.host, self.port)
         } else {
-            format!("http://{}:{}{path}", self.host, self.port)
+            format!("{scheme}://{}:{}{path}", self.host, self.port)
         }
     }
 }
@@ -74,6 +82,9 @@ pub struct ProxyConfig {
     /// Engines found through etcd (`--etcd`) rather than listed: `prefillers` and `decoders`
     /// then start empty and follow the registrations.
     pub membership: Option<Membership>,
+    /// SPEC S6: HTTPS on the proxy's listener, and what its client trusts (`--ssl-ca-certs`) and
+    /// presents to `https://` upstreams.
+    pub tls: crate::tls::Tls,
 }
 
 /// Where the proxy finds the engines it routes to: the registrations under `prefix` in etcd,
@@ -96,10 +107,29 @@ impl ProxyConfig {
             health_interval: Duration::from_millis(500),
             drain: Arc::default(),
             membership: None,
+            tls: crate::tls::Tls::default(),
         }
     }
 
+    /// What [`router`] would refuse, checked before anything starts.
+    pub fn check(&self) -> Result<(), ProxyError> {
+        if self.membership.is_none() && (self.prefillers.is_empty() || self.decoders.is_empty()) {
+            return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
+        }
+        if self.request_timeout.is_zero() || self.health_interval.is_zero() {
+            return Err(ProxyError("--request-timeout and --health-interval must be above 0".into()));
+        }
+        // SPEC S6: the proxy trusts only --ssl-ca-certs.
+        if let Some(up) = self.prefillers.iter().chain(&self.decoders).find(|u| u.https && !self.tls.client.has_roots()) {
+            return Err(ProxyError(format!(
+                "upstream {up} speaks HTTPS: give --ssl-ca-certs, the CA that signed the engines' certificates (the proxy trusts no other)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Pairs `--*-hosts` with `--*-ports` as the toy proxy does; one host may serve many ports.
+    /// A host may be written `https://host` (SPEC S6: the engine speaks HTTPS) or `http://host`.
     pub fn pair(what: &str, hosts: &[String], ports: &[u16]) -> Result<Vec<Upstream>, String> {
         if hosts.is_empty() || ports.is_empty() {
             return Err(format!("--{what}-hosts and --{what}-ports need at least one value each"));
@@ -111,10 +141,31 @@ impl ProxyConfig {
                 ports.len()
             ));
         }
+        let hosts = hosts
+            .iter()
+            .map(|h| {
+                let (https, host) = match (h.strip_prefix("https://"), h.strip_prefix("http://")) {
+                    (Some(host), _) => (true, host),
+                    (None, Some(host)) => (false, host),
+                    (None, None) => (false, h.as_str()),
+                };
+                let host = host.strip_suffix('/').unwrap_or(host);
+                let port_in_it = host.contains(':') && host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::Ipv6Addr>().is_err();
+                if host.is_empty() || host.contains(['/', '?', '#', '@']) || port_in_it {
+                    return Err(format!(
+                        "--{what}-hosts {h:?} is not a host: give a name or address, optionally as https://host (the port goes in --{what}-ports)"
+                    ));
+                }
+                Ok((https, host.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ports
             .iter()
             .enumerate()
-            .map(|(i, &port)| Upstream { host: hosts[if hosts.len() == 1 { 0 } else { i }].clone(), port })
+            .map(|(i, &port)| {
+                let (https, host) = hosts[if hosts.len() == 1 { 0 } else { i }].clone();
+                Upstream { host, port, https }
+            })
             .collect())
     }
 }
@@ -349,19 +400,14 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
 
 /// The router, counting into `http` what the listener under it counts.
 fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
-    if cfg.membership.is_none() && (cfg.prefillers.is_empty() || cfg.decoders.is_empty()) {
-        return Err(ProxyError("the proxy needs at least one prefiller and one decoder".into()));
-    }
-    if cfg.request_timeout.is_zero() || cfg.health_interval.is_zero() {
-        return Err(ProxyError("--request-timeout and --health-interval must be above 0".into()));
-    }
+    cfg.check()?;
     let client = reqwest::Client::builder()
         .no_proxy()
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+        .pool_idle_timeout(Duration::from_secs(30));
+    let client =
+        cfg.tls.client.apply(client).map_err(ProxyError)?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
     let proxy = Arc::new(Proxy {
         client,
         prefill: Pool::new("prefill", cfg.prefillers),
@@ -408,8 +454,9 @@ pub async fn proxy(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let metrics = Arc::<HttpMetrics>::default();
+    let tls = cfg.tls.server.clone();
     let app = app(cfg, metrics.clone()).map_err(std::io::Error::other)?;
-    server::run(listener, app, limits, metrics, shutdown).await
+    server::run(listener, app, limits, tls, metrics, shutdown).await
 }
 
 /// Probes every upstream's `/health` each `interval` (1 s timeout): out of rotation on a failed
@@ -985,7 +1032,7 @@ mod tests {
     /// back to the decoder that failed.
     #[test]
     fn o4_the_decode_leg_avoids_the_prefilling_engine_while_another_can_take_it() {
-        let up = |port| Upstream { host: "127.0.0.1".into(), port };
+        let up = |port| Upstream::http("127.0.0.1", port);
         let pool = Pool::new("decode", vec![up(1), up(2)]);
         // Load on the other decoder does not send the leg back to the prefiller.
         let _busy: Vec<_> = (0..5).map(|_| Outstanding::new(pool.instances()[1].clone())).collect();
@@ -1123,10 +1170,19 @@ mod tests {
     fn hosts_pair_with_ports() {
         let h = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let two = ProxyConfig::pair("prefiller", &h(&["a", "b"]), &[1, 2]).unwrap();
-        assert_eq!(two[1], Upstream { host: "b".into(), port: 2 });
+        assert_eq!(two[1], Upstream::http("b", 2));
         let one_host = ProxyConfig::pair("decoder", &h(&["a"]), &[1, 2]).unwrap();
         assert_eq!(one_host[1].host, "a");
         assert!(ProxyConfig::pair("decoder", &h(&["a", "b"]), &[1, 2, 3]).unwrap_err().contains("--decoder-hosts"));
-        assert_eq!(Upstream { host: "::1".into(), port: 8 }.url("/x"), "http://[::1]:8/x");
+        assert_eq!(Upstream::http("::1", 8).url("/x"), "http://[::1]:8/x");
+        // SPEC S6: https://host is an HTTPS upstream, on the port given beside it.
+        let tls = ProxyConfig::pair("prefiller", &h(&["https://a", "http://b/", "https://[::1]"]), &[1, 2, 3]).unwrap();
+        assert_eq!(tls[..2], [Upstream { host: "a".into(), port: 1, https: true }, Upstream::http("b", 2)]);
+        assert_eq!(tls[2].url("/x"), "https://[::1]:3/x");
+        assert_eq!(tls[0].url("/health"), "https://a:1/health");
+        for bad in ["https://", "https://a:1/x", "ftp://a", "https://a:1"] {
+            let e = ProxyConfig::pair("prefiller", &h(&[bad]), &[1]).unwrap_err();
+            assert!(e.starts_with("--prefiller-hosts"), "{bad}: {e}");
+        }
     }
 }

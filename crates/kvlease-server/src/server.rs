@@ -22,12 +22,20 @@
 //! nearest its deadline (it was about to be closed anyway); only when every connection is busy
 //! is the newcomer answered 503 and closed. A request in flight is never cut for a newcomer.
 //!
+//! With `--ssl-certfile` (SPEC S6) every connection is TLS ([`crate::tls`]): its handshake is
+//! part of the `Head` phase (done within `header_timeout`, cut if evicted or the server stops),
+//! then the same phases run over the TLS stream. The write timeout still reads the TCP socket's
+//! counters: TLS leaves the socket as it is, and a client that stops reading fills it the same.
+//! A client that fails the handshake (plain HTTP, no client certificate where one is required)
+//! is closed after rustls's alert.
+//!
 //! This module owns sockets, connection tasks and their timers; it knows nothing of the routes.
 
 use crate::body::{BodyBudget, BodyLimits};
 use crate::error::ApiError;
 use crate::ids::REQUEST_ID;
 use crate::outbox::{Driven, Outbox};
+use crate::tls::ServerTls;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::{HeaderValue, Request, Response};
 use axum::Router;
@@ -156,13 +164,14 @@ impl HttpMetrics {
     }
 }
 
-/// Serves `router` on `listener` within `limits` until `shutdown` resolves; then stops
-/// accepting, closes connections that are not busy, lets busy ones finish their request, and
-/// returns when every connection is closed.
+/// Serves `router` on `listener` within `limits`, over TLS if `tls` is given, until `shutdown`
+/// resolves; then stops accepting, closes connections that are not busy, lets busy ones finish
+/// their request, and returns when every connection is closed.
 pub(crate) async fn run(
     listener: TcpListener,
     router: Router,
     limits: HttpLimits,
+    tls: Option<ServerTls>,
     metrics: Arc<HttpMetrics>,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
@@ -172,6 +181,7 @@ pub(crate) async fn run(
         budget: Arc::new(BodyBudget::new(limits.max_buffered_body_bytes)),
         metrics,
         limits,
+        tls,
         connections: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(0),
         refusing: AtomicUsize::new(0),
@@ -223,6 +233,7 @@ fn is_connection_error(e: &io::Error) -> bool {
 
 struct Server {
     limits: HttpLimits,
+    tls: Option<ServerTls>,
     budget: Arc<BodyBudget>,
     metrics: Arc<HttpMetrics>,
     connections: Mutex<HashMap<u64, Arc<Slot>>>,
@@ -275,7 +286,14 @@ impl Server {
         }
         let server = self.clone();
         tasks.spawn(async move {
-            let _ = tokio::time::timeout(REFUSE_TIME, refuse(stream, server.limits.max_connections)).await;
+            let max = server.limits.max_connections;
+            let _ = tokio::time::timeout(REFUSE_TIME, async {
+                match &server.tls {
+                    None => refuse(stream, max).await,
+                    Some(tls) => refuse(tls.0.accept(stream).await?, max).await,
+                }
+            })
+            .await;
             server.refusing.fetch_sub(1, Ordering::AcqRel);
         });
     }
@@ -285,14 +303,41 @@ impl Server {
     /// request first).
     async fn connection(self: Arc<Self>, id: u64, slot: Arc<Slot>, stream: TcpStream, router: Router, mut stop: watch::Receiver<()>) {
         let _registered = Registered { server: &self, id };
+        let fd = stream.as_raw_fd();
+        let watched = Watched { stream, slot: slot.clone() };
+        let Some(tls) = &self.tls else {
+            return self.serve_connection(slot, fd, watched, router, stop).await;
+        };
+        // SPEC S6: the handshake is part of the wait for the first request head.
+        let due = slot.phase().deadline(&self.limits).unwrap_or_else(Instant::now);
+        let handshake = tokio::select! {
+            shaken = tls.0.accept(watched) => shaken,
+            () = tokio::time::sleep_until(due) => {
+                tracing::debug!("HTTP connection closed: no TLS handshake within the header timeout");
+                return;
+            }
+            () = slot.evicted.notified() => return,
+            _ = stop.changed() => return,
+        };
+        match handshake {
+            Ok(stream) => self.serve_connection(slot, fd, stream, router, stop).await,
+            Err(e) => tracing::debug!("HTTP connection closed: TLS handshake failed: {e}"),
+        }
+    }
+
+    /// [`Server::connection`] once the connection's bytes are HTTP: `io` is the socket `fd`,
+    /// or a TLS stream over it.
+    async fn serve_connection<I>(&self, slot: Arc<Slot>, fd: RawFd, io: I, router: Router, mut stop: watch::Receiver<()>)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let service = ConnectionService {
             router: TowerToHyperService::new(router),
             slot: slot.clone(),
             budget: self.budget.clone(),
             body_timeout: self.limits.body_timeout,
         };
-        let fd = stream.as_raw_fd();
-        let io = TokioIo::new(Watched { stream, slot: slot.clone() });
+        let io = TokioIo::new(io);
         let mut builder = http1::Builder::new();
         builder.max_buf_size(MAX_CONNECTION_BUFFER).header_read_timeout(None);
         let mut conn = pin!(builder.serve_connection(io, service));
@@ -793,7 +838,7 @@ impl AsyncWrite for Watched {
 /// The 503 for a connection over the cap. Written after the request head has arrived (a client
 /// may take an answer that comes before its request for a broken connection), and followed by
 /// reading what else the client sends, so that closing does not reset the answer away.
-async fn refuse(mut stream: TcpStream, max_connections: usize) -> io::Result<()> {
+async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, max_connections: usize) -> io::Result<()> {
     let mut head = Vec::new();
     let mut chunk = [0u8; 4096];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_CONNECTION_BUFFER {
@@ -865,6 +910,7 @@ mod tests {
     fn server(max_connections: usize) -> Server {
         Server {
             limits: limits(max_connections),
+            tls: None,
             budget: Arc::new(BodyBudget::new(0)),
             metrics: Arc::default(),
             connections: Mutex::new(HashMap::new()),

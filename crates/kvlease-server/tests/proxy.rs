@@ -32,12 +32,12 @@ async fn dead_port() -> u16 {
 }
 
 fn upstream(addr: std::net::SocketAddr) -> Upstream {
-    Upstream { host: addr.ip().to_string(), port: addr.port() }
+    Upstream::http(addr.ip().to_string(), addr.port())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_healthcheck_answers_ok() {
-    let dead = Upstream { host: "127.0.0.1".into(), port: dead_port().await };
+    let dead = Upstream::http("127.0.0.1", dead_port().await);
     let p = start_proxy(vec![dead.clone()], vec![dead]).await;
     let r = client().get(format!("{}/healthcheck", p.url)).send().await.expect("send");
     assert_eq!(r.status(), 200);
@@ -46,7 +46,7 @@ async fn proxy_healthcheck_answers_ok() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_with_unreachable_upstream_answers_502_openai_json() {
-    let dead = Upstream { host: "127.0.0.1".into(), port: dead_port().await };
+    let dead = Upstream::http("127.0.0.1", dead_port().await);
     let p = start_proxy(vec![dead.clone()], vec![dead]).await;
     let r = client().post(format!("{}/v1/completions", p.url)).json(&json!({"prompt": "hi"})).send().await.expect("send");
     assert_eq!(r.status(), 502);
@@ -56,7 +56,7 @@ async fn proxy_with_unreachable_upstream_answers_502_openai_json() {
 
     // A reachable P with an unreachable D is a 502 as well.
     let pf = TestServer::start().await;
-    let p = start_proxy(vec![upstream(pf.addr)], vec![Upstream { host: "127.0.0.1".into(), port: dead_port().await }]).await;
+    let p = start_proxy(vec![upstream(pf.addr)], vec![Upstream::http("127.0.0.1", dead_port().await)]).await;
     let (status, v) = post(&format!("{}/v1/completions", p.url), &json!({"prompt": "hi", "max_tokens": 4})).await;
     assert_eq!(status, 502, "{v}");
     pf.stop().await;
@@ -65,7 +65,7 @@ async fn proxy_with_unreachable_upstream_answers_502_openai_json() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_passes_prefill_errors_through_unchanged() {
     let pf = TestServer::start().await;
-    let dead = Upstream { host: "127.0.0.1".into(), port: dead_port().await };
+    let dead = Upstream::http("127.0.0.1", dead_port().await);
     let p = start_proxy(vec![upstream(pf.addr)], vec![dead]).await;
     let (status, v) = post(&format!("{}/v1/completions", p.url), &json!({"prompt": ""})).await;
     assert_eq!(status, 400, "{v}");

@@ -165,6 +165,8 @@ struct ServeArgs {
     etcd_ttl: u64,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Bytes of a streamed answer produced and not yet taken by its client, at most: past it the
     /// stream is cut and its request aborted (a client that stopped reading).
     #[arg(long, value_name = "BYTES", default_value_t = kvlease_server::DEFAULT_MAX_BUFFERED_STREAM_BYTES as i64, allow_negative_numbers = true)]
@@ -181,6 +183,39 @@ impl ServeArgs {
                 self.http_max_buffered_stream_bytes
             ))
         })
+    }
+}
+
+/// vLLM's HTTPS flags (uvicorn's meanings), shared by `serve` and `proxy` (SPEC S6).
+#[derive(Args, Debug)]
+struct TlsArgs {
+    /// PEM private key of --ssl-certfile: with it, the HTTP surface speaks HTTPS only.
+    #[arg(long, value_name = "PATH")]
+    ssl_keyfile: Option<PathBuf>,
+    /// PEM certificate chain (leaf first) the HTTP surface presents; the proxy also presents it
+    /// to engines that ask for a client certificate.
+    #[arg(long, value_name = "PATH")]
+    ssl_certfile: Option<PathBuf>,
+    /// PEM CA certificates that client certificates are checked against (with --ssl-cert-reqs 1
+    /// or 2); the proxy also trusts them, and only them, for https:// engines.
+    #[arg(long, value_name = "PATH")]
+    ssl_ca_certs: Option<PathBuf>,
+    /// Python's ssl.CERT_*: 0 asks no client certificate (the default), 1 checks one if given,
+    /// 2 refuses clients without one signed by --ssl-ca-certs.
+    #[arg(long, value_name = "0|1|2", allow_negative_numbers = true)]
+    ssl_cert_reqs: Option<i64>,
+}
+
+impl TlsArgs {
+    /// Every file read and checked: refused here, naming the flag.
+    fn load(&self) -> Result<kvlease_server::Tls, InvalidConfig> {
+        let flags = kvlease_server::TlsFlags {
+            keyfile: self.ssl_keyfile.clone(),
+            certfile: self.ssl_certfile.clone(),
+            ca_certs: self.ssl_ca_certs.clone(),
+            cert_reqs: self.ssl_cert_reqs,
+        };
+        kvlease_server::Tls::load(&flags).map_err(|e| InvalidConfig(e.to_string()))
     }
 }
 
@@ -310,6 +345,8 @@ struct ProxyArgs {
     drain_timeout: f64,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// A configuration refused before anything started: exit code 2, like a usage error.
@@ -635,6 +672,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = engine_config(&args)?;
     let limits = args.http.limits()?;
     let max_buffered_stream_bytes = args.max_buffered_stream_bytes()?;
+    let tls = args.tls.load()?.server;
+    if tls.is_none() && args.tls.ssl_ca_certs.is_some() {
+        return Err(InvalidConfig(
+            "--ssl-ca-certs is given without --ssl-certfile and --ssl-keyfile: the HTTP surface would not speak HTTPS".into(),
+        )
+        .into());
+    }
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
     let insecure = check_exposure(&args.host, http.ip(), cfg.secret.is_some(), args.insecure)?;
@@ -645,11 +690,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let engine = EngineHandle::start(cfg).await.context("cannot start the engine")?;
     // The listener is bound: a router that finds the engine at once is answered as soon as the
     // server runs.
-    let registrar = etcd.map(|(etcd, host)| register(etcd, &host, &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
+    let registrar =
+        etcd.map(|(etcd, host)| register(etcd, (scheme, &host), &args, role, &engine_id, (http.port(), engine.kv_addr().port())));
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
     announce(format!(
-        "kvlease serve listening on http://{} (engine {engine_id}, kv side channel {})",
+        "kvlease serve listening on {scheme}://{} (engine {engine_id}, kv side channel {})",
         host_port(&args.host, http.port()),
         engine.kv_addr()
     ));
@@ -663,6 +709,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         drain: drain.clone(),
         served_model_names: served_names(&args),
         api_key,
+        tls,
     };
     let server = kvlease_server::serve(engine.clone(), listener, options, async move {
         drain_on_signal(signals, &drain, drain_timeout, registrar).await;
@@ -709,10 +756,10 @@ fn etcd_target(args: &ServeArgs) -> Result<Option<(kvlease_server::etcd::Etcd, S
 }
 
 /// Registers the engine in etcd under `--etcd-prefix` + engine id: its role (from `kv_role`),
-/// the URL of its API and its side channel at `host`, its `tp_size`.
+/// the URL of its API (`scheme://host:port`) and its side channel at `host`, its `tp_size`.
 fn register(
     etcd: kvlease_server::etcd::Etcd,
-    host: &str,
+    (scheme, host): (&str, &str),
     args: &ServeArgs,
     role: kvlease_core::config::KvRole,
     engine_id: &str,
@@ -726,7 +773,7 @@ fn register(
     };
     let registration = Registration {
         role,
-        url: format!("http://{}", host_port(host, http_port)),
+        url: format!("{scheme}://{}", host_port(host, http_port)),
         engine_id: engine_id.to_string(),
         kv_addr: host_port(host, kv_port),
         tp_size: args.tp_size,
@@ -783,8 +830,11 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
         health_interval: seconds(args.health_interval, "--health-interval")?,
         drain: drain.clone(),
         membership,
+        tls: args.tls.load()?,
         ..ProxyConfig::new(upstreams.0, upstreams.1)
     };
+    cfg.check().map_err(|e| InvalidConfig(e.0))?;
+    let scheme = if cfg.tls.server.is_some() { "https" } else { "http" };
     let limits = args.http.limits()?;
     let listener = bind(&args.host, args.port).await?;
     let http = listener.local_addr().context("listener has no address")?;
@@ -795,7 +845,7 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
     }
     let signals = Signals::new();
     kvlease_server::raise_open_files_limit();
-    announce(format!("kvlease proxy listening on http://{}", host_port(&args.host, http.port())));
+    announce(format!("kvlease proxy listening on {scheme}://{}", host_port(&args.host, http.port())));
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let server = kvlease_server::proxy(cfg, listener, limits, async move {
         drain_on_signal(signals, &drain, drain_timeout, None).await;
