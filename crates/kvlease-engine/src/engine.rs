@@ -62,7 +62,7 @@ impl EngineHandle {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));
         }
         if cfg.engine_id.is_empty() {
-            cfg.engine_id = crate::ids::random_hex(16);
+            cfg.engine_id = crate::ids::random_uuid_hex();
         }
         let incarnation = cfg.incarnation.unwrap_or_else(crate::ids::random_u64) | 1;
         let metrics = Arc::new(Metrics::default());

@@ -181,7 +181,7 @@ async fn chat_completions(State(st): State<AppState>, req: Request) -> Response 
 /// The request's id: the client's `X-Request-Id` when it sent a usable one, else a random one.
 pub(crate) fn request_id(headers: &HeaderMap) -> Result<String, ApiError> {
     match headers.get(REQUEST_ID) {
-        None => Ok(crate::ids::random_hex(16)),
+        None => Ok(crate::ids::random_uuid_hex()),
         Some(v) => match v.to_str() {
             Ok(s) if !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN => Ok(s.to_owned()),
             _ => {
