@@ -15,7 +15,7 @@ use crate::pull::pull;
 use crate::state::{lock, Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
-use kvlease_core::pull::{PullLost, Verdict};
+use kvlease_core::pull::{PullLost, ReadFailure, Verdict};
 use kvlease_core::renewer::Untrack;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -259,7 +259,7 @@ fn admit(
                     let verdict = std::panic::AssertUnwindSafe(pull(&inner2, &internal, &rk, &ids, own))
                         .catch_unwind()
                         .await
-                        .unwrap_or_else(|_| Verdict::Recompute(PullLost::ReadFailed("the pull panicked".into())));
+                        .unwrap_or(Verdict::Recompute(PullLost::ReadFailed(ReadFailure::Panicked)));
                     let _ = tx.send(SchedMsg::Loaded { id, blocks, verdict });
                 });
                 loading.insert(seq.id, seq);
