@@ -69,21 +69,13 @@ impl PromptDigest {
 
     /// 32 lowercase hex digits, as it travels in `kv_transfer_params`.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(self.0)
     }
 
     /// Parses [`PromptDigest::to_hex`]'s form; `None` for anything else.
     pub fn from_hex(s: &str) -> Option<PromptDigest> {
-        let s = s.as_bytes();
-        if s.len() != 32 {
-            return None;
-        }
         let mut out = [0u8; 16];
-        for (i, pair) in s.chunks_exact(2).enumerate() {
-            let hi = (pair[0] as char).to_digit(16)?;
-            let lo = (pair[1] as char).to_digit(16)?;
-            out[i] = (hi * 16 + lo) as u8;
-        }
+        hex::decode_to_slice(s, &mut out).ok()?;
         Some(PromptDigest(out))
     }
 }

@@ -50,7 +50,7 @@ pub enum PullLost {
     /// The reads did not finish within the read timeout.
     ReadTimedOut { after: Duration },
     /// The transport failed a read.
-    ReadFailed(String),
+    ReadFailed(ReadFailure),
     /// P did not confirm every read completion in time.
     NoReadDoneAck,
     /// P said the lease had ended when a read completed: the bytes may be anything (SPEC P5).
@@ -74,6 +74,17 @@ impl fmt::Display for PullLost {
             PullLost::EndedUnderRead => write!(f, "the lease ended before the read completed"),
         }
     }
+}
+
+/// Why a read failed, as the driver saw it: the core only decides that its bytes are not used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadFailure {
+    /// The transport returned an error for one of the reads (its message).
+    #[error("{0}")]
+    Transport(String),
+    /// The task that ran the pull panicked.
+    #[error("the pull panicked")]
+    Panicked,
 }
 
 /// What the request does after its pull.
@@ -264,7 +275,7 @@ impl Pull {
     /// Step 3: the reads returned (`Err`: the first failure) or their deadline passed
     /// (`timed_out`). Over a fenced transport landed bytes are decided at once; otherwise P's
     /// `ReadDoneAck`s, one per read, are waited for until the deadline returned.
-    pub fn reads_done(&mut self, result: Result<u32, String>, timed_out: bool, now: Nanos) -> AfterReads {
+    pub fn reads_done(&mut self, result: Result<u32, ReadFailure>, timed_out: bool, now: Nanos) -> AfterReads {
         let State::Reading { .. } = self.state else { return AfterReads::Decided(self.finish(Err(PullLost::LeaseLost))) };
         let outcome = match result {
             _ if timed_out => Err(PullLost::ReadTimedOut { after: self.read_timeout }),
@@ -457,8 +468,10 @@ mod tests {
         for fenced in [false, true] {
             let mut p = Pull::new(&c, "p", 7, fenced, T0);
             p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
-            let lost = PullLost::ReadFailed("refused".into());
-            assert_eq!(p.reads_done(Err("refused".into()), false, T0), AfterReads::Decided(Verdict::Fail(lost)));
+            let failure = ReadFailure::Transport("refused".into());
+            let lost = PullLost::ReadFailed(failure.clone());
+            assert_eq!(p.reads_done(Err(failure), false, T0), AfterReads::Decided(Verdict::Fail(lost.clone())));
+            assert_eq!(lost.to_string(), "the read failed: refused");
         }
     }
 

@@ -62,7 +62,7 @@ impl EngineHandle {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));
         }
         if cfg.engine_id.is_empty() {
-            cfg.engine_id = crate::ids::random_hex(16);
+            cfg.engine_id = crate::ids::random_uuid_hex();
         }
         let incarnation = cfg.incarnation.unwrap_or_else(crate::ids::random_u64) | 1;
         let metrics = Arc::new(Metrics::default());
@@ -167,7 +167,7 @@ impl EngineHandle {
                     return Err(RequestError::not_its_params(format!("{why}; not reading them (kv_load_failure_policy=fail)")));
                 }
                 tracing::warn!(request = %req.request_id, "{why}; computing this prompt locally");
-                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                inner.metrics.recomputed_requests.inc();
                 role = KvRole::Local;
             }
         }
@@ -185,7 +185,7 @@ impl EngineHandle {
                     }
                     None => {
                         tracing::warn!(request = %req.request_id, "kv_transfer_params name a lease of this engine that has ended; computing this prompt locally");
-                        inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                        inner.metrics.recomputed_requests.inc();
                         role = KvRole::Local;
                     }
                 }
@@ -238,7 +238,7 @@ impl EngineHandle {
                     ));
                 }
                 tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
-                inner.metrics.recomputed_requests.fetch_add(1, Ordering::Relaxed);
+                inner.metrics.recomputed_requests.inc();
                 role = KvRole::Local;
             }
         }
@@ -303,7 +303,7 @@ impl EngineHandle {
                 Ok(Some((read, tokens as usize)))
             }
             TurnPlan::Read { .. } => {
-                inner.metrics.turns_recomputed.fetch_add(1, Ordering::Relaxed);
+                inner.metrics.turns_recomputed.inc();
                 Err(RequestError::bad_request(
                     Some("kv_transfer_params"),
                     format!("remote_block_ids names {} blocks, too few for remote_num_tokens {}", rk.block_ids.len(), rk.num_tokens),
@@ -311,7 +311,7 @@ impl EngineHandle {
             }
             TurnPlan::Recompute(why) => {
                 tracing::info!(engine = %rk.engine_id, "not reading the cached turn ({why}); prefilling the whole prompt");
-                inner.metrics.turns_recomputed.fetch_add(1, Ordering::Relaxed);
+                inner.metrics.turns_recomputed.inc();
                 if matches!(why, NoReuse::BelowThreshold { .. } | NoReuse::NotAPrefix) {
                     // The router hands a turn's params out once: a turn not worth a read, or
                     // not of this prompt, nobody will read. Free the decoder's blocks now, not

@@ -20,7 +20,6 @@ use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_transport::admission::{Admission, Unproven};
 use kvlease_transport::auth::{ClusterKey, Nonces, Side};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -396,7 +395,7 @@ pub(crate) async fn release_over_side_channel(inner: Arc<Inner>, batch: SideChan
     let outcome = match result.and_then(|r| r) {
         Ok((incarnation, lost)) => {
             let released = if batch.granted_by == 0 || batch.granted_by == incarnation { n - lost.len().min(n) } else { 0 };
-            inner.metrics.side_channel_releases.fetch_add(released as u64, Relaxed);
+            inner.metrics.side_channel_releases.inc_by(released as u64);
             tracing::info!(engine = %batch.engine_id, "released {released} of {n} leases over the side channel at {addr}: {why}");
             Ok(incarnation)
         }
@@ -504,7 +503,7 @@ mod tests {
         let ack = apply_side_release(inner, &release_from("d2", 5, 0, vec![held]));
         assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![] });
         assert!(!p.holds_lease(held), "its holder's release ends it");
-        assert_eq!(inner.metrics.released(kvlease_core::lease_table::ReleaseReason::Released).load(Relaxed), 2);
+        assert_eq!(inner.metrics.released(kvlease_core::lease_table::ReleaseReason::Released).get(), 2);
     }
 
     /// SPEC S5: leases are held under agent names, so an engine of the cluster may introduce only

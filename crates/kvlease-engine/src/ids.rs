@@ -1,35 +1,31 @@
-//! Random identifiers (request ids, engine ids, incarnations, sampling seeds) without a
-//! random-number dependency.
+//! Random identifiers (request ids, engine ids, incarnations, sampling seeds), from the OS's
+//! random source (`getrandom`, and `uuid` for the UUID-shaped ones).
 //!
-//! They only need to be unique, not secret: std's per-process random hasher keys, a counter and
-//! the clock are enough, and keep the crates free of an RNG crate.
+//! They only need to be unique, not secret; the OS's source is what every process has.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
-use std::time::{SystemTime, UNIX_EPOCH};
+use uuid::Uuid;
 
-static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// A random u64, distinct for every call in this process.
+/// A random u64.
 pub fn random_u64() -> u64 {
-    // The process id once: `getpid` is a system call every time (one per request, when ids or
-    // seeds are drawn per request).
-    static PID: OnceLock<u32> = OnceLock::new();
-    let mut h = RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default());
-    h.write_u32(*PID.get_or_init(std::process::id));
-    h.finish()
+    // Linux's getrandom(2) does not fail once the pool is seeded (at boot); a system without a
+    // random source cannot run an engine whose ids must not collide.
+    getrandom::u64().unwrap_or_else(|e| panic!("the OS gave no random bytes (getrandom): {e}"))
 }
 
 /// `bytes` random bytes as lower-case hex.
 pub fn random_hex(bytes: usize) -> String {
-    let mut s = String::with_capacity(bytes * 2);
-    while s.len() < bytes * 2 {
-        s.push_str(&format!("{:016x}", random_u64()));
-    }
-    s.truncate(bytes * 2);
-    s
+    let mut b = vec![0u8; bytes];
+    getrandom::fill(&mut b).unwrap_or_else(|e| panic!("the OS gave no random bytes (getrandom): {e}"));
+    hex::encode(b)
+}
+
+/// A random (v4) UUID as 32 lower-case hex digits: vLLM's `random_uuid()` (`uuid4().hex`), the
+/// shape of its request ids (`cmpl-<32 hex>`) and engine ids.
+pub fn random_uuid_hex() -> String {
+    Uuid::new_v4().simple().to_string()
+}
+
+/// A random (v4) UUID, 8-4-4-4-12 hex digits.
+pub fn random_uuid() -> String {
+    Uuid::new_v4().hyphenated().to_string()
 }

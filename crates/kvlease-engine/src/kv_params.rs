@@ -215,14 +215,14 @@ impl RemoteKv {
         let Some(sig) = &self.signature else {
             return Err(ParamError("unsigned; this engine requires params signed by the prefill engine (kvlease_signature)".into()));
         };
-        let Some(bytes) = hex_decode(sig) else { return Err(ParamError("kvlease_signature is not hex".into())) };
+        let Ok(bytes) = hex::decode(sig) else { return Err(ParamError("kvlease_signature is not hex".into())) };
         self.mac(secret)
             .verify_slice(&bytes)
             .map_err(|_| ParamError("kvlease_signature does not match these params: altered, or signed with another secret".into()))
     }
 
     fn sign(&self, secret: &[u8]) -> String {
-        self.mac(secret).finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(self.mac(secret).finalize().into_bytes())
     }
 
     /// Every field with its length before it, so no field's bytes can pass for another's.
@@ -269,13 +269,6 @@ fn uint(obj: &Map<String, Value>, key: &str, with: &str) -> Result<u64, ParamErr
         None | Some(Value::Null) => Err(ParamError(format!("{key} is required with {with}"))),
         Some(v) => Err(ParamError(format!("{key} must be a non-negative integer, not {v}"))),
     }
-}
-
-fn hex_decode(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) || !s.is_ascii() {
-        return None;
-    }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
 }
 
 #[cfg(test)]

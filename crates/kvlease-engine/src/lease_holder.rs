@@ -14,7 +14,6 @@ use kvlease_core::peers::agent_holder;
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadGate, ReadPermit};
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 use tokio::sync::mpsc;
 
@@ -70,7 +69,7 @@ pub(crate) fn keep_turn(inner: &Arc<Inner>, client_id: &str, tokens: &[u32], blo
     let block_ids = blocks.ids()[..used].to_vec();
     let ttl = inner.cfg.transfer.lease.decoder_kv_blocks_ttl;
     let (lease_id, digest) = grant(inner, client_id, blocks, used, tokens, Some(ttl));
-    inner.metrics.turns_kept.fetch_add(1, Relaxed);
+    inner.metrics.turns_kept.inc();
     let remote = remote_kv(inner, client_id, block_ids, tokens.len() as u32, lease_id, digest);
     let expiry = (inner.now() + ttl).0 as f64 / 1e9;
     (lease_id, remote.to_turn_json(inner.cfg.secret.as_deref(), expiry, ttl.as_secs_f64()))
@@ -104,7 +103,7 @@ pub(crate) fn evict_turns(inner: &Inner, need: usize) -> usize {
             None => {}
         }
         if evicted.is_some() {
-            inner.metrics.turns_evicted.fetch_add(1, Relaxed);
+            inner.metrics.turns_evicted.inc();
         }
         settle(inner, released);
         if evicted.is_none() {
@@ -141,13 +140,13 @@ fn grant(
             digest = PromptDigest::bound(tokens, &fields);
             lease.prompt_digest = digest;
         }
-        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
-        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        inner.metrics.leases_active.set(table.live() as i64);
+        inner.metrics.leased_blocks.set(table.leased_blocks() as i64);
         (id, digest)
     };
     // The new deadline may come before whatever the reaper sleeps until.
     inner.reaper_wake.notify_one();
-    inner.metrics.leases_granted.fetch_add(1, Relaxed);
+    inner.metrics.leases_granted.inc();
     let lifetime_s = lifetime.unwrap_or(inner.cfg.transfer.lease.lease_duration).as_secs_f64();
     tracing::debug!(request = %request, lease_id, blocks = n, lifetime_s, "lease granted");
     (lease_id, digest)
@@ -230,15 +229,15 @@ pub(crate) fn settle(inner: &Inner, released: Vec<Released<Lease>>) {
     // log lines are written after, so a long reaper tick does not hold renewals and reads.
     let parked: Vec<Option<String>> = {
         let table = lock(&inner.leases);
-        inner.metrics.leases_active.store(table.live() as i64, Relaxed);
-        inner.metrics.leased_blocks.store(table.leased_blocks() as i64, Relaxed);
+        inner.metrics.leases_active.set(table.live() as i64);
+        inner.metrics.leased_blocks.set(table.leased_blocks() as i64);
         released
             .iter()
             .map(|r| r.payload.is_none().then(|| table.parked_payload(r.lease_id).map(|l| l.request.clone())).flatten())
             .collect()
     };
     for (r, parked) in released.iter().zip(&parked) {
-        inner.metrics.released(r.reason).fetch_add(1, Relaxed);
+        inner.metrics.released(r.reason).inc();
         inner.metrics.lease_hold.observe(r.held.as_secs_f64());
         // The payload, or, while a reader still holds the blocks, the table's parked copy.
         let request = r.payload.as_ref().map(|l| l.request.as_str()).or(parked.as_deref()).unwrap_or("");
@@ -351,7 +350,7 @@ impl ReadGate for Gate {
         // Every kvlease reader shows its prompt's digest (S4): over a fenced transport this check
         // is the only one before D uses the bytes, so a read without it is refused.
         let Ok(digest) = <[u8; 16]>::try_from(tag) else {
-            inner.metrics.reads_refused.fetch_add(1, Relaxed);
+            inner.metrics.reads_refused.inc();
             return None;
         };
         let digest = Some(PromptDigest(digest));
@@ -369,7 +368,7 @@ impl ReadGate for Gate {
         };
         settle(&inner, released);
         let Some(ticket) = ticket else {
-            inner.metrics.reads_refused.fetch_add(1, Relaxed);
+            inner.metrics.reads_refused.inc();
             return None;
         };
         Some(Box::new(Permit { inner: Arc::downgrade(&inner), ticket: Some(ticket) }))
@@ -389,7 +388,7 @@ impl Drop for Permit {
 /// business; it says what to answer.
 pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) {
     if matches!(msg, Message::Heartbeat { .. }) {
-        inner.metrics.heartbeats_received.fetch_add(1, Relaxed);
+        inner.metrics.heartbeats_received.inc();
     }
     let mut released = Vec::new();
     let answer = {
@@ -401,7 +400,7 @@ pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) 
     // D sends each heartbeat to every P rank (SPEC D2); all ranks share this table, so only
     // rank 0's copy counts as renewals (one per lease per heartbeat).
     if rank == 0 {
-        inner.metrics.lease_renewals.fetch_add(answer.renewed as u64, Relaxed);
+        inner.metrics.lease_renewals.inc_by(answer.renewed as u64);
     }
     if let (Some(reply), Some(r)) = (answer.reply, inner.ranks().get(rank)) {
         if let Err(e) = r.agent.send_notif(from, reply.encode()) {
@@ -469,7 +468,7 @@ mod tests {
         }
         let bare = PromptDigest::of(&(1..=64).collect::<Vec<u32>>()).0;
         assert!(gate.begin_read(peer, rk.lease_id, &rk.block_ids, &bare).is_none(), "a digest without the lease's fields");
-        assert_eq!(p.metrics().reads_refused.load(Relaxed), 6);
+        assert_eq!(p.metrics().reads_refused.get(), 6);
         let permit = gate.begin_read(peer, rk.lease_id, &rk.block_ids, &tag);
         assert!(permit.is_some(), "the lease's own blocks, in order, for its digest");
     }

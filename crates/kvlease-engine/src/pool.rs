@@ -5,7 +5,6 @@
 //! path — finished, aborted, lease released, read ended — frees exactly once.
 
 use crate::metrics::Metrics;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
@@ -20,8 +19,8 @@ pub struct BlockPool {
 
 impl BlockPool {
     pub fn new(total: u32, metrics: Arc<Metrics>) -> Arc<BlockPool> {
-        metrics.kv_blocks_total.store(i64::from(total), Relaxed);
-        metrics.kv_blocks_free.store(i64::from(total), Relaxed);
+        metrics.kv_blocks_total.set(i64::from(total));
+        metrics.kv_blocks_free.set(i64::from(total));
         Arc::new(BlockPool { free: Mutex::new(Free { returned: Vec::new(), fresh: 0, total }), total, metrics, freed: Notify::new() })
     }
 
@@ -38,7 +37,7 @@ impl BlockPool {
     pub fn alloc(self: &Arc<Self>, n: usize) -> Option<Blocks> {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let ids = free.take(n)?;
-        self.metrics.kv_blocks_free.store(i64::from(free.len()), Relaxed);
+        self.metrics.kv_blocks_free.set(i64::from(free.len()));
         Some(Blocks { pool: self.clone(), ids })
     }
 }
@@ -93,7 +92,7 @@ impl BlockPool {
         }
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         free.returned.extend(ids);
-        self.metrics.kv_blocks_free.store(i64::from(free.len()), Relaxed);
+        self.metrics.kv_blocks_free.set(i64::from(free.len()));
         drop(free);
         self.freed.notify_waiters();
         self.freed.notify_one();
@@ -116,9 +115,9 @@ mod tests {
         let pool = BlockPool::new(4, m.clone());
         let a = pool.alloc(3).unwrap();
         assert!(pool.alloc(2).is_none());
-        assert_eq!(m.kv_blocks_free.load(Relaxed), 1);
+        assert_eq!(m.kv_blocks_free.get(), 1);
         drop(a);
-        assert_eq!(m.kv_blocks_free.load(Relaxed), 4);
+        assert_eq!(m.kv_blocks_free.get(), 4);
         assert_eq!(pool.alloc(4).map(|b| b.ids().len()), Some(4));
     }
 

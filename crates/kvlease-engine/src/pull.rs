@@ -5,7 +5,7 @@
 use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::state::{lock, AckKey, Inner};
-use kvlease_core::pull::{AfterReads, Pull, Step, Verdict};
+use kvlease_core::pull::{AfterReads, Pull, ReadFailure, Step, Verdict};
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadOp, Segment};
 use std::sync::Arc;
@@ -95,7 +95,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     let result = match &done {
         Err(_) => Ok(n),
         Ok(results) => match results.iter().find_map(|r| r.as_ref().err()) {
-            Some(e) => Err(e.to_string()),
+            Some(e) => Err(ReadFailure::Transport(e.to_string())),
             None => Ok(n),
         },
     };

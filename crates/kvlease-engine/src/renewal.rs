@@ -9,7 +9,6 @@ use kvlease_core::pull::PlantedBug;
 use kvlease_core::renewer::{Action, SendKind};
 use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// The renewer's driver: polls it when it asks to be polled or when woken, carries out what it
@@ -85,11 +84,11 @@ fn send(inner: &Inner, engine_id: &str, bytes: Vec<u8>, kind: SendKind) {
     }
     match kind {
         SendKind::Heartbeat { lateness } => {
-            inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+            inner.metrics.heartbeats_sent.inc();
             inner.metrics.heartbeat_lateness.observe(lateness.as_secs_f64());
         }
         SendKind::ReadRenewal => {
-            inner.metrics.heartbeats_sent.fetch_add(1, Relaxed);
+            inner.metrics.heartbeats_sent.inc();
         }
         SendKind::Release | SendKind::ClockProbe => {}
     }

@@ -15,10 +15,9 @@ use crate::pull::pull;
 use crate::state::{lock, Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
-use kvlease_core::pull::{PullLost, Verdict};
+use kvlease_core::pull::{PullLost, ReadFailure, Verdict};
 use kvlease_core::renewer::Untrack;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -192,8 +191,8 @@ pub(crate) async fn run(
             }
         }
         admit(&inner, &tx, &mut waiting, &mut running, &mut loading);
-        inner.metrics.requests_waiting.store(waiting.len() as i64, Relaxed);
-        inner.metrics.requests_running.store((running.len() + loading.len()) as i64, Relaxed);
+        inner.metrics.requests_waiting.set(waiting.len() as i64);
+        inner.metrics.requests_running.set((running.len() + loading.len()) as i64);
         if running.is_empty() {
             pace.due = None;
             // Biased: the simulator needs the same choice every run.
@@ -260,7 +259,7 @@ fn admit(
                     let verdict = std::panic::AssertUnwindSafe(pull(&inner2, &internal, &rk, &ids, own))
                         .catch_unwind()
                         .await
-                        .unwrap_or_else(|_| Verdict::Recompute(PullLost::ReadFailed("the pull panicked".into())));
+                        .unwrap_or(Verdict::Recompute(PullLost::ReadFailed(ReadFailure::Panicked)));
                     let _ = tx.send(SchedMsg::Loaded { id, blocks, verdict });
                 });
                 loading.insert(seq.id, seq);
@@ -287,7 +286,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             seq.blocks = Some(blocks);
             lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
             seq.reused = seq.read_turn.take().map_or(0, |(_, tokens)| tokens);
-            inner.metrics.turn_tokens_read.fetch_add(seq.reused as u64, Relaxed);
+            inner.metrics.turn_tokens_read.inc_by(seq.reused as u64);
             seq.state = State::Prefill;
             running.push(seq);
         }
@@ -304,10 +303,10 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             lost(inner, &seq, &why);
             if seq.read_turn.take().is_some() {
                 tracing::info!(request = %seq.client_id, "cached turn not usable ({why}); prefilling the whole prompt");
-                inner.metrics.turns_recomputed.fetch_add(1, Relaxed);
+                inner.metrics.turns_recomputed.inc();
             } else {
                 tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); recomputing the prompt locally");
-                inner.metrics.recomputed_requests.fetch_add(1, Relaxed);
+                inner.metrics.recomputed_requests.inc();
             }
             seq.recompute = true;
             // A READ that failed or timed out may still land in these blocks where the transport
@@ -344,9 +343,9 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
 fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
     lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
     inner.renewer_wake.notify_one();
-    inner.metrics.lease_lost.fetch_add(1, Relaxed);
+    inner.metrics.lease_lost.inc();
     if matches!(why, PullLost::LeaseLost | PullLost::EndedUnderRead) {
-        inner.metrics.lease_ended_by_prefill.fetch_add(1, Relaxed);
+        inner.metrics.lease_ended_by_prefill.inc();
     }
 }
 
@@ -366,7 +365,7 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
         // Tokens whose KV was read back from a cached turn are not computed again (SPEC B4).
         let prefill_tokens: usize =
             running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum();
-        inner.metrics.prefill_tokens.fetch_add(prefill_tokens as u64, Relaxed);
+        inner.metrics.prefill_tokens.inc_by(prefill_tokens as u64);
         for seq in running.iter_mut().filter(|s| s.state == State::Prefill) {
             let Some(blocks) = &seq.blocks else { continue };
             let mut prefix = model::PREFIX_SEED;

@@ -7,7 +7,6 @@ use kvlease_core::config::LoadFailurePolicy;
 use kvlease_engine::{EngineConfig, GenerateRequest, Prompt, TransportKind};
 use kvlease_transport::mem::MemNetwork;
 use serde_json::json;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 /// SPEC D7, P1, P3, P8: P prefills and leases, D pulls and decodes; the output equals a local
@@ -35,9 +34,9 @@ async fn t1_t2_heterogeneous_tp_pulls_the_right_heads() {
         let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
         let (got, _) = run(&d, PROMPT, 12, params).await.unwrap();
         assert_eq!(got, want, "P tp {p_tp} → D tp {d_tp}");
-        assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "P tp {p_tp} → D tp {d_tp} pulled");
-        until("transferred", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
-        assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
+        assert_eq!(d.metrics().recomputed_requests.get(), 0, "P tp {p_tp} → D tp {d_tp} pulled");
+        until("transferred", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
+        assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 1);
     }
 }
 
@@ -50,14 +49,14 @@ async fn p4_unread_lease_expires_on_an_idle_engine() {
     let t0 = tokio::time::Instant::now();
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     assert!(params.is_some());
-    assert!(p.metrics().kv_blocks_free.load(Relaxed) < 256);
-    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    assert!(p.metrics().kv_blocks_free.get() < 256);
+    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
     let took = t0.elapsed();
     assert!(took >= Duration::from_millis(600), "expired early: {took:?}");
     // L + the reaper's granularity (10 ms) + the poll of `until` (10 ms).
     assert!(took <= Duration::from_millis(600 + 10 + 10), "expired late: {took:?}");
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
-    assert_eq!(p.metrics().kv_blocks_free.load(Relaxed), 256);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).get(), 1);
+    assert_eq!(p.metrics().kv_blocks_free.get(), 256);
 }
 
 /// SPEC P4 with the reaper's bounded tick (issue #11): more leases than one `REAP_BUDGET` expire
@@ -81,12 +80,12 @@ async fn p4_budgeted_reaper_expires_more_than_one_budget() {
         assert_eq!(r.unwrap(), Ok(true));
     }
     let granted = t0.elapsed();
-    assert_eq!(p.metrics().leases_active.load(Relaxed), n as i64);
-    until("every lease expired", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    assert_eq!(p.metrics().leases_active.get(), n as i64);
+    until("every lease expired", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
     let took = t0.elapsed();
     // The last grant + L + the reaper's granularity (10 ms) + the poll of `until` (10 ms).
     assert!(took <= granted + Duration::from_millis(600 + 10 + 10), "expired late: {took:?} (granted by {granted:?})");
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), n as u64);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).get(), n as u64);
 }
 
 /// SPEC D1, D3, P2: a request waits on a busy D (one running slot, a slow decode) far longer
@@ -107,16 +106,16 @@ async fn d3_overloaded_decoder_keeps_the_lease_alive() {
         let d = d.clone();
         tokio::spawn(async move { run(&d, "first", 8, None).await })
     };
-    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.get() == 1).await;
     let (_, params) = run(&p, "second", 1, prefill_params()).await.unwrap();
     let (got, _) = run(&d, "second", 4, params).await.unwrap();
     assert_eq!(got, want);
     busy.await.unwrap().unwrap();
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "the lease must have survived the wait");
-    assert!(p.metrics().lease_renewals.load(Relaxed) >= 5);
-    until("transferred", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 0);
+    assert_eq!(d.metrics().recomputed_requests.get(), 0, "the lease must have survived the wait");
+    assert!(p.metrics().lease_renewals.get() >= 5);
+    until("transferred", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 1);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).get(), 0);
 }
 
 /// SPEC D4: a request aborted on D before its transfer releases P's lease at once, as
@@ -132,7 +131,7 @@ async fn d4_abort_on_d_releases_the_lease_at_once() {
         let d = d.clone();
         tokio::spawn(async move { run(&d, "first", 30, None).await })
     };
-    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.get() == 1).await;
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     let req = GenerateRequest {
         request_id: "x".into(),
@@ -143,10 +142,10 @@ async fn d4_abort_on_d_releases_the_lease_at_once() {
         sampling: Default::default(),
     };
     let stream = d.submit(req).unwrap();
-    until("heartbeats flow", Duration::from_secs(5), || p.metrics().heartbeats_received.load(Relaxed) >= 1).await;
+    until("heartbeats flow", Duration::from_secs(5), || p.metrics().heartbeats_received.get() >= 1).await;
     drop(stream); // the client went away
-    until("release", Duration::from_secs(2), || p.metrics().leases_active.load(Relaxed) == 0).await;
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Released).load(Relaxed), 1);
+    until("release", Duration::from_secs(2), || p.metrics().leases_active.get() == 0).await;
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Released).get(), 1);
     busy.abort();
 }
 
@@ -165,13 +164,13 @@ async fn s5_o3_a_replayed_or_refused_replay_leaves_the_first_readers_lease_alone
         let d = d.clone();
         tokio::spawn(async move { run(&d, "first", 20, None).await })
     };
-    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    until("D busy", Duration::from_secs(5), || d.metrics().requests_running.get() == 1).await;
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     let first = {
         let (d, params) = (d.clone(), params.clone());
         tokio::spawn(async move { run(&d, PROMPT, 6, params).await })
     };
-    until("the first request renews", Duration::from_secs(5), || p.metrics().heartbeats_received.load(Relaxed) >= 1).await;
+    until("the first request renews", Duration::from_secs(5), || p.metrics().heartbeats_received.get() >= 1).await;
     // Refused before admission (as a bad field would be): not this replay's lease to release.
     assert!(!d.release_refused(params.as_ref()), "a refused replay released the first request's lease");
     // Admitted: computed locally, the lease left to the first request.
@@ -180,9 +179,9 @@ async fn s5_o3_a_replayed_or_refused_replay_leaves_the_first_readers_lease_alone
     assert_eq!(replayed, want);
     let (got, _) = first.await.unwrap().unwrap();
     assert_eq!(got, want);
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 1);
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1, "only the replay computed its prompt");
-    assert_eq!(d.metrics().lease_lost.load(Relaxed), 0);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 1);
+    assert_eq!(d.metrics().recomputed_requests.get(), 1, "only the replay computed its prompt");
+    assert_eq!(d.metrics().lease_lost.get(), 0);
     busy.abort();
 }
 
@@ -196,13 +195,13 @@ async fn d6_lost_lease_recomputes_or_fails_never_garbage() {
     let (want, _) = run(&local, PROMPT, 10, None).await.unwrap();
     let d = engine(config(30.0, 1)).await;
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
-    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    until("expiry", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
     // P reuses the blocks for another prompt: a stale read would now see other bytes.
     let (_, _) = run(&p, "something else entirely, to overwrite the freed blocks", 1, prefill_params()).await.unwrap();
     let (got, _) = run(&d, PROMPT, 10, params.clone()).await.unwrap();
     assert_eq!(got, want);
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
-    assert_eq!(d.metrics().lease_lost.load(Relaxed), 1);
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    assert_eq!(d.metrics().lease_lost.get(), 1);
 
     let mut fcfg = config(30.0, 1);
     fcfg.transfer.lease.load_failure_policy = LoadFailurePolicy::Fail;
@@ -229,7 +228,7 @@ async fn s1_signed_params_are_checked_by_d() {
         assert_eq!(err.status, 400, "{err:?}");
         assert_eq!(err.param, Some("kv_transfer_params"));
     }
-    assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0, "nothing was tracked or read");
+    assert_eq!(p.metrics().heartbeats_received.get(), 0, "nothing was tracked or read");
     // The genuine params still work.
     let (got, _) = run(&d, PROMPT, 4, Some(params)).await.unwrap();
     assert_eq!(got.split_whitespace().count(), 4);
@@ -242,8 +241,8 @@ async fn p3_shutdown_releases_leases() {
     run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     run(&p, "two", 1, prefill_params()).await.unwrap();
     p.shutdown().await;
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).load(Relaxed), 2);
-    assert_eq!(p.metrics().leases_active.load(Relaxed), 0);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).get(), 2);
+    assert_eq!(p.metrics().leases_active.get(), 0);
     assert!(run(&p, PROMPT, 1, None).await.unwrap_err().status == 503);
 }
 
@@ -263,7 +262,7 @@ async fn d3_a_long_forward_step_delays_no_heartbeat() {
         let d = d.clone();
         tokio::spawn(async move { run(&d, "a prompt of fifty tokens or so, to keep D busy for two s", 1, None).await })
     };
-    until("D is in its long step", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 1).await;
+    until("D is in its long step", Duration::from_secs(5), || d.metrics().requests_running.get() == 1).await;
     let remote = {
         let d = d.clone();
         tokio::spawn(async move { run(&d, PROMPT, 2, params).await })
@@ -290,7 +289,7 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
         let d = d.clone();
         busy.push(tokio::spawn(async move { run(&d, &format!("busy {i}"), 4000, None).await }));
     }
-    until("D is full", Duration::from_secs(5), || d.metrics().requests_running.load(Relaxed) == 32).await;
+    until("D is full", Duration::from_secs(5), || d.metrics().requests_running.get() == 32).await;
     let busy_from = std::time::Instant::now();
     // Waits in the queue behind them, tracked (and heartbeating) from its arrival.
     let remote = {
@@ -312,7 +311,7 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
     let bound = 0.1f64.max(busy_secs / 4.0);
     eprintln!("busy {busy_secs:.3} s, latest heartbeat {:.3} s late, bound {bound:.3} s", h.max());
     assert!(h.max() <= bound, "a heartbeat was {:.3} s late (bound {bound:.3} s, busy for {busy_secs:.3} s)", h.max());
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
 }
 
 /// SPEC S1, S2: with a cluster secret, P answers only handshakes that prove it: an engine
@@ -325,11 +324,11 @@ async fn s2_handshake_needs_the_cluster_secret() {
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     let (got, _) = run(&outsider, PROMPT, 4, params).await.unwrap();
     assert!(!got.is_empty());
-    assert_eq!(outsider.metrics().recomputed_requests.load(Relaxed), 1, "it had to compute the prompt itself");
+    assert_eq!(outsider.metrics().recomputed_requests.get(), 1, "it had to compute the prompt itself");
     let unauthenticated = kvlease_engine::metrics::REJECT_REASONS.iter().position(|r| *r == "unauthenticated").unwrap();
-    assert!(p.metrics().messages_rejected[unauthenticated].load(Relaxed) >= 1, "the unproven handshake was counted");
-    assert_eq!(p.metrics().heartbeats_received.load(Relaxed), 0);
-    assert_eq!(p.metrics().leases_active.load(Relaxed), 1, "the lease is untouched");
+    assert!(p.metrics().messages_rejected[unauthenticated].get() >= 1, "the unproven handshake was counted");
+    assert_eq!(p.metrics().heartbeats_received.get(), 0);
+    assert_eq!(p.metrics().leases_active.get(), 1, "the lease is untouched");
 }
 
 /// An engine bound to every interface tells its peers the address they can reach it at
@@ -343,7 +342,7 @@ async fn advertised_host_is_what_peers_dial() {
     assert_eq!(params.as_ref().unwrap()["remote_host"], "127.0.0.3");
     let (got, _) = run(&d, PROMPT, 3, params).await.unwrap();
     assert!(!got.is_empty());
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0, "pulled through the advertised address");
+    assert_eq!(d.metrics().recomputed_requests.get(), 0, "pulled through the advertised address");
 }
 
 /// SPEC §3 (incarnation): a P engine restarted under the same engine id hands out lease ids and
@@ -368,15 +367,15 @@ async fn incarnation_fences_lease_ids_across_a_restart() {
     run(&d, "a third prompt, read normally", 2, c).await.unwrap();
     // D does not wait for P to take its `ReadDone` (the read was fenced): the read lease ends
     // when it lands, leaving the new incarnation's unread one.
-    until("the read lease is released", Duration::from_secs(10), || new.metrics().leases_active.load(Relaxed) == 1).await;
+    until("the read lease is released", Duration::from_secs(10), || new.metrics().leases_active.get() == 1).await;
     // Then gets the old incarnation's lease, pointed at the new engine.
     let mut forged = new_params.clone();
     forged["remote_incarnation"] = old_params["remote_incarnation"].clone();
     let (want, _) = run(&local, a, 6, None).await.unwrap();
     let (got, _) = run(&d, a, 6, Some(forged)).await.unwrap();
     assert_eq!(got, want, "never the new incarnation's KV");
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
-    assert_eq!(new.metrics().leases_active.load(Relaxed), 1, "the new incarnation's lease is untouched");
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    assert_eq!(new.metrics().leases_active.get(), 1, "the new incarnation's lease is untouched");
 }
 
 /// The emulated decode step (issue 15): every token after the first comes out when its step's

@@ -10,7 +10,6 @@ use kvlease_core::lease_table::ReleaseReason;
 use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt};
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::{json, Value};
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -74,27 +73,26 @@ async fn b1_b3_b4_each_turn_reads_the_conversation_back_and_answers_as_a_local_r
             read += cached;
             p_params = t;
         }
-        let computed_before = p.metrics().prefill_tokens.load(Relaxed);
+        let computed_before = p.metrics().prefill_tokens.get();
         let (_, params) = tokens(&p, &conversation, 1, Some(p_params)).await;
-        let computed = p.metrics().prefill_tokens.load(Relaxed) - computed_before;
-        assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), read, "turn {turn}: P read the conversation so far");
+        let computed = p.metrics().prefill_tokens.get() - computed_before;
+        assert_eq!(p.metrics().turn_tokens_read.get(), read, "turn {turn}: P read the conversation so far");
         assert_eq!(computed, conversation.len() as u64 - cached, "turn {turn}: P prefilled only the new tokens");
         let (got, kept) = tokens(&d, &conversation, 12, params).await;
         assert_eq!(got, want, "turn {turn}: D7");
         turn_params = Some(kept.expect("D answers with its cached turn"));
         conversation.extend(&got);
     }
-    assert_eq!(d.metrics().turns_kept.load(Relaxed), 4);
-    assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0);
-    until("D's read turns are released", Duration::from_secs(5), || d.metrics().released(ReleaseReason::Transferred).load(Relaxed) == 3)
-        .await;
+    assert_eq!(d.metrics().turns_kept.get(), 4);
+    assert_eq!(p.metrics().turns_recomputed.get(), 0);
+    until("D's read turns are released", Duration::from_secs(5), || d.metrics().released(ReleaseReason::Transferred).get() == 3).await;
     // The last turn is still cached: it expires at its TTL (480 s).
-    assert_eq!(d.metrics().leases_active.load(Relaxed), 1);
+    assert_eq!(d.metrics().leases_active.get(), 1);
     tokio::time::sleep(Duration::from_secs(481)).await;
-    assert_eq!(d.metrics().leases_active.load(Relaxed), 0);
-    assert_eq!(d.metrics().released(ReleaseReason::Expired).load(Relaxed), 1);
+    assert_eq!(d.metrics().leases_active.get(), 0);
+    assert_eq!(d.metrics().released(ReleaseReason::Expired).get(), 1);
     until("every block back", Duration::from_secs(5), || {
-        d.metrics().kv_blocks_free.load(Relaxed) == 256 && p.metrics().kv_blocks_free.load(Relaxed) == 256
+        d.metrics().kv_blocks_free.get() == 256 && p.metrics().kv_blocks_free.get() == 256
     })
     .await;
 }
@@ -128,15 +126,15 @@ async fn b2_a_skewed_decoder_clock_changes_no_decision() {
             turn = kept;
             conversation.extend(&got2);
         }
-        assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0, "skew {skew_min} min: live turns are read");
-        assert!(p.metrics().turn_tokens_read.load(Relaxed) > 0);
+        assert_eq!(p.metrics().turns_recomputed.get(), 0, "skew {skew_min} min: live turns are read");
+        assert!(p.metrics().turn_tokens_read.get() > 0);
         // Past its TTL: declined up front (no read, no lost lease), the prompt prefilled whole.
         tokio::time::sleep(Duration::from_secs(21)).await;
         conversation.extend(user(9));
-        let lost = p.metrics().lease_lost.load(Relaxed);
+        let lost = p.metrics().lease_lost.get();
         let (_, params) = tokens(&p, &conversation, 1, turn.take()).await;
-        assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 1, "skew {skew_min} min: an expired turn is declined");
-        assert_eq!(p.metrics().lease_lost.load(Relaxed), lost, "skew {skew_min} min: declined before any read");
+        assert_eq!(p.metrics().turns_recomputed.get(), 1, "skew {skew_min} min: an expired turn is declined");
+        assert_eq!(p.metrics().lease_lost.get(), lost, "skew {skew_min} min: declined before any read");
         let (want, _) = tokens(&local, &conversation, 8, None).await;
         assert_eq!(tokens(&d, &conversation, 8, params).await.0, want);
     }
@@ -167,14 +165,14 @@ async fn b1_cached_turns_give_their_blocks_to_new_requests() {
         kept.push((prompt, got, turn.expect("a cached turn")));
     }
     assert!(started.elapsed() < Duration::from_secs(60), "the fourth request waited {:?} for blocks", started.elapsed());
-    assert_eq!(d.metrics().turns_kept.load(Relaxed), 4);
-    assert_eq!(d.metrics().turns_evicted.load(Relaxed), 1, "the oldest turn made room");
+    assert_eq!(d.metrics().turns_kept.get(), 4);
+    assert_eq!(d.metrics().turns_evicted.get(), 1, "the oldest turn made room");
     // The evicted conversation goes on: P cannot read its turn, recomputes, answers right.
     let (prompt, answer, turn) = kept.swap_remove(0);
     let next = [prompt, answer, user(1)].concat();
     let (want, _) = tokens(&local, &next, 12, None).await;
     let (_, params) = tokens(&p, &next, 1, Some(turn)).await;
-    assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), 0, "nothing read from an evicted turn");
+    assert_eq!(p.metrics().turn_tokens_read.get(), 0, "nothing read from an evicted turn");
     let (got, _) = tokens(&d, &next, 12, params).await;
     assert_eq!(got, want, "D7 after an eviction");
     assert!(started.elapsed() < Duration::from_secs(60), "no wait for a TTL: {:?}", started.elapsed());
@@ -275,8 +273,8 @@ async fn b1_b3_d7_turns_renewed_by_a_waiting_prefill_do_not_hold_d_forever() {
     let (_, c_params) = tokens(&p, &c0, 1, Some(fresh())).await;
     let next_b = spawn_turn(&p, &d, b1.clone(), turns.pop().unwrap(), MAX);
     let next_a = spawn_turn(&p, &d, a1.clone(), turns.pop().unwrap(), MAX);
-    until("P renews both cached turns (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.load(Relaxed) >= 2).await;
-    assert_eq!(p.metrics().requests_waiting.load(Relaxed), 2, "both next turns wait for P's blocks");
+    until("P renews both cached turns (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.get() >= 2).await;
+    assert_eq!(p.metrics().requests_waiting.get(), 2, "both next turns wait for P's blocks");
     let started = tokio::time::Instant::now();
     let c = {
         let d = d.clone();
@@ -287,8 +285,8 @@ async fn b1_b3_d7_turns_renewed_by_a_waiting_prefill_do_not_hold_d_forever() {
         tokio::time::timeout(Duration::from_secs(120), all).await.expect("P and D wait on each other's blocks: stalled");
     assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
     assert_eq!((c_got, a1_got, b1_got), (c_ans, a1_ans, b1_ans), "D7");
-    assert!(d.metrics().turns_evicted.load(Relaxed) >= 1);
-    assert!(p.metrics().turns_recomputed.load(Relaxed) >= 1, "the evicted turn's conversation was recomputed");
+    assert!(d.metrics().turns_evicted.get() >= 1);
+    assert!(p.metrics().turns_recomputed.get() >= 1, "the evicted turn's conversation was recomputed");
 }
 
 /// SPEC B1, B3, D7: A's next turn waits in a busy P's queue (`max_num_seqs` 1, a slow request
@@ -312,9 +310,9 @@ async fn b1_d7_a_claimed_turn_is_evicted_and_its_next_turn_recomputed() {
     let turn = tokens(&d, &a0, MAX, params).await.1.expect("a cached turn");
     // A request of P's own holds its only slot for 60 s.
     let busy = spawn_local(&p, user(3), 60);
-    until("P is busy", Duration::from_secs(5), || p.metrics().requests_running.load(Relaxed) == 1).await;
+    until("P is busy", Duration::from_secs(5), || p.metrics().requests_running.get() == 1).await;
     let next = spawn_turn(&p, &d, a1, turn, MAX);
-    until("P renews A's cached turn (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.load(Relaxed) >= 1).await;
+    until("P renews A's cached turn (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.get() >= 1).await;
     let started = tokio::time::Instant::now();
     let got = tokio::time::timeout(Duration::from_secs(10), spawn_local(&d, own, MAX))
         .await
@@ -322,12 +320,12 @@ async fn b1_d7_a_claimed_turn_is_evicted_and_its_next_turn_recomputed() {
         .unwrap();
     assert_eq!(got, own_ans);
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
-    assert_eq!(d.metrics().turns_evicted.load(Relaxed), 1);
-    assert_eq!(d.metrics().released(ReleaseReason::Released).load(Relaxed), 1, "evicted as `released`");
+    assert_eq!(d.metrics().turns_evicted.get(), 1);
+    assert_eq!(d.metrics().released(ReleaseReason::Released).get(), 1, "evicted as `released`");
     busy.await.unwrap();
     assert_eq!(next.await.unwrap().0, a1_ans, "D7 after the eviction");
-    assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 1);
-    assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), 0, "nothing read from an evicted turn");
+    assert_eq!(p.metrics().turns_recomputed.get(), 1);
+    assert_eq!(p.metrics().turn_tokens_read.get(), 0, "nothing read from an evicted turn");
 }
 
 /// SPEC B1, P5: a cached turn a prefill engine is reading is not evicted under the read. Reads
@@ -352,14 +350,14 @@ async fn b1_p5_a_turn_under_a_read_is_not_evicted_until_the_read_ends() {
     net.set_faults(Faults { read_hold: (HOLD, HOLD), ..Faults::default() });
     let next = spawn_turn(&p, &d, a1, turn, MAX);
     // P's read follows the acknowledgement of its first heartbeat at once (virtual time).
-    until("P renews A's cached turn (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.load(Relaxed) >= 1).await;
+    until("P renews A's cached turn (B3)", Duration::from_secs(30), || d.metrics().lease_renewals.get() >= 1).await;
     let read_began = tokio::time::Instant::now();
     let got = tokio::time::timeout(Duration::from_secs(30), spawn_local(&d, own, MAX)).await.expect("served").unwrap();
     assert_eq!(got, own_ans);
     assert!(read_began.elapsed() >= HOLD - Duration::from_millis(100), "served after {:?}, under the read", read_began.elapsed());
-    assert_eq!(d.metrics().turns_evicted.load(Relaxed), 0, "not evicted under the read");
-    assert_eq!(d.metrics().released(ReleaseReason::Transferred).load(Relaxed), 1, "the turn ended as read");
+    assert_eq!(d.metrics().turns_evicted.get(), 0, "not evicted under the read");
+    assert_eq!(d.metrics().released(ReleaseReason::Transferred).get(), 1, "the turn ended as read");
     assert_eq!(next.await.unwrap().0, a1_ans, "D7");
-    assert_eq!(p.metrics().turns_recomputed.load(Relaxed), 0);
-    assert_eq!(p.metrics().turn_tokens_read.load(Relaxed), cached);
+    assert_eq!(p.metrics().turns_recomputed.get(), 0);
+    assert_eq!(p.metrics().turn_tokens_read.get(), cached);
 }

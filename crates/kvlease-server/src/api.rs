@@ -22,6 +22,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use kvlease_engine::metrics::{self, Registry};
 use kvlease_engine::{EngineHandle, GenerateRequest};
 use serde_json::json;
 use std::future::Future;
@@ -83,7 +84,8 @@ struct AppState {
     names: Arc<Vec<String>>,
     api_key: Option<Arc<str>>,
     max_stream_bytes: usize,
-    http: Arc<HttpMetrics>,
+    /// The engine's metrics and the listener's, for `/metrics`.
+    registry: Arc<Registry>,
 }
 
 impl AppState {
@@ -115,6 +117,9 @@ pub fn router(engine: EngineHandle, options: &ServeOptions) -> Router {
 fn app(engine: EngineHandle, options: &ServeOptions, http: Arc<HttpMetrics>) -> Router {
     let names =
         if options.served_model_names.is_empty() { vec![engine.model_name().to_owned()] } else { options.served_model_names.clone() };
+    let mut registry = Registry::default();
+    engine.metrics().register(&mut registry);
+    http.register(&mut registry);
     let state = AppState {
         engine,
         started: crate::ids::unix_now(),
@@ -123,7 +128,7 @@ fn app(engine: EngineHandle, options: &ServeOptions, http: Arc<HttpMetrics>) -> 
         names: Arc::new(names),
         api_key: options.api_key.as_deref().map(Arc::from),
         max_stream_bytes: options.max_buffered_stream_bytes,
-        http,
+        registry: Arc::new(registry),
     };
     Router::new()
         .route("/v1/completions", post(completions))
@@ -179,7 +184,7 @@ async fn chat_completions(State(st): State<AppState>, req: Request) -> Response 
 /// The request's id: the client's `X-Request-Id` when it sent a usable one, else a random one.
 pub(crate) fn request_id(headers: &HeaderMap) -> Result<String, ApiError> {
     match headers.get(REQUEST_ID) {
-        None => Ok(crate::ids::random_hex(16)),
+        None => Ok(crate::ids::random_uuid_hex()),
         Some(v) => match v.to_str() {
             Ok(s) if !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN => Ok(s.to_owned()),
             _ => {
@@ -474,7 +479,5 @@ async fn health(State(st): State<AppState>) -> Response {
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {
-    let mut out = st.engine.metrics().render();
-    st.http.render(&mut out);
-    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], out).into_response()
+    ([(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE))], metrics::exposition(&st.registry)).into_response()
 }

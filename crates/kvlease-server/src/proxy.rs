@@ -27,6 +27,12 @@ use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvlease_engine::metrics::{self, Registry};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use serde_json::{json, Map, Value};
 use std::fmt;
 use std::future::Future;
@@ -290,24 +296,25 @@ struct Proxy {
     decode: Pool,
     request_timeout: Duration,
     drain: Arc<crate::drain::Drain>,
-    requests: AtomicU64,
-    retries: AtomicU64,
-    failed: AtomicU64,
-    timeouts: AtomicU64,
-    released: AtomicU64,
+    requests: Counter,
+    retries: Counter,
+    failed: Counter,
+    timeouts: Counter,
+    released: Counter,
     turns: Turns,
-    turns_used: AtomicU64,
+    turns_used: Counter,
     /// With `--etcd`: whether the last read of the registrations succeeded.
     etcd: Option<EtcdState>,
-    /// What the listener counts (responses cut).
-    http: Arc<HttpMetrics>,
+    /// The counters above, the upstreams' ([`UpstreamMetrics`]) and the listener's, for
+    /// `/metrics`.
+    registry: Registry,
 }
 
 /// The proxy's view of etcd.
 struct EtcdState {
     url: String,
     up: AtomicBool,
-    failures: AtomicU64,
+    failures: Counter,
 }
 
 /// Multi-turn (SPEC B1, B4), as vLLM's multi-turn proxy does it: each conversation's last
@@ -408,25 +415,44 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
         .pool_idle_timeout(Duration::from_secs(30));
     let client =
         cfg.tls.client.apply(client).map_err(ProxyError)?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
-    let proxy = Arc::new(Proxy {
-        client,
-        prefill: Pool::new("prefill", cfg.prefillers),
-        decode: Pool::new("decode", cfg.decoders),
-        request_timeout: cfg.request_timeout,
-        drain: cfg.drain.clone(),
-        requests: AtomicU64::new(0),
-        retries: AtomicU64::new(0),
-        failed: AtomicU64::new(0),
-        timeouts: AtomicU64::new(0),
-        released: AtomicU64::new(0),
-        turns: Turns::default(),
-        turns_used: AtomicU64::new(0),
-        etcd: cfg.membership.as_ref().map(|m| EtcdState {
-            url: m.etcd.url().to_string(),
-            up: AtomicBool::new(false),
-            failures: AtomicU64::new(0),
-        }),
-        http,
+    let proxy = Arc::new_cyclic(|me| {
+        let mut registry = Registry::default();
+        let proxy = Proxy {
+            client,
+            prefill: Pool::new("prefill", cfg.prefillers),
+            decode: Pool::new("decode", cfg.decoders),
+            request_timeout: cfg.request_timeout,
+            drain: cfg.drain.clone(),
+            requests: Counter::default(),
+            retries: Counter::default(),
+            failed: Counter::default(),
+            timeouts: Counter::default(),
+            released: Counter::default(),
+            turns: Turns::default(),
+            turns_used: Counter::default(),
+            etcd: cfg.membership.as_ref().map(|m| EtcdState {
+                url: m.etcd.url().to_string(),
+                up: AtomicBool::new(false),
+                failures: Counter::default(),
+            }),
+            registry: Registry::default(),
+        };
+        for (name, help, c) in [
+            ("kvlease_proxy_requests", "Completion requests received", &proxy.requests),
+            ("kvlease_proxy_retries", "Legs retried on another instance after failing before their first byte", &proxy.retries),
+            ("kvlease_proxy_failed", "Requests answered with a 5xx the proxy made", &proxy.failed),
+            ("kvlease_proxy_timeouts", "Requests cut by --request-timeout", &proxy.timeouts),
+            ("kvlease_proxy_leases_released", "P leases released because the decode leg failed", &proxy.released),
+            ("kvlease_proxy_turns_used", "Prefill legs sent with the conversation's cached decoder turn (multi-turn)", &proxy.turns_used),
+        ] {
+            registry.register(name, help, c.clone());
+        }
+        if let Some(e) = &proxy.etcd {
+            registry.register("kvlease_proxy_etcd_failures", "Reads of the registrations in etcd that failed", e.failures.clone());
+        }
+        registry.register_collector(Box::new(UpstreamMetrics(me.clone())));
+        http.register(&mut registry);
+        Proxy { registry, ..proxy }
     });
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(health_checks(Arc::downgrade(&proxy), cfg.health_interval));
@@ -545,7 +571,7 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
             }
             crate::etcd::Seen::Unreachable(e) => {
                 was_down = true;
-                state.failures.fetch_add(1, Ordering::Relaxed);
+                state.failures.inc();
                 if state.up.swap(false, Ordering::AcqRel) {
                     tracing::warn!(
                         "{e}: keeping the last known set ({} prefillers, {} decoders)",
@@ -604,59 +630,66 @@ async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> 
     resp.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// The proxy's own counters and every upstream's health, Prometheus text.
+/// The proxy's own counters, every upstream's health and the listener's counters.
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
-    use std::fmt::Write;
-    let mut out = String::new();
-    for (name, help, v) in [
-        ("kvlease_proxy_requests_total", "Completion requests received.", &p.requests),
-        ("kvlease_proxy_retries_total", "Legs retried on another instance after failing before their first byte.", &p.retries),
-        ("kvlease_proxy_failed_total", "Requests answered with a 5xx the proxy made.", &p.failed),
-        ("kvlease_proxy_timeouts_total", "Requests cut by --request-timeout.", &p.timeouts),
-        ("kvlease_proxy_leases_released_total", "P leases released because the decode leg failed.", &p.released),
-        ("kvlease_proxy_turns_used_total", "Prefill legs sent with the conversation's cached decoder turn (multi-turn).", &p.turns_used),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+    ([(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE))], metrics::exposition(&p.registry)).into_response()
+}
+
+/// What changes with the set of upstreams and etcd's state, read when scraped: each upstream's
+/// health and counts by `role` and `upstream`, and `kvlease_proxy_etcd_up`.
+struct UpstreamMetrics(std::sync::Weak<Proxy>);
+
+impl fmt::Debug for UpstreamMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UpstreamMetrics")
     }
-    if let Some(e) = &p.etcd {
-        let _ = writeln!(
-            out,
-            "# HELP kvlease_proxy_etcd_up 1 while the last read of the registrations in etcd succeeded; 0: routing to the last known set.\n# TYPE kvlease_proxy_etcd_up gauge\nkvlease_proxy_etcd_up {}",
-            u64::from(e.up.load(Ordering::Relaxed))
-        );
-        let _ = writeln!(
-            out,
-            "# HELP kvlease_proxy_etcd_failures_total Reads of the registrations in etcd that failed.\n# TYPE kvlease_proxy_etcd_failures_total counter\nkvlease_proxy_etcd_failures_total {}",
-            e.failures.load(Ordering::Relaxed)
-        );
-    }
-    let pools = [(&p.prefill, p.prefill.instances()), (&p.decode, p.decode.instances())];
-    let each = |out: &mut String, name: &str, kind: &str, help: &str, f: &dyn Fn(&Instance) -> u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (pool, instances) in &pools {
-            for i in instances.iter() {
-                let _ = writeln!(out, "{name}{{role=\"{}\",upstream=\"{}\"}} {}", pool.role, i.up, f(i));
-            }
+}
+
+impl Collector for UpstreamMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let Some(p) = self.0.upgrade() else { return Ok(()) };
+        if let Some(e) = &p.etcd {
+            let up = ConstGauge::new(i64::from(e.up.load(Ordering::Relaxed)));
+            up.encode(encoder.encode_descriptor(
+                "kvlease_proxy_etcd_up",
+                "1 while the last read of the registrations in etcd succeeded; 0: routing to the last known set.",
+                None,
+                MetricType::Gauge,
+            )?)?;
         }
-    };
-    each(&mut out, "kvlease_proxy_upstream_healthy", "gauge", "1 while the upstream is in rotation.", &|i| {
-        u64::from(i.healthy.load(Ordering::Relaxed))
-    });
-    each(&mut out, "kvlease_proxy_upstream_outstanding", "gauge", "Legs in flight on the upstream.", &|i| {
-        i.outstanding.load(Ordering::Relaxed) as u64
-    });
-    each(&mut out, "kvlease_proxy_upstream_requests_total", "counter", "Legs sent to the upstream.", &|i| {
-        i.requests.load(Ordering::Relaxed)
-    });
-    each(
-        &mut out,
-        "kvlease_proxy_upstream_failures_total",
-        "counter",
-        "Legs that could not reach the upstream, and failed probes.",
-        &|i| i.failures.load(Ordering::Relaxed),
-    );
-    p.http.render(&mut out);
-    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))], out).into_response()
+        let pools = [(&p.prefill, p.prefill.instances()), (&p.decode, p.decode.instances())];
+        let each = |encoder: &mut DescriptorEncoder, name: &str, kind: MetricType, help: &str, f: &dyn Fn(&Instance) -> u64| {
+            let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+            for (pool, instances) in &pools {
+                for i in instances.iter() {
+                    let upstream = i.up.to_string();
+                    let labels = [("role", pool.role), ("upstream", upstream.as_str())];
+                    let sample = family.encode_family(&labels)?;
+                    match kind {
+                        MetricType::Counter => ConstCounter::new(f(i)).encode(sample)?,
+                        _ => ConstGauge::new(f(i)).encode(sample)?,
+                    }
+                }
+            }
+            Ok::<(), fmt::Error>(())
+        };
+        each(&mut encoder, "kvlease_proxy_upstream_healthy", MetricType::Gauge, "1 while the upstream is in rotation.", &|i| {
+            u64::from(i.healthy.load(Ordering::Relaxed))
+        })?;
+        each(&mut encoder, "kvlease_proxy_upstream_outstanding", MetricType::Gauge, "Legs in flight on the upstream.", &|i| {
+            i.outstanding.load(Ordering::Relaxed) as u64
+        })?;
+        each(&mut encoder, "kvlease_proxy_upstream_requests", MetricType::Counter, "Legs sent to the upstream.", &|i| {
+            i.requests.load(Ordering::Relaxed)
+        })?;
+        each(
+            &mut encoder,
+            "kvlease_proxy_upstream_failures",
+            MetricType::Counter,
+            "Legs that could not reach the upstream, and failed probes.",
+            &|i| i.failures.load(Ordering::Relaxed),
+        )
+    }
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
@@ -666,17 +699,17 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
         Ok(rid) => rid,
         Err(e) => return e.into_response(),
     };
-    p.requests.fetch_add(1, Ordering::Relaxed);
+    p.requests.inc();
     let deadline = tokio::time::Instant::now() + p.request_timeout;
     let routed = tokio::time::timeout_at(deadline, route(&p, &rid, &parts, body, deadline)).await.unwrap_or_else(|_| {
-        p.timeouts.fetch_add(1, Ordering::Relaxed);
+        p.timeouts.inc();
         Err(ApiError::gateway_timeout(format!("no answer within the proxy's --request-timeout ({} s)", p.request_timeout.as_secs_f64())))
     });
     let resp = match routed {
         Ok(r) => r,
         Err(e) => {
             if e.status.is_server_error() {
-                p.failed.fetch_add(1, Ordering::Relaxed);
+                p.failed.inc();
             }
 
             if e.is_server_fault() {
@@ -700,7 +733,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     };
     let turn = conversation.as_deref().and_then(|c| p.turns.take(c));
     if turn.is_some() {
-        p.turns_used.fetch_add(1, Ordering::Relaxed);
+        p.turns_used.inc();
     }
     let prefill_leg = |request: &Map<String, Value>| {
         let mut leg = prefill_leg(request);
@@ -750,7 +783,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             Ok(r) if !turned_away_unread(&r) => Ok((first.up.clone(), r)),
             Ok(r) => match p.prefill.pick(Some(&first.up)) {
                 Some(second) => {
-                    p.retries.fetch_add(1, Ordering::Relaxed);
+                    p.retries.inc();
                     tracing::info!(request_id = %rid, "{} turned the prefill leg away (503); retrying on {}", first.up, second.up);
                     let _busy = Outstanding::new(second.clone());
                     Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
@@ -759,7 +792,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             },
             Err(e) => match p.prefill.pick(Some(&first.up)) {
                 Some(second) => {
-                    p.retries.fetch_add(1, Ordering::Relaxed);
+                    p.retries.inc();
                     tracing::info!(request_id = %rid, "prefill leg failed before its first byte ({}); retrying on {}", e.message, second.up);
                     let _busy = Outstanding::new(second.clone());
                     Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
@@ -794,7 +827,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     for attempt in 0..2 {
         let Some(decoder) = p.decode.pick_avoiding(tried.as_ref(), Some(&prefiller)) else { break };
         if attempt > 0 {
-            p.retries.fetch_add(1, Ordering::Relaxed);
+            p.retries.inc();
             tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", decoder.up);
         }
         let busy = Outstanding::new(decoder.clone());
@@ -847,7 +880,7 @@ async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &V
         .await;
     match sent {
         Ok(r) if r.status().is_success() => {
-            p.released.fetch_add(1, Ordering::Relaxed);
+            p.released.inc();
             tracing::info!(request_id = %rid, "decode leg failed: released the lease on {prefiller}")
         }
         Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "decode leg failed and {prefiller} did not release the lease"),

@@ -43,6 +43,9 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
+use kvlease_engine::metrics::{labelled_counters, OneLabel, Registry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
@@ -140,27 +143,31 @@ impl Abort {
 }
 
 /// What one HTTP listener counts, for the `/metrics` of the routes it serves.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct HttpMetrics {
-    aborted: [AtomicU64; 2],
+    family: Family<OneLabel, Counter>,
+    aborted: [Counter; Abort::LABELS.len()],
+}
+
+impl Default for HttpMetrics {
+    fn default() -> Self {
+        let (family, aborted) = labelled_counters("reason", Abort::LABELS);
+        HttpMetrics { family, aborted }
+    }
 }
 
 impl HttpMetrics {
     fn count(&self, why: Abort) {
-        self.aborted[why.index()].fetch_add(1, Ordering::Relaxed);
+        self.aborted[why.index()].inc();
     }
 
-    /// Prometheus text, appended to `out`.
-    pub(crate) fn render(&self, out: &mut String) {
-        use std::fmt::Write;
-        let name = "kvlease_http_responses_aborted_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Responses cut before their end because the client did not take them (its request ended): no write progress for --http-write-timeout (write_timeout), or a stream over --http-max-buffered-stream-bytes (buffer_full).\n# TYPE {name} counter"
+    /// Registers `kvlease_http_responses_aborted_total` into `registry`.
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "kvlease_http_responses_aborted",
+            "Responses cut before their end because the client did not take them (its request ended): no write progress for --http-write-timeout (write_timeout), or a stream over --http-max-buffered-stream-bytes (buffer_full)",
+            self.family.clone(),
         );
-        for (label, n) in Abort::LABELS.iter().zip(&self.aborted) {
-            let _ = writeln!(out, "{name}{{reason=\"{label}\"}} {}", n.load(Ordering::Relaxed));
-        }
     }
 }
 

@@ -41,7 +41,7 @@ async fn models_health_and_metrics_endpoints() {
 
     let r = c.get(format!("{}/metrics", s.url)).send().await.expect("metrics");
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["content-type"], "text/plain; version=0.0.4; charset=utf-8");
+    assert_eq!(r.headers()["content-type"], "application/openmetrics-text; version=1.0.0; charset=utf-8");
     let text = r.text().await.expect("text");
     for name in SPEC_METRICS {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");

@@ -611,8 +611,8 @@ async fn check_quiescent(w: &Shared) {
     });
     for (name, e) in engines {
         let m = e.metrics();
-        let granted = m.leases_granted.load(std::sync::atomic::Ordering::Relaxed);
-        let released: u64 = m.leases_released.iter().map(|c| c.load(std::sync::atomic::Ordering::Relaxed)).sum();
+        let granted = m.leases_granted.get();
+        let released: u64 = m.leases_released.iter().map(|c| c.get()).sum();
         if e.live_leases() != 0 {
             violation(w, format!("P4: {name} still holds {} leases at the end", e.live_leases()));
         }
@@ -627,7 +627,7 @@ async fn check_quiescent(w: &Shared) {
 
 fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
     with(w, |w| {
-        let recomputed = w.d.iter().flatten().map(|d| d.metrics().recomputed_requests.load(std::sync::atomic::Ordering::Relaxed)).sum();
+        let recomputed = w.d.iter().flatten().map(|d| d.metrics().recomputed_requests.get()).sum();
         Outcome {
             seed: c.seed,
             requests: c.requests,

@@ -24,7 +24,6 @@ use kvlease_core::pull::PlantedBug;
 use kvlease_engine::{EngineConfig, EngineHandle, ModelConfig, TransportKind};
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::json;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -264,7 +263,7 @@ fn param_blocks(v: &serde_json::Value) -> u64 {
 /// D's counters that the report sums over decoders.
 fn d_counters(d: &EngineHandle) -> [u64; 3] {
     let m = d.metrics();
-    [m.recomputed_requests.load(Relaxed), m.heartbeats_sent.load(Relaxed), m.lease_ended_by_prefill.load(Relaxed)]
+    [m.recomputed_requests.get(), m.heartbeats_sent.get(), m.lease_ended_by_prefill.get()]
 }
 
 async fn run(sc: Scenario, policy: Policy) -> Report {
@@ -423,7 +422,7 @@ async fn run(sc: Scenario, policy: Policy) -> Report {
             }
             crashed_at = Some(c);
         }
-        let blocks: u64 = ps.iter().map(|p| p.metrics().leased_blocks.load(Relaxed).max(0) as u64).sum();
+        let blocks: u64 = ps.iter().map(|p| p.metrics().leased_blocks.get().max(0) as u64).sum();
         report.peak_leased_blocks = report.peak_leased_blocks.max(blocks);
         if now.subsec_nanos() == 0 {
             report.pinned.push(blocks);

@@ -717,7 +717,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     run_with_grace(server, stopped_rx).await?;
     engine.shutdown().await;
-    let released = engine.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).load(std::sync::atomic::Ordering::Relaxed);
+    let released = engine.metrics().released(kvlease_core::lease_table::ReleaseReason::Shutdown).get();
     tracing::info!("stopped");
     announce(format!("kvlease serve stopped: {released} leases released at shutdown"));
     Ok(())

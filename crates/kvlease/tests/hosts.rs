@@ -248,7 +248,7 @@ async fn loss(percent: u32, lease: f64, errors_ok: bool) -> (usize, f64, f64) {
     // Leases held past 5 s (histogram bucket), longer than L: they lived on renewals sent
     // through the lossy wire.
     assert!(lease < 5.0);
-    let held = c.p("kvlease_lease_hold_seconds_count").await - c.p("kvlease_lease_hold_seconds_bucket{le=\"5\"}").await;
+    let held = c.p("kvlease_lease_hold_seconds_count").await - c.p("kvlease_lease_hold_seconds_bucket{le=\"5.0\"}").await;
     let expired = c.released("expired").await;
     eprintln!("RELIABILITY loss-{percent}%: {held} leases held past 5 s, {} renewals", c.p("kvlease_lease_renewals_total").await);
     report(&c, &format!("loss-{percent}%-d-to-p L={lease}"), 25, ok + 1, None).await;

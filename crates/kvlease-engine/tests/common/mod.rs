@@ -4,7 +4,6 @@
 use kvlease_core::config::KvTransferConfig;
 use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, ModelConfig, Prompt, TransportKind};
 use serde_json::{json, Value};
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 pub fn config(lease_secs: f64, tp: u32) -> EngineConfig {
@@ -84,16 +83,16 @@ pub async fn disaggregated_output_equals_local(transport: TransportKind) {
         let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
         let params = params.expect("P returns kv_transfer_params");
         assert_eq!(params["do_remote_prefill"], true);
-        assert_eq!(p.metrics().leases_active.load(Relaxed), 1);
+        assert_eq!(p.metrics().leases_active.get(), 1);
         let (got, _) = run(&d, PROMPT, 24, Some(params)).await.unwrap();
         assert_eq!(got, want);
-        until("P releases the lease", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+        until("P releases the lease", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
     }
     let m = p.metrics();
-    assert_eq!(m.leases_granted.load(Relaxed), 3);
-    assert_eq!(m.released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 3);
-    assert_eq!(m.kv_blocks_free.load(Relaxed), 256, "every block back on P");
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 0);
+    assert_eq!(m.leases_granted.get(), 3);
+    assert_eq!(m.released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 3);
+    assert_eq!(m.kv_blocks_free.get(), 256, "every block back on P");
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
 }
 
 /// SPEC P5, D6, D7: the lease ends while D is about to read (capped by kv_lease_max_lifetime
@@ -113,17 +112,17 @@ pub async fn lease_ending_under_a_read(transport: TransportKind) {
         let d = d.clone();
         tokio::spawn(async move { run(&d, PROMPT, 8, params).await })
     };
-    until("the lease expires at its lifetime cap", Duration::from_secs(5), || p.metrics().leases_active.load(Relaxed) == 0).await;
+    until("the lease expires at its lifetime cap", Duration::from_secs(5), || p.metrics().leases_active.get() == 0).await;
     // The same number of blocks: the pool hands the freed ones out again.
     let other: String = PROMPT.chars().rev().collect();
     run(&p, &other, 1, prefill_params()).await.unwrap();
     let (got, _) = pull.await.unwrap().unwrap();
     assert_eq!(got, want);
-    assert_eq!(d.metrics().recomputed_requests.load(Relaxed), 1);
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
     if transport == TransportKind::Tcp {
         // The tcp agent asked P, which refused: the gate itself was exercised (SPEC P5).
-        assert!(p.metrics().reads_refused.load(Relaxed) >= 1);
+        assert!(p.metrics().reads_refused.get() >= 1);
     }
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).load(Relaxed), 1);
-    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).load(Relaxed), 0);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Expired).get(), 1);
+    assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 0);
 }
