@@ -4,8 +4,9 @@
 //!
 //! The request is validated first, with the same parser the engines use, so a request D would
 //! refuse never reaches P (no lease is granted for it) and errors name the client's values.
-//! P leg: the client's request with `n = 1`, `stream = false` and `do_remote_decode = true`
-//! (its own `max_tokens`, so P's length checks see the client's numbers: P prefills only);
+//! P leg: the client's request with `n = 1`, `stream = false`, `max_tokens = 1` and
+//! `do_remote_decode = true`, as vLLM's toy proxy sends it (a vLLM P decodes up to `max_tokens`
+//! and then names its answer's blocks too);
 //! P's response carries the `kv_transfer_params` that the D leg then sends unchanged. D's response
 //! is streamed back as it comes, read from D only as fast as the client takes it (so the proxy
 //! holds at most a chunk of it, and a client that stops reading stops D's writes too). Beyond the
@@ -920,6 +921,15 @@ fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
     );
     r.insert("stream".into(), Value::Bool(false));
     r.insert("n".into(), json!(1));
+    // P prefills and answers one token, as vLLM's toy proxy asks: a vLLM P generates up to
+    // max_tokens before handing its blocks over, and then names the blocks of the prompt *and*
+    // its answer, which a vLLM D reads as the prompt's (a wrong answer with HTTP 200). A request
+    // D would refuse for its length is refused there, and P's lease released (O3).
+    r.insert("max_tokens".into(), json!(1));
+    if r.contains_key("max_completion_tokens") {
+        r.insert("max_completion_tokens".into(), json!(1));
+    }
+    r.remove("min_tokens");
     r.remove("best_of");
     r.remove("stream_options");
     r
@@ -1170,18 +1180,25 @@ mod tests {
     }
 
     #[test]
-    fn prefill_leg_is_one_choice_unstreamed_with_remote_decode_and_the_clients_max_tokens() {
-        let Value::Object(req) = json!({"prompt": "x", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true}}) else {
+    /// The P leg as vLLM's toy proxy sends it: one choice, not streamed, one token
+    /// (`max_tokens` and `max_completion_tokens` 1, no `min_tokens`), `do_remote_decode`. A vLLM P
+    /// given the client's max_tokens decodes them all and names the blocks of its answer too,
+    /// which a vLLM D reads as the prompt's: a wrong answer with HTTP 200 (issue 25).
+    #[test]
+    fn prefill_leg_is_one_unstreamed_token_with_remote_decode_as_vllms_toy_proxy_sends_it() {
+        let Value::Object(req) =
+            json!({"prompt": "x", "max_tokens": 50, "min_tokens": 5, "stream": true, "stream_options": {"include_usage": true}})
+        else {
             unreachable!()
         };
         let leg = prefill_leg(&req);
-        assert_eq!(leg["max_tokens"], 50, "P's length checks see the client's value");
+        assert_eq!(leg["max_tokens"], 1);
         assert_eq!((leg["stream"].clone(), leg["n"].clone()), (json!(false), json!(1)));
-        assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens"));
+        assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens") && !leg.contains_key("min_tokens"));
         assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
         let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
-        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 9);
+        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
     }
 
     /// SPEC S1 through the proxy: D gets P's params or none, never what the client sent.
