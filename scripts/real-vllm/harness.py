@@ -147,23 +147,48 @@ def stop_all() -> None:
         p.stop(grace=10)
 
 
+_TAKEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port below Linux's ephemeral range (32768-60999), free now and not handed out before
+    in this run: a port the kernel picked (bind to 0) is an ephemeral one, which any outgoing
+    connection on the machine may take before the engine binds it. vLLM's NIXL handshake
+    listener then dies in its thread and the engine never gets ready."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise Fatal("no free port in 20000-32000")
 
 
 class Fatal(Exception):
     """The run cannot go on (an engine did not start, the model cannot detect a wrong read)."""
 
 
-def wait_until(what: str, cond: Callable[[], bool], timeout: float, procs: list[Proc] = (), every: float = 0.1) -> float:
-    """Waits for `cond` (at most `timeout` s); fails early if one of `procs` exits. Returns when."""
+# Log lines after which an engine never gets ready (it does not exit either).
+STARTUP_DEAD = ("Exception in thread", "Address already in use")
+
+
+def wait_until(what: str, cond: Callable[[], bool], timeout: float, procs: tuple[Proc, ...] | list[Proc] = (), every: float = 0.1, dead_if: tuple[str, ...] = ()) -> float:
+    """Waits for `cond` (at most `timeout` s); fails early if one of `procs` exits, or logs one
+    of `dead_if`. Returns when."""
     deadline = time.monotonic() + timeout
     while True:
         for p in procs:
             if not p.alive():
                 raise Fatal(f"{p.name} exited (code {p.popen.returncode}) while waiting for {what}; its log ({p.log}) ends:\n{p.log_tail()}")
+            for pat in dead_if:
+                if p.log_count(re.escape(pat)):
+                    raise Fatal(f"{p.name} logged {pat!r} while waiting for {what}; its log ({p.log}) ends:\n{p.log_tail()}")
         try:
             if cond():
                 return time.monotonic()
@@ -262,6 +287,7 @@ class Cluster:
                 timeout,
                 [eng.proc],
                 every=1.0,
+                dead_if=STARTUP_DEAD,
             )
 
     def proxy(self, kind: str, p: Engine, d: Engine, tag: str) -> Engine:
@@ -404,12 +430,11 @@ class Prompts:
 
 # -- the run -----------------------------------------------------------------------------------
 class Report:
-    def __init__(self) -> None:
+    def __init__(self, judged: set[str]) -> None:
+        self.judged = judged
         self.failed: list[str] = []
         self.lines: list[str] = []
         self.faults: dict[str, dict[str, Any]] = {}
-
-    judged: set[str] = set()
 
     def fault_line(self, tag: str, ok: bool, what: str, detail: str = "") -> None:
         """A fault case's result: judged for the connectors in --judge, a baseline otherwise
@@ -443,13 +468,14 @@ def references(cl: Cluster, prompts: Prompts, rep: Report, fault_sets: dict[str,
         refs[(kind, json.dumps(prompt))] = a.text or ""
         return a.text or ""
 
-    for p in prompts.completions():
-        one("completions", p, CHECK_TOKENS)
-    for p in prompts.chats():
-        one("chat", p, CHECK_TOKENS)
+    for q in prompts.completions():
+        one("completions", q, CHECK_TOKENS)
+    for m in prompts.chats():
+        one("chat", m, CHECK_TOKENS)
     # The harness's own checks of what it compares against.
     p0, c0 = prompts.completions()[1], prompts.chats()[1]
-    for kind, p in (("completions", p0), ("chat", c0)):
+    checks: list[tuple[str, Any]] = [("completions", p0), ("chat", c0)]
+    for kind, p in checks:
         again = ask(single.url, kind, p, CHECK_TOKENS, False)
         streamed = ask(single.url, kind, p, CHECK_TOKENS, True)
         ref = refs[(kind, json.dumps(p))]
@@ -620,11 +646,26 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
         p_args += ["--num-gpu-blocks-override", "64"]
         d_args += ["--max-num-seqs", "1"]
     t = time.monotonic()
-    p = cl.serve(f"{tag}-P", 0, p_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-    d = cl.serve(f"{tag}-D", 1, d_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     try:
-        cl.wait_ready([p, d], a.start_timeout)
+        for attempt in (1, 2):
+            p = cl.serve(f"{tag}-P", 0, p_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            d = cl.serve(f"{tag}-D", 1, d_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            try:
+                cl.wait_ready([p, d], a.start_timeout)
+                break
+            except Fatal as e:
+                if attempt == 2 or "Address already in use" not in str(e):
+                    raise
+                rep.line(None, f"{tag}: a port was taken under an engine; starting P and D again", str(e).splitlines()[0])
+                p.proc.stop()
+                d.proc.stop()
+                for x in (p, d):
+                    x.proc.log.rename(x.proc.log.with_suffix(".try1.log"))
         rep.line(None, f"{tag}: P and D up", f"{time.monotonic() - t:.0f} s (logs {p.proc.log}, {d.proc.log})")
+        # The connector under test is the one loaded (vLLM's factory names it in each worker).
+        loaded = CONNECTOR_CLASS[tag]
+        missing = [x.proc.name for x in (p, d) if not x.proc.log_count(re.escape(f"Creating v1 connector with name: {loaded} "))]
+        rep.line(not missing, f"{tag}: P and D loaded {loaded}", f"not named in the log of {missing}" if missing else "")
         proxies = {"toy": cl.proxy("toy", p, d, tag), "kvlease": cl.proxy("kvlease", p, d, tag)}
         equivalence(tag, proxies, d, prompts, refs, rep)
         if a.faults:
@@ -640,6 +681,7 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
             proc.stop()
 
 
+CONNECTOR_CLASS = {"stock": "NixlPullConnector", "kvlease": "KvleaseConnector"}
 CONNECTORS = {
     "stock": {"kv_connector": "NixlConnector"},
     "kvlease": {"kv_connector": "KvleaseConnector", "kv_connector_module_path": "kvlease.vllm"},
@@ -707,8 +749,7 @@ def main() -> int:
             ap.error(f"--connectors: unknown connector {t!r} (known: {', '.join(CONNECTORS)})")
     prompts = Prompts(Path(args.prompt_text).read_text(errors="replace"))
     cl = Cluster(args)
-    rep = Report()
-    rep.judged = {t.strip() for t in args.judge.split(",") if t.strip()}
+    rep = Report({t.strip() for t in args.judge.split(",") if t.strip()})
     started = time.monotonic()
     try:
         fault_sets = {"a": prompts_a(prompts), "b": prompts_b(prompts)} if args.faults else {}
