@@ -53,7 +53,8 @@ log "the tiny model (cached by the hash of its inputs)"
 key=$(cat scripts/real-vllm/make_model.py README.md | sha256sum | cut -c1-16)
 MODEL="$CACHE_ROOT/real-vllm-model-$key"
 if [[ ! -f $MODEL/.complete ]]; then
-    rm -rf "$MODEL" "$MODEL.tmp"
+    # One model at a time: the README (its tokenizer's text) changes often.
+    rm -rf "$CACHE_ROOT"/real-vllm-model-*
     HF_HUB_OFFLINE=1 "$VENV/bin/python" scripts/real-vllm/make_model.py "$MODEL.tmp" README.md
     touch "$MODEL.tmp/.complete"
     mv "$MODEL.tmp" "$MODEL"

@@ -16,11 +16,11 @@ What it does:
 3. With --faults (lease 6 s, P with 64 KV blocks, D with one sequence at a time):
    (b) 12 requests of 64 tokens queued behind D's single slot, no fault;
    (a) D's engine paused (SIGSTOP to its engine core and worker, not its API server) 15 s
-       with 8 requests waiting for it (prefilled on P, handed to the paused engine), P prefilling other prompts meanwhile so that it reuses the blocks
-       it freed, then SIGCONT;
+       with 8 requests waiting for it (prefilled on P, handed to the paused engine), P
+       prefilling other prompts meanwhile so that it reuses the blocks it freed, then SIGCONT;
    (c) D killed (SIGKILL, every process) right after P prefilled 4 requests for it (sent while
-       its engine was paused):
-       how long P keeps the blocks (P's `vllm:kv_cache_usage_perc` polled every 0.1 s).
+       its engine was paused): how long P keeps the blocks (P's `vllm:kv_cache_usage_perc`
+       polled every 0.1 s).
    D is paused before the requests are sent because vLLM 0.32's D reads the KV of a request as
    soon as it arrives, even one queued behind `--max-num-seqs 1`: a D that is up never leaves
    a lease outstanding for long.
