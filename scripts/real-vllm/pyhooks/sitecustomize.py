@@ -1,0 +1,67 @@
+"""Loaded by every Python process of the real-vLLM test (its directory is put on PYTHONPATH by
+scripts/test-real-vllm.sh): sets NIXL's progress-thread delay.
+
+nixl 1.5.1's Python API creates every agent with ``pthrDelay = 0`` (nixl_cu1x/_api.py,
+``nixl_agent.__init__``), and neither NIXL nor vLLM 0.32 offers a setting for it: the progress
+thread then busy-polls a core per agent. On this 2-core machine two agents (P's and D's) take
+both cores, and a request that takes well under a second took 22-54 s. With
+``KVLEASE_NIXL_PTHR_DELAY_US`` set (the test sets 100), each agent's config gets that delay
+instead, just before the agent is made. Nothing else changes; without the variable this file
+does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+_DELAY = os.environ.get("KVLEASE_NIXL_PTHR_DELAY_US")
+_MODULES = ("nixl_cu12._api", "nixl_cu13._api")
+
+
+class _Bindings:
+    """NIXL's binding module as ``_api`` sees it, with ``nixlAgent`` setting the delay."""
+
+    def __init__(self, real: Any, delay: int) -> None:
+        self._real = real
+        self._delay = delay
+
+    def nixlAgent(self, name: Any, config: Any) -> Any:  # noqa: N802 - NIXL's name
+        config.pthrDelay = self._delay
+        return self._real.nixlAgent(name, config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, delay: int) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        module.nixlBind = _Bindings(module.nixlBind, self._delay)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, delay: int) -> None:
+        self._delay = delay
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, self._delay)
+        return spec
+
+
+if _DELAY:
+    sys.meta_path.insert(0, _Finder(int(_DELAY)))
