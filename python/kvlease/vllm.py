@@ -422,6 +422,9 @@ class KvleasePromMetrics(NixlPromMetrics):
 class KvleaseConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL worker with ``_reqs_to_send`` a :class:`LeaseBook`."""
 
+    #: How often a read held back for an acknowledged renewal is asked about again without news.
+    RECHECK_NS = 100_000_000
+
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         with _nixl_progress_delay(nixl_progress_delay_of(vllm_config)):
             super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -449,6 +452,12 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_wake = threading.Event()
         # SPEC D6: reads waiting for an acknowledged renewal: request -> (its metadata, give up at).
         self._kvlease_deferred: dict[str, tuple[Any, int]] = {}
+        # When each held-back read was first held back.
+        self._kvlease_deferred_at: dict[str, int] = {}
+        # Answers from P applied so far (acknowledgements, losses), and what the gate last saw.
+        self._kvlease_news = 0
+        self._kvlease_news_seen = 0
+        self._kvlease_recheck_at = 0
         # D: requests whose P advertised kvlease's wire, as the scheduler registered them
         # (request -> (P's engine, wire id)): their leases are renewed by the renewer from the step
         # they arrive, never read unguarded, and their reads are used only once P confirms them.
@@ -504,11 +513,20 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         with self._kvlease_lock:
             r = self._kvlease_renewer
             now = time.monotonic_ns()
+            # A held-back read is asked about again when P answered something, or every
+            # RECHECK_NS: each "not yet" queues a renewal, and vLLM steps in a busy loop (asking
+            # every step sent a renewal per step, hundreds a second, while the read waited).
+            recheck = self._kvlease_news != self._kvlease_news_seen or now >= self._kvlease_recheck_at
+            if recheck:
+                self._kvlease_news_seen = self._kvlease_news
+                self._kvlease_recheck_at = now + self.RECHECK_NS
             for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
                 if req_id in self.kvlease_lost:
                     self.kvlease_lost.discard(req_id)
                     del self._kvlease_deferred[req_id]
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_lost")
+                    continue
+                if not recheck and now < give_up:
                     continue
                 check = r.read_check(req_id, budget, now)
                 if check == "safe":
@@ -519,10 +537,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     # meanwhile): never read it now; its blocks may be anyone's.
                     del self._kvlease_deferred[req_id]
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_untracked")
-                elif now >= give_up:
+                elif now >= give_up and not self._kvlease_waits_for_link(req_id, give_up, now):
                     del self._kvlease_deferred[req_id]
                     r.untrack(req_id, abandoned=True)
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
+                elif now >= give_up:
+                    # No link to P yet: the wait for its answer starts once there is one.
+                    self._kvlease_deferred[req_id] = (meta, now + int(self.kvlease_config.ack_wait * 1e9))
+                    wake = True
                 else:
                     wake = True
             for req_id in list(reqs):
@@ -534,9 +556,24 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 if r.read_check(req_id, budget, now) != "safe":
                     wait = self.kvlease_config.ack_wait
                     self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
+                    self._kvlease_deferred_at.setdefault(req_id, now)
                     wake = True
+            for req_id in [q for q in self._kvlease_deferred_at if q not in self._kvlease_deferred]:
+                del self._kvlease_deferred_at[req_id]
         if wake:
             self._kvlease_wake.set()
+
+    def _kvlease_waits_for_link(self, req_id: str, give_up: int, now: int) -> bool:
+        """Whether a held-back read whose wait ran out should go on waiting because P's engine has
+        no link yet (vLLM's worker handshakes on its next heartbeat step, and only then can a
+        renewal be sent and answered): at most a lease duration after it was held back, by which
+        time a lease nobody renewed is gone anyway. Under the lock."""
+        engine = self._kvlease_reqs.get(req_id, ("", 0))[0]
+        if self._kvlease_renewer.is_ready(engine):
+            self._kvlease_deferred_at.pop(req_id, None)
+            return False
+        since = self._kvlease_deferred_at.get(req_id, give_up)
+        return now < since + int(self.kvlease_config.lease_duration * 1e9)
 
     def _get_new_notifs(self) -> set[str]:
         """vLLM's notification handling, with kvlease's binary messages (magic ``KL``) taken
@@ -612,6 +649,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if engine is not None:
                 with self._kvlease_lock:
                     self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
+                    self._kvlease_news += 1
         elif kind == "release":
             # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
             freed = set()
@@ -709,7 +747,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if transfers is not self._recving_transfers:
             return done, failed
         now = time.monotonic_ns()
-        wait = int(self.kvlease_config.read_done_ack_wait * 1e9)
+        # E, as for a renewal: P answers from its engine steps, which a busy or idle vLLM P runs
+        # late (the core's 2 s cap is for kvlease's own engines, which answer at once).
+        wait = int(self.kvlease_config.ack_wait * 1e9)
         for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
             done.discard(req_id)
             engine_id, wire_id = self._kvlease_reqs[req_id]

@@ -367,6 +367,7 @@ def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_u
     was ever checked. Now the scheduler hands every step the requests it registered, the worker
     tracks them before gating that step's reads, and a request of a kvlease P the renewer does
     not hold is never read (its load fails). A request stopped by the scheduler is untracked."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
 
     params = {
@@ -397,7 +398,12 @@ def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_u
     d.start_load_kv(gone)
     assert not d._kvlease_renewer.is_tracked("d1")
     failed = set()
-    wait_for(lambda: "d1" in failed, "the held-back load to fail, never read", step=lambda: failed.update(d.get_transfer_results().failed_recving))
+
+    def step():  # later engine steps
+        d.start_load_kv(NixlConnectorMetadata())
+        failed.update(d.get_transfer_results().failed_recving)
+
+    wait_for(lambda: "d1" in failed, "the held-back load to fail, never read", step=step)
     assert "d1" not in d._recving_transfers
 
 
@@ -719,3 +725,30 @@ def test_spec11_kvlease_counters_reach_vllms_prometheus_metrics(p_workers):
     assert reg.get_sample_value("kvlease_leases_released_total", {**labels, "reason": "released"}) == 1
     assert reg.get_sample_value("kvlease_lease_renewals_total", labels) >= 1
     assert kv.get_kv_connector_stats() is None, "nothing new: nothing reported"
+
+
+def test_d6_a_held_back_read_waits_for_the_link_to_p_but_not_past_a_lease(create):
+    """SPEC D6, D5 inside vLLM (issue 25: healthy requests failed while D's link to P was still
+    being made): a read held back for an acknowledged renewal does not give up after E while
+    there is no link to P yet (vLLM's worker handshakes on its next heartbeat step, and only then
+    can a renewal be answered); it gives up once a lease duration has passed with no link, when
+    a lease nobody renewed is gone anyway — never read."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-link", lease=3).connector_worker  # E = 2 s
+    register_cpu_kv_caches(d)
+    d._kvlease_sync({"d-link-1": ("p-nowhere", "127.0.0.1", 9, (29 << 32) + 1)}, ())
+    d.start_load_kv(to_recv("d-link-1", "r-link-1", 9))
+    assert "d-link-1" in d._kvlease_deferred
+    held = time.perf_counter()
+    failed = set()
+
+    def step():
+        d.start_load_kv(NixlConnectorMetadata())
+        failed.update(d.get_transfer_results().failed_recving)
+
+    wait_for(lambda: time.perf_counter() > held + 2.5, "E to pass", step=step)
+    assert not failed and "d-link-1" in d._kvlease_deferred, "still waiting for a link, past E"
+    wait_for(lambda: "d-link-1" in failed, "the load to fail once a lease duration passed", step=step)
+    assert time.perf_counter() - held >= 3.0
+    assert "d-link-1" not in d._recving_transfers
