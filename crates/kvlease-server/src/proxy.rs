@@ -1179,7 +1179,6 @@ mod tests {
         assert!(e.map.contains_key("back") && !e.map.contains_key("c0"), "the oldest went, not the one given back");
     }
 
-    #[test]
     /// The P leg as vLLM's toy proxy sends it: one choice, not streamed, one token
     /// (`max_tokens` and `max_completion_tokens` 1, no `min_tokens`), `do_remote_decode`. A vLLM P
     /// given the client's max_tokens decodes them all and names the blocks of its answer too,
