@@ -22,16 +22,8 @@ if [[ -f $STAMP && -x $VENV/bin/python ]]; then
     exit 0
 fi
 
-command -v python3 >/dev/null || die "no python3 on this machine"
-if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-    # Debian's python3 ships venv/ensurepip separately.
-    command -v apt-get >/dev/null || die "python3 has no venv module and there is no apt-get"
-    SUDO=(); [[ $(id -u) -ne 0 ]] && SUDO=(sudo)
-    log "installing python3-venv"
-    "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2 ||
-        { "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 && "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2; } ||
-        die "apt-get install python3-venv failed"
-fi
+source "$(dirname "$0")/lib/python-venv.sh"
+ensure_python_venv
 
 started=$(date +%s)
 rm -rf "$VENV"

