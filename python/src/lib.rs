@@ -804,7 +804,9 @@ fn encode_heartbeats(py: Python<'_>, seq: u64, ids: Vec<LeaseId>, max_bytes: usi
     Ok(msgs.into_iter().map(|b| PyBytes::new(py, &b).unbind()).collect())
 }
 
-/// SPEC S4: the 16-byte digest of a prompt's token ids.
+/// The 16-byte digest of a prompt's token ids alone: a prompt's identity, what a `LeaseTable`
+/// payload may carry. Not the digest in kvlease's `kv_transfer_params`, which SPEC S4 also binds
+/// to the engine, incarnation, lease id and ordered block list.
 #[pyfunction]
 fn prompt_digest<'py>(py: Python<'py>, tokens: Vec<u32>) -> Bound<'py, PyBytes> {
     let d = py.detach(move || PromptDigest::of(&tokens));
