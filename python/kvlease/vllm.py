@@ -87,7 +87,12 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 
 check_vllm_version(str(getattr(_vllm, "__version__", "")), os.environ.get(UNCHECKED_ENV) == "1")
 
-logger = logging.getLogger("kvlease.vllm")
+#: Under vLLM's ``vllm`` logger, so its lines go where vLLM's go, in vLLM's format, and
+#: ``VLLM_LOGGING_LEVEL`` applies; ``KVLEASE_LOG_LEVEL`` (e.g. ``DEBUG``: every kvlease message
+#: sent and received) sets this connector's level alone.
+logger = logging.getLogger("vllm.kvlease")
+if os.environ.get("KVLEASE_LOG_LEVEL"):
+    logger.setLevel(os.environ["KVLEASE_LOG_LEVEL"].upper())
 logger.info("kvlease.vllm: vLLM %s found", getattr(_vllm, "__version__", "of unknown version"))
 
 __all__ = [
@@ -130,24 +135,31 @@ def nixl_progress_delay_of(vllm_config: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def _nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
-    """While vLLM's worker creates its NIXL agent, the agent's config gets ``pthrDelay =
-    delay_us``: NIXL's Python agent hard-codes 0 and offers no parameter for it, so the native
-    agent constructor it calls is wrapped for that one call."""
-    if delay_us is None:
-        yield
-        return
+def _nixl_agent_config(delay_us: int | None) -> Iterator[None]:
+    """While vLLM's worker creates its NIXL agent, the agent's config gets two changes NIXL's
+    Python agent offers no parameter for (it hard-codes them), so the native agent constructor
+    it calls is wrapped for that one call:
+
+    * ``syncMode = NIXL_THREAD_SYNC_STRICT``: this worker calls the agent from two threads
+      (vLLM's engine thread, and the renewer's thread sending heartbeats on its own timer, SPEC
+      D3), and NIXL's Python agent picks ``NIXL_THREAD_SYNC_NONE`` unless it runs a listener
+      thread, which leaves serializing the agent's calls to the caller.
+    * ``pthrDelay = delay_us`` when given (``kvlease_nixl_progress_delay_us``)."""
     from vllm.distributed.nixl_utils import NixlWrapper
 
     api = sys.modules[NixlWrapper.__module__]
     bind = api.nixlBind
     real = bind.nixlAgent
+    strict = getattr(bind, "NIXL_THREAD_SYNC_STRICT", None)
 
-    def agent_with_delay(name: str, config: Any) -> Any:
-        config.pthrDelay = delay_us
+    def agent_configured(name: str, config: Any) -> Any:
+        if strict is not None:
+            config.syncMode = strict
+        if delay_us is not None:
+            config.pthrDelay = delay_us
         return real(name, config)
 
-    bind.nixlAgent = agent_with_delay
+    bind.nixlAgent = agent_configured
     try:
         yield
     finally:
@@ -282,6 +294,10 @@ class LeaseBook:
         if req_id in self._lease_of:
             self._req_of_wire[wire_id] = req_id
             self._wire_of[req_id] = wire_id
+
+    def req_of_wire(self, wire_id: int) -> str | None:
+        """The request a live lease's wire id names, or ``None``."""
+        return self._req_of_wire.get(wire_id)
 
     def reqs_of_wire(self, wire_ids: list[int]) -> list[str]:
         """Request ids for wire ids; unknown ones are counted as lost (SPEC P6)."""
@@ -426,7 +442,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     RECHECK_NS = 100_000_000
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        with _nixl_progress_delay(nixl_progress_delay_of(vllm_config)):
+        with _nixl_agent_config(nixl_progress_delay_of(vllm_config)):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_config = lease_config_of(vllm_config)
         self._reqs_to_send = LeaseBook(self.kvlease_config)  # type: ignore[assignment]
@@ -470,6 +486,12 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_hs_pending: set[str] = set()
         self._kvlease_hello_sent: set[str] = set()
         self.kvlease_lost: set[str] = set()
+        # P: requests a kvlease D renewed over the binary wire (it confirms its read with a
+        # ReadDone) -> their wire ids; completed reads held back until that ReadDone is answered
+        # (request -> (wire id, report by)); wire ids whose ReadDone was answered.
+        self._kvlease_confirmable: dict[str, int] = {}
+        self._kvlease_held: dict[str, tuple[int, int]] = {}
+        self._kvlease_confirmed: set[int] = set()
 
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
@@ -498,9 +520,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     def _kvlease_gate_reads(self, metadata: Any) -> None:
         """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
-        read; a lease is read only while an acknowledged heartbeat covers the read budget
-        (E/4) — otherwise its read waits for the renewal's acknowledgement, at most E, and
-        fails its load if none comes. A request of a kvlease P whose lease the renewer no longer
+        read; a lease is read while an acknowledged heartbeat covers the read budget (E/4) —
+        otherwise its read waits for the renewal's acknowledgement, at most E, and then goes
+        ahead (its bytes are used only once P confirms the read; a loss reported meanwhile fails
+        it). A request of a kvlease P whose lease the renewer no longer
         holds is never read (its load fails); requests of a stock P read as in vLLM."""
         reqs = metadata.reqs_to_recv
         for req_id in [r for r in reqs if r in self.kvlease_lost]:
@@ -520,6 +543,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if recheck:
                 self._kvlease_news_seen = self._kvlease_news
                 self._kvlease_recheck_at = now + self.RECHECK_NS
+            go_ahead: set[str] = set()
             for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
                 if req_id in self.kvlease_lost:
                     self.kvlease_lost.discard(req_id)
@@ -530,6 +554,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     continue
                 check = r.read_check(req_id, budget, now)
                 if check == "safe":
+                    logger.debug("kvlease: the held-back read of %s may go", req_id)
                     del self._kvlease_deferred[req_id]
                     reqs[req_id] = meta
                 elif check == "untracked":
@@ -538,9 +563,16 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     del self._kvlease_deferred[req_id]
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_untracked")
                 elif now >= give_up and not self._kvlease_waits_for_link(req_id, give_up, now):
+                    # P did not answer within E: a vLLM P answers in its engine steps, which
+                    # stall for seconds on a loaded host while it holds the lease (it expires
+                    # leases in those steps too). Read anyway: the bytes are used only once P
+                    # confirms, after the read, that the lease was held when it completed
+                    # (_pop_done_transfers). A late P costs a read, never a wrong answer; failing
+                    # here failed healthy requests.
+                    logger.info("kvlease: no acknowledged renewal of the lease of %s within E; reading, the read is used only once P confirms it", req_id)
                     del self._kvlease_deferred[req_id]
-                    r.untrack(req_id, abandoned=True)
-                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
+                    reqs[req_id] = meta
+                    go_ahead.add(req_id)
                 elif now >= give_up:
                     # No link to P yet: the wait for its answer starts once there is one.
                     self._kvlease_deferred[req_id] = (meta, now + int(self.kvlease_config.ack_wait * 1e9))
@@ -548,12 +580,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 else:
                     wake = True
             for req_id in list(reqs):
-                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs:
+                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs or req_id in go_ahead:
                     continue
                 if not r.is_tracked(req_id):
                     self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_untracked")
                     continue
-                if r.read_check(req_id, budget, now) != "safe":
+                check = r.read_check(req_id, budget, now)
+                if check != "safe":
+                    logger.debug("kvlease: the read of %s waits for an acknowledged renewal (%s)", req_id, check)
                     wait = self.kvlease_config.ack_wait
                     self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
                     self._kvlease_deferred_at.setdefault(req_id, now)
@@ -595,7 +629,36 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             done = super()._get_new_notifs()
         finally:
             self.nixl_wrapper = real
-        return done | released
+        return self._kvlease_hold_for_read_done(done) | released
+
+    def _kvlease_hold_for_read_done(self, done: set[str]) -> set[str]:
+        """SPEC P5 inside a vLLM P: a request whose read vLLM saw complete (every consumer's
+        ``req:n``) is reported sent (its blocks freed, and P's engine idle once nothing else is
+        pending) only once the kvlease D that renewed it had its ``ReadDone`` answered, or E
+        after. vLLM's P steps only while a request is pending, and takes notifications only in
+        its steps: a ``ReadDone`` arriving a moment after the ``req:n`` waited for P's next
+        request, and D failed the healthy read after E. A stock D sends no ``ReadDone``: its
+        requests (never renewed over the binary wire) are reported at once, as in vLLM."""
+        now = time.monotonic_ns()
+        wait = int(self.kvlease_config.ack_wait * 1e9)
+        book = self._reqs_to_send
+        if len(self._kvlease_confirmable) > 2 * len(book) + 1024:  # leases vLLM ended itself
+            self._kvlease_confirmable = {r: w for r, w in self._kvlease_confirmable.items() if r in book or r in done}
+        for req_id in list(done):
+            wire_id = self._kvlease_confirmable.pop(req_id, None)
+            if wire_id is None:
+                continue
+            if wire_id in self._kvlease_confirmed:
+                self._kvlease_confirmed.discard(wire_id)
+                continue
+            done.discard(req_id)
+            self._kvlease_held[req_id] = (wire_id, now + wait)
+        for req_id, (wire_id, until) in list(self._kvlease_held.items()):
+            if wire_id in self._kvlease_confirmed or now >= until:
+                self._kvlease_confirmed.discard(wire_id)
+                del self._kvlease_held[req_id]
+                done.add(req_id)
+        return done
 
     def _kvlease_message(self, agent: str, data: bytes) -> set[str]:
         """SPEC P2/D4/P6/P7 for a binary message from a kvlease peer. Returns requests to free."""
@@ -609,7 +672,13 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if kind == "heartbeat":
             self._kvlease_hb_received += 1
             lost = book.renew_wire(msg["lease_ids"])  # type: ignore[attr-defined]
+            gone = set(lost)
+            for wire_id in msg["lease_ids"]:
+                req_id = book.req_of_wire(wire_id)  # type: ignore[attr-defined]
+                if wire_id not in gone and req_id is not None:
+                    self._kvlease_confirmable[req_id] = wire_id
             sender = agent.decode() if isinstance(agent, bytes) else agent
+            logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s; answerable %s", msg["seq"], sender, len(msg["lease_ids"]), sorted(lost), sender in self._kvlease_answerable)
             if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
                 ack = encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)})
                 try:
@@ -623,6 +692,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     name = self.nixl_wrapper.add_remote_agent(md)
                     # NIXL names the agent in bytes here and in str as a notification's sender.
                     self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
+                    logger.debug("kvlease: hello from %s: its agent %s loaded", msg["engine_id"], name)
                 except Exception:
                     logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
         elif kind == "read_done":
@@ -630,6 +700,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             # uses a byte of them.
             sender = agent.decode() if isinstance(agent, bytes) else agent
             live = book.read_confirmed(msg["lease_id"])  # type: ignore[attr-defined]
+            if len(self._kvlease_confirmed) < 1 << 16:
+                self._kvlease_confirmed.add(msg["lease_id"])
+            logger.debug("kvlease: read_done of lease %d from %s: live %s; answerable %s", msg["lease_id"], sender, live, sender in self._kvlease_answerable)
             if sender in self._kvlease_answerable:
                 ack = encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live})
                 try:
@@ -637,6 +710,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 except Exception:
                     logger.debug("Failed to answer a read completion of %s", agent, exc_info=True)
         elif kind == "read_done_ack":
+            logger.debug("kvlease: read_done_ack of lease %d from %s: live %s", msg["lease_id"], agent, msg["live"])
             self._kvlease_read_answered(msg["lease_id"], msg["live"])
         elif kind in ("heartbeat_ack", "lease_lost"):
             # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
@@ -646,6 +720,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 (e for e, agents in self._remote_agents.items() if sender in {a.decode() if isinstance(a, bytes) else a for a in agents.values()}),
                 None,
             )
+            logger.debug("kvlease: %s from %s (engine %s)", kind, sender, engine)
             if engine is not None:
                 with self._kvlease_lock:
                     self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
@@ -658,6 +733,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 self.consumer_notification_counts_by_req.pop(req_id, None)
                 self.expected_consumer_notifications_by_req.pop(req_id, None)
                 self._reqs_to_process.discard(req_id)
+                self._kvlease_confirmable.pop(req_id, None)
                 freed.add(req_id)
             return freed
         return set()
@@ -695,6 +771,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self._kvlease_hs_pending.discard(engine_id)
             agents = [str(a) for a in self._remote_agents[engine_id].values()]
             self._kvlease_renewer.handshake_done(engine_id, now, incarnation=0, agents=agents)
+            logger.debug("kvlease: linked to engine %s (agents %s)", engine_id, agents)
 
     def _kvlease_run(self) -> None:
         """The renewer's timer: polls it when it is due and carries out what it says."""
@@ -730,6 +807,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
                     self._kvlease_hello_sent.add(agent_name)
                 self.nixl_wrapper.send_notif(agent_name, notif_msg=data)
+                logger.debug("kvlease: sent %d bytes to %s of engine %s", len(data), agent_name, engine_id)
                 self._engine_last_active[engine_id] = time.perf_counter()
                 sent += 1
             except Exception:
@@ -747,9 +825,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if transfers is not self._recving_transfers:
             return done, failed
         now = time.monotonic_ns()
-        # E, as for a renewal: P answers from its engine steps, which a busy or idle vLLM P runs
-        # late (the core's 2 s cap is for kvlease's own engines, which answer at once).
-        wait = int(self.kvlease_config.ack_wait * 1e9)
+        # L: P answers from its engine steps, which a loaded vLLM P runs seconds late (the
+        # core's 2 s cap is for kvlease's own engines, which answer at once). A P that is gone
+        # never answers: the load fails after L.
+        wait = int(max(self.kvlease_config.lease_duration, self.kvlease_config.ack_wait) * 1e9)
         for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
             done.discard(req_id)
             engine_id, wire_id = self._kvlease_reqs[req_id]
@@ -881,6 +960,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 count,
             )
             self._reqs_to_process.discard(req_id)
+            self._kvlease_confirmable.pop(req_id, None)
             done_sending.add(req_id)
 
 

@@ -59,11 +59,14 @@ def test_spec2_invalid_lease_refused_at_start_naming_key(create):
         create("KvleaseConnector", "kv_producer", "scheduler", "p-bad", lease="soon")
 
 
-def test_nixl_progress_delay_is_set_from_extra_config_and_bad_values_refused(create, monkeypatch):
-    """Issue 25: NIXL's Python agent hard-codes its progress thread's delay to 0 (busy-polling a
-    core per agent: on a 2-core CPU host requests took 22-54 s). `kvlease_nixl_progress_delay_us`
-    sets it on the worker's agent; unset, NIXL's 0 stays; a bad value is refused at start naming
-    the key. Checked at the native constructor vLLM's NIXL wrapper calls."""
+def test_nixl_agent_is_thread_safe_and_progress_delay_set_from_extra_config(create, monkeypatch):
+    """Issue 25: the worker's NIXL agent is made with NIXL_THREAD_SYNC_STRICT (the renewer's
+    thread sends on it beside vLLM's engine thread; NIXL's Python agent otherwise picks
+    NIXL_THREAD_SYNC_NONE, which leaves serializing calls to the caller). NIXL's
+    Python agent also hard-codes its progress thread's delay to 0 (busy-polling a core per
+    agent: on a 2-core CPU host requests took 22-54 s). `kvlease_nixl_progress_delay_us` sets it
+    on the worker's agent; unset, NIXL's 0 stays; a bad value is refused at start naming the
+    key. Checked at the native constructor vLLM's NIXL wrapper calls."""
     import sys as _sys
 
     from vllm.distributed.nixl_utils import NixlWrapper
@@ -75,13 +78,14 @@ def test_nixl_progress_delay_is_set_from_extra_config_and_bad_values_refused(cre
     seen = []
 
     def spy(name, config):
-        seen.append(config.pthrDelay)
+        seen.append((config.pthrDelay, config.syncMode))
         return real(name, config)
 
     monkeypatch.setattr(bind, "nixlAgent", spy)
     create("KvleaseConnector", "kv_consumer", "worker", "d-delay", **{NIXL_PROGRESS_DELAY_KEY: 100})
     create("KvleaseConnector", "kv_consumer", "worker", "d-nodelay")
-    assert seen == [100, 0]
+    strict = bind.NIXL_THREAD_SYNC_STRICT
+    assert seen == [(100, strict), (0, strict)]
     assert bind.nixlAgent is spy, "the wrapper is undone after the agent is made"
     for bad in (-1, 1.5, "100", True):
         with pytest.raises(ValueError, match=NIXL_PROGRESS_DELAY_KEY):
@@ -92,7 +96,7 @@ def test_spec2_vllm_own_extra_config_keys_are_not_called_unknown(caplog):
     """vLLM's own NIXL keys take effect (vLLM reads them), so only truly unknown keys are logged."""
     extra = {"engine_ttl": 60.0, "enforce_handshake_compat": False, "push_registration_timeout": 30, "kv_lease_duratoin": 30}
     cfg = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
-    with caplog.at_level("INFO", logger="kvlease.vllm"):
+    with caplog.at_level("INFO", logger="vllm.kvlease"):
         lease_config_of(cfg)
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "kv_lease_duratoin" in logged, "a misspelt key is named"
@@ -225,6 +229,37 @@ def test_p2_p6_stock_heartbeat_over_nixl_renews_kvlease_p(p_workers):
     assert kv._reqs_to_send.unknown_renewals >= 1
     assert kv._reqs_to_send.table.stats()["renewals"] >= 1
     kv._reqs_to_send.pop("hb-1")
+
+
+def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
+    """Issue 25, SPEC P5 inside a vLLM P: vLLM's P steps (and takes notifications) only while a
+    request is pending, so a read it saw complete (`req:n`) and reported sent left it idle, and
+    the kvlease D's ReadDone arriving a moment later waited for P's next request (D failed the
+    healthy read after E). A request a kvlease D renewed over the binary wire is reported sent
+    only once D's ReadDone for it came in (answered in that step), or E after; a stock D's
+    request (text heartbeats, no ReadDone) is reported at once, as in vLLM."""
+    kv, _, d = p_workers
+    W1, W2 = (29 << 32) + 1, (29 << 32) + 2
+    reqs = {"hold-1": W1, "hold-2": W2}
+    grant(kv, [*reqs, "hold-stock"], ttl=3, wire_ids=reqs)
+    d.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W1, W2]}))
+    wait_for(lambda: set(reqs) <= set(kv._kvlease_confirmable), "the binary renewal", step=lambda: (time.sleep(0.05), kv._get_new_notifs()))
+    done: set[str] = set()
+
+    def step():
+        time.sleep(0.05)
+        done.update(kv._get_new_notifs())
+
+    for r in (*reqs, "hold-stock"):
+        d.send(0, f"{r}:1".encode())
+    wait_for(lambda: "hold-stock" in done and set(reqs) <= set(kv._kvlease_held), "the three reads' completions", step=step)
+    assert not set(reqs) & done, "held until D asks"
+    assert all(r not in kv._reqs_to_send for r in reqs), "the leases ended by their reads"
+    d.send(0, kvlease.encode({"type": "read_done", "lease_id": W1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    wait_for(lambda: "hold-1" in done, "hold-1 reported once D's ReadDone came in", step=step)
+    assert "hold-2" not in done, "hold-2's D has not asked"
+    wait_for(lambda: "hold-2" in done, "hold-2 reported E after its read completed", step=step)
+    assert not kv._kvlease_held
 
 
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
@@ -624,6 +659,34 @@ def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_cha
 
     wait_for(lambda: d_req in d._recving_metadata, "the read to be released after the acknowledgement", step=step)
     assert d_req not in d._kvlease_deferred
+    kv._reqs_to_send.pop(p_req)
+
+
+def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmation(create, p_workers, p_side_channels):
+    """Issue 25, SPEC D6/P5 inside vLLM: a vLLM P answers only in its engine steps, which stall
+    for seconds on a loaded host while P still holds the lease. A read held back for an
+    acknowledged renewal that P does not answer goes ahead after E (failing it failed healthy
+    requests); its bytes are still used only once P confirms the read. Here P's engine takes
+    no notification at all: the read is posted E after it was held back, not before."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-late-p", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    W, p_req, d_req = (31 << 32) + 1, "p-late-1", "d-late-1"
+    grant(kv, [p_req], ttl=30, wire_ids={p_req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)
+    held_at = time.monotonic()
+    d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
+    assert d_req in d._kvlease_deferred
+    wait_for(lambda: d_req in d._recving_metadata, "the read to go ahead without P's answer",
+             step=lambda: (time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
+    assert time.monotonic() - held_at >= d.kvlease_config.ack_wait - 0.1, "not before E"
     kv._reqs_to_send.pop(p_req)
 
 

