@@ -440,6 +440,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     #: How often a read held back for an acknowledged renewal is asked about again without news.
     RECHECK_NS = 100_000_000
+    #: The least time a landed read waits for P's confirmation (SPEC P5), in seconds; L when
+    #: longer. vLLM's engine and its worker hand steps over a shared-memory queue whose wake-ups
+    #: can be lost (vLLM's shm_broadcast re-checks every 5 s): on a loaded host a vLLM P took
+    #: 5-11 s between two steps, while holding the lease, and answers only in its steps.
+    CONFIRM_WAIT_MIN_S = 30.0
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         with _nixl_agent_config(nixl_progress_delay_of(vllm_config)):
@@ -825,10 +830,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if transfers is not self._recving_transfers:
             return done, failed
         now = time.monotonic_ns()
-        # L: P answers from its engine steps, which a loaded vLLM P runs seconds late (the
-        # core's 2 s cap is for kvlease's own engines, which answer at once). A P that is gone
-        # never answers: the load fails after L.
-        wait = int(max(self.kvlease_config.lease_duration, self.kvlease_config.ack_wait) * 1e9)
+        # P answers from its engine steps, which vLLM runs seconds late at times (the core's 2 s
+        # cap is for kvlease's own engines, which answer at once). A P that is gone never
+        # answers: the load fails after the wait.
+        wait = int(max(self.kvlease_config.lease_duration, self.CONFIRM_WAIT_MIN_S) * 1e9)
         for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
             done.discard(req_id)
             engine_id, wire_id = self._kvlease_reqs[req_id]
