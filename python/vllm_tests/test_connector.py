@@ -602,19 +602,10 @@ def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_work
     heartbeats go out from the renewer's own thread. Here D's forward loop makes no call at all
     for longer than the lease (L = 3 s), and P's lease stays alive, renewed. (vLLM sends
     heartbeats from the forward loop: a step longer than L/3 loses them.)"""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
-
     kv, _, _ = p_workers
-    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d3", lease=3).connector_worker
-    register_cpu_kv_caches(d)
     W, req = (13 << 32) + 1, "d3-1"
-    grant(kv, [req], ttl=3, wire_ids={req: W})
-    meta = NixlConnectorMetadata()
-    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {req})}
-    d._kvlease_sync({"d-" + req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
-    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
-    d._send_heartbeats(meta)  # the renewer learns the handshake is done
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-d3", W, req, "d-" + req, p_ttl=3)
+    assert d._kvlease_thread is not None, "its renewer thread sends the heartbeats"
     # From here on D's forward loop is "blocked": no call into D at all.
     blocked_at = time.perf_counter()
     grant_deadline = kv._reqs_to_send[req]
@@ -628,24 +619,33 @@ def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_work
     kv._reqs_to_send.pop(req)
 
 
+def kvlease_d_linked_to_p(create, kv, port, name, wire_id, p_req, d_req, p_ttl):
+    """A kvlease D worker (L = 3 s) tracking `d_req`, whose lease `p_req` (wire id `wire_id`) the
+    kvlease P worker `kv` has just granted, with the handshake to P done and the renewer told."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    d = create("KvleaseConnector", "kv_consumer", "worker", name, lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    grant(kv, [p_req], ttl=p_ttl, wire_ids={p_req: wire_id})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=port, tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([wire_id], {p_req})}
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, wire_id)}, ())
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d._send_heartbeats(meta)  # the renewer learns the handshake is done
+    return d
+
+
 def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_channels):
     """SPEC D6 inside vLLM: a kvlease D reads a lease only while an acknowledged heartbeat covers
     the read budget. Asked to read before any acknowledgement, the worker holds the read back
     (no READ posted, nothing in vLLM's receive bookkeeping), its renewer sends a renewal at once,
     and the read is released in a later step once P's acknowledgement is in."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     kv, _, _ = p_workers
-    d = create("KvleaseConnector", "kv_consumer", "worker", "d-d6", lease=3).connector_worker
-    register_cpu_kv_caches(d)
     W, p_req, d_req = (17 << 32) + 1, "p-d6-1", "d-d6-1"
-    grant(kv, [p_req], ttl=3, wire_ids={p_req: W})
-    meta = NixlConnectorMetadata()
-    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
-    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
-    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
-    d._send_heartbeats(meta)
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-d6", W, p_req, d_req, p_ttl=3)
     recv = to_recv(d_req, p_req, p_side_channels["p-kv"])
     d.start_load_kv(recv)  # no acknowledgement yet: held back
     assert d_req in d._kvlease_deferred
@@ -668,19 +668,11 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
     acknowledged renewal that P does not answer goes ahead after E (failing it failed healthy
     requests); its bytes are still used only once P confirms the read. Here P's engine takes
     no notification at all: the read is posted E after it was held back, not before."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     kv, _, _ = p_workers
-    d = create("KvleaseConnector", "kv_consumer", "worker", "d-late-p", lease=3).connector_worker
-    register_cpu_kv_caches(d)
     W, p_req, d_req = (31 << 32) + 1, "p-late-1", "d-late-1"
-    grant(kv, [p_req], ttl=30, wire_ids={p_req: W})
-    meta = NixlConnectorMetadata()
-    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
-    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
-    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
-    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
-    d._send_heartbeats(meta)
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-late-p", W, p_req, d_req, p_ttl=30)
     held_at = time.monotonic()
     d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
     assert d_req in d._kvlease_deferred
