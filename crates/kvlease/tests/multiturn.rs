@@ -209,6 +209,13 @@ async fn b4_d7_decoder_killed_between_turns_costs_a_recompute_not_a_wrong_answer
     let kept = first_turn(&proxy, &local, &mut c).await;
     let (dead, alive) = if kept["remote_engine_id"] == "mtkill-d1" { (&d1, &d2) } else { (&d2, &d1) };
     assert_eq!(kept["remote_engine_id"], dead.name.as_str(), "{kept}");
+    // The first turn's read ends its lease on P when D's completion arrives, a moment after the
+    // reply: a kill before that leaves the lease to end otherwise, and this test is about the
+    // next turn.
+    until("P records the first turn's read", DEADLINE, || async {
+        metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
+    })
+    .await;
     dead.signal("KILL");
     c.say(1);
     let t = turn(&proxy, &local, &c, 8).await;
