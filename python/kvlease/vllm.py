@@ -441,9 +441,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     #: How often a read held back for an acknowledged renewal is asked about again without news.
     RECHECK_NS = 100_000_000
     #: The least time a landed read waits for P's confirmation (SPEC P5), in seconds; L when
-    #: longer. vLLM's engine and its worker hand steps over a shared-memory queue whose wake-ups
-    #: can be lost (vLLM's shm_broadcast re-checks every 5 s): on a loaded host a vLLM P took
-    #: 5-11 s between two steps, while holding the lease, and answers only in its steps.
+    #: longer. A vLLM P answers only in its engine steps, and on a loaded host one took 5-35 s
+    #: between two steps while holding the lease (a lost wake-up in vLLM's shared-memory step
+    #: queue, which re-checks every 5 s, is the likely cause).
     CONFIRM_WAIT_MIN_S = 30.0
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
@@ -649,6 +649,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         book = self._reqs_to_send
         if len(self._kvlease_confirmable) > 2 * len(book) + 1024:  # leases vLLM ended itself
             self._kvlease_confirmable = {r: w for r, w in self._kvlease_confirmable.items() if r in book or r in done}
+        if len(self._kvlease_confirmed) > 2 * (len(self._kvlease_confirmable) + len(self._kvlease_held)) + 1024:
+            # ReadDones nothing waits for (their request reported after E, or never held).
+            waiting = set(self._kvlease_confirmable.values()) | {w for w, _ in self._kvlease_held.values()}
+            self._kvlease_confirmed &= waiting
         for req_id in list(done):
             wire_id = self._kvlease_confirmable.pop(req_id, None)
             if wire_id is None:
@@ -705,8 +709,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             # uses a byte of them.
             sender = agent.decode() if isinstance(agent, bytes) else agent
             live = book.read_confirmed(msg["lease_id"])  # type: ignore[attr-defined]
-            if len(self._kvlease_confirmed) < 1 << 16:
-                self._kvlease_confirmed.add(msg["lease_id"])
+            self._kvlease_confirmed.add(msg["lease_id"])
             logger.debug("kvlease: read_done of lease %d from %s: live %s; answerable %s", msg["lease_id"], sender, live, sender in self._kvlease_answerable)
             if sender in self._kvlease_answerable:
                 ack = encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live})

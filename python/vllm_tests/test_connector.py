@@ -260,6 +260,12 @@ def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
     assert "hold-2" not in done, "hold-2's D has not asked"
     wait_for(lambda: "hold-2" in done, "hold-2 reported E after its read completed", step=step)
     assert not kv._kvlease_held
+    # A ReadDone nothing waits for any more (hold-2's, arriving after E) is not kept for ever.
+    d.send(0, kvlease.encode({"type": "read_done", "lease_id": W2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    wait_for(lambda: W2 in kv._kvlease_confirmed, "hold-2's late ReadDone", step=step)
+    kv._kvlease_confirmed.update(range(1 << 40, (1 << 40) + 2048))  # more such leftovers
+    step()
+    assert not kv._kvlease_confirmed, "leftover ReadDones are dropped once they outnumber what waits"
 
 
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
