@@ -93,6 +93,11 @@ check_vllm_version(str(getattr(_vllm, "__version__", "")), os.environ.get(UNCHEC
 logger = logging.getLogger("vllm.kvlease")
 if os.environ.get("KVLEASE_LOG_LEVEL"):
     logger.setLevel(os.environ["KVLEASE_LOG_LEVEL"].upper())
+    # vLLM's handler drops records under VLLM_LOGGING_LEVEL: this logger gets its own.
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s.%(msecs)03d [kvlease pid %(process)d %(threadName)s] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(_handler)
+    logger.propagate = False
 logger.info("kvlease.vllm: vLLM %s found", getattr(_vllm, "__version__", "of unknown version"))
 
 __all__ = [
@@ -184,22 +189,33 @@ class LeaseBook:
 
     Supports exactly what vLLM's NIXL worker does with the dict (``in``, ``[req] = deadline``,
     ``pop``, ``del``, ``len``, iteration) plus :meth:`renew` and :meth:`expired`, which replace
-    vLLM's heartbeat loop and expiry sweep. All of P's leases are held by one holder: vLLM's
-    text heartbeats do not say which D engine sent them, so SPEC S5 is not enforced here (as in
-    vLLM).
+    vLLM's heartbeat loop and expiry sweep.
+
+    SPEC S5: a lease is held by the first D engine that renews, releases or confirms it over
+    kvlease's binary wire (``holder``: the engine id its Hello gave); another engine's release
+    or confirmation of it is answered lost and changes nothing. vLLM's text heartbeats do not
+    say which engine sent them: they act as one holder, ``vllm``. Engine ids are claimed, not
+    proven, inside vLLM (no secret on NIXL's notifications): this stops a router's or an
+    operator's mistake, not an insider.
     """
 
     __slots__ = (
         "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
-        "transferred", "released",
+        "_holder_of", "transferred", "released",
     )
+
+    #: The holder vLLM's text heartbeats act as.
+    TEXT_HOLDER = "vllm"
 
     #: How many leases ended by a completed read the book remembers, for D's confirmations.
     READ_MEMORY = 1 << 16
 
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         self.table = LeaseTable(config, capacity)
-        self._holder = self.table.holder("vllm")
+        self._holder = self.table.holder(self.TEXT_HOLDER)
+        # SPEC S5: the holder each lease's first binary renewal, release or confirmation claimed
+        # it for (P's own ends of a lease act as that holder).
+        self._holder_of: dict[int, int] = {}
         self._lease_of: dict[str, int] = {}
         # Leases a renewal found past their deadline (released by the table as expired on the
         # spot); handed out by the next expired().
@@ -210,8 +226,9 @@ class LeaseBook:
         self._req_of_wire: dict[int, str] = {}
         self._wire_of: dict[str, int] = {}
         # Wire ids of leases that ended because vLLM reported their read complete while they
-        # were still held (oldest first, bounded): D's ReadDone for them is confirmed (SPEC P5).
-        self._read_while_live: dict[int, None] = {}
+        # were still held (oldest first, bounded), with their holder: D's ReadDone for them is
+        # confirmed (SPEC P5), to that holder (S5).
+        self._read_while_live: dict[int, int | None] = {}
         #: SPEC §11 (``kvlease_leases_released_total``): leases ended by their read, and without one.
         self.transferred = 0
         self.released = 0
@@ -256,7 +273,7 @@ class LeaseBook:
         is answered live (SPEC P5)."""
         wid = self._wire_of.get(req_id)
         if wid is not None and req_id in self._lease_of:
-            self._read_while_live[wid] = None
+            self._read_while_live[wid] = self._holder_of.get(self._lease_of[req_id])
             if len(self._read_while_live) > self.READ_MEMORY:
                 del self._read_while_live[next(iter(self._read_while_live))]
         if self._end(req_id):
@@ -274,15 +291,50 @@ class LeaseBook:
         self._forget_wire(req_id)
         if lease is None:
             return False
-        self.table.release(self._holder, [lease], time.monotonic_ns())
+        self.table.release(self._holder_of.pop(lease, self._holder), [lease], time.monotonic_ns())
         return True
 
-    def read_confirmed(self, wire_id: int) -> bool:
+    def _claimed(self, holder: int, leases: list[int], lost: list[int]) -> None:
+        """SPEC S5: leases ``holder`` acted on and did not lose are its from now on."""
+        gone = set(lost)
+        for lease in leases:
+            if lease not in gone:
+                self._holder_of.setdefault(lease, holder)
+
+    def read_confirmed(self, wire_id: int, holder: int | None = None) -> bool:
         """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
         its read completed — it is held now (other consumers still reading), or it ended by that
         read. A lease that expired or was released before (its blocks may be another request's
-        now) is not."""
-        return wire_id in self._read_while_live or self._req_of_wire.get(wire_id) in self._lease_of
+        now) is not, nor (S5) a lease another holder than ``holder`` holds or held."""
+        if wire_id in self._read_while_live:
+            was = self._read_while_live[wire_id]
+            return holder is None or was is None or was == holder
+        req_id = self._req_of_wire.get(wire_id)
+        lease = self._lease_of.get(req_id) if req_id is not None else None
+        if lease is None:
+            return False
+        if holder is not None:
+            self._holder_of.setdefault(lease, holder)
+            return self._holder_of[lease] == holder
+        return True
+
+    def release_wire(self, wire_ids: list[int], holder: int) -> tuple[list[str], list[int]]:
+        """SPEC D4/P6/S5 for a binary ``Release``: ends the leases the wire ids name that
+        ``holder`` holds (or nobody claimed yet); returns their request ids and the wire ids
+        that are not released (unknown, ended, or another holder's)."""
+        freed: list[str] = []
+        lost: list[int] = []
+        for w in wire_ids:
+            r = self._req_of_wire.get(w)
+            lease = self._lease_of.get(r) if r is not None else None
+            if lease is None:
+                self.unknown_renewals += 1
+                lost.append(w)
+            elif self._holder_of.setdefault(lease, holder) != holder:
+                lost.append(w)
+            else:
+                freed.append(r)
+        return freed, lost
 
     def _forget_wire(self, req_id: str) -> None:
         wid = self._wire_of.pop(req_id, None)
@@ -299,20 +351,11 @@ class LeaseBook:
         """The request a live lease's wire id names, or ``None``."""
         return self._req_of_wire.get(wire_id)
 
-    def reqs_of_wire(self, wire_ids: list[int]) -> list[str]:
-        """Request ids for wire ids; unknown ones are counted as lost (SPEC P6)."""
-        out = []
-        for w in wire_ids:
-            r = self._req_of_wire.get(w)
-            if r is None:
-                self.unknown_renewals += 1
-            else:
-                out.append(r)
-        return out
-
-    def renew_wire(self, wire_ids: list[int]) -> list[int]:
-        """SPEC P2/P6 for a binary heartbeat: renews the leases the wire ids name and returns the
-        ids that are not live (unknown, released, expired, or found past their deadline now)."""
+    def renew_wire(self, wire_ids: list[int], holder: int | None = None) -> list[int]:
+        """SPEC P2/P6/S5 for a binary heartbeat from ``holder``: renews the leases the wire ids
+        name and returns the ids that are not live (unknown, released, expired, found past their
+        deadline now, or another holder's)."""
+        holder = self._holder if holder is None else holder
         lost = []
         reqs = []
         for w in wire_ids:
@@ -324,7 +367,8 @@ class LeaseBook:
                 reqs.append((w, r))
         if reqs:
             ids = [self._lease_of[r] for _, r in reqs]
-            _, lost_leases, released = self.table.renew(self._holder, ids, time.monotonic_ns())
+            _, lost_leases, released = self.table.renew(holder, ids, time.monotonic_ns())
+            self._claimed(holder, ids, lost_leases)
             if lost_leases:
                 gone = set(lost_leases)
                 lost += [w for (w, r), lease in zip(reqs, ids) if lease in gone]
@@ -351,6 +395,7 @@ class LeaseBook:
         if not ids:
             return 0
         renewed, lost, released = self.table.renew(self._holder, ids, time.monotonic_ns())
+        self._claimed(self._holder, ids, lost)
         for rel in released:  # found past their deadline: expired now
             self._due.append(rel.payload)
         return renewed
@@ -368,7 +413,9 @@ class LeaseBook:
             self._due = []
         lease_of = self._lease_of
         for r in out:
-            lease_of.pop(r, None)
+            lease = lease_of.pop(r, None)
+            if lease is not None:
+                self._holder_of.pop(lease, None)
             self._forget_wire(r)
         return out
 
@@ -464,6 +511,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
         # back to D.
         self._kvlease_answerable: set[str] = set()
+        # P: each such agent's engine id (SPEC S5: leases are held per D engine).
+        self._kvlease_engine_of: dict[str, str] = {}
         # D: kvlease's Renewer, polled by a thread of its own (started with the first binary
         # heartbeat); the P agents we introduced ourselves to; requests whose lease is lost.
         self._kvlease_renewer = Renewer(self.kvlease_config)
@@ -678,15 +727,17 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self.kvlease_malformed += 1
             return set()
         kind = msg["type"]
+        sender = agent.decode() if isinstance(agent, bytes) else agent
+        # SPEC S5: the D engine the sending agent introduced itself as (its agent name before).
+        holder = book.table.holder(self._kvlease_engine_of.get(sender, sender))  # type: ignore[attr-defined]
         if kind == "heartbeat":
             self._kvlease_hb_received += 1
-            lost = book.renew_wire(msg["lease_ids"])  # type: ignore[attr-defined]
+            lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
             gone = set(lost)
             for wire_id in msg["lease_ids"]:
                 req_id = book.req_of_wire(wire_id)  # type: ignore[attr-defined]
                 if wire_id not in gone and req_id is not None:
                     self._kvlease_confirmable[req_id] = wire_id
-            sender = agent.decode() if isinstance(agent, bytes) else agent
             logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s; answerable %s", msg["seq"], sender, len(msg["lease_ids"]), sorted(lost), sender in self._kvlease_answerable)
             if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
                 ack = encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)})
@@ -695,20 +746,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 except Exception:
                     logger.debug("Failed to answer a heartbeat of %s", agent, exc_info=True)
         elif kind == "hello":
-            # A kvlease D introduces its agent so P can answer it.
-            for md in msg["agents"][:1]:
-                try:
-                    name = self.nixl_wrapper.add_remote_agent(md)
-                    # NIXL names the agent in bytes here and in str as a notification's sender.
-                    self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
-                    logger.debug("kvlease: hello from %s: its agent %s loaded", msg["engine_id"], name)
-                except Exception:
-                    logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
+            self._kvlease_hello_from(agent, msg)
         elif kind == "read_done":
             # SPEC P5: D asks whether its read completed while P still held the blocks, before it
             # uses a byte of them.
-            sender = agent.decode() if isinstance(agent, bytes) else agent
-            live = book.read_confirmed(msg["lease_id"])  # type: ignore[attr-defined]
+            live = book.read_confirmed(msg["lease_id"], holder)  # type: ignore[attr-defined]
             self._kvlease_confirmed.add(msg["lease_id"])
             logger.debug("kvlease: read_done of lease %d from %s: live %s; answerable %s", msg["lease_id"], sender, live, sender in self._kvlease_answerable)
             if sender in self._kvlease_answerable:
@@ -723,7 +765,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         elif kind in ("heartbeat_ack", "lease_lost"):
             # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
             # reports them lost and their loads fail (_kvlease_lost_request).
-            sender = agent.decode() if isinstance(agent, bytes) else agent
             engine = next(
                 (e for e, agents in self._remote_agents.items() if sender in {a.decode() if isinstance(a, bytes) else a for a in agents.values()}),
                 None,
@@ -734,9 +775,16 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
                     self._kvlease_news += 1
         elif kind == "release":
-            # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent).
+            # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent). SPEC P6/S5:
+            # leases that are not live, or another engine's, are answered lost and stay as they are.
             freed = set()
-            for req_id in book.reqs_of_wire(msg["lease_ids"]):  # type: ignore[attr-defined]
+            reqs, lost = book.release_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
+            if lost and sender in self._kvlease_answerable:
+                try:
+                    self.nixl_wrapper.send_notif(sender, notif_msg=encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
+                except Exception:
+                    logger.debug("Failed to answer a release of %s", sender, exc_info=True)
+            for req_id in reqs:
                 book.release(req_id)  # type: ignore[attr-defined]
                 self.consumer_notification_counts_by_req.pop(req_id, None)
                 self.expected_consumer_notifications_by_req.pop(req_id, None)
@@ -745,6 +793,23 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 freed.add(req_id)
             return freed
         return set()
+
+    def _kvlease_hello_from(self, agent: Any, msg: dict[str, Any]) -> None:
+        """A kvlease D introduces its NIXL agent so P can answer it (vLLM's pull mode never loads
+        D's agent on P)."""
+        sender = agent.decode() if isinstance(agent, bytes) else agent
+        if sender in self._kvlease_answerable:
+            return
+        for md in msg["agents"][:1]:
+            try:
+                name = self.nixl_wrapper.add_remote_agent(md)
+            except Exception:
+                logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
+                continue
+            # NIXL names the agent in bytes here and in str as a notification's sender.
+            self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
+            self._kvlease_engine_of[sender] = str(msg["engine_id"])
+            logger.debug("kvlease: hello from %s: its agent %s loaded", msg["engine_id"], name)
 
     # -- D: binary heartbeats toward a P that advertised them -----------------------------
     def _kvlease_sync(self, new: dict[str, tuple[str, str, int, int]], gone: Any) -> None:
@@ -828,7 +893,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         ``ReadDoneAck``). A one-sided READ cannot be fenced: a decoder paused or slow past the
         lease reads blocks P may have given to another request, and vLLM would decode from them
         with HTTP 200. Unconfirmed (P says lost, or no answer in time), the load fails and vLLM's
-        kv_load_failure_policy applies."""
+        kv_load_failure_policy applies. (An acknowledged renewal covering the read is no proof
+        after it: P also ends a lease early, on a Release, and its blocks go at once.)"""
         done, failed = super()._pop_done_transfers(transfers)
         if transfers is not self._recving_transfers:
             return done, failed

@@ -268,6 +268,47 @@ def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
     assert not kv._kvlease_confirmed, "leftover ReadDones are dropped once they outnumber what waits"
 
 
+def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_are_answered_lost(p_workers):
+    """SPEC S5 (and P6) inside vLLM (issue 23): P's leases are held per D engine, the first to
+    renew one over kvlease's wire. A second engine — a router that handed the same params to
+    two decoders — cannot release it (its Release is answered LeaseLost and the lease lives on:
+    the first engine may be reading the blocks) nor have a read of it confirmed; the holder can.
+    A Release of a lease that is not live is answered LeaseLost too."""
+    from kvlease.vllm import _hello
+
+    kv, _, _ = p_workers
+    W, req = (41 << 32) + 1, "s5-1"
+    grant(kv, [req], ttl=30, wire_ids={req: W})
+    one, two = DAgent(kv), DAgent(kv)
+    inbox = {id(one): [], id(two): []}
+
+    def step():
+        kv._get_new_notifs()
+        time.sleep(0.05)
+        for d in (one, two):
+            for msgs in d.agent.get_new_notifs().values():
+                inbox[id(d)] += [kvlease.decode(m) for m in msgs if kvlease.is_kvlease_message(m)]
+
+    for d, engine in ((one, "d-engine-one"), (two, "d-engine-two")):
+        d.send(0, _hello(engine, d.agent.get_agent_metadata()))
+    one.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
+    wait_for(lambda: any(m["type"] == "heartbeat_ack" for m in inbox[id(one)]), "the holder's renewal answered", step=step)
+    assert [m["lost_ids"] for m in inbox[id(one)] if m["type"] == "heartbeat_ack"] == [[]]
+    two.send(0, kvlease.encode({"type": "release", "lease_ids": [W, W + 1]}))
+    wait_for(lambda: any(m["type"] == "lease_lost" for m in inbox[id(two)]), "the other engine's release answered", step=step)
+    assert [m["lease_ids"] for m in inbox[id(two)] if m["type"] == "lease_lost"] == [[W, W + 1]]
+    assert req in kv._reqs_to_send, "the lease lives on: its holder may be reading"
+    two.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
+    for d in (two, one):
+        d.send(0, kvlease.encode({"type": "read_done", "lease_id": W, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    wait_for(lambda: all(any(m["type"] == "read_done_ack" for m in inbox[id(d)]) for d in (one, two)), "both confirmations answered", step=step)
+    assert [m["lost_ids"] for m in inbox[id(two)] if m["type"] == "heartbeat_ack"] == [[W]], "nor renew it"
+    assert [m["live"] for m in inbox[id(two)] if m["type"] == "read_done_ack"] == [False]
+    assert [m["live"] for m in inbox[id(one)] if m["type"] == "read_done_ack"] == [True]
+    one.send(0, kvlease.encode({"type": "release", "lease_ids": [W]}))
+    wait_for(lambda: req not in kv._reqs_to_send, "the holder's release", step=step)
+
+
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
     """SPEC P3/P8: D's read-done notification (vLLM's `req:n` text) releases the lease once."""
     kv, _, d = p_workers
