@@ -43,12 +43,6 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
     Ok(ranks)
 }
 
-/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
-/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
-pub(crate) fn reads_are_fenced(ranks: &[Rank]) -> bool {
-    ranks.iter().all(|r| r.agent.can_refuse_reads())
-}
-
 /// Every event rank `rank`'s agent reports.
 async fn events(inner: Arc<Inner>, rank: usize, mut rx: mpsc::UnboundedReceiver<AgentEvent>) {
     while let Some(ev) = rx.recv().await {

@@ -97,7 +97,7 @@ impl EngineHandle {
         });
         // From here on, a failed start stops whatever was started (the owner's drop).
         let ranks = agents::start(&inner).await?;
-        let fenced = agents::reads_are_fenced(&ranks);
+        let fenced = crate::pull::reads_are_fenced(&ranks);
         *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, fenced);
         lock(&inner.renewer).set_fenced_reads(fenced);
         lock(&inner.leases).set_fenced_reads(fenced);

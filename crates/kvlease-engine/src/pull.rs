@@ -20,7 +20,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         return Verdict::Use;
     }
     let cfg = &inner.cfg.transfer.lease;
-    let fenced = crate::agents::reads_are_fenced(inner.ranks());
+    let fenced = reads_are_fenced(inner.ranks());
     let mut pull = Pull::new(cfg, &rk.engine_id, rk.incarnation, fenced, inner.now());
     pull.planted = inner.cfg.planted_bug;
     // 1. Wait until an acknowledged heartbeat covers the read.
@@ -119,6 +119,12 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         }
     }
     pull.on_deadline()
+}
+
+/// Whether our agents refuse reads of dead leases and never touch memory after a read ends
+/// (tcp, mem). NIXL cannot: a posted READ lands whatever P thinks of the lease.
+pub(crate) fn reads_are_fenced(ranks: &[crate::state::Rank]) -> bool {
+    ranks.iter().all(|r| r.agent.can_refuse_reads())
 }
 
 /// SPEC O4: the prompt's KV from this engine's own blocks `own` (taken from its lease) into the

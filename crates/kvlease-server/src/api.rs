@@ -319,11 +319,6 @@ fn submit_choices(engine: &EngineHandle, rid: &str, c: &Completion) -> Result<Ve
     Ok(choices)
 }
 
-/// The engine closed the stream without `Done` or `Failed`: it is shutting down.
-pub(crate) fn ended_early() -> ApiError {
-    ApiError::unavailable("the engine stopped before the request finished")
-}
-
 /// Runs every choice of a non-streaming request to its end and builds the response.
 async fn collect(meta: ResponseMeta, choices: Vec<Choice>, n: u32, logprobs: bool) -> Result<serde_json::Value, ApiError> {
     let meta = &meta;
@@ -340,7 +335,7 @@ async fn collect(meta: ResponseMeta, choices: Vec<Choice>, n: u32, logprobs: boo
                 Out::Failed(e) => return Err(e),
             }
         }
-        Err(ended_early())
+        Err(ApiError::ended_early())
     }))
     .await;
     let mut usage = Usage { prompt_tokens: 0, completion_tokens: 0 };

@@ -100,7 +100,7 @@ impl Choice {
         };
         match ev {
             Some(GenerateEvent::Failed(e)) => Some(e.into()),
-            None => Some(crate::api::ended_early()),
+            None => Some(ApiError::ended_early()),
             Some(ev) => {
                 self.first = Some(ev);
                 None
@@ -157,7 +157,7 @@ impl Choice {
                 self.end();
             }
             None => {
-                self.out.push_back(Out::Failed(crate::api::ended_early()));
+                self.out.push_back(Out::Failed(ApiError::ended_early()));
                 self.end();
             }
         }

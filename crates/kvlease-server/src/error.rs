@@ -73,6 +73,11 @@ impl ApiError {
         ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Some("method_not_allowed"), None, "method not allowed on this path")
     }
 
+    /// The engine closed a choice's stream without `Done` or `Failed`: it is shutting down.
+    pub(crate) fn ended_early() -> ApiError {
+        ApiError::unavailable("the engine stopped before the request finished")
+    }
+
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Some("service_unavailable"), None, message)
     }
@@ -141,6 +146,22 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
     }
+}
+
+/// An error with its whole chain of causes: "error sending request … : Too many open files
+/// (os error 24)", not just the outermost "error sending request".
+pub(crate) fn cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
 }
 
 #[cfg(test)]

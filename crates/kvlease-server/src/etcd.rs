@@ -118,7 +118,7 @@ impl Etcd {
                     answer = Some(r);
                     break;
                 }
-                Err(e) => unreachable.push(format!("{member}: {}", crate::proxy::cause(&e))),
+                Err(e) => unreachable.push(format!("{member}: {}", crate::error::cause(&e))),
             }
         }
         answer.ok_or_else(|| EtcdError(format!("etcd unreachable ({})", unreachable.join("; "))))
@@ -231,7 +231,7 @@ impl Watch {
             }
             match self.body.next().await {
                 Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
-                Some(Err(e)) => return Err(EtcdError(format!("etcd watch broke: {}", crate::proxy::cause(&e)))),
+                Some(Err(e)) => return Err(EtcdError(format!("etcd watch broke: {}", crate::error::cause(&e)))),
                 None => return Err(EtcdError("etcd closed the watch".into())),
             }
         }

@@ -19,7 +19,7 @@
 
 use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
-use crate::error::ApiError;
+use crate::error::{cause, ApiError};
 use crate::server::{self, HttpLimits, HttpMetrics};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -887,22 +887,6 @@ async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &V
         Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "decode leg failed and {prefiller} did not release the lease"),
         Err(e) => tracing::warn!(request_id = %rid, "decode leg failed and the lease on {prefiller} could not be released: {}", cause(&e)),
     }
-}
-
-/// An error with its whole chain of causes: "error sending request … : Too many open files
-/// (os error 24)", not just the outermost "error sending request".
-pub(crate) fn cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        src = c.source();
-    }
-    s
 }
 
 /// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder.
