@@ -729,6 +729,37 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
     kv._reqs_to_send.pop(p_req)
 
 
+def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create, p_workers, p_side_channels):
+    """SPEC D6 inside vLLM: P reports a lease lost while D's READ of it is already posted. The
+    load fails through vLLM's failure path once the READ is over (its blocks marked invalid, the
+    request reported once, as failed), and the landed bytes are never reported as received, not
+    even after P answers the read's ReadDone."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    W, p_req, d_req = (43 << 32) + 1, "p-inflight-1", "d-inflight-1"
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-inflight", W, p_req, d_req, p_ttl=30)
+    d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
+    wait_for(lambda: d_req in d._recving_transfers, "the read to be posted",
+             step=lambda: (kv._get_new_notifs(), time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
+    kv._reqs_to_send.release(p_req)  # P ends the lease...
+    d._kvlease_lost_request(d_req)  # ... and D's renewer hears of it before D saw the read land
+    reported: list[tuple[str, bool]] = []
+
+    def step():
+        kv._get_new_notifs()
+        time.sleep(0.05)
+        res = d.get_transfer_results()
+        reported.extend((r, r in res.failed_recving) for r in res.finished_recving if r == d_req)
+        d.start_load_kv(NixlConnectorMetadata())
+
+    wait_for(lambda: reported, "the load to end", step=step)
+    wait_for(lambda: W not in d._kvlease_confirming, "P's answer to the read's ReadDone", step=step)
+    step()
+    assert reported == [(d_req, True)], reported
+    assert {3, 4} <= d.get_block_ids_with_load_errors()
+
+
 def test_p5_lease_book_confirms_only_reads_of_held_leases():
     """SPEC P5 inside vLLM, P's side of the read confirmation: a read is confirmed while its lease
     is held, and after vLLM ended the lease because that read completed; never after the lease
