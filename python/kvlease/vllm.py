@@ -213,8 +213,11 @@ class LeaseBook:
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         self.table = LeaseTable(config, capacity)
         self._holder = self.table.holder(self.TEXT_HOLDER)
-        # SPEC S5: the holder each lease's first binary renewal, release or confirmation claimed
-        # it for (P's own ends of a lease act as that holder).
+        # SPEC S5: each lease's holder as the table decided it (the holder its first renewal
+        # or release was admitted for), recorded from the table's answers: the table has no
+        # end of a lease by P itself, so P's own ends (a read vLLM saw complete, a request vLLM
+        # dropped, expiry) act as that holder; and the table cannot be asked who holds a
+        # lease, which a ReadDone needs.
         self._holder_of: dict[int, int] = {}
         self._lease_of: dict[str, int] = {}
         # Leases a renewal found past their deadline (released by the table as expired on the
@@ -295,7 +298,7 @@ class LeaseBook:
         return True
 
     def _claimed(self, holder: int, leases: list[int], lost: list[int]) -> None:
-        """SPEC S5: leases ``holder`` acted on and did not lose are its from now on."""
+        """SPEC S5: leases the table admitted ``holder`` for (not ``lost``) are its."""
         gone = set(lost)
         for lease in leases:
             if lease not in gone:
@@ -305,35 +308,40 @@ class LeaseBook:
         """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
         its read completed — it is held now (other consumers still reading), or it ended by that
         read. A lease that expired or was released before (its blocks may be another request's
-        now) is not, nor (S5) a lease another holder than ``holder`` holds or held."""
+        now) is not, nor (S5) a lease another holder than ``holder`` holds or held. A question
+        claims nothing."""
         if wire_id in self._read_while_live:
             was = self._read_while_live[wire_id]
-            return holder is None or was is None or was == holder
-        req_id = self._req_of_wire.get(wire_id)
-        lease = self._lease_of.get(req_id) if req_id is not None else None
-        if lease is None:
-            return False
-        if holder is not None:
-            self._holder_of.setdefault(lease, holder)
-            return self._holder_of[lease] == holder
-        return True
+        else:
+            req_id = self._req_of_wire.get(wire_id)
+            lease = self._lease_of.get(req_id) if req_id is not None else None
+            if lease is None:
+                return False
+            was = self._holder_of.get(lease)
+        return holder is None or was is None or was == holder
 
     def release_wire(self, wire_ids: list[int], holder: int) -> tuple[list[str], list[int]]:
-        """SPEC D4/P6/S5 for a binary ``Release``: ends the leases the wire ids name that
-        ``holder`` holds (or nobody claimed yet); returns their request ids and the wire ids
+        """SPEC D4/P6/S5 for a binary ``Release`` from ``holder``: the table ends the leases the
+        wire ids name that it admits ``holder`` for; returns their request ids and the wire ids
         that are not released (unknown, ended, or another holder's)."""
         freed: list[str] = []
         lost: list[int] = []
         for w in wire_ids:
             r = self._req_of_wire.get(w)
             lease = self._lease_of.get(r) if r is not None else None
-            if lease is None:
+            if r is None or lease is None:
                 self.unknown_renewals += 1
                 lost.append(w)
-            elif self._holder_of.setdefault(lease, holder) != holder:
+                continue
+            refused, _ = self.table.release(holder, [lease], time.monotonic_ns())
+            if refused:
                 lost.append(w)
-            else:
-                freed.append(r)
+                continue
+            del self._lease_of[r]
+            self._holder_of.pop(lease, None)
+            self._forget_wire(r)
+            self.released += 1
+            freed.append(r)
         return freed, lost
 
     def _forget_wire(self, req_id: str) -> None:
@@ -488,9 +496,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     #: How often a read held back for an acknowledged renewal is asked about again without news.
     RECHECK_NS = 100_000_000
     #: The least time a landed read waits for P's confirmation (SPEC P5), in seconds; L when
-    #: longer. A vLLM P answers only in its engine steps, and on a loaded host one took 5-35 s
-    #: between two steps while holding the lease (a lost wake-up in vLLM's shared-memory step
-    #: queue, which re-checks every 5 s, is the likely cause).
+    #: longer. A vLLM P answers only in its engine steps, and on a loaded 2-core host NIXL
+    #: notifications between vLLM engines now and then arrived 20-50 s late (RELIABILITY.md,
+    #: "Inside real vLLM"; not understood yet, issue 25).
     CONFIRM_WAIT_MIN_S = 30.0
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
@@ -728,8 +736,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return set()
         kind = msg["type"]
         sender = agent.decode() if isinstance(agent, bytes) else agent
-        # SPEC S5: the D engine the sending agent introduced itself as (its agent name before).
-        holder = book.table.holder(self._kvlease_engine_of.get(sender, sender))  # type: ignore[attr-defined]
+        holder = 0
+        if kind in ("heartbeat", "read_done", "release"):
+            # SPEC S5: the D engine the sending agent introduced itself as (its agent name before).
+            holder = book.table.holder(self._kvlease_engine_of.get(sender, sender))  # type: ignore[attr-defined]
         if kind == "heartbeat":
             self._kvlease_hb_received += 1
             lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
@@ -784,8 +794,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     self.nixl_wrapper.send_notif(sender, notif_msg=encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
                 except Exception:
                     logger.debug("Failed to answer a release of %s", sender, exc_info=True)
-            for req_id in reqs:
-                book.release(req_id)  # type: ignore[attr-defined]
+            for req_id in reqs:  # released by the book: vLLM's bookkeeping of them goes too
                 self.consumer_notification_counts_by_req.pop(req_id, None)
                 self.expected_consumer_notifications_by_req.pop(req_id, None)
                 self._reqs_to_process.discard(req_id)

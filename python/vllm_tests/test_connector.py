@@ -729,6 +729,25 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
     kv._reqs_to_send.pop(p_req)
 
 
+def test_s5_lease_book_holders_are_the_tables_and_a_question_claims_nothing():
+    """SPEC S5 in P's lease book: a lease's holder is the one the table admitted (first renewal
+    or release); asking whether a read was confirmed claims nothing (so the book and the table
+    never disagree on who holds a lease, and P's own end of it is never refused); another
+    holder's release is refused by the table and ends nothing."""
+    book = LeaseBook(kvlease.LeaseConfig(30))
+    one, two = book.table.holder("d-one"), book.table.holder("d-two")
+    book["r"] = time.perf_counter() + 30
+    book.name_wire_id("r", 7)
+    assert book.read_confirmed(7, two), "live and nobody's yet"
+    assert book.renew_wire([7], one) == [], "the question did not make it two's"
+    assert not book.read_confirmed(7, two) and book.read_confirmed(7, one)
+    assert book.renew_wire([7], two) == [7]
+    assert book.release_wire([7, 99], two) == ([], [7, 99]) and "r" in book
+    book.pop("r")  # P's own end (vLLM saw the read complete), as the table's holder
+    assert book.table.live == 0 and book.transferred == 1
+    assert book.read_confirmed(7, one) and not book.read_confirmed(7, two)
+
+
 def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create, p_workers, p_side_channels):
     """SPEC D6 inside vLLM: P reports a lease lost while D's READ of it is already posted. The
     load fails through vLLM's failure path once the READ is over (its blocks marked invalid, the

@@ -27,7 +27,8 @@ What it does:
    Every answer is classified: ok (200, the reference text), wrong (200, a complete answer, a
    different text: the failure that matters), error (anything else: a status, a broken stream,
    an error event, a finish_reason of error). A wrong answer always fails the run; an error
-   does too, unless `--errors report` (scripts/test.sh) counts it instead.
+   does too, unless `--errors report` (scripts/test.sh) counts it instead (a connector none of
+   whose equivalence checks passed still fails).
 
 Every process is started in its own process group, listed in RUN_DIR/pgids (the shell script's
 trap kills what is listed there if this program dies), and stopped on exit.
@@ -512,6 +513,7 @@ def references(cl: Cluster, prompts: Prompts, rep: Report, fault_sets: dict[str,
 
 def equivalence(tag: str, proxies: dict[str, Engine], d: Engine, prompts: Prompts, refs: dict[tuple[str, str], str], rep: Report) -> None:
     cases = [("completions", p) for p in prompts.completions()] + [("chat", p) for p in prompts.chats()]
+    passed = 0
     for pname, px in proxies.items():
         for kind in ("completions", "chat"):
             for stream in (False, True):
@@ -532,6 +534,10 @@ def equivalence(tag: str, proxies: dict[str, Engine], d: Engine, prompts: Prompt
                         bad.append("the answer is right but D loaded no KV from P (external_kv_transfer tokens did not grow): recomputed, not transferred")
                 what = f"{tag} via {pname} proxy: /v1/{'completions' if kind == 'completions' else 'chat/completions'} {'streamed' if stream else 'not streamed'} equals the single instance"
                 rep.judged_line(not bad, errors if errors == len(bad) else 0, what, "; ".join(bad))
+                passed += not bad
+    if passed == 0:
+        # Even under --errors report: a connector that answers nothing is broken, not late.
+        rep.line(False, f"{tag}: equivalence", "not one check passed")
 
 
 def quiesce(p: Engine, d: Engine | None, timeout: float = 120) -> None:
