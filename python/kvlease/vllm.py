@@ -92,7 +92,12 @@ check_vllm_version(str(getattr(_vllm, "__version__", "")), os.environ.get(UNCHEC
 #: sent and received) sets this connector's level alone.
 logger = logging.getLogger("vllm.kvlease")
 if os.environ.get("KVLEASE_LOG_LEVEL"):
-    logger.setLevel(os.environ["KVLEASE_LOG_LEVEL"].upper())
+    try:
+        logger.setLevel(os.environ["KVLEASE_LOG_LEVEL"].upper())
+    except ValueError:
+        raise ValueError(
+            f"KVLEASE_LOG_LEVEL={os.environ['KVLEASE_LOG_LEVEL']!r}: not a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL)"
+        ) from None
     # vLLM's handler drops records under VLLM_LOGGING_LEVEL: this logger gets its own.
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s.%(msecs)03d [kvlease pid %(process)d %(threadName)s] %(message)s", "%m-%d %H:%M:%S"))

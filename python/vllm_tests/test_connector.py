@@ -92,6 +92,18 @@ def test_nixl_agent_is_thread_safe_and_progress_delay_set_from_extra_config(crea
             create("KvleaseConnector", "kv_consumer", "scheduler", "d-bad-delay", **{NIXL_PROGRESS_DELAY_KEY: bad})
 
 
+def test_a_bad_kvlease_log_level_is_refused_naming_it():
+    """Every bad input gets a clear error: an unknown KVLEASE_LOG_LEVEL stops the connector's
+    import with a message naming the variable (Python's own says only "Unknown level")."""
+    import os
+    import subprocess
+    import sys as _sys
+
+    env = dict(os.environ, KVLEASE_LOG_LEVEL="loud")
+    r = subprocess.run([_sys.executable, "-c", "import kvlease.vllm"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "KVLEASE_LOG_LEVEL='loud'" in r.stderr, r.stderr[-500:]
+
+
 def test_spec2_vllm_own_extra_config_keys_are_not_called_unknown(caplog):
     """vLLM's own NIXL keys take effect (vLLM reads them), so only truly unknown keys are logged."""
     extra = {"engine_ttl": 60.0, "enforce_handshake_compat": False, "push_registration_timeout": 30, "kv_lease_duratoin": 30}
