@@ -15,13 +15,19 @@ reads, block accounting, when D heartbeats). What changes:
   comes from the table's timing wheel in deadline order (SPEC P4; vLLM #58222), and a step with
   nothing due costs O(1). A heartbeat renews through the table (SPEC P2); names the table does
   not know are counted (SPEC P6).
-* The wire: P's ``kv_transfer_params`` advertise ``kvlease_wire`` and ``kvlease_lease_id``; a
-  kvlease D renews those leases with kvlease's binary heartbeat, and vLLM's ``HB:`` text
-  otherwise. A stock D ignores the keys, so either side works with a stock peer.
-* Lost leases: a kvlease D sends P a ``Hello`` carrying its NIXL agent metadata (vLLM's pull
-  mode gives P no channel back to D), P answers binary heartbeats with
-  ``HeartbeatAck{lost_ids}``, and D fails the load of a lost request through vLLM's failure path
-  instead of reading reused blocks (SPEC D6); vLLM's ``kv_load_failure_policy`` applies.
+* The wire: P's ``kv_transfer_params`` advertise ``kvlease_wire``, ``kvlease_lease_id`` and
+  ``kvlease_control_ports``; a kvlease D renews those leases with kvlease's binary heartbeat,
+  and vLLM's ``HB:`` text otherwise. A stock D ignores the keys, so either side works with a
+  stock peer.
+* kvlease's messages travel on a control channel of their own (:mod:`kvlease.control`): a TCP
+  connection from each D worker to each P worker it reads from, at the port P's worker put in
+  vLLM's handshake payload. P answers there at once, on the channel's threads, whether or not
+  its engine is stepping; vLLM's own messages (``HB:``, ``req:n``) stay NIXL notifications.
+  (Inside real ``vllm serve`` processes, NIXL notifications between P and D came 20-50 s late
+  now and then, and answering D over NIXL needed P to load D's agent: issue 25.)
+* Lost leases: P answers binary heartbeats with ``HeartbeatAck{lost_ids}``, and D fails the
+  load of a lost request through vLLM's failure path instead of reading reused blocks (SPEC
+  D6); vLLM's ``kv_load_failure_policy`` applies.
 * D's binary heartbeats come from kvlease's :class:`~kvlease.Renewer`, polled by a thread of
   the worker on its own timer, not from the forward loop (SPEC D3); such a lease is read only
   while an acknowledged heartbeat covers the read budget (SPEC D6).
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -41,6 +48,7 @@ from typing import Any, Iterator
 
 import secrets
 
+from kvlease.control import ControlLink, ControlServer, Peer
 from kvlease._core import (
     WIRE_VERSION,
     LeaseConfig,
@@ -78,7 +86,9 @@ def check_vllm_version(version: str, unchecked: bool = False) -> None:
 try:  # vLLM is optional for `import kvlease`, required for this module.
     import vllm as _vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    import vllm.envs as vllm_envs
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
@@ -188,6 +198,17 @@ def lease_config_of(vllm_config: Any) -> LeaseConfig:
     return cfg
 
 
+def _locked(method: Any) -> Any:
+    """The method runs holding its object's ``lock``."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class LeaseBook:
     """vLLM's ``_reqs_to_send`` mapping (request id -> deadline on ``time.perf_counter()``),
     backed by a kvlease :class:`~kvlease.LeaseTable`.
@@ -205,7 +226,7 @@ class LeaseBook:
     """
 
     __slots__ = (
-        "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
+        "lock", "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
         "_holder_of", "transferred", "released",
     )
 
@@ -216,6 +237,10 @@ class LeaseBook:
     READ_MEMORY = 1 << 16
 
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
+        #: Held by every method: vLLM's engine thread uses the book, and so does the thread of
+        #: kvlease's control channel answering D (renewals, ReadDone, Release) between steps.
+        #: The connector takes it too for what it keeps beside the book.
+        self.lock = threading.RLock()
         self.table = LeaseTable(config, capacity)
         self._holder = self.table.holder(self.TEXT_HOLDER)
         # SPEC S5: each lease's holder as the table decided it (the holder its first renewal
@@ -242,18 +267,23 @@ class LeaseBook:
         self.released = 0
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
+    @_locked
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._lease_of
 
+    @_locked
     def __len__(self) -> int:
         return len(self._lease_of)
 
+    @_locked
     def __bool__(self) -> bool:
         return bool(self._lease_of)
 
+    @_locked
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._lease_of))
 
+    @_locked
     def __getitem__(self, req_id: str) -> float:
         lease = self._lease_of[req_id]
         deadline = self.table.deadline(lease)
@@ -261,6 +291,7 @@ class LeaseBook:
             raise KeyError(req_id)
         return time.perf_counter() + (deadline - time.monotonic_ns()) / 1e9
 
+    @_locked
     def __setitem__(self, req_id: str, deadline: float) -> None:
         """SPEC P1: grant a lease for ``req_id`` until ``deadline`` (``time.perf_counter()``
         seconds, as vLLM computes it: now + ``kv_lease_duration``)."""
@@ -270,11 +301,13 @@ class LeaseBook:
         lifetime = max(deadline - time.perf_counter(), 1e-9)
         self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
 
+    @_locked
     def __delitem__(self, req_id: str) -> None:
         if req_id not in self._lease_of:
             raise KeyError(req_id)
         self.release(req_id)
 
+    @_locked
     def pop(self, req_id: str, default: Any = None) -> Any:
         """The lease ends because vLLM's worker saw its read complete (every consumer's
         ``req:n`` notification), while the blocks were still held: D's confirmation request for it
@@ -288,6 +321,7 @@ class LeaseBook:
             self.transferred += 1
         return default
 
+    @_locked
     def release(self, req_id: str, default: Any = None) -> Any:
         """The lease ends without a read (D released it, or vLLM dropped the request)."""
         if self._end(req_id):
@@ -309,6 +343,7 @@ class LeaseBook:
             if lease not in gone:
                 self._holder_of.setdefault(lease, holder)
 
+    @_locked
     def read_confirmed(self, wire_id: int, holder: int | None = None) -> bool:
         """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
         its read completed — it is held now (other consumers still reading), or it ended by that
@@ -325,6 +360,7 @@ class LeaseBook:
             was = self._holder_of.get(lease)
         return holder is None or was is None or was == holder
 
+    @_locked
     def release_wire(self, wire_ids: list[int], holder: int) -> tuple[list[str], list[int]]:
         """SPEC D4/P6/S5 for a binary ``Release`` from ``holder``: the table ends the leases the
         wire ids name that it admits ``holder`` for; returns their request ids and the wire ids
@@ -354,16 +390,19 @@ class LeaseBook:
         if wid is not None:
             self._req_of_wire.pop(wid, None)
 
+    @_locked
     def name_wire_id(self, req_id: str, wire_id: int) -> None:
         """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
         if req_id in self._lease_of:
             self._req_of_wire[wire_id] = req_id
             self._wire_of[req_id] = wire_id
 
+    @_locked
     def req_of_wire(self, wire_id: int) -> str | None:
         """The request a live lease's wire id names, or ``None``."""
         return self._req_of_wire.get(wire_id)
 
+    @_locked
     def renew_wire(self, wire_ids: list[int], holder: int | None = None) -> list[int]:
         """SPEC P2/P6/S5 for a binary heartbeat from ``holder``: renews the leases the wire ids
         name and returns the ids that are not live (unknown, released, expired, found past their
@@ -389,10 +428,12 @@ class LeaseBook:
                 self._due.append(rel.payload)
         return lost
 
+    @_locked
     def items(self) -> list[tuple[str, float]]:
         return [(r, self[r]) for r in self._lease_of]
 
     # -- what replaces vLLM's loops -------------------------------------------------------
+    @_locked
     def renew(self, req_ids: list[str]) -> int:
         """SPEC P2, P6: a heartbeat named ``req_ids``: each live lease's deadline becomes
         ``max(deadline, now + E)``. Returns how many were renewed; names not live are counted in
@@ -413,6 +454,7 @@ class LeaseBook:
             self._due.append(rel.payload)
         return renewed
 
+    @_locked
     def expired(self) -> list[str]:
         """SPEC P4: the request ids whose leases expired, in deadline order; O(1) when none is
         due (one look at the timing wheel's earliest bucket)."""
@@ -520,12 +562,20 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
         #: SPEC P7: binary notifications that did not decode, dropped.
         self.kvlease_malformed = 0
-        # P: D agents that introduced themselves (Hello with their NIXL metadata): P can answer
-        # them. vLLM's pull mode never loads D's agent on P, so without it there is no channel
-        # back to D.
-        self._kvlease_answerable: set[str] = set()
-        # P: each such agent's engine id (SPEC S5: leases are held per D engine).
-        self._kvlease_engine_of: dict[str, str] = {}
+        # P: kvlease's control channel (kvlease.control): D's renewals, ReadDones and Releases
+        # come in, and are answered, on its threads, whether or not this engine is stepping.
+        # Started once the KV caches are registered; its port goes to P's scheduler in vLLM's
+        # handshake payload, and from there to D in kv_transfer_params.
+        self._kvlease_server: ControlServer | None = None
+        # P: requests a D's Release freed on the channel's thread, for the engine thread to
+        # report sent (vLLM frees the blocks of requests reported sent); under the book's lock.
+        self._kvlease_freed: set[str] = set()
+        # D: each kvlease P engine's control addresses (host, (pp rank, tp rank) -> port), and
+        # our connection to each P worker we read from.
+        self._kvlease_control: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
+        self._kvlease_links: dict[tuple[str, tuple[int, int]], ControlLink] = {}
+        # The renewer's thread and the engine's (a ReadDone) both send: one connection per P worker.
+        self._kvlease_links_lock = threading.Lock()
         # D: kvlease's Renewer, polled by a thread of its own (started with the first binary
         # heartbeat); the P agents we introduced ourselves to; requests whose lease is lost.
         self._kvlease_renewer = Renewer(self.kvlease_config)
@@ -551,7 +601,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # Requests whose read landed (confirming or confirmed): no longer renewed.
         self._kvlease_landed: set[str] = set()
         self._kvlease_hs_pending: set[str] = set()
-        self._kvlease_hello_sent: set[str] = set()
         self.kvlease_lost: set[str] = set()
         # P: requests a kvlease D renewed over the binary wire (it confirms its read with a
         # ReadDone) -> their wire ids; completed reads held back until that ReadDone is answered
@@ -676,21 +725,43 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         since = self._kvlease_deferred_at.get(req_id, give_up)
         return now < since + int(self.kvlease_config.lease_duration * 1e9)
 
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """vLLM's registration; then, on a P, kvlease's control channel starts and its port joins
+        vLLM's handshake payload (a stock D decodes the payload as vLLM's and never sees it)."""
+        super().register_kv_caches(kv_caches)
+        ktc = self.vllm_config.kv_transfer_config
+        if not getattr(ktc, "is_kv_producer", True) or self.xfer_handshake_metadata is None:
+            return
+        if self._kvlease_server is None:
+            host = vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+            self._kvlease_server = ControlServer(host, self._kvlease_on_peer)
+            logger.info("kvlease: control channel of engine %s (tp rank %d) listening on %s:%d", self.engine_id, self.tp_rank, host, self._kvlease_server.port)
+        md = self.xfer_handshake_metadata
+        self.xfer_handshake_metadata = KvleaseHandshakePayload(
+            compatibility_hash=md.compatibility_hash,
+            agent_metadata_bytes=md.agent_metadata_bytes,
+            kvlease_control_port=self._kvlease_server.port,
+        )
+
     def _get_new_notifs(self) -> set[str]:
-        """vLLM's notification handling, with kvlease's binary messages (magic ``KL``) taken
-        out first and applied here; vLLM's text messages go through vLLM's code unchanged."""
+        """vLLM's notification handling, plus what kvlease's control channel freed since the last
+        step. kvlease's binary messages travel on the control channel: one arriving as a NIXL
+        notification (a D of an older kvlease) is dropped, not handed to vLLM's text parser."""
         real = self.nixl_wrapper
         text: dict[str, list[bytes]] = {}
-        released: set[str] = set()
         for agent, msgs in real.get_new_notifs().items():
-            keep = []
-            for m in msgs:
-                if is_kvlease_message(m):
-                    released |= self._kvlease_message(agent, m)
-                else:
-                    keep.append(m)
+            keep = [m for m in msgs if not is_kvlease_message(m)]
+            if len(keep) < len(msgs):
+                logger.warning("kvlease: %d kvlease message(s) from %s arrived over NIXL, dropped: this P takes them on its control channel only", len(msgs) - len(keep), agent)
             if keep:
                 text[agent] = keep
+        book = self._reqs_to_send
+        with book.lock:  # type: ignore[attr-defined]
+            released, self._kvlease_freed = self._kvlease_freed, set()
+        for req_id in released:  # released by the book: vLLM's bookkeeping of them goes too
+            self.consumer_notification_counts_by_req.pop(req_id, None)
+            self.expected_consumer_notifications_by_req.pop(req_id, None)
+            self._reqs_to_process.discard(req_id)
         self.nixl_wrapper = _Replay(real, text)
         try:
             done = super()._get_new_notifs()
@@ -706,6 +777,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         its steps: a ``ReadDone`` arriving a moment after the ``req:n`` waited for P's next
         request, and D failed the healthy read after E. A stock D sends no ``ReadDone``: its
         requests (never renewed over the binary wire) are reported at once, as in vLLM."""
+        with self._reqs_to_send.lock:  # type: ignore[attr-defined]
+            return self._kvlease_hold_locked(done)
+
+    def _kvlease_hold_locked(self, done: set[str]) -> set[str]:
         now = time.monotonic_ns()
         wait = int(self.kvlease_config.ack_wait * 1e9)
         book = self._reqs_to_send
@@ -731,107 +806,87 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 done.add(req_id)
         return done
 
-    def _kvlease_message(self, agent: str, data: bytes) -> set[str]:
-        """SPEC P2/D4/P6/P7 for a binary message from a kvlease peer. Returns requests to free."""
+    def _kvlease_on_peer(self, peer: Peer, data: bytes) -> None:
+        """SPEC P2/D4/P5/P6/P7/S5 on P, for a message of a kvlease D on the control channel (on
+        that connection's thread): decided by the book's table under its lock, answered at once."""
         book = self._reqs_to_send
         try:
             msg = decode(data)
         except WireDecodeError:
             self.kvlease_malformed += 1
-            return set()
+            return
         kind = msg["type"]
-        sender = agent.decode() if isinstance(agent, bytes) else agent
-        holder = 0
-        if kind in ("heartbeat", "read_done", "release"):
-            # SPEC S5: the D engine the sending agent introduced itself as (its agent name before).
-            holder = book.table.holder(self._kvlease_engine_of.get(sender, sender))  # type: ignore[attr-defined]
-        if kind == "heartbeat":
-            self._kvlease_hb_received += 1
-            lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-            gone = set(lost)
-            for wire_id in msg["lease_ids"]:
-                req_id = book.req_of_wire(wire_id)  # type: ignore[attr-defined]
-                if wire_id not in gone and req_id is not None:
-                    self._kvlease_confirmable[req_id] = wire_id
-            logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s; answerable %s", msg["seq"], sender, len(msg["lease_ids"]), sorted(lost), sender in self._kvlease_answerable)
-            if sender in self._kvlease_answerable:  # SPEC P6: D learns in the same round trip
-                ack = encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)})
-                try:
-                    self.nixl_wrapper.send_notif(sender, notif_msg=ack)
-                except Exception:
-                    logger.debug("Failed to answer a heartbeat of %s", agent, exc_info=True)
-        elif kind == "hello":
-            self._kvlease_hello_from(agent, msg)
-        elif kind == "read_done":
-            # SPEC P5: D asks whether its read completed while P still held the blocks, before it
-            # uses a byte of them.
-            live = book.read_confirmed(msg["lease_id"], holder)  # type: ignore[attr-defined]
-            self._kvlease_confirmed.add(msg["lease_id"])
-            logger.debug("kvlease: read_done of lease %d from %s: live %s; answerable %s", msg["lease_id"], sender, live, sender in self._kvlease_answerable)
-            if sender in self._kvlease_answerable:
-                ack = encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live})
-                try:
-                    self.nixl_wrapper.send_notif(sender, notif_msg=ack)
-                except Exception:
-                    logger.debug("Failed to answer a read completion of %s", agent, exc_info=True)
-        elif kind == "read_done_ack":
-            logger.debug("kvlease: read_done_ack of lease %d from %s: live %s", msg["lease_id"], agent, msg["live"])
+        if kind == "hello":
+            # SPEC S5: leases are held per D engine, the one this connection says it is.
+            peer.engine_id = str(msg["engine_id"])
+            logger.debug("kvlease: hello from engine %s on %s", peer.engine_id, peer.name)
+            return
+        answers: list[bytes] = []
+        with book.lock:  # type: ignore[attr-defined]
+            holder = book.table.holder(peer.engine_id or peer.name)  # type: ignore[attr-defined]
+            if kind == "heartbeat":
+                self._kvlease_hb_received += 1
+                lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
+                gone = set(lost)
+                for wire_id in msg["lease_ids"]:
+                    req_id = book.req_of_wire(wire_id)  # type: ignore[attr-defined]
+                    if wire_id not in gone and req_id is not None:
+                        self._kvlease_confirmable[req_id] = wire_id
+                logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s", msg["seq"], peer.engine_id, len(msg["lease_ids"]), sorted(lost))
+                # SPEC P6: D learns in the same round trip.
+                answers.append(encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)}))
+            elif kind == "read_done":
+                # SPEC P5: D asks whether its read completed while P still held the blocks,
+                # before it uses a byte of them.
+                live = book.read_confirmed(msg["lease_id"], holder)  # type: ignore[attr-defined]
+                self._kvlease_confirmed.add(msg["lease_id"])
+                logger.debug("kvlease: read_done of lease %d from %s: live %s", msg["lease_id"], peer.engine_id, live)
+                answers.append(encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live}))
+            elif kind == "release":
+                # SPEC D4: D will not read; the engine thread reports the requests sent (vLLM
+                # frees their blocks). SPEC P6/S5: leases that are not live, or another engine's,
+                # are answered lost and stay as they are.
+                reqs, lost = book.release_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
+                for req_id in reqs:
+                    self._kvlease_confirmable.pop(req_id, None)
+                self._kvlease_freed.update(reqs)
+                if lost:
+                    answers.append(encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
+            else:
+                logger.debug("kvlease: a %s from %s is not a message a P takes; dropped", kind, peer.name)
+        for a in answers:
+            peer.send(a)
+
+    def _kvlease_on_answer(self, engine_id: str, data: bytes) -> None:
+        """SPEC D6 on D, for P's answers on the control channel (on that link's thread)."""
+        try:
+            msg = decode(data)
+        except WireDecodeError:
+            self.kvlease_malformed += 1
+            return
+        kind = msg["type"]
+        if kind == "read_done_ack":
+            logger.debug("kvlease: read_done_ack of lease %d from %s: live %s", msg["lease_id"], engine_id, msg["live"])
             self._kvlease_read_answered(msg["lease_id"], msg["live"])
         elif kind in ("heartbeat_ack", "lease_lost"):
-            # SPEC D6 on D: the renewer learns which leases P no longer holds; its next poll
-            # reports them lost and their loads fail (_kvlease_lost_request).
-            engine = next(
-                (e for e, agents in self._remote_agents.items() if sender in {a.decode() if isinstance(a, bytes) else a for a in agents.values()}),
-                None,
-            )
-            logger.debug("kvlease: %s from %s (engine %s)", kind, sender, engine)
-            if engine is not None:
-                with self._kvlease_lock:
-                    self._kvlease_renewer.on_message(engine, data, time.monotonic_ns())
-                    self._kvlease_news += 1
-        elif kind == "release":
-            # SPEC D4: D will not read; free now (vLLM frees blocks reported as sent). SPEC P6/S5:
-            # leases that are not live, or another engine's, are answered lost and stay as they are.
-            freed = set()
-            reqs, lost = book.release_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-            if lost and sender in self._kvlease_answerable:
-                try:
-                    self.nixl_wrapper.send_notif(sender, notif_msg=encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
-                except Exception:
-                    logger.debug("Failed to answer a release of %s", sender, exc_info=True)
-            for req_id in reqs:  # released by the book: vLLM's bookkeeping of them goes too
-                self.consumer_notification_counts_by_req.pop(req_id, None)
-                self.expected_consumer_notifications_by_req.pop(req_id, None)
-                self._reqs_to_process.discard(req_id)
-                self._kvlease_confirmable.pop(req_id, None)
-                freed.add(req_id)
-            return freed
-        return set()
-
-    def _kvlease_hello_from(self, agent: Any, msg: dict[str, Any]) -> None:
-        """A kvlease D introduces its NIXL agent so P can answer it (vLLM's pull mode never loads
-        D's agent on P)."""
-        sender = agent.decode() if isinstance(agent, bytes) else agent
-        if sender in self._kvlease_answerable:
-            return
-        for md in msg["agents"][:1]:
-            try:
-                name = self.nixl_wrapper.add_remote_agent(md)
-            except Exception:
-                logger.warning("kvlease: could not load the agent of %s", msg["engine_id"], exc_info=True)
-                continue
-            # NIXL names the agent in bytes here and in str as a notification's sender.
-            self._kvlease_answerable.add(name.decode() if isinstance(name, bytes) else name)
-            self._kvlease_engine_of[sender] = str(msg["engine_id"])
-            logger.debug("kvlease: hello from %s: its agent %s loaded", msg["engine_id"], name)
+            # The renewer learns which leases P no longer holds; its next poll reports them lost
+            # and their loads fail (_kvlease_lost_request).
+            logger.debug("kvlease: %s from %s", kind, engine_id)
+            with self._kvlease_lock:
+                self._kvlease_renewer.on_message(engine_id, data, time.monotonic_ns())
+                self._kvlease_news += 1
+            self._kvlease_wake.set()
+        else:
+            logger.debug("kvlease: a %s from P %s is not a message a D takes; dropped", kind, engine_id)
 
     # -- D: binary heartbeats toward a P that advertised them -----------------------------
-    def _kvlease_sync(self, new: dict[str, tuple[str, str, int, int]], gone: Any) -> None:
+    def _kvlease_sync(self, new: dict[str, tuple[str, str, int, int, Any]], gone: Any) -> None:
         """SPEC D1/D2/D3: the scheduler's news since the last step: requests toward a kvlease P
         that arrived (``new``: request -> (P's engine, host, side-channel port, wire id)) are
         tracked by kvlease's Renewer, which a thread of this worker polls on its own timer (a
         long forward step delays no heartbeat; vLLM sends from the forward loop), and those that
-        stopped (``gone``: transferred, finished or aborted; vLLM tells P itself) are not."""
+        stopped (``gone``: transferred, finished or aborted; vLLM tells P itself) are not. Each
+        new request also names its P's control ports (``[pp rank, tp rank, port]`` triples)."""
         if not new and not gone and not self._kvlease_hs_pending:
             return
         with self._kvlease_lock:
@@ -841,9 +896,16 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 r.untrack(req_id)
                 self._kvlease_reqs.pop(req_id, None)
                 self._kvlease_landed.discard(req_id)
-            for req_id, (engine_id, host, port, wire_id) in new.items():
+            for req_id, (engine_id, host, port, wire_id, control) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
                 self._kvlease_reqs[req_id] = (engine_id, wire_id)
+                ports = {(pp, tp): cport for pp, tp, cport in control}
+                if self._kvlease_control.get(engine_id) != (host, ports):
+                    # A P restarted on new ports: connections to its old ones are done with.
+                    self._kvlease_control[engine_id] = (host, ports)
+                    with self._kvlease_links_lock:
+                        for key in [k for k in self._kvlease_links if k[0] == engine_id]:
+                            self._kvlease_links.pop(key).close()
             self._kvlease_handshakes_done(now)
         if new and self._kvlease_thread is None:
             self._kvlease_thread = threading.Thread(target=self._kvlease_run, name="kvlease-renewer", daemon=True)
@@ -884,22 +946,37 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self._kvlease_wake.clear()
 
     def _kvlease_send(self, engine_id: str, data: bytes) -> int:
-        """Sends ``data`` to every agent of P engine ``engine_id`` (introducing ours first);
-        returns to how many it went."""
+        """Sends ``data`` on the control channel to every worker of P engine ``engine_id`` this
+        worker reads from (vLLM's handshake named them), connecting (and introducing this D
+        engine) where there is no connection yet; returns to how many it went."""
         agents = self._remote_agents.get(engine_id) or {}
+        host, ports = self._kvlease_control.get(engine_id, ("", {}))
         sent = 0
-        for agent_name in list(agents.values()):
-            try:
-                if agent_name not in self._kvlease_hello_sent:
-                    self.nixl_wrapper.send_notif(agent_name, notif_msg=self._kvlease_hello())
-                    self._kvlease_hello_sent.add(agent_name)
-                self.nixl_wrapper.send_notif(agent_name, notif_msg=data)
-                logger.debug("kvlease: sent %d bytes to %s of engine %s", len(data), agent_name, engine_id)
+        for rank in list(agents):
+            link = self._kvlease_link(engine_id, rank, host, ports.get(rank))
+            if link is not None and link.send(data):
+                logger.debug("kvlease: sent %d bytes to engine %s rank %s", len(data), engine_id, rank)
                 self._engine_last_active[engine_id] = time.perf_counter()
                 sent += 1
-            except Exception:
-                logger.debug("Failed to send to engine %s", engine_id, exc_info=True)
         return sent
+
+    def _kvlease_link(self, engine_id: str, rank: tuple[int, int], host: str, port: int | None) -> ControlLink | None:
+        """The open connection to P engine ``engine_id``'s worker ``rank``, made (our Hello sent)
+        if there is none; ``None`` when it cannot be made now (the next send tries again)."""
+        with self._kvlease_links_lock:
+            link = self._kvlease_links.get((engine_id, rank))
+            if link is not None and not link.closed:
+                return link
+            if port is None:
+                logger.warning("kvlease: P engine %s advertised no control port for its worker %s", engine_id, rank)
+                return None
+            try:
+                link = ControlLink(host, port, _hello(self.engine_id), lambda d, e=engine_id: self._kvlease_on_answer(e, d))
+            except OSError as e:
+                logger.warning("kvlease: cannot reach the control channel of P engine %s worker %s at %s:%d: %s", engine_id, rank, host, port, e)
+                return None
+            self._kvlease_links[(engine_id, rank)] = link
+            return link
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         """SPEC P5/D6 inside vLLM: a read of a kvlease P's blocks that landed is used only once
@@ -1002,11 +1079,12 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_wake.set()
         if self._kvlease_thread is not None:
             self._kvlease_thread.join(timeout=5)
+        if self._kvlease_server is not None:
+            self._kvlease_server.close()
+        with self._kvlease_links_lock:
+            for link in self._kvlease_links.values():
+                link.close()
         super().shutdown()
-
-    def _kvlease_hello(self) -> bytes:
-        """This D's NIXL agent metadata in a kvlease Hello: lets P answer our heartbeats."""
-        return _hello(self.engine_id, self.nixl_wrapper.get_agent_metadata())
 
     def _send_heartbeats(self, metadata: Any) -> None:
         binary: dict[str, tuple[list[int], set[str]]] = getattr(metadata, "kvlease_hb", {}) or {}
@@ -1048,17 +1126,19 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 count,
             )
             self._reqs_to_process.discard(req_id)
-            self._kvlease_confirmable.pop(req_id, None)
+            with self._reqs_to_send.lock:  # type: ignore[attr-defined]
+                self._kvlease_confirmable.pop(req_id, None)
             done_sending.add(req_id)
 
 
-def _hello(engine_id: str, agent_metadata: bytes) -> bytes:
+def _hello(engine_id: str) -> bytes:
+    """The first message on a control connection: which D engine this is (SPEC S5)."""
     return encode(
         {
             "type": "hello",
             "engine_id": engine_id,
             "incarnation": 0,
-            "agents": [agent_metadata],
+            "agents": [],
             "info": b"",
             "t_send": time.monotonic_ns(),
             "echo": (0, 0),
@@ -1083,12 +1163,40 @@ class _Replay:
         return getattr(self._real, name)
 
 
+@dataclasses.dataclass
+class KvleaseHandshakePayload(NixlHandshakePayload):
+    """vLLM's handshake payload of a P worker plus the port of its kvlease control channel.
+    msgspec encodes it as a map and, decoding vLLM's payload type, skips the field it does not
+    know: a stock D reads it as vLLM's."""
+
+    kvlease_control_port: int = 0
+
+
+def control_ports_of(params: dict[str, Any]) -> list[tuple[int, int, int]] | None:
+    """The ``kvlease_control_ports`` of P's ``kv_transfer_params`` (``[pp rank, tp rank, port]``
+    triples), or ``None`` when absent or not that shape (then the request is renewed as with a
+    stock P: vLLM's text heartbeats)."""
+    raw = params.get("kvlease_control_ports")
+    if not isinstance(raw, list) or not raw:
+        return None
+    out = []
+    for t in raw:
+        if not isinstance(t, (list, tuple)) or len(t) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in t):
+            return None
+        pp, tp, port = t
+        if pp < 0 or tp < 0 or not 0 < port < 65536:
+            return None
+        out.append((pp, tp, port))
+    return out
+
+
 class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
     """vLLM's pull-mode scheduler side, plus the kvlease wire advertisement.
 
-    On P, a lease's ``kv_transfer_params`` also carry ``kvlease_wire`` (the wire version) and
-    ``kvlease_lease_id``: that is how a D learns that this P speaks kvlease's binary wire and
-    which id names the lease on it. A stock vLLM D ignores both keys and keeps sending ``HB:``.
+    On P, a lease's ``kv_transfer_params`` also carry ``kvlease_wire`` (the wire version),
+    ``kvlease_lease_id`` and ``kvlease_control_ports``: that is how a D learns that this P speaks
+    kvlease's binary wire, which id names the lease on it, and where each P worker's control
+    channel listens (its host is vLLM's ``remote_host``). A stock vLLM D ignores both keys and keeps sending ``HB:``.
     On D, requests whose params carry them are renewed with binary heartbeats (sorted,
     delta-encoded ids, about a byte each); the rest with vLLM's text.
     """
@@ -1106,16 +1214,27 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         self._kvlease_d_req: dict[str, tuple[str, str]] = {}  # D: local req id -> (engine, remote)
         # D: what the worker learns with the next step's metadata: requests registered (local req
         # id -> (engine, host, port, wire id)) and requests no longer renewed.
-        self._kvlease_new_reqs: dict[str, tuple[str, str, int, int]] = {}
+        self._kvlease_new_reqs: dict[str, tuple[str, str, int, int, list[tuple[int, int, int]]]] = {}
         self._kvlease_gone_reqs: set[str] = set()
+        # P: each worker's control port, from vLLM's handshake payloads ([pp, tp, port]).
+        self._kvlease_control_ports: list[list[int]] | None = None
+
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        ports = {k: getattr(md, "kvlease_control_port", 0) for k, md in metadata.items()}
+        if ports and all(ports.values()):
+            self._kvlease_control_ports = [[pp, tp, port] for (pp, tp), port in sorted(ports.items())]
+        else:
+            logger.warning("kvlease: not every worker of engine %s reported a control port: its leases are renewed with vLLM's text heartbeats only", self.engine_id)
+        super().set_xfer_handshake_metadata(metadata)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
-        if delay and params is not None and params.get("do_remote_prefill"):
+        if delay and params is not None and params.get("do_remote_prefill") and self._kvlease_control_ports:
             wire_id = self._kvlease_next_id
             self._kvlease_next_id += 1
             params["kvlease_wire"] = WIRE_VERSION
             params["kvlease_lease_id"] = wire_id
+            params["kvlease_control_ports"] = self._kvlease_control_ports
             self._kvlease_new_ids[request.request_id] = wire_id
         return delay, params
 
@@ -1127,6 +1246,9 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         wire_id, engine, remote = p.get("kvlease_lease_id"), p.get("remote_engine_id"), p.get("remote_request_id")
         if isinstance(wire_id, bool) or not isinstance(wire_id, int) or not 0 < wire_id < 2**64:
             return
+        control = control_ports_of(p)
+        if control is None:
+            return
         if request.request_id not in self._heartbeat_req_engine:
             return
         if remote in self._kvlease_d.get(engine, {}):
@@ -1136,7 +1258,7 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         self._kvlease_d.setdefault(engine, {})[remote] = wire_id
         self._kvlease_d_req[request.request_id] = (engine, remote)
         info = self._heartbeat_by_engine[engine]  # vLLM's: where that P's side channel is
-        self._kvlease_new_reqs[request.request_id] = (engine, info.host, info.port, wire_id)
+        self._kvlease_new_reqs[request.request_id] = (engine, info.host, info.port, wire_id, control)
 
     def _stop_heartbeat(self, req_id: str) -> None:
         super()._stop_heartbeat(req_id)

@@ -1,6 +1,7 @@
 """KvleaseConnector against real vLLM 0.33.0 classes (issue 14), built by vLLM's own
-KVConnectorFactory from a kv-transfer-config, with real NIXL agents over UCX/TCP on CPU.
-Tests name the SPEC ids they prove; waits are on conditions with deadlines."""
+KVConnectorFactory from a kv-transfer-config, with real NIXL agents over UCX/TCP on CPU and
+kvlease's control channel over real loopback TCP. Tests name the SPEC ids they prove; waits are
+on conditions with deadlines."""
 
 import time
 import types
@@ -206,6 +207,30 @@ def to_recv(d_req, p_req, port):
     return recv
 
 
+def control_ports(worker):
+    """A P worker's control ports as its kv_transfer_params name them."""
+    return [(0, 0, worker._kvlease_server.port)]
+
+
+class DLink:
+    """A kvlease D engine's connection to a P worker's control channel (kvlease.control), as a
+    kvlease D worker makes it: its Hello first, then P's answers collected, decoded."""
+
+    def __init__(self, worker, engine="d-test-engine"):
+        from kvlease.control import ControlLink
+        from kvlease.vllm import _hello
+
+        self.inbox = []
+        server = worker._kvlease_server
+        self.link = ControlLink(server.host, server.port, _hello(engine), lambda data: self.inbox.append(kvlease.decode(data)))
+
+    def send(self, msg: bytes):
+        assert self.link.send(msg), "the control connection is open"
+
+    def answers(self, kind):
+        return [m for m in list(self.inbox) if m["type"] == kind]
+
+
 class DAgent:
     """A decode-side NIXL agent (the same NIXL build vLLM uses) that sends vLLM's notifications
     to P workers over UCX/TCP, as a stock vLLM D worker does."""
@@ -222,7 +247,8 @@ class DAgent:
 
 @pytest.fixture(scope="module")
 def p_workers(create):
-    """A kvlease P and a stock vLLM P, both with L = 3 s (E = 2 s), and one D agent."""
+    """A kvlease P and a stock vLLM P, both with L = 3 s (E = 2 s), and one D agent (vLLM's
+    own notifications, over NIXL)."""
     kv = create("KvleaseConnector", "kv_producer", "worker", "p-kv", lease=3).connector_worker
     stock = create("NixlConnector", "kv_producer", "worker", "p-stock", lease=3).connector_worker
     for w in (kv, stock):
@@ -254,7 +280,8 @@ def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
     W1, W2 = (29 << 32) + 1, (29 << 32) + 2
     reqs = {"hold-1": W1, "hold-2": W2}
     grant(kv, [*reqs, "hold-stock"], ttl=3, wire_ids=reqs)
-    d.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W1, W2]}))
+    link = DLink(kv)
+    link.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W1, W2]}))
     wait_for(lambda: set(reqs) <= set(kv._kvlease_confirmable), "the binary renewal", step=lambda: (time.sleep(0.05), kv._get_new_notifs()))
     done: set[str] = set()
 
@@ -267,13 +294,13 @@ def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
     wait_for(lambda: "hold-stock" in done and set(reqs) <= set(kv._kvlease_held), "the three reads' completions", step=step)
     assert not set(reqs) & done, "held until D asks"
     assert all(r not in kv._reqs_to_send for r in reqs), "the leases ended by their reads"
-    d.send(0, kvlease.encode({"type": "read_done", "lease_id": W1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    link.send(kvlease.encode({"type": "read_done", "lease_id": W1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
     wait_for(lambda: "hold-1" in done, "hold-1 reported once D's ReadDone came in", step=step)
     assert "hold-2" not in done, "hold-2's D has not asked"
     wait_for(lambda: "hold-2" in done, "hold-2 reported E after its read completed", step=step)
     assert not kv._kvlease_held
     # A ReadDone nothing waits for any more (hold-2's, arriving after E) is not kept for ever.
-    d.send(0, kvlease.encode({"type": "read_done", "lease_id": W2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    link.send(kvlease.encode({"type": "read_done", "lease_id": W2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
     wait_for(lambda: W2 in kv._kvlease_confirmed, "hold-2's late ReadDone", step=step)
     kv._kvlease_confirmed.update(range(1 << 40, (1 << 40) + 2048))  # more such leftovers
     step()
@@ -285,40 +312,34 @@ def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_ar
     renew one over kvlease's wire. A second engine — a router that handed the same params to
     two decoders — cannot release it (its Release is answered LeaseLost and the lease lives on:
     the first engine may be reading the blocks) nor have a read of it confirmed; the holder can.
-    A Release of a lease that is not live is answered LeaseLost too."""
-    from kvlease.vllm import _hello
-
+    A Release of a lease that is not live is answered LeaseLost too. P answers on its control
+    channel's threads: no engine step is needed (vLLM's P steps only now and then)."""
     kv, _, _ = p_workers
     W, req = (41 << 32) + 1, "s5-1"
     grant(kv, [req], ttl=30, wire_ids={req: W})
-    one, two = DAgent(kv), DAgent(kv)
-    inbox = {id(one): [], id(two): []}
+    one, two = DLink(kv, "d-engine-one"), DLink(kv, "d-engine-two")
+    freed = set()
 
     def step():
-        kv._get_new_notifs()
-        time.sleep(0.05)
-        for d in (one, two):
-            for msgs in d.agent.get_new_notifs().values():
-                inbox[id(d)] += [kvlease.decode(m) for m in msgs if kvlease.is_kvlease_message(m)]
+        freed.update(kv._get_new_notifs())
 
-    for d, engine in ((one, "d-engine-one"), (two, "d-engine-two")):
-        d.send(0, _hello(engine, d.agent.get_agent_metadata()))
-    one.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
-    wait_for(lambda: any(m["type"] == "heartbeat_ack" for m in inbox[id(one)]), "the holder's renewal answered", step=step)
-    assert [m["lost_ids"] for m in inbox[id(one)] if m["type"] == "heartbeat_ack"] == [[]]
-    two.send(0, kvlease.encode({"type": "release", "lease_ids": [W, W + 1]}))
-    wait_for(lambda: any(m["type"] == "lease_lost" for m in inbox[id(two)]), "the other engine's release answered", step=step)
-    assert [m["lease_ids"] for m in inbox[id(two)] if m["type"] == "lease_lost"] == [[W, W + 1]]
+    one.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
+    wait_for(lambda: one.answers("heartbeat_ack"), "the holder's renewal answered, with no engine step")
+    assert [m["lost_ids"] for m in one.answers("heartbeat_ack")] == [[]]
+    two.send(kvlease.encode({"type": "release", "lease_ids": [W, W + 1]}))
+    wait_for(lambda: two.answers("lease_lost"), "the other engine's release answered")
+    assert [m["lease_ids"] for m in two.answers("lease_lost")] == [[W, W + 1]]
     assert req in kv._reqs_to_send, "the lease lives on: its holder may be reading"
-    two.send(0, kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
+    two.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
     for d in (two, one):
-        d.send(0, kvlease.encode({"type": "read_done", "lease_id": W, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
-    wait_for(lambda: all(any(m["type"] == "read_done_ack" for m in inbox[id(d)]) for d in (one, two)), "both confirmations answered", step=step)
-    assert [m["lost_ids"] for m in inbox[id(two)] if m["type"] == "heartbeat_ack"] == [[W]], "nor renew it"
-    assert [m["live"] for m in inbox[id(two)] if m["type"] == "read_done_ack"] == [False]
-    assert [m["live"] for m in inbox[id(one)] if m["type"] == "read_done_ack"] == [True]
-    one.send(0, kvlease.encode({"type": "release", "lease_ids": [W]}))
-    wait_for(lambda: req not in kv._reqs_to_send, "the holder's release", step=step)
+        d.send(kvlease.encode({"type": "read_done", "lease_id": W, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    wait_for(lambda: one.answers("read_done_ack") and two.answers("read_done_ack"), "both confirmations answered")
+    assert [m["lost_ids"] for m in two.answers("heartbeat_ack")] == [[W]], "nor renew it"
+    assert [m["live"] for m in two.answers("read_done_ack")] == [False]
+    assert [m["live"] for m in one.answers("read_done_ack")] == [True]
+    one.send(kvlease.encode({"type": "release", "lease_ids": [W]}))
+    wait_for(lambda: req in freed, "the holder's release, reported sent by the next engine step", step=step)
+    assert req not in kv._reqs_to_send
 
 
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
@@ -427,14 +448,28 @@ def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
     seeing them renews that lease with kvlease's binary heartbeat; a stock D ignores them."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
+    from conftest import free_port
+    from kvlease.vllm import KvleaseHandshakePayload
+
     stock_p = create("NixlConnector", "kv_producer", "scheduler", "p-adv")
     kv_p = create("KvleaseConnector", "kv_producer", "scheduler", "p-adv")
+    d1, stock_params = stock_p.request_finished(finished_prefill("r0"), [1, 2])
+    _, kv_params = kv_p.request_finished(finished_prefill("r0"), [1, 2])
+    assert kv_params == stock_params, "no worker reported a control port yet: nothing advertised"
+    kv_p.connector_scheduler.side_channel_port = free_port()
+    kv_p.set_xfer_handshake_metadata_pp_aware({(0, 0): KvleaseHandshakePayload("hash", b"", kvlease_control_port=4242)})
     d1, stock_params = stock_p.request_finished(finished_prefill("r1"), [1, 2])
     d2, kv_params = kv_p.request_finished(finished_prefill("r1"), [1, 2])
     assert d1 and d2
     assert kv_params["kvlease_wire"] == kvlease.WIRE_VERSION
+    assert kv_params["kvlease_control_ports"] == [[0, 0, 4242]]
     wire_id = kv_params["kvlease_lease_id"]
-    assert {k: v for k, v in kv_params.items() if not k.startswith("kvlease_")} == stock_params
+    # Equal but for kvlease's keys, and what P's handshake metadata moved (its side channel's
+    # port, vLLM's registration generation).
+    moved = {"remote_port", "remote_registration_generation"}
+    assert {k: v for k, v in kv_params.items() if not k.startswith("kvlease_") and k not in moved} == {
+        k: v for k, v in stock_params.items() if k not in moved
+    }
     meta = kv_p.build_connector_meta(SchedulerOutput.make_empty())
     assert meta.kvlease_wire_ids == {"r1": wire_id}  # shipped to P's workers with the deadline
 
@@ -451,7 +486,7 @@ def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
     m = hb["KvleaseConnector"]
     assert m.kvlease_hb == {"p-adv": ([wire_id], {"r1"})}
     info = m.heartbeat_by_engine["p-adv"]
-    assert m.kvlease_track == {"d1": ("p-adv", info.host, info.port, wire_id)}
+    assert m.kvlease_track == {"d1": ("p-adv", info.host, info.port, wire_id, [(0, 0, 4242)])}
 
 
 def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_unguarded(create):
@@ -467,14 +502,14 @@ def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_u
     params = {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-first", "remote_request_id": "r1",
         "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 4321, "tp_size": 1,
-        "kvlease_wire": kvlease.WIRE_VERSION, "kvlease_lease_id": (21 << 32) + 1,
+        "kvlease_wire": kvlease.WIRE_VERSION, "kvlease_lease_id": (21 << 32) + 1, "kvlease_control_ports": [[0, 0, 4322]],
     }
     sched = create("KvleaseConnector", "kv_consumer", "scheduler", "d-first")
     sched.connector_scheduler._last_heartbeat_time = time.perf_counter()  # not a heartbeat step
     sched.on_new_request(request("d1", **params))
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
     assert not meta.heartbeat_by_engine, "no heartbeat this step"
-    assert meta.kvlease_track == {"d1": ("p-first", "127.0.0.1", 4321, (21 << 32) + 1)}
+    assert meta.kvlease_track == {"d1": ("p-first", "127.0.0.1", 4321, (21 << 32) + 1, [(0, 0, 4322)])}
     assert sched.build_connector_meta(SchedulerOutput.make_empty()).kvlease_track == {}, "handed over once"
 
     d = create("KvleaseConnector", "kv_consumer", "worker", "d-first-w", lease=3).connector_worker
@@ -501,30 +536,36 @@ def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_u
     assert "d1" not in d._recving_transfers
 
 
-def test_p2_d4_p7_binary_heartbeat_and_release_over_nixl(p_workers):
-    """SPEC P2 over kvlease's wire through real NIXL: a binary heartbeat naming the advertised
-    id renews the lease; a binary Release frees it at once (D4); bytes with kvlease's magic that
-    do not decode are dropped and counted (P7), and vLLM's text still works beside them."""
+def test_p2_d4_p7_binary_heartbeat_and_release_on_the_control_channel(p_workers):
+    """SPEC P2 over kvlease's wire on the control channel: a binary heartbeat naming the
+    advertised id renews the lease; a binary Release frees it at once (D4: the next engine step
+    reports it sent); bytes with kvlease's magic that do not decode are dropped and counted (P7)
+    and the connection stays up. A kvlease message arriving as a NIXL notification is dropped
+    (this P takes them on the channel only), and vLLM's text beside it still works."""
     kv, _, d = p_workers
     W = (7 << 32) + 1
-    grant(kv, ["bin-1", "bin-2"], ttl=3, wire_ids={"bin-1": W, "bin-2": W + 1})
+    # bin-1's lease (1 s) is shorter than E (2 s): a renewal moves its deadline.
+    grant(kv, ["bin-1"], ttl=1, wire_ids={"bin-1": W})
+    grant(kv, ["bin-2", "bin-3"], ttl=3, wire_ids={"bin-2": W + 1, "bin-3": W + 2})
     before = kv._reqs_to_send["bin-1"]
     malformed0 = kv.kvlease_malformed
+    link = DLink(kv)
+    link.send(b"KL\x02\xff")
+    for chunk in kvlease.encode_heartbeats(1, [W], 256):
+        link.send(chunk)
+    wait_for(lambda: link.answers("heartbeat_ack"), "the heartbeat's answer")
+    assert kv._reqs_to_send["bin-1"] > before + 0.5, "renewed to now + E"
+    assert kv.kvlease_malformed == malformed0 + 1
     freed = set()
-
-    def step():
-        for chunk in kvlease.encode_heartbeats(1, [W], 256):
-            d.send(0, chunk)
-        d.send(0, b"KL\x02\xff")
-        time.sleep(0.6)
-        freed.update(kv._get_new_notifs())
-
-    wait_for(lambda: kv._reqs_to_send["bin-1"] > before + 0.5, "the binary heartbeat to renew bin-1", step=step)
-    assert kv.kvlease_malformed > malformed0
-    d.send(0, kvlease.encode({"type": "release", "lease_ids": [W + 1]}))
+    link.send(kvlease.encode({"type": "release", "lease_ids": [W + 1]}))
     wait_for(lambda: "bin-2" in freed, "the binary release to free bin-2", step=lambda: freed.update(kv._get_new_notifs()))
     assert "bin-2" not in kv._reqs_to_send and "bin-1" in kv._reqs_to_send
-    kv._reqs_to_send.pop("bin-1")
+    # Over NIXL, the same Release is not taken; vLLM's `req:n` text beside it is.
+    d.send(0, kvlease.encode({"type": "release", "lease_ids": [W + 2]}))
+    d.send(0, b"bin-1:1")
+    wait_for(lambda: "bin-1" in freed, "vLLM's read completion of bin-1", step=lambda: freed.update(kv._get_new_notifs()))
+    assert "bin-3" in kv._reqs_to_send, "a Release over NIXL frees nothing"
+    kv._reqs_to_send.pop("bin-3")
 
 
 # ---------------------------------------------------------------- vLLM D workers, real handshakes
@@ -593,7 +634,7 @@ def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_s
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
     meta.kvlease_hb = {"p-kv": ([W], {req})}
-    d._kvlease_sync({"d-" + req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
+    d._kvlease_sync({"d-" + req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W, control_ports(kv))}, ())
 
     def step():
         d._send_heartbeats(meta)
@@ -606,9 +647,10 @@ def test_spec9_kvlease_d_worker_sends_binary_to_kvlease_p(create, p_workers, p_s
 
 
 def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_side_channels):
-    """SPEC P6/D6 inside vLLM: a kvlease D introduces its NIXL agent to the kvlease P (a Hello
-    carrying its agent metadata: vLLM's pull mode gives P no way to reach D otherwise), so P can
-    answer a binary heartbeat naming a lease it no longer holds with `HeartbeatAck{lost_ids}`.
+    """SPEC P6/D6 inside vLLM: a kvlease D's renewer connects to the kvlease P's control channel
+    (the port P's handshake payload and params advertised; vLLM's pull mode gives P no way to
+    reach D otherwise), and P answers a binary heartbeat naming a lease it no longer holds with
+    `HeartbeatAck{lost_ids}` on that connection.
     D then never reads that request: vLLM's load-failure path reports it failed and its blocks
     invalid, and vLLM's kv_load_failure_policy recomputes (or fails) it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
@@ -622,7 +664,7 @@ def test_p6_d6_lost_lease_answered_and_load_fails_cleanly(create, p_workers, p_s
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=p_side_channels["p-kv"], tp_size=1)}
     meta.kvlease_hb = {"p-kv": ([W], {p_req})}
-    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W)}, ())
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", p_side_channels["p-kv"], W, control_ports(kv))}, ())
 
     def step():
         d._send_heartbeats(meta)
@@ -678,9 +720,10 @@ def test_d3_heartbeats_continue_while_the_forward_loop_is_blocked(create, p_work
     kv._reqs_to_send.pop(req)
 
 
-def kvlease_d_linked_to_p(create, kv, port, name, wire_id, p_req, d_req, p_ttl):
+def kvlease_d_linked_to_p(create, kv, port, name, wire_id, p_req, d_req, p_ttl, control=None):
     """A kvlease D worker (L = 3 s) tracking `d_req`, whose lease `p_req` (wire id `wire_id`) the
-    kvlease P worker `kv` has just granted, with the handshake to P done and the renewer told."""
+    kvlease P worker `kv` has just granted, with the handshake to P done and the renewer told.
+    `control`: the control ports D is given (P's own by default)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
 
     d = create("KvleaseConnector", "kv_consumer", "worker", name, lease=3).connector_worker
@@ -689,7 +732,7 @@ def kvlease_d_linked_to_p(create, kv, port, name, wire_id, p_req, d_req, p_ttl):
     meta = NixlConnectorMetadata()
     meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=port, tp_size=1)}
     meta.kvlease_hb = {"p-kv": ([wire_id], {p_req})}
-    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, wire_id)}, ())
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, wire_id, control or control_ports(kv))}, ())
     wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
     d._send_heartbeats(meta)  # the renewer learns the handshake is done
     return d
@@ -725,13 +768,18 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
     """Issue 25, SPEC D6/P5 inside vLLM: a vLLM P answers only in its engine steps, which stall
     for seconds on a loaded host while P still holds the lease. A read held back for an
     acknowledged renewal that P does not answer goes ahead after E (failing it failed healthy
-    requests); its bytes are still used only once P confirms the read. Here P's engine takes
-    no notification at all: the read is posted E after it was held back, not before."""
+    requests); its bytes are still used only once P confirms the read. Here P's control
+    channel takes D's messages and never answers: the read is posted E after it was held back,
+    not before."""
+    import socket
+
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     kv, _, _ = p_workers
     W, p_req, d_req = (31 << 32) + 1, "p-late-1", "d-late-1"
-    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-late-p", W, p_req, d_req, p_ttl=30)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never reads
+    control = [(0, 0, silent.getsockname()[1])]
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-late-p", W, p_req, d_req, p_ttl=30, control=control)
     held_at = time.monotonic()
     d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
     assert d_req in d._kvlease_deferred
@@ -739,6 +787,7 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
              step=lambda: (time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
     assert time.monotonic() - held_at >= d.kvlease_config.ack_wait - 0.1, "not before E"
     kv._reqs_to_send.pop(p_req)
+    silent.close()
 
 
 def test_s5_lease_book_holders_are_the_tables_and_a_question_claims_nothing():
@@ -830,7 +879,7 @@ def test_p5_d6_a_read_is_used_only_once_p_confirms_its_lease(create, p_workers, 
         meta = NixlConnectorMetadata()
         meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=port, tp_size=1)}
         meta.kvlease_hb = {"p-kv": ([W], {p_req})}
-        d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, W)}, ())
+        d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, W, control_ports(kv))}, ())
         wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
         d._send_heartbeats(meta)
         d.start_load_kv(to_recv(d_req, p_req, port))
@@ -901,7 +950,7 @@ def test_d6_a_held_back_read_waits_for_the_link_to_p_but_not_past_a_lease(create
 
     d = create("KvleaseConnector", "kv_consumer", "worker", "d-link", lease=3).connector_worker  # E = 2 s
     register_cpu_kv_caches(d)
-    d._kvlease_sync({"d-link-1": ("p-nowhere", "127.0.0.1", 9, (29 << 32) + 1)}, ())
+    d._kvlease_sync({"d-link-1": ("p-nowhere", "127.0.0.1", 9, (29 << 32) + 1, [(0, 0, 9)])}, ())
     d.start_load_kv(to_recv("d-link-1", "r-link-1", 9))
     assert "d-link-1" in d._kvlease_deferred
     held = time.perf_counter()

@@ -1,0 +1,194 @@
+"""kvlease's control channel between a vLLM decoder (D) and prefiller (P): one TCP connection per
+(D worker, P worker), carrying kvlease's binary messages (SPEC §9) both ways.
+
+Why not NIXL notifications, which vLLM's own heartbeats use: inside real ``vllm serve``
+processes on a loaded host, messages between P and D sent as NIXL notifications arrived 20-50 s
+late now and then (issue 25, RELIABILITY.md), and for a P to answer D over NIXL it had to load
+D's agent and open connections back to it, which vLLM's pull mode never does. kvlease's D waits
+for P's answers (an acknowledged renewal before a read, P's confirmation after it), so they
+travel here: a P worker's thread answers at once, whether or not its engine is stepping.
+
+Framing only: each message is a 4-byte big-endian length and that many bytes (a kvlease wire
+message). What the messages mean is decided by kvlease's core (``LeaseTable``, ``Renewer``)
+and the connector; this module moves bytes and reports who sent them.
+
+* :class:`ControlServer` — P: listens, gives each accepted connection a reader thread, and
+  calls ``on_frame(peer, data)`` for every message; ``peer.send`` answers on that connection.
+* :class:`ControlLink` — D: one connection to one P worker, a reader thread calling
+  ``on_frame(data)`` for every answer, ``send`` from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from typing import Callable
+
+logger = logging.getLogger("vllm.kvlease")
+
+#: The largest message either side accepts; a longer length prefix closes the connection (a
+#: heartbeat batch of every lease a D holds toward a P is far smaller).
+MAX_FRAME = 1 << 20
+#: How long a send may block on a full socket before the connection is given up.
+SEND_TIMEOUT_S = 2.0
+#: How long D waits for a P worker's control port to accept a connection.
+CONNECT_TIMEOUT_S = 1.0
+
+_LEN = struct.Struct(">I")
+
+
+class FrameError(Exception):
+    """The peer sent a length prefix over :data:`MAX_FRAME`: the stream cannot be trusted."""
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` with its length prefix."""
+    if len(data) > MAX_FRAME:
+        raise FrameError(f"a message of {len(data)} bytes is over the control channel's limit of {MAX_FRAME}")
+    return _LEN.pack(len(data)) + data
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket) -> bytes | None:
+    """The next message, or ``None`` once the peer closed the connection."""
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise FrameError(f"the peer announced a message of {n} bytes, over the limit of {MAX_FRAME}")
+    return _recv_exact(sock, n)
+
+
+class _Conn:
+    """A connected socket: sends serialized by a lock, from any thread."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking reads on the reader thread; a send gives up after SEND_TIMEOUT_S (the kernel's
+        # send timeout: a Python socket timeout would apply to the reads as well).
+        sock.settimeout(None)
+        secs = int(SEND_TIMEOUT_S)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", secs, int((SEND_TIMEOUT_S - secs) * 1e6)))
+        self.sock = sock
+        self.name = name
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, data: bytes) -> bool:
+        """Sends one message; ``False`` (and the connection closed) when it could not."""
+        if self.closed:
+            return False
+        try:
+            with self._lock:
+                self.sock.sendall(frame(data))
+            return True
+        except (OSError, FrameError):
+            logger.debug("kvlease: control connection %s: send failed", self.name, exc_info=True)
+            self.close()
+            return False
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _read_loop(self, on_frame: Callable[[bytes], None]) -> None:
+        """Reads until the peer closes (or breaks framing)."""
+        try:
+            while True:
+                data = read_frame(self.sock)
+                if data is None:
+                    break
+                try:
+                    on_frame(data)
+                except Exception:  # a bug in a handler must not kill the connection silently
+                    logger.exception("kvlease: control connection %s: handling a message failed", self.name)
+        except FrameError as e:
+            logger.warning("kvlease: control connection %s closed: %s", self.name, e)
+        except OSError:
+            pass
+        finally:
+            self.close()
+
+
+class Peer(_Conn):
+    """One D worker's connection to this P worker, as the server sees it. ``engine_id`` is what
+    the D said it is (its Hello), ``None`` until then."""
+
+    engine_id: str | None = None
+
+
+class ControlServer:
+    """P's end: listens on ``(host, port)`` (port 0: one the system picks, :attr:`port`)."""
+
+    def __init__(self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0) -> None:
+        self._on_frame = on_frame
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(addr)
+        self._sock.listen(128)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        self._peers: set[Peer] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kvlease-control", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stopped:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                break
+            peer = Peer(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._peers.add(peer)
+            threading.Thread(target=self._serve, args=(peer,), name="kvlease-control-peer", daemon=True).start()
+
+    def _serve(self, peer: Peer) -> None:
+        try:
+            peer._read_loop(lambda data: self._on_frame(peer, data))
+        finally:
+            with self._lock:
+                self._peers.discard(peer)
+
+    def close(self) -> None:
+        self._stopped = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            peers = list(self._peers)
+        for p in peers:
+            p.close()
+
+
+class ControlLink(_Conn):
+    """D's end: a connection to one P worker's control port. ``hello`` is sent first (it tells P
+    which D engine this is, SPEC S5); answers go to ``on_frame`` on the link's reader thread."""
+
+    def __init__(self, host: str, port: int, hello: bytes, on_frame: Callable[[bytes], None]) -> None:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        super().__init__(sock, f"{host}:{port}")
+        if not self.send(hello):
+            raise OSError(f"the kvlease control port {host}:{port} closed on our Hello")
+        threading.Thread(target=self._read_loop, args=(on_frame,), name="kvlease-control-link", daemon=True).start()

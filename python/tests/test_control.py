@@ -1,0 +1,97 @@
+"""kvlease's control channel (``kvlease.control``, issue 25): the TCP connection a vLLM decoder's
+connector keeps to each prefiller worker for kvlease's messages. Real sockets on loopback; waits
+are on conditions with deadlines. What the messages mean is tested with the connector."""
+
+import socket
+import struct
+import time
+
+import pytest
+
+from kvlease import control
+from kvlease.control import MAX_FRAME, ControlLink, ControlServer, FrameError, frame
+
+DEADLINE = 10.0
+
+
+def wait_for(cond, what, timeout=DEADLINE):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def echo():
+    """A server that records what each peer said and answers each message with it reversed."""
+    got = []
+
+    def on_frame(peer, data):
+        got.append((peer, data))
+        if data == b"hello":
+            peer.engine_id = "d-engine"
+        else:
+            peer.send(data[::-1])
+
+    server = ControlServer("127.0.0.1", on_frame)
+    yield server, got
+    server.close()
+
+
+def test_messages_go_both_ways_in_order_hello_first(echo):
+    """The link's Hello is the first message the server sees on the connection; every message
+    arrives whole and in order (several in one TCP segment too), and answers come back on the
+    same connection to the link's reader."""
+    server, got = echo
+    answers = []
+    link = ControlLink("127.0.0.1", server.port, b"hello", answers.append)
+    msgs = [b"a", b"", bytes(range(256)) * 40, b"xyz"]
+    for m in msgs:
+        assert link.send(m)
+    wait_for(lambda: len(answers) == len(msgs), "every answer")
+    assert [d for _, d in got] == [b"hello", *msgs]
+    assert {p.engine_id for p, _ in got} == {"d-engine"}, "one connection, which said who it is"
+    assert answers == [m[::-1] for m in msgs]
+    link.close()
+
+
+def test_a_length_over_the_limit_closes_the_connection_and_loses_nothing_else(echo):
+    """Bad input: a peer announcing a message over MAX_FRAME is cut off (its stream cannot be
+    trusted); the server keeps serving everyone else. Sending one is refused locally, naming
+    the limit."""
+    server, got = echo
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.sendall(struct.pack(">I", MAX_FRAME + 1) + b"x")
+    raw.settimeout(DEADLINE)
+    assert raw.recv(1) == b"", "the server closed the connection"
+    raw.close()
+    with pytest.raises(FrameError, match=str(MAX_FRAME)):
+        frame(bytes(MAX_FRAME + 1))
+    answers = []
+    link = ControlLink("127.0.0.1", server.port, b"hello", answers.append)
+    assert link.send(b"ok")
+    wait_for(lambda: answers == [b"ko"], "another peer still served")
+    link.close()
+
+
+def test_a_closed_peer_makes_send_fail_not_hang(echo):
+    """Once the server is gone, a send on the link reports failure (the connector then counts the
+    message as not sent and reconnects next time) within the send timeout, never blocking."""
+    server, _ = echo
+    link = ControlLink("127.0.0.1", server.port, b"hello", lambda d: None)
+    server.close()
+    started = time.monotonic()
+    wait_for(lambda: not link.send(b"x"), "a failed send")
+    assert link.closed
+    assert time.monotonic() - started < control.SEND_TIMEOUT_S + 1
+
+
+def test_connecting_to_a_port_nobody_listens_on_raises_oserror():
+    """D's connector catches OSError and logs which P it could not reach."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError):
+        ControlLink("127.0.0.1", port, b"hello", lambda d: None)
