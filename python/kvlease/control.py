@@ -16,15 +16,19 @@ and the connector; this module moves bytes and reports who sent them.
   calls ``on_frame(peer, data)`` for every message; ``peer.send`` answers on that connection.
 * :class:`ControlLink` — D: one connection to one P worker, a reader thread calling
   ``on_frame(data)`` for every answer, ``send`` from any thread.
+
+Their threads run on the CPUs they are given (:func:`spawn`), not only on the core vLLM's CPU
+worker pins its own thread to.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 logger = logging.getLogger("vllm.kvlease")
 
@@ -37,6 +41,27 @@ SEND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 
 _LEN = struct.Struct(">I")
+
+
+def spawn(target: Callable[[], None], name: str, cpus: Iterable[int] | None = None) -> threading.Thread:
+    """Starts a daemon thread running ``target`` on ``cpus`` (any CPU of the set; ``None``: the
+    CPUs of the thread that starts it). vLLM's CPU worker pins its thread to one core per NUMA
+    node before the connector starts threads, and every thread it starts inherits that: on a
+    2-core host with P and D on it, kvlease's threads shared one core with both engines' busy
+    loops and went unscheduled for seconds (issue 25)."""
+    wanted = set(cpus) if cpus is not None else None
+
+    def run() -> None:
+        if wanted and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(0, wanted)
+            except OSError:
+                logger.debug("kvlease: thread %s cannot run on CPUs %s", name, sorted(wanted), exc_info=True)
+        target()
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t
 
 
 class FrameError(Exception):
@@ -136,8 +161,9 @@ class Peer(_Conn):
 class ControlServer:
     """P's end: listens on ``(host, port)`` (port 0: one the system picks, :attr:`port`)."""
 
-    def __init__(self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0) -> None:
+    def __init__(self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0, cpus: Iterable[int] | None = None) -> None:
         self._on_frame = on_frame
+        self._cpus = cpus
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -149,8 +175,7 @@ class ControlServer:
         self._peers: set[Peer] = set()
         self._lock = threading.Lock()
         self._stopped = False
-        self._thread = threading.Thread(target=self._accept_loop, name="kvlease-control", daemon=True)
-        self._thread.start()
+        self._thread = spawn(self._accept_loop, "kvlease-control", cpus)
 
     def _accept_loop(self) -> None:
         while not self._stopped:
@@ -161,7 +186,7 @@ class ControlServer:
             peer = Peer(sock, f"{addr[0]}:{addr[1]}")
             with self._lock:
                 self._peers.add(peer)
-            threading.Thread(target=self._serve, args=(peer,), name="kvlease-control-peer", daemon=True).start()
+            spawn(lambda: self._serve(peer), "kvlease-control-peer", self._cpus)
 
     def _serve(self, peer: Peer) -> None:
         try:
@@ -186,9 +211,9 @@ class ControlLink(_Conn):
     """D's end: a connection to one P worker's control port. ``hello`` is sent first (it tells P
     which D engine this is, SPEC S5); answers go to ``on_frame`` on the link's reader thread."""
 
-    def __init__(self, host: str, port: int, hello: bytes, on_frame: Callable[[bytes], None]) -> None:
+    def __init__(self, host: str, port: int, hello: bytes, on_frame: Callable[[bytes], None], cpus: Iterable[int] | None = None) -> None:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         super().__init__(sock, f"{host}:{port}")
         if not self.send(hello):
             raise OSError(f"the kvlease control port {host}:{port} closed on our Hello")
-        threading.Thread(target=self._read_loop, args=(on_frame,), name="kvlease-control-link", daemon=True).start()
+        spawn(lambda: self._read_loop(on_frame), "kvlease-control-link", cpus)

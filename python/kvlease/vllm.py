@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 import secrets
 
-from kvlease.control import ControlLink, ControlServer, Peer
+from kvlease.control import ControlLink, ControlServer, Peer, spawn
 from kvlease._core import (
     WIRE_VERSION,
     LeaseConfig,
@@ -160,10 +160,10 @@ def _nixl_agent_config(delay_us: int | None) -> Iterator[None]:
     Python agent offers no parameter for (it hard-codes them), so the native agent constructor
     it calls is wrapped for that one call:
 
-    * ``syncMode = NIXL_THREAD_SYNC_STRICT``: this worker calls the agent from two threads
-      (vLLM's engine thread, and the renewer's thread sending heartbeats on its own timer, SPEC
-      D3), and NIXL's Python agent picks ``NIXL_THREAD_SYNC_NONE`` unless it runs a listener
-      thread, which leaves serializing the agent's calls to the caller.
+    * ``syncMode = NIXL_THREAD_SYNC_STRICT``: vLLM's worker calls the agent from two threads
+      (its engine thread, and its handshake thread loading remote agents), and NIXL's Python
+      agent picks ``NIXL_THREAD_SYNC_NONE`` unless it runs a listener thread, which leaves
+      serializing the agent's calls to the caller.
     * ``pthrDelay = delay_us`` when given (``kvlease_nixl_progress_delay_us``)."""
     from vllm.distributed.nixl_utils import NixlWrapper
 
@@ -543,12 +543,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     #: How often a read held back for an acknowledged renewal is asked about again without news.
     RECHECK_NS = 100_000_000
     #: The least time a landed read waits for P's confirmation (SPEC P5), in seconds; L when
-    #: longer. A vLLM P answers only in its engine steps, and on a loaded 2-core host NIXL
-    #: notifications between vLLM engines now and then arrived 20-50 s late (RELIABILITY.md,
-    #: "Inside real vLLM"; not understood yet, issue 25).
+    #: longer. P answers on its control channel's thread within milliseconds; the margin is for
+    #: a P host too loaded to run it (a P that is gone never answers: the load fails after it).
     CONFIRM_WAIT_MIN_S = 30.0
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        # The CPUs this worker may use, before vLLM's CPU worker pins its thread (and so every
+        # thread started after) to one core per NUMA node: kvlease's threads run on all of them.
+        self._kvlease_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         with _nixl_agent_config(nixl_progress_delay_of(vllm_config)):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_config = lease_config_of(vllm_config)
@@ -602,12 +604,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_landed: set[str] = set()
         self._kvlease_hs_pending: set[str] = set()
         self.kvlease_lost: set[str] = set()
-        # P: requests a kvlease D renewed over the binary wire (it confirms its read with a
-        # ReadDone) -> their wire ids; completed reads held back until that ReadDone is answered
-        # (request -> (wire id, report by)); wire ids whose ReadDone was answered.
-        self._kvlease_confirmable: dict[str, int] = {}
-        self._kvlease_held: dict[str, tuple[int, int]] = {}
-        self._kvlease_confirmed: set[int] = set()
 
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
@@ -637,10 +633,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     def _kvlease_gate_reads(self, metadata: Any) -> None:
         """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
         read; a lease is read while an acknowledged heartbeat covers the read budget (E/4) —
-        otherwise its read waits for the renewal's acknowledgement, at most E, and then goes
-        ahead (its bytes are used only once P confirms the read; a loss reported meanwhile fails
-        it). A request of a kvlease P whose lease the renewer no longer
-        holds is never read (its load fails); requests of a stock P read as in vLLM."""
+        otherwise its read waits for the renewal's acknowledgement, at most E (longer only while
+        there is no link to P yet), and its load fails if none comes. A request of a kvlease P
+        whose lease the renewer no longer holds is never read (its load fails); requests of a
+        stock P read as in vLLM."""
         reqs = metadata.reqs_to_recv
         for req_id in [r for r in reqs if r in self.kvlease_lost]:
             self.kvlease_lost.discard(req_id)
@@ -659,7 +655,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if recheck:
                 self._kvlease_news_seen = self._kvlease_news
                 self._kvlease_recheck_at = now + self.RECHECK_NS
-            go_ahead: set[str] = set()
             for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
                 if req_id in self.kvlease_lost:
                     self.kvlease_lost.discard(req_id)
@@ -679,16 +674,12 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     del self._kvlease_deferred[req_id]
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_untracked")
                 elif now >= give_up and not self._kvlease_waits_for_link(req_id, give_up, now):
-                    # P did not answer within E: a vLLM P answers in its engine steps, which
-                    # stall for seconds on a loaded host while it holds the lease (it expires
-                    # leases in those steps too). Read anyway: the bytes are used only once P
-                    # confirms, after the read, that the lease was held when it completed
-                    # (_pop_done_transfers). A late P costs a read, never a wrong answer; failing
-                    # here failed healthy requests.
-                    logger.info("kvlease: no acknowledged renewal of the lease of %s within E; reading, the read is used only once P confirms it", req_id)
+                    # P acknowledged no renewal within E (it answers on its control channel's
+                    # thread, whether or not its engine steps): the lease cannot be shown live,
+                    # and its blocks may be another request's. Never read it.
+                    logger.warning("kvlease: P acknowledged no renewal of the lease of %s within E; its load fails", req_id)
                     del self._kvlease_deferred[req_id]
-                    reqs[req_id] = meta
-                    go_ahead.add(req_id)
+                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
                 elif now >= give_up:
                     # No link to P yet: the wait for its answer starts once there is one.
                     self._kvlease_deferred[req_id] = (meta, now + int(self.kvlease_config.ack_wait * 1e9))
@@ -696,7 +687,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 else:
                     wake = True
             for req_id in list(reqs):
-                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs or req_id in go_ahead:
+                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs:
                     continue
                 if not r.is_tracked(req_id):
                     self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_untracked")
@@ -734,7 +725,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return
         if self._kvlease_server is None:
             host = vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST
-            self._kvlease_server = ControlServer(host, self._kvlease_on_peer)
+            self._kvlease_server = ControlServer(host, self._kvlease_on_peer, cpus=self._kvlease_cpus)
             logger.info("kvlease: control channel of engine %s (tp rank %d) listening on %s:%d", self.engine_id, self.tp_rank, host, self._kvlease_server.port)
         md = self.xfer_handshake_metadata
         self.xfer_handshake_metadata = KvleaseHandshakePayload(
@@ -767,44 +758,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             done = super()._get_new_notifs()
         finally:
             self.nixl_wrapper = real
-        return self._kvlease_hold_for_read_done(done) | released
-
-    def _kvlease_hold_for_read_done(self, done: set[str]) -> set[str]:
-        """SPEC P5 inside a vLLM P: a request whose read vLLM saw complete (every consumer's
-        ``req:n``) is reported sent (its blocks freed, and P's engine idle once nothing else is
-        pending) only once the kvlease D that renewed it had its ``ReadDone`` answered, or E
-        after. vLLM's P steps only while a request is pending, and takes notifications only in
-        its steps: a ``ReadDone`` arriving a moment after the ``req:n`` waited for P's next
-        request, and D failed the healthy read after E. A stock D sends no ``ReadDone``: its
-        requests (never renewed over the binary wire) are reported at once, as in vLLM."""
-        with self._reqs_to_send.lock:  # type: ignore[attr-defined]
-            return self._kvlease_hold_locked(done)
-
-    def _kvlease_hold_locked(self, done: set[str]) -> set[str]:
-        now = time.monotonic_ns()
-        wait = int(self.kvlease_config.ack_wait * 1e9)
-        book = self._reqs_to_send
-        if len(self._kvlease_confirmable) > 2 * len(book) + 1024:  # leases vLLM ended itself
-            self._kvlease_confirmable = {r: w for r, w in self._kvlease_confirmable.items() if r in book or r in done}
-        if len(self._kvlease_confirmed) > 2 * (len(self._kvlease_confirmable) + len(self._kvlease_held)) + 1024:
-            # ReadDones nothing waits for (their request reported after E, or never held).
-            waiting = set(self._kvlease_confirmable.values()) | {w for w, _ in self._kvlease_held.values()}
-            self._kvlease_confirmed &= waiting
-        for req_id in list(done):
-            wire_id = self._kvlease_confirmable.pop(req_id, None)
-            if wire_id is None:
-                continue
-            if wire_id in self._kvlease_confirmed:
-                self._kvlease_confirmed.discard(wire_id)
-                continue
-            done.discard(req_id)
-            self._kvlease_held[req_id] = (wire_id, now + wait)
-        for req_id, (wire_id, until) in list(self._kvlease_held.items()):
-            if wire_id in self._kvlease_confirmed or now >= until:
-                self._kvlease_confirmed.discard(wire_id)
-                del self._kvlease_held[req_id]
-                done.add(req_id)
-        return done
+        return done | released
 
     def _kvlease_on_peer(self, peer: Peer, data: bytes) -> None:
         """SPEC P2/D4/P5/P6/P7/S5 on P, for a message of a kvlease D on the control channel (on
@@ -827,11 +781,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             if kind == "heartbeat":
                 self._kvlease_hb_received += 1
                 lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-                gone = set(lost)
-                for wire_id in msg["lease_ids"]:
-                    req_id = book.req_of_wire(wire_id)  # type: ignore[attr-defined]
-                    if wire_id not in gone and req_id is not None:
-                        self._kvlease_confirmable[req_id] = wire_id
                 logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s", msg["seq"], peer.engine_id, len(msg["lease_ids"]), sorted(lost))
                 # SPEC P6: D learns in the same round trip.
                 answers.append(encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)}))
@@ -839,7 +788,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 # SPEC P5: D asks whether its read completed while P still held the blocks,
                 # before it uses a byte of them.
                 live = book.read_confirmed(msg["lease_id"], holder)  # type: ignore[attr-defined]
-                self._kvlease_confirmed.add(msg["lease_id"])
                 logger.debug("kvlease: read_done of lease %d from %s: live %s", msg["lease_id"], peer.engine_id, live)
                 answers.append(encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live}))
             elif kind == "release":
@@ -847,8 +795,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 # frees their blocks). SPEC P6/S5: leases that are not live, or another engine's,
                 # are answered lost and stay as they are.
                 reqs, lost = book.release_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-                for req_id in reqs:
-                    self._kvlease_confirmable.pop(req_id, None)
                 self._kvlease_freed.update(reqs)
                 if lost:
                     answers.append(encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
@@ -908,8 +854,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                             self._kvlease_links.pop(key).close()
             self._kvlease_handshakes_done(now)
         if new and self._kvlease_thread is None:
-            self._kvlease_thread = threading.Thread(target=self._kvlease_run, name="kvlease-renewer", daemon=True)
-            self._kvlease_thread.start()
+            self._kvlease_thread = spawn(self._kvlease_run, "kvlease-renewer", self._kvlease_cpus)
         if new:
             self._kvlease_wake.set()
 
@@ -925,6 +870,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     def _kvlease_run(self) -> None:
         """The renewer's timer: polls it when it is due and carries out what it says."""
         r = self._kvlease_renewer
+        logger.debug("kvlease: renewer thread started (native id %d, CPUs %s)", threading.get_native_id(), sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?")
         while not self._kvlease_stop.is_set():
             with self._kvlease_lock:
                 now = time.monotonic_ns()
@@ -971,7 +917,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 logger.warning("kvlease: P engine %s advertised no control port for its worker %s", engine_id, rank)
                 return None
             try:
-                link = ControlLink(host, port, _hello(self.engine_id), lambda d, e=engine_id: self._kvlease_on_answer(e, d))
+                link = ControlLink(host, port, _hello(self.engine_id), lambda d, e=engine_id: self._kvlease_on_answer(e, d), cpus=self._kvlease_cpus)
             except OSError as e:
                 logger.warning("kvlease: cannot reach the control channel of P engine %s worker %s at %s:%d: %s", engine_id, rank, host, port, e)
                 return None
@@ -990,9 +936,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if transfers is not self._recving_transfers:
             return done, failed
         now = time.monotonic_ns()
-        # P answers from its engine steps, which vLLM runs seconds late at times (the core's 2 s
-        # cap is for kvlease's own engines, which answer at once). A P that is gone never
-        # answers: the load fails after the wait.
         wait = int(max(self.kvlease_config.lease_duration, self.CONFIRM_WAIT_MIN_S) * 1e9)
         for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
             done.discard(req_id)
@@ -1126,8 +1069,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 count,
             )
             self._reqs_to_process.discard(req_id)
-            with self._reqs_to_send.lock:  # type: ignore[attr-defined]
-                self._kvlease_confirmable.pop(req_id, None)
             done_sending.add(req_id)
 
 

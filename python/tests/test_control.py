@@ -95,3 +95,29 @@ def test_connecting_to_a_port_nobody_listens_on_raises_oserror():
         port = s.getsockname()[1]
     with pytest.raises(OSError):
         ControlLink("127.0.0.1", port, b"hello", lambda d: None)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+def test_threads_run_on_the_cpus_they_are_given_not_the_starters():
+    """Issue 25: vLLM's CPU worker pins its thread to one core per NUMA node before the
+    connector starts its threads, and a thread inherits its starter's CPUs: kvlease's renewer and
+    control threads shared one core with both engines' busy loops and went unscheduled for
+    seconds. A thread `spawn` starts runs on the CPUs it is given, whatever its starter's."""
+    import os
+    import threading
+
+    every = os.sched_getaffinity(0)
+    one = {min(every)}
+    seen = {}
+    done = threading.Event()
+
+    def starter():
+        os.sched_setaffinity(0, one)  # as vLLM's worker does to its thread
+        control.spawn(lambda: (seen.update(given=os.sched_getaffinity(0)), done.set()), "given", every)
+        control.spawn(lambda: seen.update(inherited=os.sched_getaffinity(0)), "inherited").join()
+
+    t = threading.Thread(target=starter)
+    t.start()
+    t.join()
+    assert done.wait(DEADLINE)
+    assert seen == {"given": every, "inherited": one}

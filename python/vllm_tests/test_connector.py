@@ -61,8 +61,8 @@ def test_spec2_invalid_lease_refused_at_start_naming_key(create):
 
 
 def test_nixl_agent_is_thread_safe_and_progress_delay_set_from_extra_config(create, monkeypatch):
-    """Issue 25: the worker's NIXL agent is made with NIXL_THREAD_SYNC_STRICT (the renewer's
-    thread sends on it beside vLLM's engine thread; NIXL's Python agent otherwise picks
+    """Issue 25: the worker's NIXL agent is made with NIXL_THREAD_SYNC_STRICT (vLLM's handshake
+    thread calls it beside vLLM's engine thread; NIXL's Python agent otherwise picks
     NIXL_THREAD_SYNC_NONE, which leaves serializing calls to the caller). NIXL's
     Python agent also hard-codes its progress thread's delay to 0 (busy-polling a core per
     agent: on a 2-core CPU host requests took 22-54 s). `kvlease_nixl_progress_delay_us` sets it
@@ -269,42 +269,30 @@ def test_p2_p6_stock_heartbeat_over_nixl_renews_kvlease_p(p_workers):
     kv._reqs_to_send.pop("hb-1")
 
 
-def test_p5_a_completed_read_is_reported_once_d_asked_or_after_e(p_workers):
-    """Issue 25, SPEC P5 inside a vLLM P: vLLM's P steps (and takes notifications) only while a
-    request is pending, so a read it saw complete (`req:n`) and reported sent left it idle, and
-    the kvlease D's ReadDone arriving a moment later waited for P's next request (D failed the
-    healthy read after E). A request a kvlease D renewed over the binary wire is reported sent
-    only once D's ReadDone for it came in (answered in that step), or E after; a stock D's
-    request (text heartbeats, no ReadDone) is reported at once, as in vLLM."""
+def test_p5_a_read_done_after_vllms_read_completion_is_confirmed_with_no_engine_step(p_workers):
+    """Issue 25, SPEC P5 inside a vLLM P: vLLM's P takes NIXL notifications only in its engine
+    steps and runs none once nothing is pending, so a kvlease D's ReadDone sent as a notification
+    a moment after the read's `req:n` waited for P's next request (D failed the healthy read).
+    On the control channel P answers with no engine step at all: before vLLM's `req:n` (the lease
+    is held) and after it (the lease ended by that very read) the read is confirmed, and the
+    request is reported sent as soon as vLLM sees its read complete, as in vLLM."""
     kv, _, d = p_workers
     W1, W2 = (29 << 32) + 1, (29 << 32) + 2
-    reqs = {"hold-1": W1, "hold-2": W2}
-    grant(kv, [*reqs, "hold-stock"], ttl=3, wire_ids=reqs)
+    reqs = {"rd-early": W1, "rd-late": W2}
+    grant(kv, list(reqs), ttl=30, wire_ids=reqs)
     link = DLink(kv)
     link.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W1, W2]}))
-    wait_for(lambda: set(reqs) <= set(kv._kvlease_confirmable), "the binary renewal", step=lambda: (time.sleep(0.05), kv._get_new_notifs()))
-    done: set[str] = set()
-
-    def step():
-        time.sleep(0.05)
-        done.update(kv._get_new_notifs())
-
-    for r in (*reqs, "hold-stock"):
-        d.send(0, f"{r}:1".encode())
-    wait_for(lambda: "hold-stock" in done and set(reqs) <= set(kv._kvlease_held), "the three reads' completions", step=step)
-    assert not set(reqs) & done, "held until D asks"
-    assert all(r not in kv._reqs_to_send for r in reqs), "the leases ended by their reads"
+    wait_for(lambda: link.answers("heartbeat_ack"), "the renewal's answer")
     link.send(kvlease.encode({"type": "read_done", "lease_id": W1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
-    wait_for(lambda: "hold-1" in done, "hold-1 reported once D's ReadDone came in", step=step)
-    assert "hold-2" not in done, "hold-2's D has not asked"
-    wait_for(lambda: "hold-2" in done, "hold-2 reported E after its read completed", step=step)
-    assert not kv._kvlease_held
-    # A ReadDone nothing waits for any more (hold-2's, arriving after E) is not kept for ever.
+    wait_for(lambda: link.answers("read_done_ack"), "rd-early's confirmation, with no engine step")
+    done: set[str] = set()
+    for r in reqs:
+        d.send(0, f"{r}:1".encode())
+    wait_for(lambda: set(reqs) <= done, "both reads' completions, reported at once", step=lambda: done.update(kv._get_new_notifs()))
+    assert all(r not in kv._reqs_to_send for r in reqs), "the leases ended by their reads"
     link.send(kvlease.encode({"type": "read_done", "lease_id": W2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
-    wait_for(lambda: W2 in kv._kvlease_confirmed, "hold-2's late ReadDone", step=step)
-    kv._kvlease_confirmed.update(range(1 << 40, (1 << 40) + 2048))  # more such leftovers
-    step()
-    assert not kv._kvlease_confirmed, "leftover ReadDones are dropped once they outnumber what waits"
+    wait_for(lambda: len(link.answers("read_done_ack")) == 2, "rd-late's confirmation, after its lease ended")
+    assert [(m["lease_id"], m["live"]) for m in link.answers("read_done_ack")] == [(W1, True), (W2, True)]
 
 
 def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_are_answered_lost(p_workers):
@@ -487,6 +475,24 @@ def test_spec9_p_advertises_binary_wire_in_params_d_learns_it(create):
     assert m.kvlease_hb == {"p-adv": ([wire_id], {"r1"})}
     info = m.heartbeat_by_engine["p-adv"]
     assert m.kvlease_track == {"d1": ("p-adv", info.host, info.port, wire_id, [(0, 0, 4242)])}
+
+
+@pytest.mark.parametrize("control", [None, [], [[0, 0, 0]], [[0, 0, 70000]], [[0, 0]], [[0, True, 5]], "5601"])
+def test_spec9_d_without_a_valid_control_port_renews_with_vllms_text(create, control):
+    """Bad `kv_transfer_params`: a P that advertises kvlease's wire with no control port, or a
+    malformed one (a port out of range, not a triple, a bool, not a list), is renewed with
+    vLLM's text heartbeat as a stock P is: nothing is sent where P may not listen, the request
+    is served, and its lease still renewed."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    params = {**d_params("r1", engine="p-noport"), "kvlease_wire": kvlease.WIRE_VERSION, "kvlease_lease_id": (47 << 32) + 1}
+    if control is not None:
+        params["kvlease_control_ports"] = control
+    d = create("KvleaseConnector", "kv_consumer", "scheduler", "d-noport")
+    d.on_new_request(request("d1", **params))
+    m = d.build_connector_meta(SchedulerOutput.make_empty())
+    assert not m.kvlease_track and not m.kvlease_hb
+    assert sorted(m.heartbeat_by_engine["p-noport"].req_ids) == ["r1"]
 
 
 def test_d1_d6_a_kvlease_request_is_renewed_from_its_first_step_and_never_read_unguarded(create):
@@ -764,13 +770,11 @@ def test_d6_read_waits_for_an_acknowledged_renewal(create, p_workers, p_side_cha
     kv._reqs_to_send.pop(p_req)
 
 
-def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmation(create, p_workers, p_side_channels):
-    """Issue 25, SPEC D6/P5 inside vLLM: a vLLM P answers only in its engine steps, which stall
-    for seconds on a loaded host while P still holds the lease. A read held back for an
-    acknowledged renewal that P does not answer goes ahead after E (failing it failed healthy
-    requests); its bytes are still used only once P confirms the read. Here P's control
-    channel takes D's messages and never answers: the read is posted E after it was held back,
-    not before."""
+def test_d6_a_read_p_does_not_acknowledge_within_e_fails_its_load_never_read(create, p_workers, p_side_channels):
+    """SPEC D6 inside vLLM: a read held back for an acknowledged renewal that P does not
+    acknowledge within E (a P stalled or cut off: here its control channel takes D's messages
+    and never answers) is never read: its load fails through vLLM's failure path, E after it was
+    held back and not before, and no READ is posted."""
     import socket
 
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
@@ -783,9 +787,17 @@ def test_d6_a_read_p_does_not_answer_goes_ahead_after_e_and_waits_for_confirmati
     held_at = time.monotonic()
     d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
     assert d_req in d._kvlease_deferred
-    wait_for(lambda: d_req in d._recving_metadata, "the read to go ahead without P's answer",
-             step=lambda: (time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
+    failed = set()
+
+    def step():
+        time.sleep(0.05)
+        d.start_load_kv(NixlConnectorMetadata())
+        failed.update(d.get_transfer_results().failed_recving)
+        assert d_req not in d._recving_transfers, "never read"
+
+    wait_for(lambda: d_req in failed, "the load to fail without P's acknowledgement", step=step)
     assert time.monotonic() - held_at >= d.kvlease_config.ack_wait - 0.1, "not before E"
+    assert {3, 4} <= d.get_block_ids_with_load_errors()
     kv._reqs_to_send.pop(p_req)
     silent.close()
 
