@@ -760,14 +760,20 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self.nixl_wrapper = real
         return done | released
 
+    def _kvlease_decode(self, data: bytes) -> dict[str, Any] | None:
+        """A kvlease message off the control channel, or ``None`` (SPEC P7: dropped, counted)."""
+        try:
+            return decode(data)
+        except WireDecodeError:
+            self.kvlease_malformed += 1
+            return None
+
     def _kvlease_on_peer(self, peer: Peer, data: bytes) -> None:
         """SPEC P2/D4/P5/P6/P7/S5 on P, for a message of a kvlease D on the control channel (on
         that connection's thread): decided by the book's table under its lock, answered at once."""
         book = self._reqs_to_send
-        try:
-            msg = decode(data)
-        except WireDecodeError:
-            self.kvlease_malformed += 1
+        msg = self._kvlease_decode(data)
+        if msg is None:
             return
         kind = msg["type"]
         if kind == "hello":
@@ -805,10 +811,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
 
     def _kvlease_on_answer(self, engine_id: str, data: bytes) -> None:
         """SPEC D6 on D, for P's answers on the control channel (on that link's thread)."""
-        try:
-            msg = decode(data)
-        except WireDecodeError:
-            self.kvlease_malformed += 1
+        msg = self._kvlease_decode(data)
+        if msg is None:
             return
         kind = msg["type"]
         if kind == "read_done_ack":

@@ -27,7 +27,7 @@ What it does:
    Every answer is classified: ok (200, the reference text), wrong (200, a complete answer, a
    different text: the failure that matters), error (anything else: a status, a broken stream,
    an error event, a finish_reason of error). A wrong answer always fails the run; an error
-   does too, unless `--errors report` (scripts/test.sh) counts it instead (a connector none of
+   does too, unless `--errors report` counts it instead (a connector none of
    whose equivalence checks passed still fails).
 
 Every process is started in its own process group, listed in RUN_DIR/pgids (the shell script's
