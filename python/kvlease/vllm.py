@@ -725,7 +725,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return
         if self._kvlease_server is None:
             host = vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST
-            self._kvlease_server = ControlServer(host, self._kvlease_on_peer, cpus=self._kvlease_cpus)
+            try:
+                self._kvlease_server = ControlServer(host, self._kvlease_on_peer, cpus=self._kvlease_cpus)
+            except OSError as e:
+                raise OSError(f"kvlease: cannot listen for its control channel on VLLM_NIXL_SIDE_CHANNEL_HOST={host!r}: {e}") from e
             logger.info("kvlease: control channel of engine %s (tp rank %d) listening on %s:%d", self.engine_id, self.tp_rank, host, self._kvlease_server.port)
         md = self.xfer_handshake_metadata
         self.xfer_handshake_metadata = KvleaseHandshakePayload(

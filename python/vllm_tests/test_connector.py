@@ -977,3 +977,13 @@ def test_d6_a_held_back_read_waits_for_the_link_to_p_but_not_past_a_lease(create
     wait_for(lambda: "d-link-1" in failed, "the load to fail once a lease duration passed", step=step)
     assert time.perf_counter() - held >= 3.0
     assert "d-link-1" not in d._recving_transfers
+
+
+def test_a_p_that_cannot_listen_for_its_control_channel_stops_naming_the_host(create, monkeypatch):
+    """Bad config: a P whose VLLM_NIXL_SIDE_CHANNEL_HOST it cannot listen on (here a name that
+    does not resolve) stops at start-up with an error naming the variable and the host, instead
+    of serving leases no kvlease D could renew."""
+    w = create("KvleaseConnector", "kv_producer", "worker", "p-no-host").connector_worker
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "no-such-host.invalid")
+    with pytest.raises(OSError, match="VLLM_NIXL_SIDE_CHANNEL_HOST='no-such-host.invalid'"):
+        register_cpu_kv_caches(w)
