@@ -37,6 +37,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def nixl_progress_threads_sleep():
+    """NIXL's Python agent makes every agent with its progress thread's delay 0: the thread
+    busy-polls a core. This suite makes about twenty agents in one process (one per worker, and
+    vLLM frees none), and on a 2-core machine their threads starved everything else: a run took
+    2 to 20 minutes, and once did not end. Every agent made here with a delay of 0 gets 1 ms.
+    It wraps the agent constructor below the connector's own wrapper, so a test that looks at
+    the delay the connector asks for still sees that."""
+    import sys
+
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    bind = sys.modules[NixlWrapper.__module__].nixlBind
+    real = bind.nixlAgent
+
+    def agent(name, config):
+        if not config.pthrDelay:
+            config.pthrDelay = 1000
+        return real(name, config)
+
+    bind.nixlAgent = agent
+    yield
+    bind.nixlAgent = real
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-llama")
