@@ -227,7 +227,7 @@ class LeaseBook:
 
     __slots__ = (
         "lock", "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
-        "_holder_of", "transferred", "released",
+        "_holder_of", "transferred", "released", "_named_hi", "_early", "early_renewals",
     )
 
     #: The holder vLLM's text heartbeats act as.
@@ -235,6 +235,10 @@ class LeaseBook:
 
     #: How many leases ended by a completed read the book remembers, for D's confirmations.
     READ_MEMORY = 1 << 16
+
+    #: How many messages about leases not yet granted the book holds for their grant (beyond
+    #: that, they are answered at once: not live).
+    EARLY_MEMORY = 1 << 12
 
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         #: Held by every method: vLLM's engine thread uses the book, and so does the thread of
@@ -265,6 +269,18 @@ class LeaseBook:
         #: SPEC §11 (``kvlease_leases_released_total``): leases ended by their read, and without one.
         self.transferred = 0
         self.released = 0
+        # A lease's wire id reaches D before this worker grants it: P's scheduler puts it in the
+        # request's kv_transfer_params when the prefill finishes, and hands the request to the
+        # worker with the next engine step. D may renew, read and confirm in between (a loaded
+        # host delays P's step). The scheduler issues ids in order and the worker names them in
+        # order, so an id above the highest named (of the same series) is one not granted yet,
+        # not a lost one: see pending().
+        self._named_hi = 0
+        # Messages (ReadDone, Release) about such ids, held for the grant: wire id -> items,
+        # with the time each came (monotonic ns).
+        self._early: dict[int, list[tuple[int, Any]]] = {}
+        #: Renewals of ids not granted yet (answered not lost, renewing nothing).
+        self.early_renewals = 0
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
     @_locked
@@ -393,9 +409,42 @@ class LeaseBook:
     @_locked
     def name_wire_id(self, req_id: str, wire_id: int) -> None:
         """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
+        self._named_hi = max(self._named_hi, wire_id)
         if req_id in self._lease_of:
             self._req_of_wire[wire_id] = req_id
             self._wire_of[req_id] = wire_id
+
+    @_locked
+    def pending(self, wire_id: int) -> bool:
+        """Whether ``wire_id`` may be a lease P's scheduler issued and this worker has not been
+        handed yet: above every id named so far, in the same series (the scheduler's random
+        start, the id's upper 32 bits; any id before the first is named). Its blocks are held by
+        vLLM's scheduler from the prefill's end, and the grant to come starts a full lease."""
+        hi = self._named_hi
+        return wire_id > hi and (hi == 0 or wire_id >> 32 == hi >> 32)
+
+    @_locked
+    def hold_early(self, wire_id: int, item: Any) -> bool:
+        """Holds ``item`` (a message about ``wire_id``) until the lease is granted, if ``wire_id``
+        is :meth:`pending` and there is room; returns whether it was held."""
+        if not self.pending(wire_id) or sum(map(len, self._early.values())) >= self.EARLY_MEMORY:
+            return False
+        self._early.setdefault(wire_id, []).append((time.monotonic_ns(), item))
+        return True
+
+    @_locked
+    def early_due(self, max_age_ns: int) -> list[Any]:
+        """The held items whose lease is now granted, or can no longer be (a later id was
+        named), or that waited ``max_age_ns``: to be answered now, in arrival order."""
+        if not self._early:
+            return []
+        now = time.monotonic_ns()
+        due: list[tuple[int, Any]] = []
+        for w in list(self._early):
+            items = self._early[w]
+            if not self.pending(w) or now - items[0][0] >= max_age_ns:
+                due += self._early.pop(w)
+        return [item for _, item in sorted(due, key=lambda x: x[0])]
 
     @_locked
     def req_of_wire(self, wire_id: int) -> str | None:
@@ -412,11 +461,13 @@ class LeaseBook:
         reqs = []
         for w in wire_ids:
             r = self._req_of_wire.get(w)
-            if r is None or r not in self._lease_of:
+            if r is not None and r in self._lease_of:
+                reqs.append((w, r))
+            elif self.pending(w):
+                self.early_renewals += 1  # its grant is on the way: not lost
+            else:
                 self.unknown_renewals += 1
                 lost.append(w)
-            else:
-                reqs.append((w, r))
         if reqs:
             ids = [self._lease_of[r] for _, r in reqs]
             _, lost_leases, released = self.table.renew(holder, ids, time.monotonic_ns())
@@ -622,6 +673,15 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         book = self._reqs_to_send
         for req_id, wire_id in getattr(metadata, "kvlease_wire_ids", {}).items():
             book.name_wire_id(req_id, wire_id)  # type: ignore[attr-defined]
+            logger.debug("kvlease: lease of %s granted as %d", req_id, wire_id)
+        self._kvlease_answer_early()
+
+    def _kvlease_answer_early(self) -> None:
+        """Answers what D sent about leases before this worker was handed them (now granted, or
+        never to be): held at most E, D's own wait for an answer (on the engine thread)."""
+        wait = int(self.kvlease_config.ack_wait * 1e9)
+        for peer, msg in self._reqs_to_send.early_due(wait):  # type: ignore[attr-defined]
+            self._kvlease_answer(peer, msg, hold=False)
 
     def _kvlease_fail_load(self, req_id: str, meta: Any, why: str) -> None:
         """The request's KV is not read: vLLM's load-failure path (failed receive, its blocks
@@ -784,13 +844,29 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             peer.engine_id = str(msg["engine_id"])
             logger.debug("kvlease: hello from engine %s on %s", peer.engine_id, peer.name)
             return
+        self._kvlease_answer(peer, msg, hold=True)
+
+    def _kvlease_answer(self, peer: Peer, msg: dict[str, Any], hold: bool) -> None:
+        """Decides and answers one message of a kvlease D (on the control channel's thread, or
+        on the engine thread for one held for its lease's grant). With ``hold``, a ``ReadDone``
+        or ``Release`` about leases P's scheduler issued and this worker was not handed yet is
+        held for the grant (:meth:`LeaseBook.hold_early`) instead of answered lost."""
+        book = self._reqs_to_send
+        kind = msg["type"]
         answers: list[bytes] = []
         with book.lock:  # type: ignore[attr-defined]
             holder = book.table.holder(peer.engine_id or peer.name)  # type: ignore[attr-defined]
+            if hold and kind == "read_done" and book.hold_early(msg["lease_id"], (peer, msg)):  # type: ignore[attr-defined]
+                logger.debug("kvlease: read_done of lease %d from %s held for its grant", msg["lease_id"], peer.engine_id)
+                return
+            if hold and kind == "release":
+                early = [w for w in msg["lease_ids"] if book.hold_early(w, (peer, {"type": "release", "lease_ids": [w]}))]  # type: ignore[attr-defined]
+                msg = {"type": "release", "lease_ids": [w for w in msg["lease_ids"] if w not in early]}
             if kind == "heartbeat":
                 self._kvlease_hb_received += 1
+                early0 = book.early_renewals  # type: ignore[attr-defined]
                 lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-                logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s", msg["seq"], peer.engine_id, len(msg["lease_ids"]), sorted(lost))
+                logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s, not granted yet %d", msg["seq"], peer.engine_id, len(msg["lease_ids"]), sorted(lost), book.early_renewals - early0)  # type: ignore[attr-defined]
                 # SPEC P6: D learns in the same round trip.
                 answers.append(encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)}))
             elif kind == "read_done":
@@ -1066,6 +1142,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         """SPEC P4: expired leases, in deadline order, O(1) when none is due. The bookkeeping
         per expired request is vLLM's (counters, stats, ``done_sending``)."""
+        self._kvlease_answer_early()
         for req_id in self._reqs_to_send.expired():  # type: ignore[attr-defined]
             count = self.consumer_notification_counts_by_req.pop(req_id, 0)
             self.expected_consumer_notifications_by_req.pop(req_id, None)

@@ -314,9 +314,9 @@ def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_ar
     one.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
     wait_for(lambda: one.answers("heartbeat_ack"), "the holder's renewal answered, with no engine step")
     assert [m["lost_ids"] for m in one.answers("heartbeat_ack")] == [[]]
-    two.send(kvlease.encode({"type": "release", "lease_ids": [W, W + 1]}))
+    two.send(kvlease.encode({"type": "release", "lease_ids": [W, W - 1]}))
     wait_for(lambda: two.answers("lease_lost"), "the other engine's release answered")
-    assert [m["lease_ids"] for m in two.answers("lease_lost")] == [[W, W + 1]]
+    assert [m["lease_ids"] for m in two.answers("lease_lost")] == [[W - 1, W]]
     assert req in kv._reqs_to_send, "the lease lives on: its holder may be reading"
     two.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
     for d in (two, one):
@@ -328,6 +328,42 @@ def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_ar
     one.send(kvlease.encode({"type": "release", "lease_ids": [W]}))
     wait_for(lambda: req in freed, "the holder's release, reported sent by the next engine step", step=step)
     assert req not in kv._reqs_to_send
+
+
+def test_p1_p6_renewals_and_reads_that_overtake_their_grant_are_not_lost(p_workers):
+    """CI run of stop 31: a vLLM P's scheduler puts a lease's wire id in kv_transfer_params when
+    the prefill ends and hands the request to its worker with the next engine step; a D that
+    renewed (or read and confirmed) before a busy P took that step was told the lease was lost
+    and failed a healthy request. An id above the highest the worker was handed (same series) is
+    one on its way: a renewal of it is not lost, a ReadDone or Release of it is answered once the
+    grant comes (the ReadDone live), or, for an id that will never come (a later one was handed),
+    answered not live. Ids below the highest handed, or of another series, are lost at once."""
+    kv, _, _ = p_workers
+    W = (43 << 32) + 10
+    grant(kv, ["ov-0"], ttl=30, wire_ids={"ov-0": W})
+    early0 = kv._reqs_to_send.early_renewals
+    link = DLink(kv, "d-overtaking")
+    other_series = (44 << 32) + 1
+    link.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W - 5, W + 1, W + 2, W + 3, other_series]}))
+    wait_for(lambda: link.answers("heartbeat_ack"), "the renewal answered")
+    assert [m["lost_ids"] for m in link.answers("heartbeat_ack")] == [[W - 5, other_series]]
+    assert kv._reqs_to_send.early_renewals == early0 + 3
+    link.send(kvlease.encode({"type": "read_done", "lease_id": W + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    link.send(kvlease.encode({"type": "read_done", "lease_id": W + 2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    link.send(kvlease.encode({"type": "release", "lease_ids": [W + 3, W - 6]}))
+    wait_for(lambda: link.answers("lease_lost"), "the release's answer for the id that is not coming")
+    assert [m["lease_ids"] for m in link.answers("lease_lost")] == [[W - 6]]
+    assert not link.answers("read_done_ack"), "a ReadDone of a lease not granted yet is held, not answered lost"
+    # The next engine step hands the worker W+1 and W+3 (W+2's request was dropped on P: never).
+    freed: set[str] = set()
+    grant(kv, ["ov-1", "ov-3"], ttl=30, wire_ids={"ov-1": W + 1, "ov-3": W + 3})
+    wait_for(lambda: len(link.answers("read_done_ack")) == 2, "both held ReadDones answered")
+    assert sorted((m["lease_id"], m["live"]) for m in link.answers("read_done_ack")) == [(W + 1, True), (W + 2, False)]
+    wait_for(lambda: "ov-3" in freed, "the held Release of ov-3 to free it", step=lambda: freed.update(kv._get_new_notifs()))
+    assert "ov-1" in kv._reqs_to_send, "a confirmation ends nothing"
+    assert [m["lease_ids"] for m in link.answers("lease_lost")] == [[W - 6]], "the held Release was taken, not lost"
+    for r in ("ov-0", "ov-1"):
+        kv._reqs_to_send.pop(r)
 
 
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):

@@ -137,6 +137,15 @@ class Proc:
         except OSError:
             return ""
 
+    def log_excerpt(self, n: int) -> str:
+        """The log's last ``n`` warning, error and traceback lines (vLLM's and kvlease's)."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        keep = [x for x in lines if re.search(r"WARNING|ERROR|Traceback|Error:|^\s+File ", x) and "Releasing expired" not in x]
+        return "\n".join("  " + x[:400] for x in keep[-n:])
+
     def log_count(self, pattern: str) -> int:
         try:
             return len(re.findall(pattern, self.log.read_text(errors="replace")))
@@ -682,6 +691,7 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
         p_args += ["--num-gpu-blocks-override", "64"]
         d_args += ["--max-num-seqs", "1"]
     t = time.monotonic()
+    failed0 = len(rep.failed)
     try:
         for attempt in (1, 2):
             p = cl.serve(f"{tag}-P", 0, p_args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "KVLEASE_NIXL_PTHR_DELAY_US": env_delay})
@@ -713,9 +723,17 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
             quiesce(p, d)
             rep.faults[tag]["c"] = fault_c(tag, px, p, d, prompts, rep, a)
     finally:
-        for proc in [x for x in Proc.registry if x.name.startswith(tag)]:
+        procs = [x for x in Proc.registry if x.name.startswith(tag)]
+        for proc in procs:
             proc.stop()
+        if len(rep.failed) > failed0:
+            # CI keeps no run directory: what the engines said about the failure goes to the output.
+            for proc in procs:
+                print(f"real-vllm: {proc.name}'s warnings and errors (last {LOG_EXCERPT_LINES}):\n{proc.log_excerpt(LOG_EXCERPT_LINES)}", flush=True)
 
+
+#: How many warning and error lines of each process a failed connector run prints.
+LOG_EXCERPT_LINES = 60
 
 CONNECTOR_CLASS = {"stock": "NixlPullConnector", "kvlease": "KvleaseConnector"}
 CONNECTORS = {
