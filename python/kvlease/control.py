@@ -39,6 +39,10 @@ MAX_FRAME = 1 << 20
 SEND_TIMEOUT_S = 2.0
 #: How long D waits for a P worker's control port to accept a connection.
 CONNECT_TIMEOUT_S = 1.0
+#: The most connections a P worker serves at once (a thread each): one per D worker that reads
+#: from it is the need; beyond the cap a new connection is closed at once (its D retries on its
+#: next send), so a flood of connections cannot take a P worker's threads and memory.
+MAX_PEERS = 512
 
 _LEN = struct.Struct(">I")
 
@@ -161,8 +165,13 @@ class Peer(_Conn):
 class ControlServer:
     """P's end: listens on ``(host, port)`` (port 0: one the system picks, :attr:`port`)."""
 
-    def __init__(self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0, cpus: Iterable[int] | None = None) -> None:
+    def __init__(
+        self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0, cpus: Iterable[int] | None = None, max_peers: int = MAX_PEERS
+    ) -> None:
         self._on_frame = on_frame
+        self.max_peers = max_peers
+        #: Connections closed at once because ``max_peers`` were open.
+        self.refused = 0
         self._cpus = cpus
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
@@ -185,7 +194,15 @@ class ControlServer:
                 break
             peer = Peer(sock, f"{addr[0]}:{addr[1]}")
             with self._lock:
-                self._peers.add(peer)
+                full = len(self._peers) >= self.max_peers
+                if not full:
+                    self._peers.add(peer)
+            if full:
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    logger.warning("kvlease: control channel: %d connections open, the most it serves; closed %s (%d so far)", self.max_peers, peer.name, self.refused)
+                peer.close()
+                continue
             spawn(lambda: self._serve(peer), "kvlease-control-peer", self._cpus)
 
     def _serve(self, peer: Peer) -> None:

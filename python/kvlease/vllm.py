@@ -840,9 +840,15 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return
         kind = msg["type"]
         if kind == "hello":
-            # SPEC S5: leases are held per D engine, the one this connection says it is.
-            peer.engine_id = str(msg["engine_id"])
-            logger.debug("kvlease: hello from engine %s on %s", peer.engine_id, peer.name)
+            # SPEC S5: leases are held per D engine, the one this connection says it is: its
+            # first Hello. Another one naming another engine changes nothing (a connection that
+            # could rename itself could act as any engine whose leases it names).
+            engine = str(msg["engine_id"])
+            if peer.engine_id is None:
+                peer.engine_id = engine
+                logger.debug("kvlease: hello from engine %s on %s", engine, peer.name)
+            elif engine != peer.engine_id:
+                logger.warning("kvlease: connection %s said it is engine %s and now %s: it stays %s", peer.name, peer.engine_id, engine, peer.engine_id)
             return
         self._kvlease_answer(peer, msg, hold=True)
 
@@ -1261,6 +1267,7 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
             params["kvlease_lease_id"] = wire_id
             params["kvlease_control_ports"] = self._kvlease_control_ports
             self._kvlease_new_ids[request.request_id] = wire_id
+            logger.debug("kvlease: prefill of %s done; its lease is %d", request.request_id, wire_id)
         return delay, params
 
     def on_new_request(self, request: Any) -> None:
@@ -1280,6 +1287,7 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
             # Another request here already names that remote request (a retry): it keeps
             # vLLM's text heartbeat, so one ending does not stop renewing the other.
             return
+        logger.debug("kvlease: request %s arrived for lease %d of engine %s", request.request_id, wire_id, engine)
         self._kvlease_d.setdefault(engine, {})[remote] = wire_id
         self._kvlease_d_req[request.request_id] = (engine, remote)
         info = self._heartbeat_by_engine[engine]  # vLLM's: where that P's side channel is

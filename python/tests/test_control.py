@@ -121,3 +121,29 @@ def test_threads_run_on_the_cpus_they_are_given_not_the_starters():
     t.join()
     assert done.wait(DEADLINE)
     assert seen == {"given": every, "inherited": one}
+
+
+def test_connections_past_the_cap_are_closed_and_the_open_ones_keep_working():
+    """A P worker serves at most ``max_peers`` connections (a thread each): one more is closed at
+    once and counted, the ones open still answer, and once one closes a new one is served."""
+    server = ControlServer("127.0.0.1", lambda peer, data: peer.send(data), max_peers=2)
+    try:
+        answers: list[list[bytes]] = [[], []]
+        links = [ControlLink("127.0.0.1", server.port, b"hello", answers[i].append) for i in range(2)]
+        wait_for(lambda: len(server._peers) == 2, "both connections served")
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE)
+        wait_for(lambda: server.refused == 1, "the third connection refused")
+        assert extra.recv(1) == b"", "closed by P without a word"
+        extra.close()
+        for i, link in enumerate(links):
+            assert link.send(b"x%d" % i)
+        wait_for(lambda: answers == [[b"hello", b"x0"], [b"hello", b"x1"]], "the open connections' answers")
+        links[0].close()
+        wait_for(lambda: len(server._peers) == 1, "the closed connection gone")
+        again: list[bytes] = []
+        link = ControlLink("127.0.0.1", server.port, b"hello", again.append)
+        wait_for(lambda: again == [b"hello"], "a new connection served once there is room")
+        link.close()
+        links[1].close()
+    finally:
+        server.close()

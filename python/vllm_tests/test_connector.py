@@ -302,6 +302,8 @@ def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_ar
     the first engine may be reading the blocks) nor have a read of it confirmed; the holder can.
     A Release of a lease that is not live is answered LeaseLost too. P answers on its control
     channel's threads: no engine step is needed (vLLM's P steps only now and then)."""
+    from kvlease.vllm import _hello
+
     kv, _, _ = p_workers
     W, req = (41 << 32) + 1, "s5-1"
     grant(kv, [req], ttl=30, wire_ids={req: W})
@@ -318,6 +320,8 @@ def test_s5_a_lease_is_one_d_engines_another_engines_release_and_confirmation_ar
     wait_for(lambda: two.answers("lease_lost"), "the other engine's release answered")
     assert [m["lease_ids"] for m in two.answers("lease_lost")] == [[W - 1, W]]
     assert req in kv._reqs_to_send, "the lease lives on: its holder may be reading"
+    # A second Hello does not make a connection another engine: two stays two.
+    two.send(_hello("d-engine-one"))
     two.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
     for d in (two, one):
         d.send(kvlease.encode({"type": "read_done", "lease_id": W, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
