@@ -287,6 +287,11 @@ class Cluster:
         # --omp-bind pin: each engine's worker on a core of its own (the single and P on 0, D on
         # 1), vLLM's CPU recipe for two engines; nobind: the kernel places every thread.
         e["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu) if a.omp_bind == "pin" else "nobind"
+        # vLLM's NIXL worker on CPU pins its thread (and all it starts) to the core it reserves
+        # for KV transfer, the host's last: each engine gets its own here (P 0, D 1), as two
+        # hosts would (pyhooks/sitecustomize.py).
+        if a.kv_core == "per-engine":
+            e["KVLEASE_TEST_KV_CORE"] = str(cpu % (os.cpu_count() or 1))
         e.update(env or {})
         proc = Proc(name, argv, e, self.run_dir / f"{name}.log")
         return Engine(proc, port)
@@ -797,6 +802,11 @@ def main() -> int:
         help="VLLM_CPU_OMP_THREADS_BIND of the engines: nobind (default), or pin (P's worker on core 0, D's on 1: "
         "with every thread of a worker, NIXL's and the connector's included, on the core its main thread spins on "
         "between steps, messages between P and D took tens of seconds here)",
+    )
+    ap.add_argument(
+        "--kv-core", choices=["per-engine", "vllm"], default="per-engine",
+        help="the core vLLM's NIXL worker pins itself to: per-engine (default: the single and P on 0, D on 1, as on two hosts), "
+        "or vllm (the host's last core for every engine: with P and D on one 2-core host, D's worker starved behind P's)",
     )
     ap.add_argument("--results", help="write the results (JSON) and the fault table (Markdown) next to this path")
     args = ap.parse_args()

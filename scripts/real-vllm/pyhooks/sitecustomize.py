@@ -6,8 +6,16 @@ nixl 1.5.1's Python API creates every agent with ``pthrDelay = 0`` (nixl_cu1x/_a
 thread then busy-polls a core per agent. On this 2-core machine two agents (P's and D's) take
 both cores, and a request that takes well under a second took 22-54 s. With
 ``KVLEASE_NIXL_PTHR_DELAY_US`` set (the test sets 100), each agent's config gets that delay
-instead, just before the agent is made. Nothing else changes; without the variable this file
-does nothing.
+instead, just before the agent is made.
+
+With ``KVLEASE_TEST_KV_CORE`` set (the test sets each engine's own core), vLLM's CPU platform
+reports that core as the one to reserve for KV transfer (``discover_numa_topology``), so the
+NIXL worker pins its thread there instead of the host's last core. On two hosts each engine's
+worker has a last core of its own; with P and D on one 2-core host, both workers (and every
+thread they start) landed on core 1, and an idle P stepping in a loop while it held a lease
+starved D's worker there.
+
+Nothing else changes; without the variables this file does nothing.
 """
 
 from __future__ import annotations
@@ -63,5 +71,39 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+_KV_CORE = os.environ.get("KVLEASE_TEST_KV_CORE")
+
+
+class _CpuPlatformLoader(importlib.abc.Loader):
+    """vllm.platforms.cpu with ``CpuPlatform.discover_numa_topology`` naming ``core`` only."""
+
+    def __init__(self, inner: importlib.abc.Loader, core: int) -> None:
+        self._inner = inner
+        self._core = core
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        core = self._core
+        module.CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[core]])
+
+
+class _CpuPlatformFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, core: int) -> None:
+        self._core = core
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "vllm.platforms.cpu":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _CpuPlatformLoader(spec.loader, self._core)
+        return spec
+
+
 if _DELAY:
     sys.meta_path.insert(0, _Finder(int(_DELAY)))
+if _KV_CORE:
+    sys.meta_path.insert(0, _CpuPlatformFinder(int(_KV_CORE)))
