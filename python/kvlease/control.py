@@ -15,7 +15,8 @@ and the connector; this module moves bytes and reports who sent them.
 * :class:`ControlServer` — P: listens, gives each accepted connection a reader thread, and
   calls ``on_frame(peer, data)`` for every message; ``peer.send`` answers on that connection.
 * :class:`ControlLink` — D: one connection to one P worker, a reader thread calling
-  ``on_frame(data)`` for every answer, ``send`` from any thread.
+  ``on_frame(data)`` for every answer and ``on_close()`` once it is over, ``send`` from any
+  thread.
 
 Their threads run on the CPUs they are given (:func:`spawn`), not only on the core vLLM's CPU
 worker pins its own thread to.
@@ -228,9 +229,29 @@ class ControlLink(_Conn):
     """D's end: a connection to one P worker's control port. ``hello`` is sent first (it tells P
     which D engine this is, SPEC S5); answers go to ``on_frame`` on the link's reader thread."""
 
-    def __init__(self, host: str, port: int, hello: bytes, on_frame: Callable[[bytes], None], cpus: Iterable[int] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        hello: bytes,
+        on_frame: Callable[[bytes], None],
+        cpus: Iterable[int] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         super().__init__(sock, f"{host}:{port}")
         if not self.send(hello):
             raise OSError(f"the kvlease control port {host}:{port} closed on our Hello")
-        spawn(lambda: self._read_loop(on_frame), "kvlease-control-link", cpus)
+        spawn(lambda: self._read_then(on_frame, on_close), "kvlease-control-link", cpus)
+
+    def _read_then(self, on_frame: Callable[[bytes], None], on_close: Callable[[], None] | None) -> None:
+        """Reads until the connection is over, then calls ``on_close`` (once, after every answer
+        that arrived was handed to ``on_frame``): nothing more will come on it."""
+        try:
+            self._read_loop(on_frame)
+        finally:
+            if on_close is not None:
+                try:
+                    on_close()
+                except Exception:
+                    logger.exception("kvlease: control connection %s: handling its close failed", self.name)

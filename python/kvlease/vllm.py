@@ -595,7 +595,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     RECHECK_NS = 100_000_000
     #: The least time a landed read waits for P's confirmation (SPEC P5), in seconds; L when
     #: longer. P answers on its control channel's thread within milliseconds; the margin is for
-    #: a P host too loaded to run it (a P that is gone never answers: the load fails after it).
+    #: a P host too loaded to run it (a P whose connection closes never answers: the load fails
+    #: at once, see _kvlease_link_closed).
     CONFIRM_WAIT_MIN_S = 30.0
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
@@ -1006,7 +1007,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 logger.warning("kvlease: P engine %s advertised no control port for its worker %s", engine_id, rank)
                 return None
             try:
-                link = ControlLink(host, port, _hello(self.engine_id), lambda d, e=engine_id: self._kvlease_on_answer(e, d), cpus=self._kvlease_cpus)
+                link = ControlLink(
+                    host, port, _hello(self.engine_id), lambda d, e=engine_id: self._kvlease_on_answer(e, d), cpus=self._kvlease_cpus,
+                    on_close=lambda e=engine_id: self._kvlease_link_closed(e),
+                )
             except OSError as e:
                 logger.warning("kvlease: cannot reach the control channel of P engine %s worker %s at %s:%d: %s", engine_id, rank, host, port, e)
                 return None
@@ -1078,6 +1082,18 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             stats.count(key, value - self._kvlease_reported.get(key, 0))  # type: ignore[attr-defined]
         self._kvlease_reported = now
         return super().get_kv_connector_stats()
+
+    def _kvlease_link_closed(self, engine_id: str) -> None:
+        """SPEC P5/D6: the connection to a worker of P engine ``engine_id`` is over (P died, or
+        the connection broke): an answer to a ``ReadDone`` sent on it can no longer come, so the
+        reads waiting for one fail their loads at the next step instead of after
+        max(L, 30 s). (With several P ranks, a rank that answered before its link closed is
+        failed with the rest: unconfirmed, never used.)"""
+        with self._kvlease_lock:
+            for entry in self._kvlease_confirming.values():
+                if entry[2] > 0 and self._kvlease_reqs.get(entry[0], ("", 0))[0] == engine_id:
+                    entry[1] = 0
+        logger.debug("kvlease: control connection to engine %s closed", engine_id)
 
     def _kvlease_read_answered(self, wire_id: int, live: bool) -> None:
         """One P rank's answer to our ``ReadDone``."""

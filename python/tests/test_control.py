@@ -147,3 +147,19 @@ def test_connections_past_the_cap_are_closed_and_the_open_ones_keep_working():
         links[1].close()
     finally:
         server.close()
+
+
+def test_a_links_close_is_reported_once_after_every_answer(echo):
+    """D learns when a link is over (P died or dropped it): ``on_close`` is called once, after
+    every answer that arrived was handed over, so a caller waiting for an answer on that link
+    can stop waiting (the connector fails such reads at once)."""
+    server, _ = echo
+    answers: list[bytes] = []
+    closed: list[int] = []
+    link = ControlLink("127.0.0.1", server.port, b"hello", answers.append, on_close=lambda: closed.append(len(answers)))
+    assert link.send(b"ab")
+    wait_for(lambda: answers == [b"ba"], "the answer")
+    server.close()
+    wait_for(lambda: closed, "the close to be reported")
+    assert closed == [1], "once, after the answer"
+    assert not link.send(b"cd"), "nothing goes on a closed link"

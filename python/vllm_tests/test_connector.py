@@ -951,6 +951,49 @@ def test_p5_d6_a_read_is_used_only_once_p_confirms_its_lease(create, p_workers, 
     assert results == {"d-p5-ok": {"done"}, "d-p5-lost": {"failed"}}, results
 
 
+def test_p5_d6_a_read_whose_ps_connection_closes_before_the_answer_fails_at_once(create, p_workers, p_side_channels, monkeypatch):
+    """SPEC P5, D6: a landed read waits for P's `ReadDoneAck`; if the control connection to P
+    closes first (P died, or the connection broke), that answer can never come: the load fails
+    at the next step, not after max(L, 30 s) with a decode slot held. Here P drops the
+    connection on the `ReadDone` instead of answering it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo, NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    answer = kv._kvlease_answer
+
+    def drop_on_read_done(peer, msg, hold):
+        if msg["type"] == "read_done":
+            peer.close()
+            return None
+        return answer(peer, msg, hold)
+
+    monkeypatch.setattr(kv, "_kvlease_answer", drop_on_read_done)
+    d = create("KvleaseConnector", "kv_consumer", "worker", "d-p5-close", lease=3).connector_worker
+    register_cpu_kv_caches(d)
+    port = p_side_channels["p-kv"]
+    W, p_req, d_req = (47 << 32) + 1, "p-p5-close", "d-p5-close"
+    grant(kv, [p_req], ttl=30, wire_ids={p_req: W})
+    meta = NixlConnectorMetadata()
+    meta.heartbeat_by_engine = {"p-kv": HeartbeatInfo(req_ids={p_req}, host="127.0.0.1", port=port, tp_size=1)}
+    meta.kvlease_hb = {"p-kv": ([W], {p_req})}
+    d._kvlease_sync({d_req: ("p-kv", "127.0.0.1", port, W, control_ports(kv))}, ())
+    wait_for(lambda: "p-kv" in d._remote_agents, "the handshake", step=lambda: (d._send_heartbeats(meta), time.sleep(0.2)))
+    d.start_load_kv(to_recv(d_req, p_req, port))
+    results: set[str] = set()
+
+    def step():
+        kv._get_new_notifs()
+        time.sleep(0.1)
+        res = d.get_transfer_results()
+        results.update(("done" if r not in res.failed_recving else "failed") for r in res.finished_recving if r == d_req)
+        d.start_load_kv(NixlConnectorMetadata())
+
+    # Well under the connector's least confirmation wait (30 s).
+    wait_for(lambda: results, "the load to end once P's connection closed", step=step, timeout=10)
+    assert results == {"failed"}, "never used unconfirmed"
+    kv._reqs_to_send.pop(p_req)
+
+
 def test_spec11_kvlease_counters_reach_vllms_prometheus_metrics(p_workers):
     """SPEC §11 inside vLLM (issue 25): the connector's lease counters travel with vLLM's own KV
     connector stats (aggregated across workers) and are served by vLLM's Prometheus metrics under
