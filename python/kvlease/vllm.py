@@ -227,7 +227,7 @@ class LeaseBook:
 
     __slots__ = (
         "lock", "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
-        "_holder_of", "transferred", "released", "_named_hi", "_early", "early_renewals",
+        "_holder_of", "transferred", "released", "_named_hi", "_early", "_early_n", "early_renewals",
     )
 
     #: The holder vLLM's text heartbeats act as.
@@ -279,6 +279,7 @@ class LeaseBook:
         # Messages (ReadDone, Release) about such ids, held for the grant: wire id -> items,
         # with the time each came (monotonic ns).
         self._early: dict[int, list[tuple[int, Any]]] = {}
+        self._early_n = 0  # items held, over every id
         #: Renewals of ids not granted yet (answered not lost, renewing nothing).
         self.early_renewals = 0
 
@@ -427,9 +428,10 @@ class LeaseBook:
     def hold_early(self, wire_id: int, item: Any) -> bool:
         """Holds ``item`` (a message about ``wire_id``) until the lease is granted, if ``wire_id``
         is :meth:`pending` and there is room; returns whether it was held."""
-        if not self.pending(wire_id) or sum(map(len, self._early.values())) >= self.EARLY_MEMORY:
+        if self._early_n >= self.EARLY_MEMORY or not self.pending(wire_id):
             return False
         self._early.setdefault(wire_id, []).append((time.monotonic_ns(), item))
+        self._early_n += 1
         return True
 
     @_locked
@@ -444,6 +446,7 @@ class LeaseBook:
             items = self._early[w]
             if not self.pending(w) or now - items[0][0] >= max_age_ns:
                 due += self._early.pop(w)
+        self._early_n -= len(due)
         return [item for _, item in sorted(due, key=lambda x: x[0])]
 
     @_locked
@@ -867,8 +870,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 logger.debug("kvlease: read_done of lease %d from %s held for its grant", msg["lease_id"], peer.engine_id)
                 return
             if hold and kind == "release":
-                early = [w for w in msg["lease_ids"] if book.hold_early(w, (peer, {"type": "release", "lease_ids": [w]}))]  # type: ignore[attr-defined]
-                msg = {"type": "release", "lease_ids": [w for w in msg["lease_ids"] if w not in early]}
+                early = {w for w in msg["lease_ids"] if book.hold_early(w, (peer, {"type": "release", "lease_ids": [w]}))}  # type: ignore[attr-defined]
+                if early:
+                    msg = {"type": "release", "lease_ids": [w for w in msg["lease_ids"] if w not in early]}
             if kind == "heartbeat":
                 self._kvlease_hb_received += 1
                 early0 = book.early_renewals  # type: ignore[attr-defined]
@@ -1089,11 +1093,16 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         reads waiting for one fail their loads at the next step instead of after
         max(L, 30 s). (With several P ranks, a rank that answered before its link closed is
         failed with the rest: unconfirmed, never used.)"""
+        with self._kvlease_links_lock:
+            # A late close of a replaced connection: answers may still come on the new one.
+            replaced = any(k[0] == engine_id and not link.closed for k, link in self._kvlease_links.items())
+        logger.debug("kvlease: control connection to engine %s closed (another open: %s)", engine_id, replaced)
+        if replaced:
+            return
         with self._kvlease_lock:
             for entry in self._kvlease_confirming.values():
                 if entry[2] > 0 and self._kvlease_reqs.get(entry[0], ("", 0))[0] == engine_id:
                     entry[1] = 0
-        logger.debug("kvlease: control connection to engine %s closed", engine_id)
 
     def _kvlease_read_answered(self, wire_id: int, live: bool) -> None:
         """One P rank's answer to our ``ReadDone``."""

@@ -290,6 +290,7 @@ class Cluster:
         # vLLM's NIXL worker on CPU pins its thread (and all it starts) to the core it reserves
         # for KV transfer, the host's last: each engine gets its own here (P 0, D 1), as two
         # hosts would (pyhooks/sitecustomize.py).
+        e.pop("KVLEASE_TEST_KV_CORE", None)
         if a.kv_core == "per-engine":
             e["KVLEASE_TEST_KV_CORE"] = str(cpu % (os.cpu_count() or 1))
         e.update(env or {})
@@ -731,7 +732,7 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
         procs = [x for x in Proc.registry if x.name.startswith(tag)]
         for proc in procs:
             proc.stop()
-        if len(rep.failed) > failed0:
+        if len(rep.failed) > failed0 or sys.exc_info()[0] is not None:
             # CI keeps no run directory: what the engines said about the failure goes to the output.
             for proc in procs:
                 print(f"real-vllm: {proc.name}'s warnings and errors (last {LOG_EXCERPT_LINES}):\n{proc.log_excerpt(LOG_EXCERPT_LINES)}", flush=True)
