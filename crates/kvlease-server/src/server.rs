@@ -297,7 +297,7 @@ impl Server {
             let _ = tokio::time::timeout(REFUSE_TIME, async {
                 match &server.tls {
                     None => refuse(stream, max).await,
-                    Some(tls) => refuse(tls.0.accept(stream).await?, max).await,
+                    Some(tls) => refuse(tls.acceptor().accept(stream).await?, max).await,
                 }
             })
             .await;
@@ -318,7 +318,7 @@ impl Server {
         // SPEC S6: the handshake is part of the wait for the first request head.
         let due = slot.phase().deadline(&self.limits).unwrap_or_else(Instant::now);
         let handshake = tokio::select! {
-            shaken = tls.0.accept(watched) => shaken,
+            shaken = tls.acceptor().accept(watched) => shaken,
             () = tokio::time::sleep_until(due) => {
                 tracing::debug!("HTTP connection closed: no TLS handshake within the header timeout");
                 return;

@@ -13,11 +13,17 @@
 //!   the CAs its `https://` upstreams' certificates are checked against (the proxy trusts no
 //!   other root), and the proxy presents its own `--ssl-certfile` to upstreams that ask for a
 //!   client certificate.
+//! * `--enable-ssl-refresh` (vLLM's): the listener's certificate, key and CAs are read again
+//!   when any of their files changes ([`ServerTls::refresh_on_change`]); new handshakes use them,
+//!   open connections keep theirs. A set that does not load (a key written before its
+//!   certificate, a broken file) is logged naming the flag and the current one stays. The
+//!   proxy's client to its upstreams keeps what it started with.
 
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, SystemTime};
 use tokio_rustls::rustls;
 
 /// The `--ssl-*` flags as given.
@@ -51,9 +57,59 @@ pub enum TlsError {
     Ca { path: PathBuf, why: String },
 }
 
-/// The HTTPS side of a listener: what accepts TLS connections.
+/// The HTTPS side of a listener: what accepts TLS connections (replaced when the files are
+/// refreshed).
 #[derive(Clone)]
-pub struct ServerTls(pub(crate) tokio_rustls::TlsAcceptor);
+pub struct ServerTls(Arc<RwLock<tokio_rustls::TlsAcceptor>>);
+
+impl ServerTls {
+    fn new(acceptor: tokio_rustls::TlsAcceptor) -> ServerTls {
+        ServerTls(Arc::new(RwLock::new(acceptor)))
+    }
+
+    /// What accepts the next connection.
+    pub(crate) fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        self.0.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// `--enable-ssl-refresh`: looks at the files `flags` name every `every`; when any changed
+    /// (modified, resized or replaced), reads them all again and, if they make a listener,
+    /// accepts new connections with them. Runs until the task is dropped with the runtime.
+    pub fn refresh_on_change(&self, flags: TlsFlags, every: Duration) -> tokio::task::JoinHandle<()> {
+        let tls = self.clone();
+        tokio::spawn(async move {
+            let mut loaded = stamp(&flags);
+            let mut tried = loaded.clone();
+            loop {
+                tokio::time::sleep(every).await;
+                let now = stamp(&flags);
+                if now == loaded || now == tried {
+                    continue;
+                }
+                tried = now.clone();
+                match Tls::load(&flags) {
+                    Ok(Tls { server: Some(fresh), .. }) => {
+                        *tls.0.write().unwrap_or_else(PoisonError::into_inner) = fresh.acceptor();
+                        loaded = now;
+                        tracing::info!("--enable-ssl-refresh: the certificate files changed; new connections use them");
+                    }
+                    Ok(Tls { server: None, .. }) => tracing::error!("--enable-ssl-refresh: the flags name no certificate any more"),
+                    Err(e) => tracing::error!("--enable-ssl-refresh: {e}; still serving the certificate loaded before"),
+                }
+            }
+        })
+    }
+}
+
+/// What identifies each file's current content without reading it: modification time, length
+/// and inode (a file replaced by a rename has a new one).
+fn stamp(flags: &TlsFlags) -> Vec<Option<(Option<SystemTime>, u64, u64)>> {
+    use std::os::unix::fs::MetadataExt;
+    [&flags.certfile, &flags.keyfile, &flags.ca_certs]
+        .into_iter()
+        .map(|p| p.as_ref().and_then(|p| std::fs::metadata(p).ok()).map(|m| (m.modified().ok(), m.len(), m.ino())))
+        .collect()
+}
 
 impl std::fmt::Debug for ServerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -173,7 +229,7 @@ impl Tls {
                 })?;
                 // The listener speaks HTTP/1.1 only.
                 config.alpn_protocols = vec![b"http/1.1".to_vec()];
-                Some((ServerTls(tokio_rustls::TlsAcceptor::from(Arc::new(config))), [cert_pem, key_pem].concat()))
+                Some((ServerTls::new(tokio_rustls::TlsAcceptor::from(Arc::new(config))), [cert_pem, key_pem].concat()))
             }
         };
         let (server, identity_pem) = match server {

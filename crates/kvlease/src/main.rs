@@ -186,6 +186,9 @@ impl ServeArgs {
     }
 }
 
+/// How often --enable-ssl-refresh looks at the certificate files.
+const SSL_REFRESH_EVERY: Duration = Duration::from_secs(1);
+
 /// vLLM's HTTPS flags (uvicorn's meanings), shared by `serve` and `proxy` (SPEC S6).
 #[derive(Args, Debug)]
 struct TlsArgs {
@@ -204,18 +207,36 @@ struct TlsArgs {
     /// 2 refuses clients without one signed by --ssl-ca-certs.
     #[arg(long, value_name = "0|1|2", allow_negative_numbers = true)]
     ssl_cert_reqs: Option<i64>,
+    /// Read --ssl-certfile, --ssl-keyfile and --ssl-ca-certs again when any of them changes
+    /// (checked every second); new connections use them, open ones keep theirs. A set that does
+    /// not load is logged and the current one stays.
+    #[arg(long)]
+    enable_ssl_refresh: bool,
 }
 
 impl TlsArgs {
-    /// Every file read and checked: refused here, naming the flag.
-    fn load(&self) -> Result<kvlease_server::Tls, InvalidConfig> {
-        let flags = kvlease_server::TlsFlags {
+    fn flags(&self) -> kvlease_server::TlsFlags {
+        kvlease_server::TlsFlags {
             keyfile: self.ssl_keyfile.clone(),
             certfile: self.ssl_certfile.clone(),
             ca_certs: self.ssl_ca_certs.clone(),
             cert_reqs: self.ssl_cert_reqs,
-        };
-        kvlease_server::Tls::load(&flags).map_err(|e| InvalidConfig(e.to_string()))
+        }
+    }
+
+    /// Every file read and checked: refused here, naming the flag. With --enable-ssl-refresh the
+    /// listener's files are watched from here on (in the runtime this is called from).
+    fn load(&self) -> Result<kvlease_server::Tls, InvalidConfig> {
+        let tls = kvlease_server::Tls::load(&self.flags()).map_err(|e| InvalidConfig(e.to_string()))?;
+        if self.enable_ssl_refresh {
+            let Some(server) = &tls.server else {
+                return Err(InvalidConfig(
+                    "--enable-ssl-refresh is given without --ssl-certfile and --ssl-keyfile: there is no certificate to refresh".into(),
+                ));
+            };
+            server.refresh_on_change(self.flags(), SSL_REFRESH_EVERY);
+        }
+        Ok(tls)
     }
 }
 

@@ -28,21 +28,25 @@ impl Pki {
         let (ca, ca_key) = make_ca("kvlease test CA");
         let (other_ca, other_key) = make_ca("another CA");
         std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
-        let leaf = |file: &str, uses: Vec<ExtendedKeyUsagePurpose>, issuer: &rcgen::Certificate, issuer_key: &KeyPair| {
-            let mut p = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-            p.subject_alt_names.push(SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()));
-            p.distinguished_name.push(DnType::CommonName, file);
-            p.extended_key_usages = uses;
-            let key = KeyPair::generate().unwrap();
-            let cert = p.signed_by(&key, issuer, issuer_key).unwrap();
-            std::fs::write(dir.join(format!("{file}.pem")), cert.pem()).unwrap();
-            std::fs::write(dir.join(format!("{file}.key")), key.serialize_pem()).unwrap();
-        };
+        let pki = Pki { dir };
         use ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
-        leaf("server", vec![ServerAuth, ClientAuth], &ca, &ca_key);
-        leaf("client", vec![ClientAuth], &ca, &ca_key);
-        leaf("other", vec![ClientAuth], &other_ca, &other_key);
-        Pki { dir }
+        pki.leaf("server", vec![ServerAuth, ClientAuth], &ca, &ca_key);
+        pki.leaf("client", vec![ClientAuth], &ca, &ca_key);
+        pki.leaf("other", vec![ClientAuth], &other_ca, &other_key);
+        pki
+    }
+
+    /// `file.pem` and `file.key`: a certificate for localhost and 127.0.0.1 signed by `issuer`
+    /// (the key written first, as a rotation writes them one after the other).
+    fn leaf(&self, file: &str, uses: Vec<ExtendedKeyUsagePurpose>, issuer: &rcgen::Certificate, issuer_key: &KeyPair) {
+        let mut p = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        p.subject_alt_names.push(SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()));
+        p.distinguished_name.push(DnType::CommonName, file);
+        p.extended_key_usages = uses;
+        let key = KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, issuer, issuer_key).unwrap();
+        std::fs::write(self.dir.join(format!("{file}.key")), key.serialize_pem()).unwrap();
+        std::fs::write(self.dir.join(format!("{file}.pem")), cert.pem()).unwrap();
     }
 
     fn path(&self, file: &str) -> String {
@@ -66,8 +70,18 @@ impl Pki {
     /// An HTTPS client trusting only the test CA, presenting `identity` (`"client"`, `"other"`)
     /// if given.
     fn client(&self, identity: Option<&str>) -> reqwest::Client {
-        let ca = reqwest::Certificate::from_pem(&std::fs::read(self.dir.join("ca.pem")).unwrap()).unwrap();
-        let mut b = reqwest::Client::builder().no_proxy().timeout(DEADLINE).tls_built_in_root_certs(false).add_root_certificate(ca);
+        self.client_trusting("ca.pem", identity)
+    }
+
+    /// As [`Pki::client`], trusting only the CA in `ca_file`; each request on a new connection.
+    fn client_trusting(&self, ca_file: &str, identity: Option<&str>) -> reqwest::Client {
+        let ca = reqwest::Certificate::from_pem(&std::fs::read(self.dir.join(ca_file)).unwrap()).unwrap();
+        let mut b = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(DEADLINE)
+            .pool_max_idle_per_host(0)
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(ca);
         if let Some(id) = identity {
             let pem =
                 [std::fs::read(self.dir.join(format!("{id}.pem"))).unwrap(), std::fs::read(self.dir.join(format!("{id}.key"))).unwrap()]
@@ -295,6 +309,7 @@ fn s6_bad_ssl_flags_are_refused_naming_the_flag() {
         ),
         (vec!["serve", "--ssl-certfile", &cert, "--ssl-keyfile", &key, "--ssl-ca-certs", &garbage], "--ssl-ca-certs"),
         (vec!["serve", "--ssl-ca-certs", &ca], "--ssl-ca-certs is given without --ssl-certfile"),
+        (vec!["serve", "--enable-ssl-refresh"], "--enable-ssl-refresh is given without --ssl-certfile and --ssl-keyfile"),
         (vec!["proxy", "--prefiller-hosts", "https://127.0.0.1", "--prefiller-ports", "1"], "speaks HTTPS: give --ssl-ca-certs"),
         (vec!["proxy", "--prefiller-hosts", "https://127.0.0.1:8100", "--prefiller-ports", "1"], "--prefiller-hosts"),
         (vec!["proxy", "--ssl-certfile", &cert, "--ssl-keyfile", &client_key], "is not the private key of --ssl-certfile"),
@@ -324,4 +339,33 @@ fn s6_bad_ssl_flags_are_refused_naming_the_flag() {
         assert!(stderr.contains(want), "{args:?}: {stderr:?} does not say {want:?}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
+}
+
+/// vLLM's `--enable-ssl-refresh` (issue 26: operators rotate certificates): `kvlease serve`
+/// reads its certificate files again when they change. A rotation to a certificate of another
+/// CA, written key first (the moment between the two writes is a mismatched pair, not taken),
+/// is served to new connections without a restart; then a broken certificate file is refused
+/// with a log line naming the flag, and the last good certificate stays in service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_enable_ssl_refresh_serves_a_rotated_certificate_and_keeps_the_last_good_one() {
+    let pki = Pki::new("refresh");
+    let log = pki.dir.join("serve.log");
+    let logs = std::fs::File::create(&log).expect("log file");
+    let serve = Proc::serve_logging_to("s6-refresh", &refs(&pki.flags(&["--enable-ssl-refresh"])), Stdio::from(logs));
+    let health = format!("{}/health", serve.url);
+    assert_eq!(get(&pki.client(None), &health).await.expect("served with the first certificate").0, 200);
+
+    let (ca2, ca2_key) = make_ca("rotated CA");
+    std::fs::write(pki.dir.join("ca2.pem"), ca2.pem()).unwrap();
+    pki.leaf("server", vec![ExtendedKeyUsagePurpose::ServerAuth], &ca2, &ca2_key);
+    let rotated = pki.client_trusting("ca2.pem", None);
+    common::until("the rotated certificate to be served", DEADLINE, || async { get(&rotated, &health).await.is_ok() }).await;
+    assert!(get(&pki.client(None), &health).await.is_err(), "the first CA's clients no longer see its certificate");
+
+    std::fs::write(pki.dir.join("server.pem"), "-----BEGIN CERTIFICATE-----\nbroken\n").unwrap();
+    common::until("the broken file to be refused in the log", DEADLINE, || async {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("--enable-ssl-refresh: --ssl-certfile")
+    })
+    .await;
+    assert_eq!(get(&rotated, &health).await.expect("the last good certificate still served").0, 200);
 }
