@@ -44,6 +44,9 @@ CONNECT_TIMEOUT_S = 1.0
 #: from it is the need; beyond the cap a new connection is closed at once (its D retries on its
 #: next send), so a flood of connections cannot take a P worker's threads and memory.
 MAX_PEERS = 512
+#: How long a new connection may take to send its first message (D's Hello, sent as it
+#: connects): a connection that says nothing is closed, so idle ones cannot fill MAX_PEERS.
+FIRST_MESSAGE_TIMEOUT_S = 5.0
 
 _LEN = struct.Struct(">I")
 
@@ -137,11 +140,17 @@ class _Conn:
             pass
         self.sock.close()
 
-    def _read_loop(self, on_frame: Callable[[bytes], None]) -> None:
-        """Reads until the peer closes (or breaks framing)."""
+    def _read_loop(self, on_frame: Callable[[bytes], None], first_timeout: float | None = None) -> None:
+        """Reads until the peer closes (or breaks framing, or sends nothing within
+        ``first_timeout`` seconds of the start)."""
         try:
             while True:
+                if first_timeout is not None:
+                    self.sock.settimeout(first_timeout)
                 data = read_frame(self.sock)
+                if first_timeout is not None:
+                    self.sock.settimeout(None)
+                    first_timeout = None
                 if data is None:
                     break
                 try:
@@ -150,6 +159,8 @@ class _Conn:
                     logger.exception("kvlease: control connection %s: handling a message failed", self.name)
         except FrameError as e:
             logger.warning("kvlease: control connection %s closed: %s", self.name, e)
+        except TimeoutError:
+            logger.debug("kvlease: control connection %s closed: nothing said within %.1f s", self.name, FIRST_MESSAGE_TIMEOUT_S)
         except OSError:
             pass
         finally:
@@ -167,10 +178,17 @@ class ControlServer:
     """P's end: listens on ``(host, port)`` (port 0: one the system picks, :attr:`port`)."""
 
     def __init__(
-        self, host: str, on_frame: Callable[[Peer, bytes], None], port: int = 0, cpus: Iterable[int] | None = None, max_peers: int = MAX_PEERS
+        self,
+        host: str,
+        on_frame: Callable[[Peer, bytes], None],
+        port: int = 0,
+        cpus: Iterable[int] | None = None,
+        max_peers: int = MAX_PEERS,
+        first_message_timeout: float = FIRST_MESSAGE_TIMEOUT_S,
     ) -> None:
         self._on_frame = on_frame
         self.max_peers = max_peers
+        self.first_message_timeout = first_message_timeout
         #: Connections closed at once because ``max_peers`` were open.
         self.refused = 0
         self._cpus = cpus
@@ -208,7 +226,7 @@ class ControlServer:
 
     def _serve(self, peer: Peer) -> None:
         try:
-            peer._read_loop(lambda data: self._on_frame(peer, data))
+            peer._read_loop(lambda data: self._on_frame(peer, data), self.first_message_timeout)
         finally:
             with self._lock:
                 self._peers.discard(peer)

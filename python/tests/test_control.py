@@ -163,3 +163,25 @@ def test_a_links_close_is_reported_once_after_every_answer(echo):
     wait_for(lambda: closed, "the close to be reported")
     assert closed == [1], "once, after the answer"
     assert not link.send(b"cd"), "nothing goes on a closed link"
+
+
+def test_a_connection_that_says_nothing_is_closed_and_frees_its_place():
+    """A connection that sends no first message (D's Hello comes as it connects) within the
+    timeout is closed, so idle connections cannot hold a P worker's places; one that speaks in
+    time is served on and is not cut later for being quiet."""
+    server = ControlServer("127.0.0.1", lambda peer, data: peer.send(data), max_peers=1, first_message_timeout=0.3)
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE)
+        wait_for(lambda: len(server._peers) == 1, "the idle connection taken")
+        assert idle.recv(1) == b"", "closed by P"
+        idle.close()
+        wait_for(lambda: not server._peers, "its place freed")
+        answers: list[bytes] = []
+        link = ControlLink("127.0.0.1", server.port, b"hello", answers.append)
+        wait_for(lambda: answers == [b"hello"], "the Hello answered")
+        time.sleep(0.6)  # past the first-message timeout: a connection that spoke stays
+        assert link.send(b"later")
+        wait_for(lambda: answers == [b"hello", b"later"], "served after a quiet spell")
+        link.close()
+    finally:
+        server.close()
