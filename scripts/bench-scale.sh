@@ -1,0 +1,402 @@
+#!/usr/bin/env bash
+# Live leases across real processes (issue 27): N requests in flight at once through a
+# `kvlease proxy`, each holding a lease on P while it waits in D's queue, renewed by D's heartbeats
+# for HOLD seconds; then D is SIGKILLed and P must take every lease back by itself.
+#
+# One P (kv_producer) and one D (kv_consumer), synthetic engine on loopback, lease L = 30 s
+# (heartbeat every L/6 = 5 s, extension 2L/3 = 20 s), a cluster secret. D runs one sequence at a
+# time (--max-num-seqs 1) and is kept busy by a "blocker": one local request sent to D directly
+# (no lease), ignore_eos, decoded at --decode-ms-per-token $DECODE_MS, long enough to outlast the
+# ramp and the hold. A client (below) then puts N requests (max_tokens 1) in flight through the
+# proxy: each gets its lease on P and queues on D behind the blocker.
+#
+# During the hold nothing runs but D's renewals (and the blocker's one decode step every
+# DECODE_MS, the proxy's health probes every 0.5 s and this script's /metrics scrapes every 5 s).
+# Every SAMPLE seconds: P's kvlease_leases_active, expirations (must stay 0), renewals,
+# heartbeats, CPU time (utime + stime from /proc/PID/stat) and RSS of P and D, and the payload
+# bytes D's sockets to P's side channel and transfer agent carried (`ss -ti`: bytes_acked /
+# bytes_received), so heartbeat bytes per lease per interval = D->P bytes / renewals.
+#
+#   N=1000 HOLD=60 scripts/bench-scale.sh       # a first try (~2 min)
+#   scripts/bench-scale.sh                      # N=10000, HOLD=300 (needs ~20300 open files)
+#   N=9500 scripts/bench-scale.sh               # the most that fits a 20000 open-file limit
+#   KVLEASE_BIN=target/release/kvlease N=5000 scripts/bench-scale.sh   # no cargo build
+#
+# Environment: N (10000), HOLD (300 s), SAMPLE (5 s), LEASE (30 s), DECODE_MS (1000),
+# PROMPT_WORDS (8), RATE (250), RAMP_TIMEOUT (300 s: give up waiting for N leases after this),
+# RECLAIM_TIMEOUT (120 s), OUT (a directory for the samples' CSV and the processes' logs;
+# default target/bench-scale).
+#
+# The client: by default a paced one (RATE new requests a second, 250; raw HTTP/1.1 from Python's
+# asyncio), because every kvlease listener has an accept backlog of 128 (tokio's
+# TcpListener::bind): a burst of thousands of connections overflows it and some of them time out
+# (ETIMEDOUT) 45-66 s later. RATE=0 uses `kvlease load --concurrency N` instead: all N at once,
+# which shows that.
+#
+# Limits on the shared 2-core test machine: the open-file hard limit (20000 there, not raisable
+# in its container) bounds the proxy, which holds a socket per client and one per decode leg
+# (about 2N; 3N in a burst, with a P-leg socket per request kept in its pool), so N=9500 is the
+# most that fits: see BENCHMARKS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+N=${N:-10000}
+HOLD=${HOLD:-300}
+SAMPLE=${SAMPLE:-5}
+LEASE=${LEASE:-30}
+DECODE_MS=${DECODE_MS:-1000}
+PROMPT_WORDS=${PROMPT_WORDS:-8}
+RATE=${RATE:-250}
+RAMP_TIMEOUT=${RAMP_TIMEOUT:-300}
+RECLAIM_TIMEOUT=${RECLAIM_TIMEOUT:-120}
+OUT=${OUT:-target/bench-scale}
+PY=${PY:-/root/.cache/kvlease/py-venv/bin/python}
+[[ -x $PY ]] || PY=python3
+
+command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
+command -v ss >/dev/null || { echo "error: ss is needed (apt-get install -y iproute2)" >&2; exit 1; }
+
+source scripts/lib/procs.sh
+if [[ -z ${KVLEASE_BIN:-} ]]; then echo "== cargo build --release -p kvlease"; fi
+build_kvlease --quiet
+mkdir -p "$OUT"
+
+# Every process (and kvlease load, which does not raise it itself) gets the hard limit.
+ulimit -n "$(ulimit -Hn)"
+NOFILE=$(ulimit -n)
+CONNS=$((N + 1024))
+echo "== N=$N HOLD=${HOLD}s lease ${LEASE}s, open files $NOFILE, HTTP connection caps $CONNS"
+if ((2 * N + 256 > NOFILE)); then
+  echo "warning: the proxy needs about 2N+256 = $((2 * N + 256)) open files (a client socket and a decode-leg socket per request); the limit is $NOFILE" >&2
+fi
+
+export KVLEASE_TRANSFER_SECRET="scale-$$-$RANDOM$RANDOM"
+cfg() { printf '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":{"kv_lease_duration":%s}}' "$1" "$LEASE"; }
+# Blocker: ignore_eos, BLOCK_TOKENS tokens at DECODE_MS each, past the ramp and the hold.
+BLOCK_TOKENS=$(((RAMP_TIMEOUT + HOLD + 300) * 1000 / DECODE_MS))
+MAX_MODEL_LEN=$((BLOCK_TOKENS + 512))
+
+# P: a lease pins the prompt's blocks (one or two 16-token blocks at PROMPT_WORDS=8): a pool of
+# 4 blocks per request, so no request ever waits for P's blocks.
+launch p serve --host 127.0.0.1 --port 0 --engine-id scale-p --kv-transfer-config "$(cfg kv_producer)" \
+  --num-gpu-blocks $((4 * N + 1024)) --max-num-seqs 256 --http-max-connections "$CONNS"
+launch d serve --host 127.0.0.1 --port 0 --engine-id scale-d --kv-transfer-config "$(cfg kv_consumer)" \
+  --max-num-seqs 1 --decode-ms-per-token "$DECODE_MS" --max-model-len "$MAX_MODEL_LEN" \
+  --num-gpu-blocks $((MAX_MODEL_LEN / 16 + 1024)) --http-max-connections "$CONNS"
+url_of() {
+  local line
+  line=$(started_line "$1" "$2") || exit 1
+  line=${line#"$2"}
+  echo "${line%% *}"
+}
+P_URL=$(url_of p "kvlease serve listening on ")
+D_URL=$(url_of d "kvlease serve listening on ")
+p_hp=${P_URL#http://}
+d_hp=${D_URL#http://}
+launch proxy proxy --host 127.0.0.1 --port 0 \
+  --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
+  --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}" \
+  --http-max-connections "$CONNS" --request-timeout $((RAMP_TIMEOUT + HOLD + 3600))
+PROXY_URL=$(url_of proxy "kvlease proxy listening on ")
+echo "P $P_URL (pid ${PID[p]}) | D $D_URL (pid ${PID[d]}) | proxy $PROXY_URL (pid ${PID[proxy]})"
+
+# Keep the logs when the script ends, whatever happens.
+save_logs() {
+  cp "$WORK"/*.out "$WORK"/*.err "$OUT"/ 2>/dev/null || true
+  stop_all
+}
+trap save_logs EXIT
+
+echo "== blocker: $BLOCK_TOKENS tokens at ${DECODE_MS} ms/token on D (one decode slot)"
+curl -sN --max-time $((BLOCK_TOKENS * DECODE_MS / 1000 + 60)) "$D_URL/v1/completions" \
+  -H 'Content-Type: application/json' \
+  -d "{\"model\":\"kvlease-synthetic\",\"prompt\":\"the blocker holds the only decode slot\",\"max_tokens\":$BLOCK_TOKENS,\"ignore_eos\":true,\"stream\":true}" \
+  >"$WORK/blocker.out" 2>&1 &
+PID[blocker]=$!
+# (The metrics are read whole first: `curl | grep -q` fails under pipefail when grep quits early.)
+blocker_running() { local m; m=$(curl -s "$D_URL/metrics") && grep -q '^kvlease_requests_running 1$' <<<"$m"; }
+for _ in $(seq 100); do
+  blocker_running && break
+  sleep 0.1
+done
+blocker_running || { echo "error: the blocker is not running on D" >&2; exit 1; }
+
+# Baseline of P's RSS before any lease.
+P_RSS0=$(awk '/^VmRSS/ { print $2 }' "/proc/${PID[p]}/status")
+
+cp /proc/net/netstat "$WORK/netstat0"
+export NETSTAT0=$WORK/netstat0
+if ((RATE > 0)); then
+  # A paced client: RATE new connections a second, so no listener's accept queue overflows
+  # (kvlease's listeners have a backlog of 128: see BENCHMARKS.md). One connection per request,
+  # raw HTTP/1.1, `Connection: close`; it prints a status tally when every request has ended.
+  cat >"$WORK/client.py" <<'CLIENT'
+import asyncio, collections, json, sys, time
+url, n, rate, words = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+host, port = url.removeprefix("http://").split(":")
+tally = collections.Counter()
+async def one(i):
+    prompt = " ".join(f"w{i}x{j}" for j in range(words))
+    body = json.dumps({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    try:
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(head + body)
+        await w.drain()
+        line = await r.readline()
+        await r.read()
+        w.close()
+        tally["http_" + (line.split()[1].decode() if line else "eof")] += 1
+    except Exception as e:
+        tally[type(e).__name__] += 1
+async def main():
+    t0, tasks = time.monotonic(), []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one(i)))
+        delay = t0 + (i + 1) / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    print(f"started {n} requests in {time.monotonic() - t0:.1f} s", flush=True)
+    await asyncio.gather(*tasks)
+    print(f"requests={n} " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
+asyncio.run(main())
+CLIENT
+  echo "== paced client: $N requests through the proxy, $RATE new a second, all held open (max_tokens 1, $PROMPT_WORDS-word prompts)"
+  "$PY" "$WORK/client.py" "$PROXY_URL" "$N" "$RATE" "$PROMPT_WORDS" >"$WORK/load.out" 2>"$WORK/load.err" &
+else
+  echo "== kvlease load: $N requests at once through the proxy (max_tokens 1, $PROMPT_WORDS-word prompts)"
+  "$BIN" load --url "$PROXY_URL" --requests "$N" --concurrency "$N" --max-tokens 1 \
+    --prompt-words "$PROMPT_WORDS" --timeout-secs $((RAMP_TIMEOUT + HOLD + 3600)) \
+    --max-run-secs $((RAMP_TIMEOUT + HOLD + 3600)) --log-level warn >"$WORK/load.out" 2>"$WORK/load.err" &
+fi
+PID[load]=$!
+
+# The rest (ramp, hold, kill, reclaim, table) in Python: it polls, parses and times better.
+"$PY" - "$N" "$HOLD" "$SAMPLE" "$LEASE" "$RAMP_TIMEOUT" "$RECLAIM_TIMEOUT" "$OUT" "$P_RSS0" \
+  "$P_URL" "$D_URL" "$PROXY_URL" "${PID[p]}" "${PID[d]}" "${PID[proxy]}" "${PID[load]}" <<'PY'
+import os, re, signal, subprocess, sys, time, urllib.request
+
+(n, hold, sample, lease, ramp_timeout, reclaim_timeout, out, p_rss0,
+ p_url, d_url, proxy_url, p_pid, d_pid, proxy_pid, load_pid) = sys.argv[1:]
+n, hold, sample, lease = int(n), float(hold), float(sample), float(lease)
+ramp_timeout, reclaim_timeout, p_rss0 = float(ramp_timeout), float(reclaim_timeout), int(p_rss0)
+p_pid, d_pid, proxy_pid, load_pid = int(p_pid), int(d_pid), int(proxy_pid), int(load_pid)
+HZ = os.sysconf("SC_CLK_TCK")
+LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+
+def metrics(url, timeout=5.0):
+    text = urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode()
+    m = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        g = LINE.match(line)
+        if g:
+            m[g.group(1) + (g.group(2) or "")] = float(g.group(3))
+    return m
+
+def cpu_s(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / HZ          # utime + stime (fields 14, 15)
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+def fds(pid):
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+def p_ports():
+    """P's listening TCP ports (HTTP, side channel, transfer agents)."""
+    ports = set()
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines():
+        if f"pid={p_pid}," in line:
+            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+HTTP_PORT = int(p_url.rsplit(":", 1)[1])
+KV_PORTS = p_ports() - {HTTP_PORT}
+
+def d_to_p_bytes():
+    """Payload bytes (sent acked, received) on D's sockets to P's non-HTTP ports."""
+    txt = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+    sent = recv = 0
+    cur = None
+    for line in txt.splitlines():
+        if not line[:1].isspace():
+            cur = None
+            parts = line.split()
+            if f"pid={d_pid}," in line and len(parts) >= 4:
+                try:
+                    peer = int(parts[3].rsplit(":", 1)[1])
+                except ValueError:
+                    continue
+                if peer in KV_PORTS:
+                    cur = True
+        elif cur:
+            a = re.search(r"bytes_acked:(\d+)", line)
+            r = re.search(r"bytes_received:(\d+)", line)
+            sent += int(a.group(1)) if a else 0
+            recv += int(r.group(1)) if r else 0
+    return sent, recv
+
+EXP = 'kvlease_leases_released_total{reason="expired"}'
+REL = 'kvlease_leases_released_total{reason="released"}'
+def snap(t0):
+    pm, dm = metrics(p_url), metrics(d_url)
+    s, r = d_to_p_bytes()
+    return dict(t=time.monotonic() - t0, active=pm.get("kvlease_leases_active", 0),
+                granted=pm.get("kvlease_leases_granted_total", 0), expired=pm.get(EXP, 0),
+                blocks=pm.get("kvlease_leased_blocks", 0),
+                renewals=pm.get("kvlease_lease_renewals_total", 0),
+                hb_recv=pm.get("kvlease_heartbeats_received_total", 0),
+                hb_sent=dm.get("kvlease_heartbeats_sent_total", 0),
+                d_waiting=dm.get("kvlease_requests_waiting", 0), d_lost=dm.get("kvlease_lease_lost_total", 0),
+                p_cpu=cpu_s(p_pid), d_cpu=cpu_s(d_pid), proxy_cpu=cpu_s(proxy_pid),
+                p_rss=rss_kib(p_pid), d_rss=rss_kib(d_pid), proxy_fds=fds(proxy_pid),
+                hb_bytes=s, ack_bytes=r)
+
+COLS = ["t", "active", "blocks", "granted", "expired", "renewals", "hb_sent", "hb_recv", "d_waiting", "d_lost",
+        "p_cpu", "d_cpu", "proxy_cpu", "p_rss", "d_rss", "proxy_fds", "hb_bytes", "ack_bytes"]
+csv = open(os.path.join(out, "samples.csv"), "w")
+csv.write("phase," + ",".join(COLS) + "\n")
+def log(phase, s):
+    csv.write(phase + "," + ",".join(f"{s[c]:.3f}" if isinstance(s[c], float) else str(s[c]) for c in COLS) + "\n")
+    csv.flush()
+    print(f"  [{phase:6}] t={s['t']:6.1f}s leases={int(s['active']):6d} granted={int(s['granted']):6d} "
+          f"expired={int(s['expired'])} renewals={int(s['renewals']):8d} D waiting={int(s['d_waiting']):6d} "
+          f"P cpu={s['p_cpu']:7.2f}s rss={s['p_rss']//1024}MiB | D cpu={s['d_cpu']:7.2f}s rss={s['d_rss']//1024}MiB "
+          f"| proxy fds={s['proxy_fds']} | D->P {s['hb_bytes']} B", flush=True)
+
+def load_alive():
+    try:
+        pid, _ = os.waitpid(load_pid, os.WNOHANG)
+        return pid == 0
+    except ChildProcessError:
+        return os.path.exists(f"/proc/{load_pid}")
+
+def tcpext(path="/proc/net/netstat"):
+    """Machine-wide TcpExt counters (listen queue overflows, TCP timeouts) from /proc/net/netstat."""
+    lines = [l.split() for l in open(path) if l.startswith("TcpExt:")]
+    d = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+    return {k: d.get(k, 0) for k in ("ListenOverflows", "ListenDrops", "TCPTimeouts")}
+net0 = tcpext(os.environ["NETSTAT0"])
+
+# Ramp: until N leases are live, or no progress for 30 s, or RAMP_TIMEOUT.
+t0 = time.monotonic()
+best, best_t = -1, t0
+print("== ramp: waiting for the leases on P", flush=True)
+while True:
+    s = snap(t0)
+    log("ramp", s)
+    if s["active"] > best:
+        best, best_t = s["active"], time.monotonic()
+    if s["active"] >= n - 1:            # the blocker is local: every load request holds a lease
+        break
+    if time.monotonic() - best_t > 30 or s["t"] > ramp_timeout:
+        print(f"warning: the ramp stopped at {int(s['active'])} live leases of {n}", flush=True)
+        break
+    time.sleep(2)
+ramp_s = s["t"]
+time.sleep(2)
+
+# Hold.
+print(f"== hold: {hold:.0f} s, a sample every {sample:.0f} s", flush=True)
+h0 = snap(t0)
+log("hold", h0)
+samples = [h0]
+next_t = time.monotonic() + sample
+end = time.monotonic() + hold
+while time.monotonic() < end - 0.01:
+    time.sleep(max(0.0, min(next_t, end) - time.monotonic()))
+    next_t += sample
+    s = snap(t0)
+    log("hold", s)
+    samples.append(s)
+h1 = samples[-1]
+net1 = tcpext()
+
+# Kill D, time P's reclaim.
+print("== SIGKILL D", flush=True)
+os.kill(d_pid, signal.SIGKILL)
+k0 = time.monotonic()
+reclaim = None
+last_print = 0
+while time.monotonic() - k0 < reclaim_timeout:
+    pm = metrics(p_url)
+    a = pm.get("kvlease_leases_active", 0)
+    el = time.monotonic() - k0
+    if el - last_print >= 1:
+        print(f"  [kill  ] +{el:5.1f}s leases={int(a)} expired={int(pm.get(EXP, 0))} "
+              f"released={int(pm.get(REL, 0))}", flush=True)
+        last_print = el
+    if a == 0:
+        reclaim = el
+        break
+    time.sleep(0.1)
+pm = metrics(p_url)
+reasons = {k.split('"')[1]: int(v) for k, v in pm.items() if k.startswith("kvlease_leases_released_total{")}
+hold_secs = h1["t"] - h0["t"]
+renew = h1["renewals"] - h0["renewals"]
+hbb = h1["hb_bytes"] - h0["hb_bytes"]
+ackb = h1["ack_bytes"] - h0["ack_bytes"]
+live_min = min(int(s["active"]) for s in samples)
+live_max = max(int(s["active"]) for s in samples)
+interval = lease / 6
+# Renewals expected: each live lease once per interval I = L/6.
+expected = sum(a["active"] * (b["t"] - a["t"]) for a, b in zip(samples, samples[1:])) / interval
+# Bytes per renewal in the intervals with renewals and no release (steady state): the median.
+steady = sorted((b["hb_bytes"] - a["hb_bytes"]) / (b["renewals"] - a["renewals"])
+                for a, b in zip(samples, samples[1:])
+                if b["renewals"] > a["renewals"] and b["active"] == a["active"])
+median = steady[len(steady) // 2] if steady else float("nan")
+# A pinned KV block's bytes: 2 (K, V) x layers x heads x head_dim x dtype bytes x block size.
+block_bytes = int(os.environ.get("BLOCK_BYTES", "8192"))
+rows = [
+    ("N (requests in flight through the proxy)", f"{n}"),
+    ("live leases reached on P (min-max during the hold)", f"{live_min}-{live_max} (ramp {ramp_s:.0f} s)"),
+    ("premature expirations during the hold", f"{int(h1['expired'] - h0['expired'])} (D lease_lost +{int(h1['d_lost'] - h0['d_lost'])})"),
+    (f"hold measured", f"{hold_secs:.0f} s, {len(samples)} samples"),
+    ("renewals during the hold (expected: live leases x time / I)", f"{int(renew)} ({expected:.0f}); heartbeat messages D sent {int(h1['hb_sent'] - h0['hb_sent'])} / P received {int(h1['hb_recv'] - h0['hb_recv'])}"),
+    ("P CPU during the hold, % of a core", f"{100 * (h1['p_cpu'] - h0['p_cpu']) / hold_secs:.2f}"),
+    ("D CPU during the hold, % of a core", f"{100 * (h1['d_cpu'] - h0['d_cpu']) / hold_secs:.2f}"),
+    ("proxy CPU during the hold, % of a core", f"{100 * (h1['proxy_cpu'] - h0['proxy_cpu']) / hold_secs:.2f}"),
+    ("heartbeat bytes per lease per interval (D->P payload / renewals)",
+     f"{hbb / renew:.2f} mean, {median:.3f} median interval (acks P->D {ackb / renew:.3f})" if renew else "n/a"),
+    ("P RSS growth per live lease", f"{(h1['p_rss'] - p_rss0) * 1024 / max(live_max, 1):.0f} B ({p_rss0 // 1024} -> {h1['p_rss'] // 1024} MiB)"),
+    ("  of which the lease's pinned KV blocks", f"{h0['blocks'] / max(h0['active'], 1):.2f} blocks x {block_bytes} B = {h0['blocks'] * block_bytes / max(h0['active'], 1):.0f} B; the rest {((h1['p_rss'] - p_rss0) * 1024 - h0['blocks'] * block_bytes) / max(live_max, 1):.0f} B"),
+    ("P RSS growth during the hold", f"{(h1['p_rss'] - h0['p_rss'])} KiB"),
+    ("D RSS at the end of the hold", f"{h1['d_rss'] // 1024} MiB"),
+    ("proxy open files at the end of the hold", f"{h1['proxy_fds']}"),
+    ("reclaim after SIGKILL of D (P leases_active -> 0)", f"{reclaim:.1f} s (bound 2L/3 = {2 * lease / 3:.0f} s after the last renewal)" if reclaim is not None else f"not within {reclaim_timeout:.0f} s ({int(pm.get('kvlease_leases_active', 0))} left)"),
+    ("TcpExt counters, load start to end of hold (machine-wide)", ", ".join(f"{k} +{net1[k] - net0[k]}" for k in net0)),
+    ("P leases released by reason (whole run)", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))),
+]
+print()
+w = max(len(r[0]) for r in rows)
+print(f"| {'what'.ljust(w)} | result |")
+print(f"|{'-' * (w + 2)}|--------|")
+for k, v in rows:
+    print(f"| {k.ljust(w)} | {v} |")
+with open(os.path.join(out, "table.md"), "w") as f:
+    f.write("| what | result |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows))
+PY
+
+# The load's requests failed when D died; give it a moment to print its summary.
+for _ in $(seq 100); do kill -0 "${PID[load]}" 2>/dev/null || break; sleep 0.2; done
+kill "${PID[load]}" 2>/dev/null || true
+echo "== the client's summary (its requests failed when D was killed, as expected):"
+tail -n 5 "$WORK/load.out" || true
+grep -v '^\s*$' "$WORK/load.err" | tail -n 5 || true
+echo "== warnings and errors logged by P, D and the proxy (first lines):"
+for name in p d proxy; do
+  echo "-- $name: $(wc -l <"$WORK/$name.err") lines"
+  head -n 5 "$WORK/$name.err" | cut -c1-300
+done
+echo "samples: $OUT/samples.csv, table: $OUT/table.md, logs: $OUT/*.out, *.err"
