@@ -47,7 +47,7 @@ impl Listener {
                 Ok((Listener::Mem(l), addr))
             }
             _ => {
-                let l = TcpListener::bind((host, port)).await.map_err(|e| e.to_string())?;
+                let l = kvlease_transport::listen(host, port).await.map_err(|e| e.to_string())?;
                 let addr = l.local_addr().map_err(|e| e.to_string())?;
                 Ok((Listener::Tcp(l), addr))
             }

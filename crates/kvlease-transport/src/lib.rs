@@ -28,6 +28,31 @@ mod testing;
 pub use arena::BlockArena;
 
 use std::future::Future;
+use tokio::net::{TcpListener, TcpSocket};
+
+/// How many connections a kvlease listener lets wait to be accepted (the kernel caps it at
+/// `net.core.somaxconn`). tokio's own `TcpListener::bind` asks for 128: a burst of thousands of
+/// clients overflowed it, and the kernel's dropped handshakes were retried until they timed out
+/// a minute later (issue 27, `scripts/bench-scale.sh` with `RATE=0`). vLLM's uvicorn asks 2048.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// A TCP listener on `host:port` (a name, an IPv4 address or an IPv6 one, bracketed or not;
+/// port 0: one the system picks), with [`LISTEN_BACKLOG`]: every kvlease listener (HTTP, side
+/// channel, tcp agent) is made here.
+pub async fn listen(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        // As std's and tokio's bind: a restarted server takes its port back at once.
+        socket.set_reuseaddr(true)?;
+        match socket.bind(addr).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{host} names no address"))))
+}
 use std::pin::Pin;
 use thiserror::Error;
 
@@ -150,4 +175,28 @@ pub trait Agent: Send + Sync + 'static {
 
     /// The memory this agent registered.
     fn arena(&self) -> &BlockArena;
+}
+
+#[cfg(test)]
+mod listen_tests {
+    use std::time::Duration;
+
+    /// Issue 27: a burst of connections to a listener not accepting yet (a busy server) all
+    /// complete their handshakes: the backlog holds them (tokio's default of 128 dropped the rest,
+    /// whose connects then hung in SYN retries). Names and bracketed IPv6 resolve too.
+    #[tokio::test]
+    async fn a_burst_of_connections_waits_in_the_backlog_instead_of_hanging() {
+        let listener = super::listen("127.0.0.1", 0).await.expect("listen");
+        let addr = listener.local_addr().expect("address");
+        let mut held = Vec::new();
+        for i in 0..600 {
+            let c = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await;
+            held.push(c.unwrap_or_else(|_| panic!("connection {i} not taken into the backlog within 2 s")).expect("connect"));
+        }
+        assert!(super::listen("localhost", 0).await.is_ok());
+        if let Ok(l) = super::listen("[::1]", 0).await {
+            assert!(l.local_addr().expect("address").is_ipv6());
+        }
+        assert!(super::listen("no-such-host.invalid", 0).await.is_err());
+    }
 }

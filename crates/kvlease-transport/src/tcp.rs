@@ -337,7 +337,7 @@ impl TcpAgent {
         if !wire::valid_name(&name) {
             return Err(TransportError::BadMetadata(format!("agent names are 1 to {} bytes, got {}", wire::MAX_NAME, name.len())));
         }
-        let listener = TcpListener::bind((host, 0)).await.map_err(|e| TransportError::Io(format!("cannot listen on {host}: {e}")))?;
+        let listener = crate::listen(host, 0).await.map_err(|e| TransportError::Io(format!("cannot listen on {host}: {e}")))?;
         let mut addr = listener.local_addr().map_err(|e| TransportError::Io(format!("listener address: {e}")))?;
         if let Some(ip) = options.advertise {
             addr.set_ip(ip);

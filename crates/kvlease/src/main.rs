@@ -661,7 +661,7 @@ fn host_port(host: &str, port: u16) -> String {
 
 async fn bind(host: &str, port: u16) -> anyhow::Result<TcpListener> {
     let addr = host_port(host, port);
-    TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))
+    kvlease_transport::listen(host, port).await.with_context(|| format!("cannot listen on {addr}"))
 }
 
 /// Prints the start-up line on stdout (tests and scripts wait for it).
