@@ -24,7 +24,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 _DELAY = os.environ.get("KVLEASE_NIXL_PTHR_DELAY_US")
 _MODULES = ("nixl_cu12._api", "nixl_cu13._api")
@@ -46,64 +46,48 @@ class _Bindings:
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, delay: int) -> None:
+    """Loads a module as ``inner`` does, then hands it to ``patch``."""
+
+    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[Any], None]) -> None:
         self._inner = inner
-        self._delay = delay
+        self._patch = patch
 
     def create_module(self, spec: Any) -> Any:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
-        module.nixlBind = _Bindings(module.nixlBind, self._delay)
+        self._patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, delay: int) -> None:
-        self._delay = delay
+    """Has the modules named ``names`` patched by ``patch`` as they are imported."""
+
+    def __init__(self, names: tuple[str, ...], patch: Callable[[Any], None]) -> None:
+        self._names = names
+        self._patch = patch
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _MODULES:
+        if fullname not in self._names:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader, self._delay)
+            spec.loader = _Loader(spec.loader, self._patch)
         return spec
+
+
+def _set_delay(module: Any, delay: int) -> None:
+    module.nixlBind = _Bindings(module.nixlBind, delay)
+
+
+def _reserve_core(module: Any, core: int) -> None:
+    """vllm.platforms.cpu with ``CpuPlatform.discover_numa_topology`` naming ``core`` only."""
+    module.CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[core]])
 
 
 _KV_CORE = os.environ.get("KVLEASE_TEST_KV_CORE")
 
-
-class _CpuPlatformLoader(importlib.abc.Loader):
-    """vllm.platforms.cpu with ``CpuPlatform.discover_numa_topology`` naming ``core`` only."""
-
-    def __init__(self, inner: importlib.abc.Loader, core: int) -> None:
-        self._inner = inner
-        self._core = core
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
-        core = self._core
-        module.CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[core]])
-
-
-class _CpuPlatformFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, core: int) -> None:
-        self._core = core
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "vllm.platforms.cpu":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _CpuPlatformLoader(spec.loader, self._core)
-        return spec
-
-
 if _DELAY:
-    sys.meta_path.insert(0, _Finder(int(_DELAY)))
+    sys.meta_path.insert(0, _Finder(_MODULES, lambda m: _set_delay(m, int(_DELAY))))
 if _KV_CORE:
-    sys.meta_path.insert(0, _CpuPlatformFinder(int(_KV_CORE)))
+    sys.meta_path.insert(0, _Finder(("vllm.platforms.cpu",), lambda m: _reserve_core(m, int(_KV_CORE))))
