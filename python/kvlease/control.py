@@ -160,7 +160,7 @@ class _Conn:
         except FrameError as e:
             logger.warning("kvlease: control connection %s closed: %s", self.name, e)
         except TimeoutError:
-            logger.debug("kvlease: control connection %s closed: nothing said within %.1f s", self.name, FIRST_MESSAGE_TIMEOUT_S)
+            logger.debug("kvlease: control connection %s closed: nothing said in time", self.name)
         except OSError:
             pass
         finally:

@@ -240,6 +240,11 @@ class LeaseBook:
     #: that, they are answered at once: not live).
     EARLY_MEMORY = 1 << 12
 
+    #: How far above the highest granted id an id may be and still be one on its way: the
+    #: prefills P's scheduler finishes between two engine steps (a batch), with a wide margin.
+    #: Further ahead is no id P issued: lost at once.
+    PENDING_WINDOW = 1 << 16
+
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         #: Held by every method: vLLM's engine thread uses the book, and so does the thread of
         #: kvlease's control channel answering D (renewals, ReadDone, Release) between steps.
@@ -418,11 +423,12 @@ class LeaseBook:
     @_locked
     def pending(self, wire_id: int) -> bool:
         """Whether ``wire_id`` may be a lease P's scheduler issued and this worker has not been
-        handed yet: above every id named so far, in the same series (the scheduler's random
-        start, the id's upper 32 bits; any id before the first is named). Its blocks are held by
-        vLLM's scheduler from the prefill's end, and the grant to come starts a full lease."""
+        handed yet: above every id named so far by at most PENDING_WINDOW, in the same series
+        (the scheduler's random start, the id's upper 32 bits; any id before the first is
+        named). Its blocks are held by vLLM's scheduler from the prefill's end, and the grant to
+        come starts a full lease."""
         hi = self._named_hi
-        return wire_id > hi and (hi == 0 or wire_id >> 32 == hi >> 32)
+        return wire_id > hi and (hi == 0 or (wire_id >> 32 == hi >> 32 and wire_id - hi <= self.PENDING_WINDOW))
 
     @_locked
     def hold_early(self, wire_id: int, item: Any) -> bool:

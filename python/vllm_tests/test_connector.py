@@ -348,9 +348,10 @@ def test_p1_p6_renewals_and_reads_that_overtake_their_grant_are_not_lost(p_worke
     early0 = kv._reqs_to_send.early_renewals
     link = DLink(kv, "d-overtaking")
     other_series = (44 << 32) + 1
-    link.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W - 5, W + 1, W + 2, W + 3, other_series]}))
+    far_ahead = W + (1 << 20)  # more prefills than end between two engine steps: not issued
+    link.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W - 5, W + 1, W + 2, W + 3, far_ahead, other_series]}))
     wait_for(lambda: link.answers("heartbeat_ack"), "the renewal answered")
-    assert [m["lost_ids"] for m in link.answers("heartbeat_ack")] == [[W - 5, other_series]]
+    assert [m["lost_ids"] for m in link.answers("heartbeat_ack")] == [[W - 5, far_ahead, other_series]]
     assert kv._reqs_to_send.early_renewals == early0 + 3
     link.send(kvlease.encode({"type": "read_done", "lease_id": W + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
     link.send(kvlease.encode({"type": "read_done", "lease_id": W + 2, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
