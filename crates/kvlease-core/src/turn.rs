@@ -45,6 +45,15 @@ pub enum NoReuse {
     Expiring,
 }
 
+impl NoReuse {
+    /// Whether P releases the decoder's turn at once rather than leaving it to the decoder's
+    /// TTL: the router hands a turn's params out once, so a turn not worth a read, or not of
+    /// this prompt, nobody will read (O4). An expiring one goes by itself.
+    pub fn releases_turn(&self) -> bool {
+        matches!(self, NoReuse::BelowThreshold { .. } | NoReuse::NotAPrefix)
+    }
+}
+
 impl fmt::Display for NoReuse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

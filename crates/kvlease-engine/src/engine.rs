@@ -2,7 +2,6 @@
 //! validation, abort on drop, graceful shutdown, and the simulator's crash.
 
 use crate::handshake::{self, Listener};
-use crate::kv_params::{KvRole, RemoteKv, TurnKv};
 use crate::metrics::Metrics;
 use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
@@ -10,11 +9,11 @@ use crate::scheduler::{self, SchedMsg, Seq};
 use crate::state::{lock, Inner, Tasks};
 use crate::{agents, lease_holder, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
-use kvlease_core::config::LoadFailurePolicy;
 use kvlease_core::lease_table::LeaseTable;
+use kvlease_core::params::{Admit, KvRole, NotRead, RemoteKv, TurnKv, Whose};
 use kvlease_core::quarantine::Quarantine;
-use kvlease_core::renewer::{Remote, Renewer, Untrack};
-use kvlease_core::turn::{self, CachedTurn, NoReuse, TurnPlan};
+use kvlease_core::renewer::{Renewer, Untrack};
+use kvlease_core::turn::{self, CachedTurn, TurnPlan};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -152,45 +151,6 @@ impl EngineHandle {
         }
         let mut role = KvRole::parse(req.kv_transfer_params.as_ref())
             .map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
-        if let KvRole::DecodeRemote(rk) = &role {
-            // SPEC S1 first: forged or altered params are refused outright.
-            if let Some(secret) = &inner.cfg.secret {
-                rk.verify(secret).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
-            }
-            // SPEC S4: genuine params of another prompt (a router that mixed requests up), or
-            // with their fields mangled (a block list sorted, truncated, repeated), are never
-            // read; and (O4) the lease they name is released at once, not left to expire.
-            if !rk.describes(&prompt) {
-                let why = "kv_transfer_params belong to another prompt or were altered on the way (kvlease_prompt_digest does not match this prompt with the blocks, lease and engine they name)";
-                self.forgo(rk);
-                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::not_its_params(format!("{why}; not reading them (kv_load_failure_policy=fail)")));
-                }
-                tracing::warn!(request = %req.request_id, "{why}; computing this prompt locally");
-                inner.metrics.recomputed_requests.inc();
-                role = KvRole::Local;
-            }
-        }
-        // SPEC O4: an engine handed its own params (a kv_both engine a router paired with
-        // itself) takes the prompt's KV from its own lease: no transfer, no recompute.
-        let mut own_kv = None;
-        if let KvRole::DecodeRemote(rk) = &role {
-            if rk.engine_id == inner.cfg.engine_id {
-                match lease_holder::take_own(inner, rk) {
-                    Some(blocks) => own_kv = Some(blocks),
-                    None if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail => {
-                        return Err(RequestError::not_its_params(
-                            "kv_transfer_params name a lease of this engine that has ended (or a previous run of it); not reading them (kv_load_failure_policy=fail)",
-                        ));
-                    }
-                    None => {
-                        tracing::warn!(request = %req.request_id, "kv_transfer_params name a lease of this engine that has ended; computing this prompt locally");
-                        inner.metrics.recomputed_requests.inc();
-                        role = KvRole::Local;
-                    }
-                }
-            }
-        }
         let blocks_needed = scheduler::blocks_needed(&role, prompt.len(), req.max_tokens, m.block_size);
         if blocks_needed > inner.pool.total() as usize {
             return Err(RequestError::bad_request(
@@ -200,46 +160,41 @@ impl EngineHandle {
         }
         let id = self.owner.next_seq.fetch_add(1, Ordering::Relaxed);
         let internal = format!("{}#{id}", req.request_id);
+        // SPEC S1, S4, O4: whether this request reads P's KV, its own engine's, or computes the
+        // prompt itself — decided by the core's admission; here only what it asks done.
+        let mut own_kv = None;
         if let KvRole::DecodeRemote(rk) = &role {
-            // `describes` held: the prompt has `remote_num_tokens` tokens.
-            let want_blocks = prompt.len().div_ceil(m.block_size as usize);
-            if rk.block_ids.len() != want_blocks {
-                return Err(RequestError::bad_request(
-                    Some("kv_transfer_params"),
-                    format!(
-                        "kv_transfer_params name {} blocks; this prompt of {} tokens fills {} blocks of {}",
-                        rk.block_ids.len(),
-                        prompt.len(),
-                        want_blocks,
-                        m.block_size
-                    ),
-                ));
-            }
-            if rk.tp_size == 0 || !m.num_kv_heads.is_multiple_of(rk.tp_size) {
-                return Err(RequestError::bad_request(
-                    Some("kv_transfer_params"),
-                    format!("tp_size {} does not divide {} KV heads", rk.tp_size, m.num_kv_heads),
-                ));
-            }
-        }
-        if let (KvRole::DecodeRemote(rk), None) = (&role, &own_kv) {
-            let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
-            // A replay of params another request of this engine is already pulling with must
-            // not take the lease over from the first (which would then recompute): it computes
-            // the prompt itself. Checked and tracked in one step, so racing replays cannot both
-            // pass.
-            if lock(&inner.renewer).track_first(&internal, &remote, rk.lease_id, inner.now()) {
-                inner.renewer_wake.notify_one();
-                tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
-            } else {
-                if inner.cfg.transfer.lease.load_failure_policy == LoadFailurePolicy::Fail {
-                    return Err(RequestError::not_its_params(
-                        "another request on this engine is already reading with these kv_transfer_params; not reading them twice (kv_load_failure_policy=fail)",
-                    ));
+            let admission = inner.admission();
+            let mut verdict = admission.admit(rk, &prompt);
+            if verdict == Admit::Own {
+                match lease_holder::take_own(inner, rk) {
+                    Some(blocks) => own_kv = Some(blocks),
+                    None => verdict = admission.not_read(NotRead::OwnLeaseEnded),
                 }
-                tracing::warn!(request = %req.request_id, "kv_transfer_params already in use by another request here; computing this prompt locally");
-                inner.metrics.recomputed_requests.inc();
-                role = KvRole::Local;
+            }
+            if verdict == Admit::Pull {
+                // Checked and tracked in one step, so racing replays cannot both pass.
+                if lock(&inner.renewer).track_first(&internal, &rk.remote(), rk.lease_id, inner.now()) {
+                    inner.renewer_wake.notify_one();
+                    tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
+                } else {
+                    verdict = admission.not_read(NotRead::Replay);
+                }
+            }
+            match verdict {
+                Admit::Pull | Admit::Own => {}
+                Admit::Invalid(e) => return Err(RequestError::bad_request(Some("kv_transfer_params"), e.to_string())),
+                Admit::NotRead { why, release, refuse } => {
+                    if let Some(whose) = release {
+                        self.forgo(rk, whose);
+                    }
+                    if refuse {
+                        return Err(RequestError::not_its_params(format!("{why}; not reading them (kv_load_failure_policy=fail)")));
+                    }
+                    tracing::warn!(request = %req.request_id, "{why}; computing this prompt locally");
+                    inner.metrics.recomputed_requests.inc();
+                    role = KvRole::Local;
+                }
             }
         }
         // Multi-turn (SPEC B2, B3, B4): the decoder's cached turn, read if it covers a prefix of
@@ -271,17 +226,13 @@ impl EngineHandle {
     fn plan_turn(&self, turn: &TurnKv, prompt: &[u32], internal: &str) -> Result<Option<(RemoteKv, usize)>, RequestError> {
         let inner = &self.inner;
         let rk = &turn.kv;
-        // SPEC S1: forged or altered params are refused outright.
-        if let Some(secret) = &inner.cfg.secret {
-            rk.verify(secret).map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
-        }
+        // SPEC S1: forged or altered params are refused outright; then their shape.
+        let admission = inner.admission();
+        admission
+            .verify(rk)
+            .and_then(|()| admission.fits(rk))
+            .map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
         let m = &inner.cfg.model;
-        if rk.tp_size == 0 || !m.num_kv_heads.is_multiple_of(rk.tp_size) {
-            return Err(RequestError::bad_request(
-                Some("kv_transfer_params"),
-                format!("tp_size {} does not divide {} KV heads", rk.tp_size, m.num_kv_heads),
-            ));
-        }
         let lease = &inner.cfg.transfer.lease;
         let cached = CachedTurn {
             num_tokens: rk.num_tokens,
@@ -293,7 +244,7 @@ impl EngineHandle {
         let clock = lock(&inner.renewer).peer(&rk.engine_id).map(|p| p.clock.clone());
         let now = inner.now();
         let plan = turn::plan(prompt, &cached, m.block_size, lease.kv_recompute_threshold, clock.as_ref(), now, now, lease.read_budget());
-        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+        let remote = rk.remote();
         match plan {
             TurnPlan::Read { tokens, blocks } if blocks as usize <= rk.block_ids.len() => {
                 let mut read = rk.clone();
@@ -312,10 +263,7 @@ impl EngineHandle {
             TurnPlan::Recompute(why) => {
                 tracing::info!(engine = %rk.engine_id, "not reading the cached turn ({why}); prefilling the whole prompt");
                 inner.metrics.turns_recomputed.inc();
-                if matches!(why, NoReuse::BelowThreshold { .. } | NoReuse::NotAPrefix) {
-                    // The router hands a turn's params out once: a turn not worth a read, or
-                    // not of this prompt, nobody will read. Free the decoder's blocks now, not
-                    // at its TTL (an expiring one goes by itself).
+                if why.releases_turn() {
                     lock(&inner.renewer).release(&remote, rk.lease_id, now);
                     inner.renewer_wake.notify_one();
                 }
@@ -325,20 +273,17 @@ impl EngineHandle {
     }
 
     /// SPEC O4: this engine will not read the lease `rk` names (its params do not describe the
-    /// request, S4): release it at once rather than leave it pinned on P until it expires. Our
-    /// own params, and a lease another request here renews (a replay), are left alone.
-    fn forgo(&self, rk: &RemoteKv) {
+    /// request, S4): release it at once rather than leave it pinned until it expires.
+    fn forgo(&self, rk: &RemoteKv, whose: Whose) {
         let inner = &self.inner;
-        if rk.engine_id == inner.cfg.engine_id {
-            if rk.incarnation == inner.incarnation {
-                lease_holder::release_own(inner, rk.lease_id);
+        match whose {
+            Whose::Ours => lease_holder::release_own(inner, rk.lease_id),
+            Whose::Theirs => {
+                lock(&inner.renewer).release(&rk.remote(), rk.lease_id, inner.now());
+                inner.renewer_wake.notify_one();
+                tracing::info!(engine = %rk.engine_id, lease_id = rk.lease_id, "released the prefill engine's lease: its params are not read here (O4)");
             }
-            return;
         }
-        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
-        lock(&inner.renewer).release(&remote, rk.lease_id, inner.now());
-        inner.renewer_wake.notify_one();
-        tracing::info!(engine = %rk.engine_id, lease_id = rk.lease_id, "released the prefill engine's lease: its params are not read here (O4)");
     }
 
     /// The model's context length (`--max-model-len`): prompt plus generated tokens.

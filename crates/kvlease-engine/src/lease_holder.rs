@@ -4,12 +4,12 @@
 //! reaps expired leases and quarantined blocks from a task of its own that ticks while idle
 //! (P4). The rules are the lease table's and the quarantine's, in kvlease-core; this is glue.
 
-use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::state::{lock, Inner, Lease};
 use crate::{FinishReason, GenerateEvent};
 use kvlease_core::digest::{reads_lease_blocks, Bound, PromptDigest};
 use kvlease_core::lease_table::{Evicted, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
+use kvlease_core::params::RemoteKv;
 use kvlease_core::peers::agent_holder;
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::wire::Message;
@@ -417,8 +417,8 @@ pub(crate) fn live_leases(inner: &Inner) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_params::KvRole;
     use crate::{EngineConfig, EngineHandle, GenerateRequest, Prompt};
+    use kvlease_core::params::KvRole;
     use serde_json::json;
 
     /// P's params for a 64-token prompt (four blocks of 16): a prefill for a remote decoder.

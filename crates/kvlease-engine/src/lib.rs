@@ -17,7 +17,6 @@ mod agents;
 mod engine;
 mod handshake;
 pub mod ids;
-pub mod kv_params;
 mod lease_holder;
 pub mod metrics;
 pub mod model;
@@ -30,7 +29,7 @@ mod side_channel;
 mod state;
 
 pub use engine::{EngineHandle, RequestStream};
-pub use kv_params::{KvRole, ParamError, RemoteKv};
+pub use kvlease_core::params::{KvRole, ParamError, Refusal, RemoteKv};
 pub use metrics::Metrics;
 pub use model::ModelConfig;
 
@@ -207,26 +206,33 @@ pub struct RequestError {
     pub code: &'static str,
     pub param: Option<&'static str>,
     pub message: String,
+    /// Whether the refusal says the request's params are another request's, so that refusing it
+    /// keeps the lease they name (SPEC O3 releases only a refused request's own lease).
+    pub refusal: Refusal,
 }
 
 impl RequestError {
-    /// The `code` of a refusal because the request's `kv_transfer_params` are not its own (SPEC
-    /// S4: another prompt's; or a replay of params another request here is reading with): the
-    /// lease they name belongs to another request, so refusing this one must not release it
-    /// (SPEC O3 releases only a refused request's own lease).
-    pub const NOT_ITS_PARAMS: &'static str = "kv_transfer_params_not_this_requests";
-
-    pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> RequestError {
-        RequestError { status: 400, code: "invalid_request_error", param, message: message.into() }
+    pub fn new(status: u16, code: &'static str, param: Option<&'static str>, message: impl Into<String>) -> RequestError {
+        RequestError { status, code, param, message: message.into(), refusal: Refusal::Request }
     }
 
-    /// A 400 naming `kv_transfer_params` that belong to another request ([`Self::NOT_ITS_PARAMS`]).
+    pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> RequestError {
+        RequestError::new(400, "invalid_request_error", param, message)
+    }
+
+    /// A 400 naming `kv_transfer_params` that belong to another request (SPEC S4: another
+    /// prompt's; or a replay of params another request here is reading with): the lease they
+    /// name is not this request's to release.
     pub fn not_its_params(message: impl Into<String>) -> RequestError {
-        RequestError { code: Self::NOT_ITS_PARAMS, ..RequestError::bad_request(Some("kv_transfer_params"), message) }
+        RequestError {
+            code: "kv_transfer_params_not_this_requests",
+            refusal: Refusal::NotItsParams,
+            ..RequestError::bad_request(Some("kv_transfer_params"), message)
+        }
     }
 
     pub fn unavailable(message: impl Into<String>) -> RequestError {
-        RequestError { status: 503, code: "service_unavailable", param: None, message: message.into() }
+        RequestError::new(503, "service_unavailable", None, message)
     }
 }
 

@@ -2,9 +2,9 @@
 //! a [`kvlease_core::pull::Pull`], carried out. Every decision — what to wait for and until when,
 //! whether P's incarnation still matches, whether the bytes may be used — is the core's.
 
-use crate::kv_params::RemoteKv;
 use crate::pool::Blocks;
 use crate::state::{lock, AckKey, Inner};
+use kvlease_core::params::RemoteKv;
 use kvlease_core::pull::{AfterReads, Pull, ReadFailure, Step, Verdict};
 use kvlease_core::wire::Message;
 use kvlease_transport::{ReadOp, Segment};

@@ -11,11 +11,10 @@
 //!   does, SPEC D4) instead of waiting for its expiry.
 
 use crate::engine::EngineHandle;
-use crate::kv_params::KvRole;
 use crate::lease_holder::settle;
 use crate::state::lock;
 use crate::RequestError;
-use kvlease_core::renewer::Remote;
+use kvlease_core::params::{KvRole, Refusal};
 use serde_json::Value;
 
 impl EngineHandle {
@@ -29,15 +28,7 @@ impl EngineHandle {
             KvRole::DecodeRemote(rk) => rk,
             _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
         };
-        if let Some(secret) = &inner.cfg.secret {
-            rk.verify(secret).map_err(|e| bad(e.to_string()))?;
-        }
-        if rk.engine_id != inner.cfg.engine_id || rk.incarnation != inner.incarnation {
-            return Err(bad(format!(
-                "the lease belongs to engine {} (incarnation {}), not to this one ({}, {})",
-                rk.engine_id, rk.incarnation, inner.cfg.engine_id, inner.incarnation
-            )));
-        }
+        inner.admission().names_our_lease(&rk).map_err(|e| bad(e.to_string()))?;
         let (mut lost, mut released) = (Vec::new(), Vec::new());
         {
             let mut table = lock(&inner.leases);
@@ -50,20 +41,15 @@ impl EngineHandle {
     }
 
     /// D: a request carrying P's params was refused before admission: release P's lease now
-    /// (SPEC O3). Params that do not verify (SPEC S1) or that are not a decode request's are left
-    /// alone. Returns whether a release was queued.
-    pub fn release_refused(&self, params: Option<&Value>) -> bool {
+    /// (SPEC O3), as the core's [`kvlease_core::params::Admission::releases_on_refusal`] decides.
+    /// Returns whether a release was queued.
+    pub fn release_refused(&self, params: Option<&Value>, refusal: Refusal) -> bool {
         let inner = self.inner();
         let Ok(KvRole::DecodeRemote(rk)) = KvRole::parse(params) else { return false };
-        if let Some(secret) = &inner.cfg.secret {
-            if rk.verify(secret).is_err() {
-                return false;
-            }
-        }
-        if rk.engine_id == inner.cfg.engine_id {
+        if !inner.admission().releases_on_refusal(&rk, refusal) {
             return false;
         }
-        let remote = Remote { engine_id: rk.engine_id.clone(), host: rk.host.clone(), port: rk.port, incarnation: rk.incarnation };
+        let remote = rk.remote();
         {
             let mut r = lock(&inner.renewer);
             // A refused replay of params another request here is pulling with: the lease is

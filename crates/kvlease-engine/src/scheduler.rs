@@ -7,7 +7,6 @@
 //! loop keeps stepping others. Forward steps take emulated time; nothing lease-related runs in
 //! this loop (SPEC D3): heartbeats and the reaper have their own tasks.
 
-use crate::kv_params::{KvRole, RemoteKv};
 use crate::lease_holder::{self, PrefillDone};
 use crate::model::{self, EOS};
 use crate::pool::Blocks;
@@ -15,6 +14,7 @@ use crate::pull::pull;
 use crate::state::{lock, Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
+use kvlease_core::params::{KvRole, RemoteKv};
 use kvlease_core::pull::{PullLost, ReadFailure, Verdict};
 use kvlease_core::renewer::Untrack;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -329,12 +329,12 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             lost(inner, &seq, &why);
             tracing::warn!(request = %seq.client_id, "remote KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
             lease_holder::free_after_reads(inner, blocks);
-            seq.fail(RequestError {
-                status: 503,
-                code: "kv_load_failed",
-                param: None,
-                message: format!("the prompt's KV cache could not be loaded from the prefill engine: {why}"),
-            });
+            seq.fail(RequestError::new(
+                503,
+                "kv_load_failed",
+                None,
+                format!("the prompt's KV cache could not be loaded from the prefill engine: {why}"),
+            ));
         }
     }
 }

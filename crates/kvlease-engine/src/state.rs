@@ -15,6 +15,7 @@ use crate::pool::{BlockPool, Blocks};
 use crate::EngineConfig;
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::lease_table::{LeasePayload, LeaseTable};
+use kvlease_core::params::Admission;
 use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::Renewer;
 use kvlease_core::Nanos;
@@ -103,6 +104,19 @@ impl Inner {
     /// (and, in tests, a skew: `debug_clock_skew`) that keeps it far from 0 either way.
     pub fn now(&self) -> Nanos {
         Nanos((self.origin.elapsed().as_nanos() as u64).saturating_add(self.clock_base))
+    }
+
+    /// What this engine knows of itself to decide on a request's params (SPEC S1, S4, O3, O4).
+    pub fn admission(&self) -> Admission<'_> {
+        let cfg = &self.cfg;
+        Admission {
+            secret: cfg.secret.as_deref(),
+            engine_id: &cfg.engine_id,
+            incarnation: self.incarnation,
+            block_size: cfg.model.block_size,
+            num_kv_heads: cfg.model.num_kv_heads,
+            policy: cfg.transfer.lease.load_failure_policy,
+        }
     }
 
     pub fn ranks(&self) -> &[Rank] {

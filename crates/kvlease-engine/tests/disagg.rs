@@ -172,7 +172,7 @@ async fn s5_o3_a_replayed_or_refused_replay_leaves_the_first_readers_lease_alone
     };
     until("the first request renews", Duration::from_secs(5), || p.metrics().heartbeats_received.get() >= 1).await;
     // Refused before admission (as a bad field would be): not this replay's lease to release.
-    assert!(!d.release_refused(params.as_ref()), "a refused replay released the first request's lease");
+    assert!(!d.release_refused(params.as_ref(), kvlease_engine::Refusal::Request), "a refused replay released the first request's lease");
     // Admitted: computed locally, the lease left to the first request.
     let (replayed, _) = run(&d, PROMPT, 6, params).await.unwrap();
     let (want, _) = run(&local, PROMPT, 6, None).await.unwrap();

@@ -234,8 +234,7 @@ async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endp
     // verify (forged, S1) never cause a release: `release_refused` checks the signature; nor do
     // params that are not the request's own (another prompt's, S4, or a replay).
     let refused = |e: ApiError| {
-        let its_own = e.code.as_deref() != Some(kvlease_engine::RequestError::NOT_ITS_PARAMS);
-        if its_own && engine.release_refused(fields.get("kv_transfer_params")) {
+        if engine.release_refused(fields.get("kv_transfer_params"), e.refusal) {
             tracing::info!(request_id = %rid, "refused before admission: released the prefill engine's lease");
         }
         e

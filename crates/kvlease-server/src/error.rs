@@ -7,7 +7,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvlease_engine::RequestError;
+use kvlease_engine::{Refusal, RequestError};
 use serde_json::{json, Value};
 
 /// An error answered to the client.
@@ -20,12 +20,21 @@ pub struct ApiError {
     pub code: Option<String>,
     pub param: Option<String>,
     pub message: String,
+    /// For a request carrying P's params: whether refusing it releases their lease (SPEC O3).
+    pub refusal: Refusal,
 }
 
 impl ApiError {
     fn new(status: StatusCode, code: Option<&str>, param: Option<&str>, message: impl Into<String>) -> ApiError {
         let kind = error_type(status);
-        ApiError { status, kind, code: code.map(str::to_owned), param: param.map(str::to_owned), message: message.into() }
+        ApiError {
+            status,
+            kind,
+            code: code.map(str::to_owned),
+            param: param.map(str::to_owned),
+            message: message.into(),
+            refusal: Refusal::Request,
+        }
     }
 
     /// 400, naming the offending field.
@@ -138,7 +147,10 @@ impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> ApiError {
         // An engine status outside 400..=599 would be an engine bug; report it as a server error.
         let status = StatusCode::from_u16(e.status).ok().filter(|s| s.is_client_error() || s.is_server_error());
-        ApiError::new(status.unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), Some(e.code), e.param, e.message)
+        ApiError {
+            refusal: e.refusal,
+            ..ApiError::new(status.unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), Some(e.code), e.param, e.message)
+        }
     }
 }
 
@@ -180,7 +192,7 @@ mod tests {
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.body()["error"]["type"], "ServiceUnavailableError");
         assert_eq!(e.body()["error"]["code"], 503);
-        let e: ApiError = RequestError { status: 42, code: "x", param: None, message: "?".into() }.into();
+        let e: ApiError = RequestError::new(42, "x", None, "?").into();
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

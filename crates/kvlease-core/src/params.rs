@@ -11,8 +11,12 @@
 //! computes that prompt itself (and releases the lease at once, O4). Parsing is strict about what D acts on and tolerant of anything else (vLLM's router
 //! adds fields of its own).
 
+use std::fmt;
+
+use crate::config::LoadFailurePolicy;
+use crate::digest::{Bound, PromptDigest};
+use crate::renewer::Remote;
 use hmac::{Hmac, Mac};
-use kvlease_core::digest::{Bound, PromptDigest};
 use serde_json::{json, Map, Value};
 use sha2::Sha256;
 use thiserror::Error;
@@ -205,6 +209,11 @@ impl RemoteKv {
         self.prompt_digest.describes(self.num_tokens, prompt, &self.bound())
     }
 
+    /// Where the lease is, for D's renewer.
+    pub fn remote(&self) -> Remote {
+        Remote { engine_id: self.engine_id.clone(), host: self.host.clone(), port: self.port, incarnation: self.incarnation }
+    }
+
     /// SPEC S4: the fields the digest binds.
     pub fn bound(&self) -> Bound<'_> {
         Bound { engine_id: &self.engine_id, incarnation: self.incarnation, lease_id: self.lease_id, block_ids: &self.block_ids }
@@ -243,6 +252,188 @@ impl RemoteKv {
         let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
         field(&blocks);
         mac
+    }
+}
+
+/// What a decode engine knows of itself to decide what to do with a request's params (SPEC S1,
+/// S4, O3, O4): the one place those decisions are made, for the engine and the vLLM connector.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission<'a> {
+    /// The cluster's secret (S1): params must carry P's signature.
+    pub secret: Option<&'a [u8]>,
+    /// This engine's id and incarnation: params naming them are its own lease (O4).
+    pub engine_id: &'a str,
+    pub incarnation: u64,
+    /// The model's block size and KV heads: the shape the params must fit.
+    pub block_size: u32,
+    pub num_kv_heads: u32,
+    /// `kv_load_failure_policy`: params not read are recomputed, or the request refused.
+    pub policy: LoadFailurePolicy,
+}
+
+/// What a decode request does with P's params.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admit {
+    /// Read the KV from P: claim the lease for this request (renewed from now on, D1); if another
+    /// request here already holds it, ask [`Admission::not_read`] with [`NotRead::Replay`].
+    Pull,
+    /// Params of this engine's own live incarnation (a `kv_both` engine paired with itself, O4):
+    /// take the blocks from its own lease; if that lease ended, ask [`Admission::not_read`] with
+    /// [`NotRead::OwnLeaseEnded`].
+    Own,
+    /// Not read. `release` names whose lease to release at once (O4); then the request computes
+    /// the prompt itself, or (`refuse`, `kv_load_failure_policy=fail`) is refused with a 400 that
+    /// releases nothing more ([`Refusal::keeps_lease`]).
+    NotRead { why: NotRead, release: Option<Whose>, refuse: bool },
+    /// A 400 naming `kv_transfer_params`: forged (S1) or not of this model's shape.
+    Invalid(ParamError),
+}
+
+/// Why params are not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotRead {
+    /// S4: another prompt's params, or altered on the way (a router that mixed or mangled them).
+    OtherPrompt,
+    /// This engine's own lease, which has ended (or was a previous run's).
+    OwnLeaseEnded,
+    /// Another request here is already reading with these params.
+    Replay,
+}
+
+/// Whose lease a decode engine releases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whose {
+    /// This engine's own lease (its own live incarnation).
+    Ours,
+    /// The prefill engine's, through the renewer.
+    Theirs,
+}
+
+impl NotRead {
+    /// The reason, as the log line and a refusal's message give it.
+    pub fn message(self) -> &'static str {
+        match self {
+            NotRead::OtherPrompt => "kv_transfer_params belong to another prompt or were altered on the way (kvlease_prompt_digest does not match this prompt with the blocks, lease and engine they name)",
+            NotRead::OwnLeaseEnded => "kv_transfer_params name a lease of this engine that has ended (or a previous run of it)",
+            NotRead::Replay => "another request on this engine is already reading with these kv_transfer_params",
+        }
+    }
+}
+
+impl fmt::Display for NotRead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl Admission<'_> {
+    /// SPEC S1, S4, O4 and the params' shape: what a `do_remote_prefill` request of `prompt` does
+    /// with `rk`. S1 first (forged params are refused and never release anything), then S4 (a
+    /// mix-up is not read, and its lease released at once), then the shape (block count, tensor
+    /// parallel size), then whose lease it is.
+    pub fn admit(&self, rk: &RemoteKv, prompt: &[u32]) -> Admit {
+        if let Err(e) = self.verify(rk) {
+            return Admit::Invalid(e);
+        }
+        if !rk.describes(prompt) {
+            return Admit::NotRead { why: NotRead::OtherPrompt, release: self.whose(rk), refuse: self.refuses() };
+        }
+        // `describes` held: the prompt has `remote_num_tokens` tokens.
+        let want_blocks = prompt.len().div_ceil(self.block_size.max(1) as usize);
+        if rk.block_ids.len() != want_blocks {
+            return Admit::Invalid(ParamError(format!(
+                "kv_transfer_params name {} blocks; this prompt of {} tokens fills {} blocks of {}",
+                rk.block_ids.len(),
+                prompt.len(),
+                want_blocks,
+                self.block_size
+            )));
+        }
+        if let Err(e) = self.fits(rk) {
+            return Admit::Invalid(e);
+        }
+        match self.whose(rk) {
+            Some(Whose::Ours) => Admit::Own,
+            Some(Whose::Theirs) => Admit::Pull,
+            None => self.not_read(NotRead::OwnLeaseEnded),
+        }
+    }
+
+    /// Params the request could not use after all (its own lease ended, or another request here
+    /// reads with them): computed locally, or refused under `kv_load_failure_policy=fail`. Nothing
+    /// is released: the lease is not this request's.
+    pub fn not_read(&self, why: NotRead) -> Admit {
+        Admit::NotRead { why, release: None, refuse: self.refuses() }
+    }
+
+    /// SPEC S1: params must carry P's signature when the cluster has a secret.
+    pub fn verify(&self, rk: &RemoteKv) -> Result<(), ParamError> {
+        match self.secret {
+            Some(secret) => rk.verify(secret),
+            None => Ok(()),
+        }
+    }
+
+    /// The tensor parallel size the params name must divide this model's KV heads (SPEC T1).
+    pub fn fits(&self, rk: &RemoteKv) -> Result<(), ParamError> {
+        if rk.tp_size == 0 || !self.num_kv_heads.is_multiple_of(rk.tp_size) {
+            return Err(ParamError(format!("tp_size {} does not divide {} KV heads", rk.tp_size, self.num_kv_heads)));
+        }
+        Ok(())
+    }
+
+    /// SPEC O3: a request carrying P's params that is refused before admission releases P's
+    /// lease at once — but only params that verify (S1: a forgery releases nothing), that name
+    /// another engine (this one's own lease is not renewed from here), and whose refusal does
+    /// not say they are another request's ([`Refusal::keeps_lease`]). The caller also leaves a
+    /// lease alone that another request here is reading with (a refused replay).
+    pub fn releases_on_refusal(&self, rk: &RemoteKv, refusal: Refusal) -> bool {
+        refusal == Refusal::Request && self.verify(rk).is_ok() && self.whose(rk) == Some(Whose::Theirs)
+    }
+
+    /// P: params to end one of this engine's leases (the proxy's O3 release) must be this
+    /// engine's, this run's, and signed when the cluster has a secret.
+    pub fn names_our_lease(&self, rk: &RemoteKv) -> Result<(), ParamError> {
+        self.verify(rk)?;
+        if rk.engine_id != self.engine_id || rk.incarnation != self.incarnation {
+            return Err(ParamError(format!(
+                "the lease belongs to engine {} (incarnation {}), not to this one ({}, {})",
+                rk.engine_id, rk.incarnation, self.engine_id, self.incarnation
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whose lease the params name; `None` for this engine's name with another incarnation (a
+    /// previous run's lease: nobody here can read or renew it).
+    fn whose(&self, rk: &RemoteKv) -> Option<Whose> {
+        match rk.engine_id == self.engine_id {
+            true if rk.incarnation == self.incarnation => Some(Whose::Ours),
+            true => None,
+            false => Some(Whose::Theirs),
+        }
+    }
+
+    fn refuses(&self) -> bool {
+        self.policy == LoadFailurePolicy::Fail
+    }
+}
+
+/// How a request carrying P's params was refused, for SPEC O3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The request's own fault (a bad field, the wrong model, too long, bad params): the lease
+    /// its params name is its own, released at once (O3).
+    Request,
+    /// The params are not the request's own ([`Admit::NotRead`] refused): the lease belongs to
+    /// another request, so refusing this one keeps it.
+    NotItsParams,
+}
+
+impl Refusal {
+    /// Whether the lease the params name stays (the refusal says they are another request's).
+    pub fn keeps_lease(self) -> bool {
+        self == Refusal::NotItsParams
     }
 }
 
@@ -358,6 +549,114 @@ mod tests {
             assert!(!mangled.describes(&[1, 2, 3]), "blocks {blocks:?}");
         }
         assert!(!RemoteKv { lease_id: 10, ..r.clone() }.describes(&[1, 2, 3]), "another lease");
+    }
+
+    /// A decode engine "d0" (incarnation 7) with blocks of 16 tokens and 4 KV heads.
+    fn admission(secret: Option<&[u8]>, policy: LoadFailurePolicy) -> Admission<'_> {
+        Admission { secret, engine_id: "d0", incarnation: 7, block_size: 16, num_kv_heads: 4, policy }
+    }
+
+    /// Params P "p0" would give for `prompt` (2 blocks of 16 for 20 tokens), signed with `secret`.
+    fn params_for(prompt: &[u32], secret: Option<&[u8]>) -> RemoteKv {
+        let mut r = RemoteKv { num_tokens: prompt.len() as u32, ..remote() };
+        r.prompt_digest = PromptDigest::bound(prompt, &r.bound());
+        r.signature = secret.map(|s| r.sign(s));
+        r
+    }
+
+    const PROMPT: [u32; 20] = [5; 20];
+
+    /// SPEC S1: forged params are refused (a 400) and never release anything (O3).
+    #[test]
+    fn s1_forged_params_are_invalid_and_release_nothing() {
+        let a = admission(Some(b"s3cret"), LoadFailurePolicy::Recompute);
+        let mut forged = params_for(&PROMPT, Some(b"other"));
+        assert!(matches!(a.admit(&forged, &PROMPT), Admit::Invalid(e) if e.0.contains("kvlease_signature")));
+        assert!(!a.releases_on_refusal(&forged, Refusal::Request));
+        forged.signature = None;
+        assert!(matches!(a.admit(&forged, &PROMPT), Admit::Invalid(e) if e.0.contains("unsigned")));
+        let genuine = params_for(&PROMPT, Some(b"s3cret"));
+        assert_eq!(a.admit(&genuine, &PROMPT), Admit::Pull);
+    }
+
+    /// SPEC S4, O4: params of another prompt, or mangled on the way, are not read; the lease
+    /// they name is released at once — P's through the renewer, this engine's own directly, a
+    /// previous run's of this engine not at all — then the prompt is computed, or the request
+    /// refused under `kv_load_failure_policy=fail`.
+    #[test]
+    fn s4_o4_params_of_another_prompt_are_not_read_and_their_lease_is_released() {
+        let a = admission(None, LoadFailurePolicy::Recompute);
+        let other = [6; 20];
+        let theirs = params_for(&PROMPT, None);
+        assert_eq!(a.admit(&theirs, &other), Admit::NotRead { why: NotRead::OtherPrompt, release: Some(Whose::Theirs), refuse: false });
+        let mut mangled = theirs.clone();
+        mangled.block_ids.reverse();
+        assert!(matches!(a.admit(&mangled, &PROMPT), Admit::NotRead { why: NotRead::OtherPrompt, .. }));
+        let ours = params_for(&PROMPT, None);
+        let ours = RemoteKv { engine_id: "d0".into(), incarnation: 7, ..ours };
+        assert_eq!(a.admit(&ours, &other), Admit::NotRead { why: NotRead::OtherPrompt, release: Some(Whose::Ours), refuse: false });
+        let previous_run = RemoteKv { incarnation: 5, ..ours };
+        assert_eq!(a.admit(&previous_run, &other), Admit::NotRead { why: NotRead::OtherPrompt, release: None, refuse: false });
+        let strict = admission(None, LoadFailurePolicy::Fail);
+        assert_eq!(strict.admit(&theirs, &other), Admit::NotRead { why: NotRead::OtherPrompt, release: Some(Whose::Theirs), refuse: true });
+    }
+
+    /// SPEC O4: an engine handed its own live params takes its own lease; a previous run's is
+    /// not read (and never pulled from itself); a replay here is not read twice.
+    #[test]
+    fn o4_own_params_and_replays() {
+        let a = admission(None, LoadFailurePolicy::Recompute);
+        let mut ours = params_for(&PROMPT, None);
+        ours.engine_id = "d0".into();
+        ours.incarnation = 7;
+        ours.prompt_digest = PromptDigest::bound(&PROMPT, &ours.bound());
+        assert_eq!(a.admit(&ours, &PROMPT), Admit::Own);
+        ours.incarnation = 5;
+        ours.prompt_digest = PromptDigest::bound(&PROMPT, &ours.bound());
+        assert_eq!(a.admit(&ours, &PROMPT), Admit::NotRead { why: NotRead::OwnLeaseEnded, release: None, refuse: false });
+        assert_eq!(a.not_read(NotRead::Replay), Admit::NotRead { why: NotRead::Replay, release: None, refuse: false });
+        let strict = admission(None, LoadFailurePolicy::Fail);
+        assert_eq!(strict.not_read(NotRead::Replay), Admit::NotRead { why: NotRead::Replay, release: None, refuse: true });
+    }
+
+    /// Params must fit this engine: one block per `block_size` tokens of the prompt (P with
+    /// another block size is refused, not misread) and a tensor parallel size that divides the
+    /// KV heads (SPEC T1).
+    #[test]
+    fn params_of_another_shape_are_invalid() {
+        let a = admission(None, LoadFailurePolicy::Recompute);
+        let mut three = params_for(&PROMPT, None);
+        three.block_ids = vec![3, 4, 5];
+        three.prompt_digest = PromptDigest::bound(&PROMPT, &three.bound());
+        assert!(matches!(a.admit(&three, &PROMPT), Admit::Invalid(e) if e.0.contains("name 3 blocks")));
+        let mut tp3 = params_for(&PROMPT, None);
+        tp3.tp_size = 3;
+        assert!(matches!(a.admit(&tp3, &PROMPT), Admit::Invalid(e) if e.0.contains("tp_size 3")));
+    }
+
+    /// SPEC O3: a refused request releases the lease its params name only when they verify,
+    /// name another engine, and are its own (not another request's).
+    #[test]
+    fn o3_a_refusal_releases_only_the_requests_own_verified_lease() {
+        let a = admission(Some(b"s3cret"), LoadFailurePolicy::Recompute);
+        let theirs = params_for(&PROMPT, Some(b"s3cret"));
+        assert!(a.releases_on_refusal(&theirs, Refusal::Request));
+        assert!(!a.releases_on_refusal(&theirs, Refusal::NotItsParams));
+        let ours = RemoteKv { engine_id: "d0".into(), ..theirs.clone() };
+        assert!(!a.releases_on_refusal(&ours, Refusal::Request));
+        let unsigned = RemoteKv { signature: None, ..theirs };
+        assert!(!a.releases_on_refusal(&unsigned, Refusal::Request));
+    }
+
+    /// SPEC O3 on P: a router may end only this engine's lease of this run.
+    #[test]
+    fn o3_p_releases_only_its_own_leases_of_this_run() {
+        let p = Admission { engine_id: "p0", incarnation: u64::MAX - 1, ..admission(Some(b"s3cret"), LoadFailurePolicy::Recompute) };
+        let ours = params_for(&PROMPT, Some(b"s3cret"));
+        p.names_our_lease(&ours).unwrap();
+        let err = Admission { incarnation: 3, ..p }.names_our_lease(&ours).unwrap_err();
+        assert!(err.0.contains("not to this one"), "{err}");
+        assert!(p.names_our_lease(&RemoteKv { signature: None, ..ours }).is_err());
     }
 
     #[test]
