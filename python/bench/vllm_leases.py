@@ -52,9 +52,9 @@ def worker(kind: str, n: int):
         for i, r in enumerate(list(book)):
             book.name_wire_id(r, i + 1)
         w._reqs_to_send = book
-        w.kvlease_malformed = 0
-        w._kvlease_answerable = set()  # no answer sent: the bench has no NIXL
-        w.binary = lambda data: KvleaseConnectorWorker._kvlease_message(w, "d-agent", data)
+        # A binary heartbeat as the control channel hands it to the book (decided by the core;
+        # the answer is built, not sent: the bench has no connection).
+        w.binary = lambda data: book.on_message("d-engine", data)
         w.heartbeat = lambda payload: KvleaseConnectorWorker._handle_heartbeat(w, payload)
         w.reap = lambda done: KvleaseConnectorWorker._reap_expired_send_leases(w, done)
     w._reqs_to_process.update(w._reqs_to_send)

@@ -5,6 +5,8 @@ re-implemented in Python. Time is integer nanoseconds on the caller's monotonic 
 (``time.monotonic_ns()``); durations in config objects are seconds.
 
 * :class:`LeaseTable` — P's leases: grant, renew, release, complete, tick (SPEC §4).
+* :class:`IssuedLeaseTable` — the same when another process issues the ids D names leases by
+  (vLLM's scheduler): names, leases on their way, completions the transport reports.
 * :class:`Renewer` — D's batched heartbeats and read safety (SPEC §5).
 * :func:`encode` / :func:`decode` / :func:`encode_heartbeats` — the wire codec (SPEC §9).
 * :class:`LeaseConfig`, :func:`parse_kv_transfer_config` — config parsing (SPEC §2).
@@ -16,6 +18,7 @@ from kvlease._core import (
     WIRE_VERSION,
     Action,
     ConfigInvalid,
+    IssuedLeaseTable,
     KvleaseError,
     KvTransferConfig,
     LeaseConfig,
@@ -36,6 +39,7 @@ __all__ = [
     "WIRE_VERSION",
     "Action",
     "ConfigInvalid",
+    "IssuedLeaseTable",
     "KvleaseError",
     "KvTransferConfig",
     "LeaseConfig",

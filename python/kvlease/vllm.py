@@ -11,10 +11,11 @@ reads, block accounting, when D heartbeats). What changes:
 
 * P's worker: vLLM keeps ``_reqs_to_send`` (request id -> deadline) in a dict and scans **all**
   of it on every step for expired entries (O(live) per step, idle or not). Here that dict is a
-  :class:`LeaseBook`: each entry is a lease in kvlease's :class:`~kvlease.LeaseTable`, expiry
-  comes from the table's timing wheel in deadline order (SPEC P4; vLLM #58222), and a step with
-  nothing due costs O(1). A heartbeat renews through the table (SPEC P2); names the table does
-  not know are counted (SPEC P6).
+  :class:`LeaseBook`: each entry is a lease in kvlease's :class:`~kvlease.IssuedLeaseTable`,
+  expiry comes from the table's timing wheel in deadline order (SPEC P4; vLLM #58222), and a
+  step with nothing due costs O(1). A heartbeat renews through the table (SPEC P2); names the
+  table does not know are counted (SPEC P6). Every message of a kvlease D is decided by the
+  table (kvlease-core's ``IssuedLeases``), not here: the book only maps vLLM's request ids.
 * The wire: P's ``kv_transfer_params`` advertise ``kvlease_wire``, ``kvlease_lease_id`` and
   ``kvlease_control_ports``; a kvlease D renews those leases with kvlease's binary heartbeat,
   and vLLM's ``HB:`` text otherwise. A stock D ignores the keys, so either side works with a
@@ -44,15 +45,16 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import secrets
 
 from kvlease.control import ControlLink, ControlServer, Peer, spawn
 from kvlease._core import (
     WIRE_VERSION,
+    IssuedLeaseTable,
     LeaseConfig,
-    LeaseTable,
+    Released,
     Renewer,
     WireDecodeError,
     decode,
@@ -211,82 +213,47 @@ def _locked(method: Any) -> Any:
 
 class LeaseBook:
     """vLLM's ``_reqs_to_send`` mapping (request id -> deadline on ``time.perf_counter()``),
-    backed by a kvlease :class:`~kvlease.LeaseTable`.
+    backed by kvlease's :class:`~kvlease.IssuedLeaseTable`.
 
     Supports exactly what vLLM's NIXL worker does with the dict (``in``, ``[req] = deadline``,
     ``pop``, ``del``, ``len``, iteration) plus :meth:`renew` and :meth:`expired`, which replace
-    vLLM's heartbeat loop and expiry sweep.
+    vLLM's heartbeat loop and expiry sweep, and :meth:`on_message` / :meth:`answer_due` for a
+    kvlease D's messages. The book only maps vLLM's request ids to the table's lease ids: every
+    decision — renewals, releases, read confirmations (P5), holders (S5), ids P's scheduler
+    issued that this worker has not granted yet — is kvlease-core's (``IssuedLeases``).
 
-    SPEC S5: a lease is held by the first D engine that renews, releases or confirms it over
-    kvlease's binary wire (``holder``: the engine id its Hello gave); another engine's release
-    or confirmation of it is answered lost and changes nothing. vLLM's text heartbeats do not
-    say which engine sent them: they act as one holder, ``vllm``. Engine ids are claimed, not
-    proven, inside vLLM (no secret on NIXL's notifications): this stops a router's or an
-    operator's mistake, not an insider.
+    vLLM's text heartbeats do not say which engine sent them: they act as one holder, ``vllm``.
+    Engine ids are claimed, not proven, inside vLLM (no secret on NIXL's notifications): S5 here
+    stops a router's or an operator's mistake, not an insider.
     """
 
-    __slots__ = (
-        "lock", "table", "_holder", "_lease_of", "_due", "unknown_renewals", "_req_of_wire", "_wire_of", "_read_while_live",
-        "_holder_of", "transferred", "released", "_named_hi", "_early", "_early_n", "early_renewals",
-    )
+    __slots__ = ("lock", "table", "_holder", "_lease_of", "_due", "unknown_text")
 
     #: The holder vLLM's text heartbeats act as.
     TEXT_HOLDER = "vllm"
 
-    #: How many leases ended by a completed read the book remembers, for D's confirmations.
-    READ_MEMORY = 1 << 16
-
-    #: How many messages about leases not yet granted the book holds for their grant (beyond
-    #: that, they are answered at once: not live).
-    EARLY_MEMORY = 1 << 12
-
-    #: How far above the highest granted id an id may be and still be one on its way: the
-    #: prefills P's scheduler finishes between two engine steps (a batch), with a wide margin.
-    #: Further ahead is no id P issued: lost at once.
-    PENDING_WINDOW = 1 << 16
-
     def __init__(self, config: LeaseConfig, capacity: int = 0) -> None:
         #: Held by every method: vLLM's engine thread uses the book, and so does the thread of
         #: kvlease's control channel answering D (renewals, ReadDone, Release) between steps.
-        #: The connector takes it too for what it keeps beside the book.
         self.lock = threading.RLock()
-        self.table = LeaseTable(config, capacity)
+        self.table = IssuedLeaseTable(config, capacity)
         self._holder = self.table.holder(self.TEXT_HOLDER)
-        # SPEC S5: each lease's holder as the table decided it (the holder its first renewal
-        # or release was admitted for), recorded from the table's answers: the table has no
-        # end of a lease by P itself, so P's own ends (a read vLLM saw complete, a request vLLM
-        # dropped, expiry) act as that holder; and the table cannot be asked who holds a
-        # lease, which a ReadDone needs.
-        self._holder_of: dict[int, int] = {}
         self._lease_of: dict[str, int] = {}
-        # Leases a renewal found past their deadline (released by the table as expired on the
+        # Leases a renewal found past their deadline (ended by the table as expired on the
         # spot); handed out by the next expired().
         self._due: list[str] = []
-        #: SPEC P6: heartbeat names the table did not know (unknown, released or expired).
-        self.unknown_renewals = 0
-        # The binary wire names leases by the id P's scheduler put in kv_transfer_params.
-        self._req_of_wire: dict[int, str] = {}
-        self._wire_of: dict[str, int] = {}
-        # Wire ids of leases that ended because vLLM reported their read complete while they
-        # were still held (oldest first, bounded), with their holder: D's ReadDone for them is
-        # confirmed (SPEC P5), to that holder (S5).
-        self._read_while_live: dict[int, int | None] = {}
-        #: SPEC §11 (``kvlease_leases_released_total``): leases ended by their read, and without one.
-        self.transferred = 0
-        self.released = 0
-        # A lease's wire id reaches D before this worker grants it: P's scheduler puts it in the
-        # request's kv_transfer_params when the prefill finishes, and hands the request to the
-        # worker with the next engine step. D may renew, read and confirm in between (a loaded
-        # host delays P's step). The scheduler issues ids in order and the worker names them in
-        # order, so an id above the highest named (of the same series) is one not granted yet,
-        # not a lost one: see pending().
-        self._named_hi = 0
-        # Messages (ReadDone, Release) about such ids, held for the grant: wire id -> items,
-        # with the time each came (monotonic ns).
-        self._early: dict[int, list[tuple[int, Any]]] = {}
-        self._early_n = 0  # items held, over every id
-        #: Renewals of ids not granted yet (answered not lost, renewing nothing).
-        self.early_renewals = 0
+        #: SPEC P6: names in vLLM's text heartbeats that are not live.
+        self.unknown_text = 0
+
+    @property
+    def unknown_renewals(self) -> int:
+        """SPEC P6: names a renewal or release gave that are not live (text and binary)."""
+        return self.unknown_text + self.table.stats()["unknown"]
+
+    @property
+    def early_renewals(self) -> int:
+        """Renewals of leases P's scheduler issued and this worker has not granted yet."""
+        return self.table.stats()["early_renewals"]
 
     # -- the dict protocol vLLM's worker uses ---------------------------------------------
     @_locked
@@ -309,8 +276,8 @@ class LeaseBook:
     def __getitem__(self, req_id: str) -> float:
         lease = self._lease_of[req_id]
         deadline = self.table.deadline(lease)
-        if deadline is None:  # pragma: no cover - the book and the table agree
-            raise KeyError(req_id)
+        if deadline is None:  # ended by a renewal that found it expired: expired() hands it out
+            return time.perf_counter()
         return time.perf_counter() + (deadline - time.monotonic_ns()) / 1e9
 
     @_locked
@@ -319,7 +286,7 @@ class LeaseBook:
         seconds, as vLLM computes it: now + ``kv_lease_duration``)."""
         now = time.monotonic_ns()
         if req_id in self._lease_of:
-            self._end(req_id)
+            self._end(req_id, "released")
         lifetime = max(deadline - time.perf_counter(), 1e-9)
         self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
 
@@ -333,160 +300,55 @@ class LeaseBook:
     def pop(self, req_id: str, default: Any = None) -> Any:
         """The lease ends because vLLM's worker saw its read complete (every consumer's
         ``req:n`` notification), while the blocks were still held: D's confirmation request for it
-        is answered live (SPEC P5)."""
-        wid = self._wire_of.get(req_id)
-        if wid is not None and req_id in self._lease_of:
-            self._read_while_live[wid] = self._holder_of.get(self._lease_of[req_id])
-            if len(self._read_while_live) > self.READ_MEMORY:
-                del self._read_while_live[next(iter(self._read_while_live))]
-        if self._end(req_id):
-            self.transferred += 1
+        is answered live to its holder (SPEC P5)."""
+        self._end(req_id, "transferred")
         return default
 
     @_locked
     def release(self, req_id: str, default: Any = None) -> Any:
-        """The lease ends without a read (D released it, or vLLM dropped the request)."""
-        if self._end(req_id):
-            self.released += 1
+        """The lease ends without a read (vLLM dropped the request)."""
+        self._end(req_id, "released")
         return default
 
-    def _end(self, req_id: str) -> bool:
+    def _end(self, req_id: str, reason: Literal["transferred", "released"]) -> None:
         lease = self._lease_of.pop(req_id, None)
-        self._forget_wire(req_id)
-        if lease is None:
-            return False
-        self.table.release(self._holder_of.pop(lease, self._holder), [lease], time.monotonic_ns())
-        return True
-
-    def _claimed(self, holder: int, leases: list[int], lost: list[int]) -> None:
-        """SPEC S5: leases the table admitted ``holder`` for (not ``lost``) are its."""
-        gone = set(lost)
-        for lease in leases:
-            if lease not in gone:
-                self._holder_of.setdefault(lease, holder)
-
-    @_locked
-    def read_confirmed(self, wire_id: int, holder: int | None = None) -> bool:
-        """SPEC P5 for D's ``ReadDone``: whether the lease ``wire_id`` names was still held when
-        its read completed — it is held now (other consumers still reading), or it ended by that
-        read. A lease that expired or was released before (its blocks may be another request's
-        now) is not, nor (S5) a lease another holder than ``holder`` holds or held. A question
-        claims nothing."""
-        if wire_id in self._read_while_live:
-            was = self._read_while_live[wire_id]
-        else:
-            req_id = self._req_of_wire.get(wire_id)
-            lease = self._lease_of.get(req_id) if req_id is not None else None
-            if lease is None:
-                return False
-            was = self._holder_of.get(lease)
-        return holder is None or was is None or was == holder
-
-    @_locked
-    def release_wire(self, wire_ids: list[int], holder: int) -> tuple[list[str], list[int]]:
-        """SPEC D4/P6/S5 for a binary ``Release`` from ``holder``: the table ends the leases the
-        wire ids name that it admits ``holder`` for; returns their request ids and the wire ids
-        that are not released (unknown, ended, or another holder's)."""
-        freed: list[str] = []
-        lost: list[int] = []
-        for w in wire_ids:
-            r = self._req_of_wire.get(w)
-            lease = self._lease_of.get(r) if r is not None else None
-            if r is None or lease is None:
-                self.unknown_renewals += 1
-                lost.append(w)
-                continue
-            refused, _ = self.table.release(holder, [lease], time.monotonic_ns())
-            if refused:
-                lost.append(w)
-                continue
-            del self._lease_of[r]
-            self._holder_of.pop(lease, None)
-            self._forget_wire(r)
-            self.released += 1
-            freed.append(r)
-        return freed, lost
-
-    def _forget_wire(self, req_id: str) -> None:
-        wid = self._wire_of.pop(req_id, None)
-        if wid is not None:
-            self._req_of_wire.pop(wid, None)
+        if lease is not None:
+            self.table.end(lease, reason, time.monotonic_ns())
 
     @_locked
     def name_wire_id(self, req_id: str, wire_id: int) -> None:
         """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
-        self._named_hi = max(self._named_hi, wire_id)
-        if req_id in self._lease_of:
-            self._req_of_wire[wire_id] = req_id
-            self._wire_of[req_id] = wire_id
+        self.table.name(self._lease_of.get(req_id, 0), wire_id)
 
     @_locked
-    def pending(self, wire_id: int) -> bool:
-        """Whether ``wire_id`` may be a lease P's scheduler issued and this worker has not been
-        handed yet: above every id named so far by at most PENDING_WINDOW, in the same series
-        (the scheduler's random start, the id's upper 32 bits; any id before the first is
-        named). Its blocks are held by vLLM's scheduler from the prefill's end, and the grant to
-        come starts a full lease."""
-        hi = self._named_hi
-        return wire_id > hi and (hi == 0 or (wire_id >> 32 == hi >> 32 and wire_id - hi <= self.PENDING_WINDOW))
+    def on_message(self, engine: str, data: bytes, hold: bool = True) -> tuple[int, bytes | None, list[str]]:
+        """A kvlease D's message (``engine``: the id its Hello gave), decided by the table:
+        ``(holder, answer or None, requests its Release freed)``. With ``hold``, a ``ReadDone``
+        or ``Release`` of a lease not granted yet is held for the grant (no answer now)."""
+        holder = self.table.holder(engine)
+        reply, _, released = self.table.on_message(holder, data, time.monotonic_ns(), hold)
+        return holder, reply, self._gone(released)
 
     @_locked
-    def hold_early(self, wire_id: int, item: Any) -> bool:
-        """Holds ``item`` (a message about ``wire_id``) until the lease is granted, if ``wire_id``
-        is :meth:`pending` and there is room; returns whether it was held."""
-        if self._early_n >= self.EARLY_MEMORY or not self.pending(wire_id):
-            return False
-        self._early.setdefault(wire_id, []).append((time.monotonic_ns(), item))
-        self._early_n += 1
-        return True
+    def answer_due(self, max_age: float) -> tuple[list[tuple[int, bytes]], list[str]]:
+        """The held messages due now, answered (``[(holder, answer)]``), and the requests their
+        Releases freed."""
+        due, released = self.table.answer_due(time.monotonic_ns(), max_age)
+        return due, self._gone(released)
 
-    @_locked
-    def early_due(self, max_age_ns: int) -> list[Any]:
-        """The held items whose lease is now granted, or can no longer be (a later id was
-        named), or that waited ``max_age_ns``: to be answered now, in arrival order."""
-        if not self._early:
-            return []
-        now = time.monotonic_ns()
-        due: list[tuple[int, Any]] = []
-        for w in list(self._early):
-            items = self._early[w]
-            if not self.pending(w) or now - items[0][0] >= max_age_ns:
-                due += self._early.pop(w)
-        self._early_n -= len(due)
-        return [item for _, item in sorted(due, key=lambda x: x[0])]
-
-    @_locked
-    def req_of_wire(self, wire_id: int) -> str | None:
-        """The request a live lease's wire id names, or ``None``."""
-        return self._req_of_wire.get(wire_id)
-
-    @_locked
-    def renew_wire(self, wire_ids: list[int], holder: int | None = None) -> list[int]:
-        """SPEC P2/P6/S5 for a binary heartbeat from ``holder``: renews the leases the wire ids
-        name and returns the ids that are not live (unknown, released, expired, found past their
-        deadline now, or another holder's)."""
-        holder = self._holder if holder is None else holder
-        lost = []
-        reqs = []
-        for w in wire_ids:
-            r = self._req_of_wire.get(w)
-            if r is not None and r in self._lease_of:
-                reqs.append((w, r))
-            elif self.pending(w):
-                self.early_renewals += 1  # its grant is on the way: not lost
-            else:
-                self.unknown_renewals += 1
-                lost.append(w)
-        if reqs:
-            ids = [self._lease_of[r] for _, r in reqs]
-            _, lost_leases, released = self.table.renew(holder, ids, time.monotonic_ns())
-            self._claimed(holder, ids, lost_leases)
-            if lost_leases:
-                gone = set(lost_leases)
-                lost += [w for (w, r), lease in zip(reqs, ids) if lease in gone]
-            for rel in released:  # found past their deadline: expired now
-                self._due.append(rel.payload)
-        return lost
+    def _gone(self, released: list[Released]) -> list[str]:
+        """Leases the table ended on a D's message: freed by its Release, or found expired (for
+        the next expired())."""
+        freed = []
+        for r in released:
+            req_id = r.payload
+            if r.reason == "expired":
+                self._due.append(req_id)
+                continue
+            if self._lease_of.get(req_id) == r.lease_id:
+                del self._lease_of[req_id]
+            freed.append(req_id)
+        return freed
 
     @_locked
     def items(self) -> list[tuple[str, float]]:
@@ -503,13 +365,12 @@ class LeaseBook:
         for r in req_ids:
             lease = lease_of.get(r)
             if lease is None:
-                self.unknown_renewals += 1
+                self.unknown_text += 1
             else:
                 ids.append(lease)
         if not ids:
             return 0
-        renewed, lost, released = self.table.renew(self._holder, ids, time.monotonic_ns())
-        self._claimed(self._holder, ids, lost)
+        renewed, _, released = self.table.renew(self._holder, ids, time.monotonic_ns())
         for rel in released:  # found past their deadline: expired now
             self._due.append(rel.payload)
         return renewed
@@ -528,10 +389,7 @@ class LeaseBook:
             self._due = []
         lease_of = self._lease_of
         for r in out:
-            lease = lease_of.pop(r, None)
-            if lease is not None:
-                self._holder_of.pop(lease, None)
-            self._forget_wire(r)
+            lease_of.pop(r, None)
         return out
 
 
@@ -633,6 +491,9 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # P: requests a D's Release freed on the channel's thread, for the engine thread to
         # report sent (vLLM frees the blocks of requests reported sent); under the book's lock.
         self._kvlease_freed: set[str] = set()
+        # P: the connection each D engine (the table's holder for it) last spoke on, for answers
+        # to messages held for their lease's grant.
+        self._kvlease_peers: dict[int, Peer] = {}
         # D: each kvlease P engine's control addresses (host, (pp rank, tp rank) -> port), and
         # our connection to each P worker we read from.
         self._kvlease_control: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
@@ -689,9 +550,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
     def _kvlease_answer_early(self) -> None:
         """Answers what D sent about leases before this worker was handed them (now granted, or
         never to be): held at most E, D's own wait for an answer (on the engine thread)."""
-        wait = int(self.kvlease_config.ack_wait * 1e9)
-        for peer, msg in self._reqs_to_send.early_due(wait):  # type: ignore[attr-defined]
-            self._kvlease_answer(peer, msg, hold=False)
+        book = self._reqs_to_send
+        with book.lock:  # type: ignore[attr-defined]
+            due, freed = book.answer_due(self.kvlease_config.ack_wait)  # type: ignore[attr-defined]
+            self._kvlease_freed.update(freed)
+        for holder, reply in due:
+            peer = self._kvlease_peers.get(holder)
+            if peer is not None:
+                peer.send(reply)
 
     def _kvlease_fail_load(self, req_id: str, meta: Any, why: str) -> None:
         """The request's KV is not read: vLLM's load-failure path (failed receive, its blocks
@@ -860,50 +726,31 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             elif engine != peer.engine_id:
                 logger.warning("kvlease: connection %s said it is engine %s and now %s: it stays %s", peer.name, peer.engine_id, engine, peer.engine_id)
             return
-        self._kvlease_answer(peer, msg, hold=True)
+        self._kvlease_answer(peer, msg, data)
 
-    def _kvlease_answer(self, peer: Peer, msg: dict[str, Any], hold: bool) -> None:
-        """Decides and answers one message of a kvlease D (on the control channel's thread, or
-        on the engine thread for one held for its lease's grant). With ``hold``, a ``ReadDone``
-        or ``Release`` about leases P's scheduler issued and this worker was not handed yet is
-        held for the grant (:meth:`LeaseBook.hold_early`) instead of answered lost."""
-        book = self._reqs_to_send
+    def _kvlease_answer(self, peer: Peer, msg: dict[str, Any], data: bytes) -> None:
+        """Decides and answers one message of a kvlease D, on the control channel's thread: the
+        book's table decides (SPEC P2, P5, P6, D4, S5; a ReadDone or Release of a lease P's
+        scheduler issued and this worker was not handed yet is held for its grant)."""
         kind = msg["type"]
-        answers: list[bytes] = []
+        if kind not in ("heartbeat", "read_done", "release"):
+            logger.debug("kvlease: a %s from %s is not a message a P takes; dropped", kind, peer.name)
+            return
+        book = self._reqs_to_send
+        engine = peer.engine_id or peer.name
+        if kind == "heartbeat":
+            self._kvlease_hb_received += 1
         with book.lock:  # type: ignore[attr-defined]
-            holder = book.table.holder(peer.engine_id or peer.name)  # type: ignore[attr-defined]
-            if hold and kind == "read_done" and book.hold_early(msg["lease_id"], (peer, msg)):  # type: ignore[attr-defined]
-                logger.debug("kvlease: read_done of lease %d from %s held for its grant", msg["lease_id"], peer.engine_id)
-                return
-            if hold and kind == "release":
-                early = {w for w in msg["lease_ids"] if book.hold_early(w, (peer, {"type": "release", "lease_ids": [w]}))}  # type: ignore[attr-defined]
-                if early:
-                    msg = {"type": "release", "lease_ids": [w for w in msg["lease_ids"] if w not in early]}
-            if kind == "heartbeat":
-                self._kvlease_hb_received += 1
-                early0 = book.early_renewals  # type: ignore[attr-defined]
-                lost = book.renew_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-                logger.debug("kvlease: heartbeat %d from %s: %d leases, lost %s, not granted yet %d", msg["seq"], peer.engine_id, len(msg["lease_ids"]), sorted(lost), book.early_renewals - early0)  # type: ignore[attr-defined]
-                # SPEC P6: D learns in the same round trip.
-                answers.append(encode({"type": "heartbeat_ack", "seq": msg["seq"], "lost_ids": sorted(lost)}))
-            elif kind == "read_done":
-                # SPEC P5: D asks whether its read completed while P still held the blocks,
-                # before it uses a byte of them.
-                live = book.read_confirmed(msg["lease_id"], holder)  # type: ignore[attr-defined]
-                logger.debug("kvlease: read_done of lease %d from %s: live %s", msg["lease_id"], peer.engine_id, live)
-                answers.append(encode({"type": "read_done_ack", "lease_id": msg["lease_id"], "live": live}))
-            elif kind == "release":
-                # SPEC D4: D will not read; the engine thread reports the requests sent (vLLM
-                # frees their blocks). SPEC P6/S5: leases that are not live, or another engine's,
-                # are answered lost and stay as they are.
-                reqs, lost = book.release_wire(msg["lease_ids"], holder)  # type: ignore[attr-defined]
-                self._kvlease_freed.update(reqs)
-                if lost:
-                    answers.append(encode({"type": "lease_lost", "lease_ids": sorted(lost)}))
-            else:
-                logger.debug("kvlease: a %s from %s is not a message a P takes; dropped", kind, peer.name)
-        for a in answers:
-            peer.send(a)
+            holder, reply, freed = book.on_message(engine, data)  # type: ignore[attr-defined]
+            self._kvlease_peers[holder] = peer
+            self._kvlease_freed.update(freed)
+        if reply is None:
+            if kind == "read_done":
+                logger.debug("kvlease: read_done of lease %d from %s held for its grant", msg["lease_id"], engine)
+            return
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvlease: %s from %s answered: %s", kind, engine, decode(reply))
+        peer.send(reply)
 
     def _kvlease_on_answer(self, engine_id: str, data: bytes) -> None:
         """SPEC D6 on D, for P's answers on the control channel (on that link's thread)."""
@@ -1079,8 +926,8 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         now = {
             "kvlease_granted": table["granted"],
             "kvlease_renewals": table["renewals"],
-            "kvlease_transferred": book.transferred,  # type: ignore[attr-defined]
-            "kvlease_released": book.released,  # type: ignore[attr-defined]
+            "kvlease_transferred": table["transferred"],
+            "kvlease_released": table["released"],
             "kvlease_expired": table["expired"],
             "kvlease_heartbeats_received": self._kvlease_hb_received,
             "kvlease_heartbeats_sent": self._kvlease_hb_sent,

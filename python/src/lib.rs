@@ -9,6 +9,7 @@
 
 use kvlease_core::config::{ConfigError, KvRole, KvTransferConfig, LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
+use kvlease_core::issued::IssuedLeases;
 use kvlease_core::lease_table::{Completion, Holder, LeaseTable, ReleaseReason, Released};
 use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::{self, Hello, Message, WireError};
@@ -443,6 +444,185 @@ impl PyLeaseTable {
     }
 }
 
+// ---------------------------------------------------------------- issued leases
+
+/// P's lease table when another process issues the ids D names leases by (vLLM's scheduler puts
+/// one in ``kv_transfer_params``; its worker grants the lease one engine step later): messages
+/// name leases by issued ids (``name`` binds one to a lease), ids on their way are neither lost
+/// nor renewed and their ``ReadDone``/``Release`` held for the grant (``answer_due``), and a
+/// ``ReadDone`` is a question answered from the live lease or from the leases P ended by their
+/// read (``end(..., "transferred")``). Every rule is kvlease-core's ``IssuedLeases``.
+#[pyclass(module = "kvlease._core", name = "IssuedLeaseTable")]
+struct PyIssuedLeaseTable {
+    table: IssuedLeases<Payload>,
+    /// L, a grant's lifetime unless told otherwise.
+    lease: Duration,
+}
+
+#[pymethods]
+impl PyIssuedLeaseTable {
+    #[new]
+    #[pyo3(signature = (config = None, capacity = 0))]
+    fn new(config: Option<&PyLeaseConfig>, capacity: usize) -> Self {
+        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        PyIssuedLeaseTable { table: IssuedLeases::new(&cfg, capacity), lease: cfg.lease_duration }
+    }
+
+    /// SPEC S5: the holder for an engine; the same name always gets the same holder.
+    fn holder(&mut self, engine: &str) -> u32 {
+        self.table.holder(engine).0.get()
+    }
+
+    /// SPEC P1: a lease from ``now_ns`` for ``lifetime`` seconds (L when None) over ``blocks``
+    /// blocks, owning ``payload``. Returns the table's id for it (not named yet).
+    #[pyo3(signature = (now_ns, blocks, payload = None, lifetime = None))]
+    fn grant(&mut self, py: Python<'_>, now_ns: u64, blocks: u32, payload: Option<Py<PyAny>>, lifetime: Option<f64>) -> PyResult<LeaseId> {
+        let life = match lifetime {
+            None => self.lease,
+            Some(s) => duration_of("lifetime", s)?,
+        };
+        let payload = payload.unwrap_or_else(|| py.None());
+        Ok(self.table.grant(Nanos(now_ns), life, blocks, (PromptDigest::default(), payload)))
+    }
+
+    /// The id P's scheduler issued for live lease ``lease_id``; returns whether it now names it.
+    fn name(&mut self, lease_id: LeaseId, issued: u64) -> bool {
+        self.table.name(lease_id, issued)
+    }
+
+    /// The live lease an issued id names, or None.
+    fn lease_of(&self, issued: u64) -> Option<LeaseId> {
+        self.table.lease_of(issued)
+    }
+
+    /// Whether an issued id may be a lease not granted yet (on its way; see the class).
+    fn pending(&self, issued: u64) -> bool {
+        self.table.pending(issued)
+    }
+
+    /// SPEC P2, P6 for the table's own ids: ``(renewed, lost_ids, released)``.
+    fn renew(&mut self, py: Python<'_>, holder: u32, ids: Vec<LeaseId>, now_ns: u64) -> PyResult<(usize, Vec<LeaseId>, Vec<PyReleased>)> {
+        let h = holder_of(holder)?;
+        let table = &mut self.table;
+        let (n, lost, released) = py.detach(move || {
+            let (mut lost, mut released) = (Vec::new(), Vec::new());
+            let n = table.renew(h, &ids, Nanos(now_ns), &mut lost, &mut released);
+            (n, lost, released)
+        });
+        Ok((n, lost, released_list(released)))
+    }
+
+    /// P ends a lease itself: ``"transferred"`` (its read completed as the transport reported
+    /// it; a ReadDone that comes after is confirmed to its holder) or ``"released"``. Returns
+    /// ``(was_live, released)``.
+    fn end(&mut self, lease_id: LeaseId, reason: &str, now_ns: u64) -> PyResult<(bool, Vec<PyReleased>)> {
+        let reason = match reason {
+            "transferred" => ReleaseReason::Transferred,
+            "released" => ReleaseReason::Released,
+            other => return Err(KvleaseError::new_err(format!("reason must be \"transferred\" or \"released\", not {other:?}"))),
+        };
+        let mut released = Vec::new();
+        let live = self.table.end(lease_id, reason, Nanos(now_ns), &mut released);
+        Ok((live, released_list(released)))
+    }
+
+    /// A wire message from ``holder`` naming leases by issued ids (SPEC P2, P5, P6, D4, S5):
+    /// ``(reply_bytes_or_None, renewed, released)``. With ``hold``, a ReadDone or Release of a
+    /// lease on its way is held (no reply now). Raises ``WireDecodeError`` for bytes that are
+    /// not a message. Runs without the GIL.
+    #[pyo3(signature = (holder, data, now_ns, hold = true))]
+    fn on_message(
+        &mut self,
+        py: Python<'_>,
+        holder: u32,
+        data: &[u8],
+        now_ns: u64,
+        hold: bool,
+    ) -> PyResult<(Option<Py<PyBytes>>, usize, Vec<PyReleased>)> {
+        let h = holder_of(holder)?;
+        let data = data.to_vec();
+        let table = &mut self.table;
+        let (reply, renewed, released) = py
+            .detach(move || {
+                let msg = Message::decode(&data)?;
+                let mut released = Vec::new();
+                let a = table.on_message(h, &msg, Nanos(now_ns), hold, &mut released);
+                Ok::<_, WireError>((a.reply.map(|m| m.encode()), a.renewed, released))
+            })
+            .map_err(wire_err)?;
+        Ok((reply.map(|b| PyBytes::new(py, &b).unbind()), renewed, released_list(released)))
+    }
+
+    /// The held messages due now (their lease named, or no longer possible, or ``max_age``
+    /// seconds passed), answered in arrival order: ``([(holder, reply_bytes)], released)``.
+    fn answer_due(&mut self, py: Python<'_>, now_ns: u64, max_age: f64) -> PyResult<(Vec<(u32, Py<PyBytes>)>, Vec<PyReleased>)> {
+        let age = duration_of("max_age", max_age)?;
+        let mut released = Vec::new();
+        let due = self.table.answer_due(Nanos(now_ns), age, &mut released);
+        let due = due.into_iter().map(|(h, m)| (h.0.get(), PyBytes::new(py, &m.encode()).unbind())).collect();
+        Ok((due, released_list(released)))
+    }
+
+    /// SPEC P4: release every lease whose deadline ≤ ``now_ns``, as expired.
+    fn tick(&mut self, py: Python<'_>, now_ns: u64) -> Vec<PyReleased> {
+        let table = &mut self.table;
+        let released = py.detach(move || {
+            let mut released = Vec::new();
+            table.tick(Nanos(now_ns), &mut released);
+            released
+        });
+        released_list(released)
+    }
+
+    /// When the next lease may expire (ns), a lower bound; None when no lease is live.
+    fn next_expiry(&self) -> Option<u64> {
+        self.table.next_expiry().map(|n| n.0)
+    }
+
+    /// The payload of a live lease, or None.
+    fn get(&self, py: Python<'_>, lease_id: LeaseId) -> Option<Py<PyAny>> {
+        self.table.table().get(lease_id).map(|(_, p)| p.clone_ref(py))
+    }
+
+    /// The current deadline (ns) of a live lease.
+    fn deadline(&self, lease_id: LeaseId) -> Option<u64> {
+        self.table.table().deadline(lease_id).map(|n| n.0)
+    }
+
+    /// Live leases.
+    #[getter]
+    fn live(&self) -> usize {
+        self.table.table().live()
+    }
+
+    fn __len__(&self) -> usize {
+        self.table.table().live()
+    }
+
+    /// Messages held for their lease's grant now.
+    #[getter]
+    fn held(&self) -> usize {
+        self.table.held()
+    }
+
+    /// SPEC §11 counters: ``granted``, ``renewals``, releases by reason, and ``unknown`` (names
+    /// not live, P6), ``early_renewals`` (renewals of ids on their way), ``held_total``.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.table.table().stats();
+        let d = PyDict::new(py);
+        d.set_item("granted", s.granted)?;
+        d.set_item("renewals", s.renewals)?;
+        for r in ReleaseReason::ALL {
+            d.set_item(r.as_str(), s.released(r))?;
+        }
+        let i = self.table.stats();
+        d.set_item("unknown", i.unknown)?;
+        d.set_item("early_renewals", i.early_renewals)?;
+        d.set_item("held_total", i.held)?;
+        Ok(d)
+    }
+}
+
 // ---------------------------------------------------------------- renewer
 
 /// Something the driver of a ``Renewer`` must do, in order. ``kind`` is one of
@@ -830,6 +1010,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKvTransferConfig>()?;
     m.add_class::<PyReleased>()?;
     m.add_class::<PyLeaseTable>()?;
+    m.add_class::<PyIssuedLeaseTable>()?;
     m.add_class::<PyAction>()?;
     m.add_class::<PyRenewer>()?;
     m.add_function(wrap_pyfunction!(parse_kv_transfer_config, m)?)?;

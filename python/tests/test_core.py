@@ -10,6 +10,7 @@ import pytest
 import kvlease
 from kvlease import (
     ConfigInvalid,
+    IssuedLeaseTable,
     KvleaseError,
     LeaseConfig,
     LeaseTable,
@@ -175,6 +176,32 @@ def test_p6_p2_on_message_heartbeat_answered_with_ack_and_lost_ids():
     reply, renewed, released = t.on_message(h, encode({"type": "heartbeat", "seq": 7, "lease_ids": [lid, lid + 1000]}), S)
     assert renewed == 1 and released == []
     assert decode(reply) == {"type": "heartbeat_ack", "seq": 7, "lost_ids": [lid + 1000]}
+
+
+def test_p1_p5_issued_ids_name_leases_and_overtaking_messages_are_held():
+    """IssuedLeaseTable (kvlease-core's IssuedLeases): messages name leases by ids another
+    process issued; a ReadDone of an id not granted yet is held, then answered live once it is
+    granted and named; P's own end by the read keeps confirming it to its holder only."""
+    t = IssuedLeaseTable(LeaseConfig(30))
+    d1, d2 = t.holder("d1"), t.holder("d2")
+    w = (5 << 32) + 1
+    a = t.grant(0, 1, payload="a")
+    assert t.name(a, w) and t.lease_of(w) == a and t.pending(w + 1) and not t.pending(w - 1)
+    reply, renewed, _ = t.on_message(d1, encode({"type": "heartbeat", "seq": 1, "lease_ids": [w, w + 1, w - 1]}), S)
+    assert renewed == 1 and decode(reply)["lost_ids"] == [w - 1]
+    read_done = {"type": "read_done", "lease_id": w + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}
+    assert t.on_message(d1, encode(read_done), S)[0] is None and t.held == 1
+    b = t.grant(2 * S, 1, payload="b")
+    t.name(b, w + 1)
+    due, _ = t.answer_due(2 * S, 20.0)
+    assert [(h, decode(m)) for h, m in due] == [(d1, {"type": "read_done_ack", "lease_id": w + 1, "live": True})]
+    t.on_message(d1, encode({"type": "heartbeat", "seq": 2, "lease_ids": [w + 1]}), 2 * S)  # d1 holds it (S5)
+    live, released = t.end(b, "transferred", 3 * S)
+    assert live and [r.payload for r in released] == ["b"] and t.stats()["transferred"] == 1
+    assert decode(t.on_message(d1, encode(read_done), 3 * S)[0])["live"] is True
+    assert decode(t.on_message(d2, encode(read_done), 3 * S)[0])["live"] is False
+    with pytest.raises(KvleaseError):
+        t.end(a, "expired", 3 * S)
 
 
 def test_p7_malformed_message_raises_wire_error_table_unchanged():

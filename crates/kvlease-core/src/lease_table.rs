@@ -684,6 +684,40 @@ impl<T> LeaseTable<T> {
         }
     }
 
+    /// P ends one of its leases itself, whoever holds it: its read completed as the transport
+    /// reported it (`Transferred`; vLLM's NIXL notifications), or its request went away
+    /// (`Released`). Returns whether it was live.
+    pub fn end_lease(&mut self, id: LeaseId, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
+        self.rebase(now);
+        match self.find(id) {
+            Some(s) => {
+                self.end(s, reason, now, released);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// SPEC S5: the engine that holds a live lease (the first whose renewal, release or
+    /// completion named it), or `None` when it is not live or nobody has named it yet.
+    pub fn holder_of(&self, id: LeaseId) -> Option<Holder> {
+        self.find(id).and_then(|s| NonZeroU32::new(self.hot(s).holder)).map(Holder)
+    }
+
+    /// SPEC P5, asked without acting: whether `holder` may use a read of lease `id` that just
+    /// completed — the lease is live, not past its deadline, and not another holder's (S5). A
+    /// lease found past its deadline ends here as `expired`. Claims nothing.
+    pub fn confirms(&mut self, holder: Holder, id: LeaseId, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
+        self.rebase(now);
+        let Some(s) = self.find(id) else { return false };
+        if self.expired(s, now) {
+            self.end(s, ReleaseReason::Expired, now, released);
+            return false;
+        }
+        let h = self.hot(s).holder;
+        h == 0 || h == holder.0.get()
+    }
+
     /// The payload of a live lease.
     pub fn get(&self, id: LeaseId) -> Option<&T> {
         let s = self.find(id)?;

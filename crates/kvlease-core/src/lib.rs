@@ -8,6 +8,8 @@
 //! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
 //! * [`digest`] — the prompt digest that binds a lease to its prompt (SPEC S4).
 //! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
+//! * [`issued`] — P's leases when another process issues the ids D names them by (vLLM's
+//!   scheduler): names, leases on their way to the table, completions the transport reports.
 //! * [`params`] — `kv_transfer_params`: parsing, P's signature (S1), the prompt binding (S4),
 //!   and what D does with a request's params (admission: read, recompute or refuse; O3, O4).
 //! * [`peers`] — handshake validation and the registry of remote engines (SPEC D5, S5, T1).
@@ -22,6 +24,7 @@
 pub mod clock;
 pub mod config;
 pub mod digest;
+pub mod issued;
 pub mod lease_table;
 pub mod params;
 pub mod peers;
