@@ -712,7 +712,8 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     // D's answer to stream; why the last prefill leg went wrong (for the log).
     let mut p_json = Value::Null;
     let mut d_request: Option<Map<String, Value>> = None;
-    let (mut held_prefill, mut held_decode): (Option<(Upstream, reqwest::Response)>, Option<(Upstream, reqwest::Response)>) = (None, None);
+    let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
+    let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
     let mut answer: Option<(Outstanding, reqwest::Response)> = None;
     let mut prefill_trouble = String::new();
     loop {
