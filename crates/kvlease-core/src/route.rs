@@ -45,6 +45,11 @@ pub struct Pools<'a, U> {
     pub decode: Pool<'a, U>,
 }
 
+impl<U> Pools<'_, U> {
+    /// No engines: for polling a route that has no leg left to send.
+    pub const EMPTY: Self = Pools { prefill: Pool { candidates: &[], start: 0 }, decode: Pool { candidates: &[], start: 0 } };
+}
+
 /// The healthy candidate with the fewest legs outstanding (ties in turn from `start`), never
 /// `except`, and not `avoid` while a healthy candidate other than it can take the leg; when none
 /// is healthy, the least busy of all (it may be back: trying beats refusing).
