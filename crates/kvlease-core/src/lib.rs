@@ -15,6 +15,7 @@
 //! * [`peers`] — handshake validation and the registry of remote engines (SPEC D5, S5, T1).
 //! * [`pull`] — D's pull of a request's KV: waits, deadlines, the fencing verdict (SPEC D6).
 //! * [`quarantine`] — blocks an unfenced READ may still target, held until safe (SPEC P5).
+//! * [`route`] — the routing proxy's rules: legs, retries, releases, the turn cache (SPEC O2–O4, B1).
 //! * [`renewer`] — D's tracking, batched heartbeats, handshake states, read safety (SPEC §5).
 //! * [`wire`] — the notification codec (SPEC §9).
 //! * [`clock`] — clock-offset estimation for bidirectional transfer (SPEC B2).
@@ -31,6 +32,7 @@ pub mod peers;
 pub mod pull;
 pub mod quarantine;
 pub mod renewer;
+pub mod route;
 mod time;
 pub mod tp;
 pub mod turn;

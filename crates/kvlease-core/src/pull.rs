@@ -154,8 +154,8 @@ pub struct Pull {
     pub planted: Option<PlantedBug>,
 }
 
-/// Bugs the deterministic simulator must be able to find: each skips one of the pull's checks.
-/// Never set outside the simulator's own tests.
+/// Bugs the deterministic simulator must be able to find: each skips one of the core's checks
+/// (the pull's, or the router's: [`crate::route`]). Never set outside the simulator's own tests.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlantedBug {
@@ -174,6 +174,10 @@ pub enum PlantedBug {
     /// [`PlantedBug::FixedTimeout`] — and P's expiry sweep is head-only in grant order (vLLM
     /// #58222; `LeaseTable::tick_head_only`).
     VllmLease,
+    /// The router retries a decode leg on another decoder also after the first byte of its
+    /// answer reached the client (SPEC O2 allows it only before): the client gets the first
+    /// decoder's tokens and then the second's whole answer.
+    RetryAfterFirstByte,
 }
 
 impl PlantedBug {

@@ -28,6 +28,8 @@ use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvlease_core::route::{self, Action, Answer, Candidate, Event, Leg, PrefillAnswer, RouteError, TurnCache};
+use kvlease_core::Nanos;
 use kvlease_engine::metrics::{self, Registry};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -199,6 +201,14 @@ impl Instance {
     }
 }
 
+/// The route machine tells engines apart by address: an engine in both pools (`kv_both`) is one
+/// engine (SPEC O4).
+impl PartialEq for Instance {
+    fn eq(&self, other: &Instance) -> bool {
+        self.up == other.up
+    }
+}
+
 /// Counts a request against its instance while alive (least-outstanding routing).
 struct Outstanding(Arc<Instance>);
 
@@ -254,28 +264,26 @@ impl Pool {
         *cur = Arc::new(next);
     }
 
-    /// The healthy instance with the fewest requests outstanding (ties in turn), not `except`;
-    /// when none is healthy, the least busy of all (it may be back: trying beats refusing).
-    fn pick(&self, except: Option<&Upstream>) -> Option<Arc<Instance>> {
-        self.pick_avoiding(except, None)
+    /// The upstreams as the route machine picks among them now, ties starting from the next
+    /// in turn.
+    fn view(&self) -> (Vec<Candidate<Arc<Instance>>>, usize) {
+        let candidates = self
+            .instances()
+            .iter()
+            .map(|i| Candidate {
+                upstream: i.clone(),
+                healthy: i.healthy.load(Ordering::Acquire),
+                outstanding: i.outstanding.load(Ordering::Acquire),
+            })
+            .collect();
+        (candidates, self.next.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// As [`Pool::pick`], and not `avoid` either while a healthy instance other than it can take
-    /// the leg (the decode leg avoids the engine that prefilled: a `kv_both` engine paired with
-    /// itself serves from its own blocks, SPEC O4, but another decoder spreads the load).
-    fn pick_avoiding(&self, except: Option<&Upstream>, avoid: Option<&Upstream>) -> Option<Arc<Instance>> {
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let instances = self.instances();
-        let n = instances.len();
-        let least = |healthy_only: bool, avoid: Option<&Upstream>| {
-            (0..n)
-                .map(|k| &instances[(start + k) % n])
-                .filter(|i| Some(&i.up) != except && (avoid.is_none() || Some(&i.up) != avoid))
-                .filter(|i| !healthy_only || i.healthy.load(Ordering::Acquire))
-                .min_by_key(|i| i.outstanding.load(Ordering::Acquire))
-                .cloned()
-        };
-        least(true, avoid).or_else(|| least(true, None)).or_else(|| least(false, None))
+    /// The healthy instance with the fewest requests outstanding (ties in turn); when none is
+    /// healthy, the least busy of all ([`route::pick`]).
+    fn pick(&self) -> Option<Arc<Instance>> {
+        let (candidates, start) = self.view();
+        route::pick(route::Pool { candidates: &candidates, start }, None, None).cloned()
     }
 
     fn any_healthy(&self) -> bool {
@@ -318,74 +326,25 @@ struct EtcdState {
     failures: Counter,
 }
 
-/// Multi-turn (SPEC B1, B4), as vLLM's multi-turn proxy does it: each conversation's last
-/// decoder turn, by the request's top-level `conversation_id`, handed to that conversation's
-/// next prefill once, and dropped when it would have expired. Bounded: past
-/// [`MAX_CONVERSATIONS`], the oldest go.
-#[derive(Default)]
+/// Multi-turn (SPEC B1, B4): each conversation's last decoder turn ([`TurnCache`]), on the
+/// proxy's clock.
 struct Turns {
-    entries: std::sync::Mutex<TurnEntries>,
+    cache: std::sync::Mutex<TurnCache>,
+    origin: tokio::time::Instant,
 }
-
-/// Each conversation's turn params, when they go stale and when they were kept (a sequence
-/// number), and the conversations in the order they were kept. An entry of `order` whose number
-/// is not its conversation's (taken, or kept again since) is stale and skipped.
-#[derive(Default)]
-struct TurnEntries {
-    map: std::collections::BTreeMap<String, (Value, tokio::time::Instant, u64)>,
-    order: std::collections::VecDeque<(u64, String)>,
-    seq: u64,
-}
-
-/// Conversations whose last turn the proxy remembers.
-const MAX_CONVERSATIONS: usize = 10_000;
 
 impl Turns {
-    /// The conversation's cached turn, once, with when it goes stale; `None` if there is none
-    /// or it has expired.
-    fn take(&self, conversation: &str) -> Option<(Value, tokio::time::Instant)> {
-        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let (params, until, _) = e.map.remove(conversation)?;
-        (tokio::time::Instant::now() < until).then_some((params, until))
+    fn new() -> Turns {
+        Turns { cache: std::sync::Mutex::default(), origin: tokio::time::Instant::now() }
     }
 
-    /// A taken turn no prefill got to read (no prefiller reached, or the request was a batch):
-    /// back in the cache for the conversation's next request, with its own deadline, unless a
-    /// newer turn came meanwhile.
-    fn put_back(&self, conversation: &str, turn: (Value, tokio::time::Instant)) {
-        let mut e = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if !e.map.contains_key(conversation) {
-            e.keep(conversation.to_owned(), turn);
-        }
+    /// Now, for the cache.
+    fn now(&self) -> Nanos {
+        Nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
-    /// D's params for the conversation's turn, kept until a second before its TTL runs out.
-    fn put(&self, conversation: String, params: Value) {
-        let Some(ttl) = params.get("remote_blocks_ttl_remaining").and_then(Value::as_f64).filter(|t| *t > 1.0 && t.is_finite()) else {
-            return;
-        };
-        let until = tokio::time::Instant::now() + Duration::from_secs_f64(ttl - 1.0);
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).keep(conversation, (params, until));
-    }
-}
-
-impl TurnEntries {
-    /// Keeps `turn` as the conversation's, within the bound: past [`MAX_CONVERSATIONS`] the
-    /// conversations kept longest ago go.
-    fn keep(&mut self, conversation: String, (params, until): (Value, tokio::time::Instant)) {
-        self.seq += 1;
-        self.map.insert(conversation.clone(), (params, until, self.seq));
-        self.order.push_back((self.seq, conversation));
-        while self.map.len() > MAX_CONVERSATIONS {
-            let Some((seq, oldest)) = self.order.pop_front() else { break };
-            if self.map.get(&oldest).is_some_and(|e| e.2 == seq) {
-                self.map.remove(&oldest);
-            }
-        }
-        if self.order.len() > 2 * MAX_CONVERSATIONS {
-            let map = &self.map;
-            self.order.retain(|(seq, c)| map.get(c).is_some_and(|e| e.2 == *seq));
-        }
+    fn cache(&self) -> std::sync::MutexGuard<'_, TurnCache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -429,7 +388,7 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
             failed: Counter::default(),
             timeouts: Counter::default(),
             released: Counter::default(),
-            turns: Turns::default(),
+            turns: Turns::new(),
             turns_used: Counter::default(),
             etcd: cfg.membership.as_ref().map(|m| EtcdState {
                 url: m.etcd.url().to_string(),
@@ -618,7 +577,7 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
 
 /// A healthy decoder's `/v1/models`.
 async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
-    let Some(d) = p.decode.pick(None) else { return ApiError::unavailable("no decoder").into_response() };
+    let Some(d) = p.decode.pick() else { return ApiError::unavailable("no decoder").into_response() };
     let mut req = p.client.get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
     if let Some(a) = headers.get(header::AUTHORIZATION) {
         req = req.header(header::AUTHORIZATION, a.clone());
@@ -724,6 +683,8 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     inflight.hold(with_request_id(resp, &rid))
 }
 
+/// One request through [`route::Route`]: the machine picks the legs' engines and decides
+/// retries, releases and the turn cache; this sends the legs, reads their answers and relays.
 async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {
     let mut request = body::json_object(parts, body).await?;
     // Multi-turn: the conversation this request continues (the legs do not carry it).
@@ -731,28 +692,6 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
         None | Some(Value::Null) => None,
         Some(Value::String(c)) if !c.is_empty() => Some(c),
         Some(v) => return Err(ApiError::invalid("conversation_id", format!("`conversation_id` must be a non-empty string, got {v}"))),
-    };
-    let turn = conversation.as_deref().and_then(|c| p.turns.take(c));
-    if turn.is_some() {
-        p.turns_used.inc();
-    }
-    let prefill_leg = |request: &Map<String, Value>| {
-        let mut leg = prefill_leg(request);
-        if let Some((t, _)) = &turn {
-            leg.insert("kv_transfer_params".into(), t.clone());
-        }
-        leg
-    };
-    // No prefill read the turn: the conversation keeps it (D still holds the blocks).
-    let give_back = || {
-        if let (Some(c), Some(t)) = (conversation.as_deref(), turn.clone()) {
-            p.turns.put_back(c, t);
-        }
-    };
-    // D's answer names the turn it keeps: remembered for the conversation's next request.
-    let keep = |conversation: Option<String>| -> Option<Capture> {
-        let (p, c) = (Arc::clone(p), conversation?);
-        Some(Box::new(move |params: Value| p.turns.put(c, params)))
     };
     let auth = parts.headers.get(header::AUTHORIZATION);
     let path = parts.uri.path();
@@ -762,102 +701,170 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     } else {
         crate::openai::parse_completion(&request)?;
     }
-
     // A list of prompts has no single KV to hand over: the decoder computes it (same answers).
     let batched =
         request.get("prompt").and_then(Value::as_array).is_some_and(|a| a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()));
-    if batched {
-        give_back();
-        let mut local = request;
-        local.remove("kv_transfer_params");
-        let decoder = p.decode.pick(None).ok_or_else(|| ApiError::unavailable("no decoder"))?;
-        let busy = Outstanding::new(decoder.clone());
-        let resp = send(p, &decoder, path, rid, auth, &local).await?;
-        return Ok(relay_stream(resp, busy, deadline, None));
+    let mut route: Route = route::Route::new(conversation, batched, &mut p.turns.cache(), p.turns.now());
+    if route.has_turn() {
+        p.turns_used.inc();
     }
-    // P leg: one retry on another prefiller if the first could not be reached (it never got the
-    // request, so nothing was leased).
-    let p_leg = async {
-        let first = p.prefill.pick(None).ok_or_else(|| ApiError::unavailable("no prefiller"))?;
-        let _busy = Outstanding::new(first.clone());
-        match send(p, &first, path, rid, auth, &prefill_leg(&request)).await {
-            Ok(r) if !turned_away_unread(&r) => Ok((first.up.clone(), r)),
-            Ok(r) => match p.prefill.pick(Some(&first.up)) {
-                Some(second) => {
+    // P's answer (its params); the decode leg built from it; the answers relayed whole, by leg;
+    // D's answer to stream; why the last prefill leg went wrong (for the log).
+    let mut p_json = Value::Null;
+    let mut d_request: Option<Map<String, Value>> = None;
+    let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
+    let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
+    let mut answer: Option<(Outstanding, reqwest::Response)> = None;
+    let mut prefill_trouble = String::new();
+    loop {
+        let ((prefill, ps), (decode, ds)) = (p.prefill.view(), p.decode.view());
+        let pools = route::Pools {
+            prefill: route::Pool { candidates: &prefill, start: ps },
+            decode: route::Pool { candidates: &decode, start: ds },
+        };
+        let Some(action) = route.poll(pools) else {
+            return Err(ApiError::bad_gateway("the proxy lost track of the request (a bug: please report it)"));
+        };
+        let event = match action {
+            Action::SendPrefill { to, turn, retry } => {
+                if retry {
                     p.retries.inc();
-                    tracing::info!(request_id = %rid, "{} turned the prefill leg away (503); retrying on {}", first.up, second.up);
-                    let _busy = Outstanding::new(second.clone());
-                    Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
+                    tracing::info!(request_id = %rid, "{prefill_trouble}; retrying on {}", to.up);
                 }
-                None => Ok((first.up.clone(), r)),
-            },
-            Err(e) => match p.prefill.pick(Some(&first.up)) {
-                Some(second) => {
+                let mut leg = prefill_leg(&request);
+                if let Some(t) = turn {
+                    leg.insert("kv_transfer_params".into(), t);
+                }
+                let _busy = Outstanding::new(to.clone());
+                match send(p, &to, path, rid, auth, &leg).await {
+                    Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+                        Ok(v) => {
+                            let lease = v.get("kv_transfer_params").is_some_and(Value::is_object);
+                            p_json = v;
+                            Event::PrefillAnswered(PrefillAnswer::Params { lease })
+                        }
+                        Err(e) => Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
+                            "prefiller {} answered with invalid JSON: {}",
+                            to.up,
+                            cause(&e)
+                        )))),
+                    },
+                    Ok(r) => {
+                        let answer = classify(&r);
+                        prefill_trouble = format!("{} turned the prefill leg away (503)", to.up);
+                        held_prefill = Some((to.up.clone(), r));
+                        Event::PrefillAnswered(PrefillAnswer::Other(answer))
+                    }
+                    Err(e) => {
+                        prefill_trouble = format!("prefill leg failed before its first byte ({})", e.message);
+                        Event::PrefillFailed(e)
+                    }
+                }
+            }
+            Action::SendDecode { to, retry } => {
+                if retry {
                     p.retries.inc();
-                    tracing::info!(request_id = %rid, "prefill leg failed before its first byte ({}); retrying on {}", e.message, second.up);
-                    let _busy = Outstanding::new(second.clone());
-                    Ok((second.up.clone(), send(p, &second, path, rid, auth, &prefill_leg(&request)).await?))
+                    tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", to.up);
                 }
-                None => Err(e),
-            },
-        }
-    };
-    let (prefiller, p_resp) = match p_leg.await {
-        Ok(leg) => leg,
-        Err(e) => {
-            give_back();
-            return Err(e);
-        }
-    };
-    if !p_resp.status().is_success() {
-        // P answered an error: it did not read the turn (it releases a turn it tracked).
-        give_back();
-        return relay_whole(&prefiller, p_resp).await;
+                let leg = d_request.get_or_insert_with(|| decode_leg(std::mem::take(&mut request), &p_json));
+                let busy = Outstanding::new(to.clone());
+                match send(p, &to, path, rid, auth, leg).await {
+                    Ok(r) => {
+                        let answer_was = classify(&r);
+                        if answer_was == Answer::Success {
+                            answer = Some((busy, r));
+                        } else {
+                            held_decode = Some((to.up.clone(), r));
+                        }
+                        Event::DecodeAnswered(answer_was)
+                    }
+                    Err(e) => Event::DecodeFailed(e),
+                }
+            }
+            Action::SendLocal { to } => {
+                request.remove("kv_transfer_params");
+                let busy = Outstanding::new(to.clone());
+                match send(p, &to, path, rid, auth, &request).await {
+                    // Whatever it answers is the answer.
+                    Ok(r) => {
+                        answer = Some((busy, r));
+                        Event::DecodeAnswered(Answer::Success)
+                    }
+                    Err(e) => Event::DecodeFailed(e),
+                }
+            }
+            Action::Release { on } => {
+                release_on_p(p, &on.up, rid, &p_json).await;
+                continue;
+            }
+            Action::GiveBack { conversation, turn } => {
+                p.turns.cache().give_back(conversation, turn);
+                continue;
+            }
+            Action::KeepTurn { conversation, params } => {
+                p.turns.cache().keep(conversation, params, p.turns.now());
+                continue;
+            }
+            Action::RelayStream => {
+                let Some((busy, resp)) = answer.take() else {
+                    return Err(ApiError::bad_gateway("the proxy lost the decoder's answer (a bug: please report it)"));
+                };
+                // The answer's head goes to the client now: from here on nothing is retried.
+                handle(&mut route, Event::FirstByteRelayed, rid);
+                let capture = route.keeps_turn().then(|| {
+                    let p = Arc::clone(p);
+                    Box::new(move |turn: Option<Value>| {
+                        handle(&mut route, Event::DecodeDone { turn }, "");
+                        while let Some(a) = route.poll(route::Pools::EMPTY) {
+                            if let Action::KeepTurn { conversation, params } = a {
+                                p.turns.cache().keep(conversation, params, p.turns.now());
+                            }
+                        }
+                    }) as Capture
+                });
+                return Ok(relay_stream(resp, busy, deadline, capture));
+            }
+            Action::RelayWhole { leg } => {
+                let held = match leg {
+                    Leg::Prefill => held_prefill.take(),
+                    Leg::Decode => held_decode.take(),
+                };
+                let Some((from, resp)) = held else {
+                    return Err(ApiError::bad_gateway("the proxy lost an upstream's answer (a bug: please report it)"));
+                };
+                return relay_whole(&from, resp).await;
+            }
+            Action::Fail { error, .. } => {
+                return Err(match error {
+                    RouteError::NoPrefiller => ApiError::unavailable("no prefiller"),
+                    RouteError::NoDecoder => ApiError::unavailable("no decoder"),
+                    RouteError::TimedOut => ApiError::gateway_timeout("no answer within the proxy's --request-timeout"),
+                    RouteError::Leg(e) => e,
+                })
+            }
+        };
+        handle(&mut route, event, rid);
     }
-    let p_json: Value = p_resp
-        .json()
-        .await
-        .map_err(|e| ApiError::bad_gateway(format!("prefiller {prefiller} answered with invalid JSON: {}", cause(&e))))?;
+}
 
-    // D leg: a decoder that fails before its first byte (unreachable, connection lost before the
-    // answer's head) is retried once on another decoder with the same params.
-    let d_request = decode_leg(request, &p_json);
-    let mut tried: Option<Upstream> = None;
-    let mut last_err = None;
-    let mut turned_away: Option<(Upstream, reqwest::Response)> = None;
-    for attempt in 0..2 {
-        let Some(decoder) = p.decode.pick_avoiding(tried.as_ref(), Some(&prefiller)) else { break };
-        if attempt > 0 {
-            p.retries.inc();
-            tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", decoder.up);
-        }
-        let busy = Outstanding::new(decoder.clone());
-        match send(p, &decoder, path, rid, auth, &d_request).await {
-            Ok(d_resp) if d_resp.status().is_success() => return Ok(relay_stream(d_resp, busy, deadline, keep(conversation))),
-            Ok(d_resp) if turned_away_unread(&d_resp) => {
-                // Draining, or at its connection cap: D never read the request, P's lease is
-                // untouched. Another decoder may take it.
-                tried = Some(decoder.up.clone());
-                turned_away = Some((decoder.up.clone(), d_resp));
-            }
-            Ok(d_resp) => {
-                // D refused before taking the request (it releases P's lease itself, SPEC O3);
-                // the proxy makes sure, and relays D's answer.
-                release_on_p(p, &prefiller, rid, &p_json).await;
-                return relay_whole(&decoder.up, d_resp).await;
-            }
-            Err(e) => {
-                tried = Some(decoder.up.clone());
-                last_err = Some(e);
-            }
-        }
+/// The proxy's route machine: engines by their [`Instance`], leg failures as the client's error.
+type Route = route::Route<Arc<Instance>, ApiError>;
+
+/// Feeds `route` an event; one it does not expect is a bug of this driver, logged.
+fn handle(route: &mut Route, event: Event<ApiError>, rid: &str) {
+    if let Err(e) = route.handle(event) {
+        tracing::warn!(request_id = %rid, "{e} (a bug: please report it)");
     }
-    // No decoder got the request: nobody will read P's blocks.
-    release_on_p(p, &prefiller, rid, &p_json).await;
-    match (last_err, turned_away) {
-        (_, Some((from, resp))) => relay_whole(&from, resp).await,
-        (Some(e), None) => Err(e),
-        (None, None) => Err(ApiError::unavailable("no decoder")),
+}
+
+/// What an upstream's answer head says, for the route machine.
+fn classify(resp: &reqwest::Response) -> Answer {
+    if resp.status().is_success() {
+        Answer::Success
+    } else if turned_away_unread(resp) {
+        Answer::TurnedAwayUnread
+    } else {
+        Answer::Refused
     }
 }
 
@@ -997,9 +1004,7 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
             }
             Ok(None) => {
                 if let Some((kept, capture)) = seen {
-                    if let Some(params) = turn_params(&kept, sse) {
-                        capture(params);
-                    }
+                    capture(turn_params(&kept, sse));
                 }
                 None
             }
@@ -1017,8 +1022,9 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
     out
 }
 
-/// What to do with the `kv_transfer_params` a decoder's answer carries (its cached turn).
-type Capture = Box<dyn FnOnce(Value) + Send>;
+/// What to do at the end of a decoder's answer with the `kv_transfer_params` it carries (its
+/// cached turn), if any.
+type Capture = Box<dyn FnOnce(Option<Value>) + Send>;
 
 /// Bytes of an answer kept to search for its cached turn: a whole answer longer than this is
 /// relayed but not searched; of a stream, the last this many bytes are kept.
@@ -1052,26 +1058,6 @@ fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// SPEC O4 (self-pairing): the decode leg avoids the engine that prefilled while another
-    /// healthy decoder can take it — over many picks, whatever the load — and falls back to it
-    /// when it is the only healthy one (it then serves from its own blocks); a retry never goes
-    /// back to the decoder that failed.
-    #[test]
-    fn o4_the_decode_leg_avoids_the_prefilling_engine_while_another_can_take_it() {
-        let up = |port| Upstream::http("127.0.0.1", port);
-        let pool = Pool::new("decode", vec![up(1), up(2)]);
-        // Load on the other decoder does not send the leg back to the prefiller.
-        let _busy: Vec<_> = (0..5).map(|_| Outstanding::new(pool.instances()[1].clone())).collect();
-        for _ in 0..10 {
-            assert_eq!(pool.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(2)));
-        }
-        pool.instances()[1].healthy.store(false, Ordering::Release);
-        assert_eq!(pool.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(1)), "the only healthy one");
-        assert_eq!(pool.pick_avoiding(Some(&up(1)), Some(&up(1))).map(|i| i.up.clone()), Some(up(2)), "not the one that failed");
-        let alone = Pool::new("decode", vec![up(1)]);
-        assert_eq!(alone.pick_avoiding(None, Some(&up(1))).map(|i| i.up.clone()), Some(up(1)));
-    }
 
     /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk.
     #[test]
@@ -1108,59 +1094,6 @@ mod tests {
         keep_for_capture(&mut whole, &vec![b' '; MAX_CAPTURED], false);
         keep_for_capture(&mut whole, b"{}", false);
         assert_eq!(whole.len(), MAX_CAPTURED, "a whole answer over the bound is not kept");
-    }
-
-    /// The proxy's turn cache: single use, dropped when stale, bounded.
-    #[tokio::test(start_paused = true)]
-    async fn turns_are_single_use_expire_and_are_bounded() {
-        let t = Turns::default();
-        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0}));
-        assert!(t.take("c").is_some());
-        assert!(t.take("c").is_none(), "single use");
-        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0}));
-        tokio::time::sleep(Duration::from_secs(9)).await;
-        assert!(t.take("c").is_none(), "dropped a second before its TTL");
-        for i in 0..MAX_CONVERSATIONS + 5 {
-            t.put(format!("c{i}"), json!({"remote_blocks_ttl_remaining": 100.0}));
-        }
-        assert!(t.take("c0").is_none() && t.take(&format!("c{}", MAX_CONVERSATIONS + 4)).is_some(), "the oldest went");
-    }
-
-    /// A turn taken for a request whose prefill never read it goes back, with its own deadline,
-    /// unless a newer turn of the conversation came meanwhile.
-    #[tokio::test(start_paused = true)]
-    async fn a_turn_no_prefill_read_goes_back_with_its_deadline() {
-        let t = Turns::default();
-        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 1}));
-        let taken = t.take("c").expect("cached");
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        t.put_back("c", taken);
-        let again = t.take("c").expect("given back");
-        assert_eq!(again.0["n"], 1);
-        t.put_back("c", again);
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        assert!(t.take("c").is_none(), "still stale a second before its first TTL, not a new one");
-        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 1}));
-        let old = t.take("c").expect("cached");
-        t.put("c".into(), json!({"remote_blocks_ttl_remaining": 10.0, "n": 2}));
-        t.put_back("c", old);
-        assert_eq!(t.take("c").expect("the newer").0["n"], 2, "a newer turn wins");
-    }
-
-    /// A turn given back counts against the bound like any other: a full cache stays full, the
-    /// oldest conversation going.
-    #[tokio::test(start_paused = true)]
-    async fn a_turn_given_back_keeps_the_bound() {
-        let t = Turns::default();
-        t.put("back".into(), json!({"remote_blocks_ttl_remaining": 100.0}));
-        let taken = t.take("back").expect("cached");
-        for i in 0..MAX_CONVERSATIONS {
-            t.put(format!("c{i}"), json!({"remote_blocks_ttl_remaining": 100.0}));
-        }
-        t.put_back("back", taken);
-        let e = t.entries.lock().unwrap();
-        assert_eq!(e.map.len(), MAX_CONVERSATIONS, "bounded");
-        assert!(e.map.contains_key("back") && !e.map.contains_key("c0"), "the oldest went, not the one given back");
     }
 
     /// The P leg as vLLM's toy proxy sends it: one choice, not streamed, one token

@@ -5,8 +5,9 @@
 //! A seed decides everything: how many engines, the workload (arrivals with bursts, prompts,
 //! lengths), and the faults — notifications lost, duplicated and reordered; slow reads;
 //! handshakes refused or hanging; partitions and heals; D crashes; P crashes and restarts under
-//! the same engine id; long forward steps. Every request goes the way the routing proxy sends
-//! it (P with `do_remote_decode`, then D with P's params), and the run checks:
+//! the same engine id; long forward steps. Every request is routed by the proxy's own rules
+//! ([`kvlease_core::route`]: P with `do_remote_decode`, then D with P's params, O2 retries, O3/O4
+//! releases, the turn cache), and the run checks:
 //! * **D7**: every answer equals a local run of the same request;
 //! * **P3**: every lease is released exactly once (granted = released, summed over reasons);
 //! * **blocks**: every block of every engine is back in its pool at the end;
@@ -19,12 +20,15 @@
 
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::pull::PlantedBug;
+use kvlease_core::route::{Action, Answer as RouteAnswer, Candidate, Event, Pool, Pools, PrefillAnswer, Route, TurnCache};
+use kvlease_core::Nanos;
 use kvlease_engine::{
-    EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, SamplingParams, TransportKind,
+    EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, RequestStream, SamplingParams,
+    TransportKind,
 };
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::json;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -208,6 +212,13 @@ struct World {
     /// Leases each D holds on some P, for the reclaim check: (P index, P incarnation, lease id,
     /// when D got the params).
     held: BTreeMap<usize, Vec<(usize, u64, u64, Duration)>>,
+    /// Leases the router handed to a second decoder (SPEC O2): that one renews them, so the
+    /// first one's crash does not bound them.
+    rehanded: BTreeSet<(usize, u64, u64)>,
+    /// The router's turn cache (SPEC B1) and its count of legs in flight on each P and D.
+    turn_cache: TurnCache,
+    p_busy: Vec<usize>,
+    d_busy: Vec<usize>,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -402,6 +413,10 @@ async fn run(c: Cluster) -> Outcome {
         failed: 0,
         turns: 0,
         held: BTreeMap::new(),
+        rehanded: BTreeSet::new(),
+        turn_cache: TurnCache::default(),
+        p_busy: vec![0; c.p_engines],
+        d_busy: vec![0; c.d_engines],
     }));
     let reqs = workload(&c);
     let want = expected(&c, &reqs, &w).await;
@@ -467,8 +482,10 @@ async fn run(c: Cluster) -> Outcome {
             checks.sort();
             for (by, pi, inc, id) in checks {
                 tokio::time::sleep_until(t0 + by).await;
-                let still =
-                    with(&w, |w| w.all_p.iter().any(|(i, h, alive)| *i == pi && *alive && h.incarnation() == inc && h.holds_lease(id)));
+                let still = with(&w, |w| {
+                    !w.rehanded.contains(&(pi, inc, id))
+                        && w.all_p.iter().any(|(i, h, alive)| *i == pi && *alive && h.incarnation() == inc && h.holds_lease(id))
+                });
                 if still {
                     violation(&w, format!("P4: p{pi} still holds lease {id} of crashed d{dj} at {:.3} s", by.as_secs_f64()));
                 }
@@ -496,14 +513,14 @@ async fn run(c: Cluster) -> Outcome {
             });
         });
     }
-    // The workload: each request a task, as the proxy would run it.
+    // The workload: each request a task, routed by the proxy's route machine.
     let mut clients = tokio::task::JoinSet::new();
     let limit = lease.lease_duration * 4 + Duration::from_secs(60) + Duration::from_secs_f64(c.decode_ms * 0.01 * 256.0);
     for (i, (r, want)) in reqs.iter().cloned().zip(want).enumerate() {
-        let w = w.clone();
+        let (w, c) = (w.clone(), c.clone());
         clients.spawn(async move {
             tokio::time::sleep_until(t0 + r.at).await;
-            if tokio::time::timeout(limit, client(&w, i, &r, want)).await.is_err() {
+            if tokio::time::timeout(limit, client(&w, &c, i, &r, want)).await.is_err() {
                 violation(&w, format!("liveness: request {i} did not end within {limit:?}"));
             }
         });
@@ -526,15 +543,14 @@ fn links(w: &Shared, pi: usize, dj: usize) -> Vec<(String, String)> {
     })
 }
 
-/// One conversation, as the proxy runs it: each turn P (with the decoder's cached turn when
-/// there is one, SPEC B4), then D; every answer checked against the local run (D7).
-async fn client(w: &Shared, i: usize, r: &Req, want: Vec<Answer>) {
+/// One conversation, as the routing proxy runs it ([`kvlease_core::route`]): each turn P (with
+/// the conversation's cached decoder turn when there is one, SPEC B4), then D; every answer
+/// checked against the local run (D7).
+async fn client(w: &Shared, c: &Cluster, i: usize, r: &Req, want: Vec<Answer>) {
     let mut r = r.clone();
-    let mut turn: Option<serde_json::Value> = None;
     for (k, want) in want.into_iter().enumerate() {
-        match one_turn(w, i, k, &r, turn.take(), &want).await {
-            Some(kept) => turn = kept,
-            None => return,
+        if !one_turn(w, c, i, k, &r, &want).await {
+            return;
         }
         let Some(next) = r.later.get(k).cloned() else { return };
         r.prompt.extend(&want.0);
@@ -542,64 +558,201 @@ async fn client(w: &Shared, i: usize, r: &Req, want: Vec<Answer>) {
     }
 }
 
-/// One turn; `None` if the conversation ends here (an engine failed it cleanly, or a violation),
-/// else the decoder's cached turn, if it kept one.
-async fn one_turn(
-    w: &Shared,
-    i: usize,
-    k: usize,
-    r: &Req,
-    turn: Option<serde_json::Value>,
-    want: &Answer,
-) -> Option<Option<serde_json::Value>> {
+/// An engine of the cluster, as the route machine names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    P(usize),
+    D(usize),
+}
+
+/// Simulated time as the core takes it.
+fn now(w: &Shared) -> Nanos {
+    with(w, |w| Nanos(u64::try_from(w.start.elapsed().as_nanos()).unwrap_or(u64::MAX)))
+}
+
+/// The engines as the router sees them now: the live ones healthy, with their legs outstanding.
+fn candidates(engines: &[Option<EngineHandle>], busy: &[usize], name: fn(usize) -> Engine) -> Vec<Candidate<Engine>> {
+    engines
+        .iter()
+        .enumerate()
+        .map(|(i, h)| Candidate { upstream: name(i), healthy: h.is_some(), outstanding: busy.get(i).copied().unwrap_or(0) })
+        .collect()
+}
+
+/// One turn, driven by the route machine; `false` if the conversation ends here (it failed
+/// cleanly, or a violation).
+async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &Answer) -> bool {
     with(w, |w| w.turns += 1);
-    let Some(p) = with(w, |w| w.p.get(r.p).cloned().flatten()) else {
-        note(w, format!("req {i}.{k}: p{} is down; refused", r.p));
-        with(w, |w| w.failed += 1);
-        return None;
-    };
-    let p_params = turn.unwrap_or_else(|| json!({"do_remote_decode": true}));
-    let params = match collect(&p, request(format!("req{i}.{k}"), r, p_params)).await {
-        Ok((_, Some(params))) => params,
-        Ok((_, None)) => {
-            violation(w, format!("req {i}.{k}: p{} answered without kv_transfer_params", r.p));
-            return None;
-        }
-        Err(e) => {
-            note(w, format!("req {i}.{k}: p{} failed: {e}", r.p));
-            with(w, |w| w.failed += 1);
-            return None;
-        }
-    };
-    drop(p);
-    let Some(d) = with(w, |w| w.d.get(r.d).cloned().flatten()) else {
-        note(w, format!("req {i}.{k}: d{} is down; refused", r.d));
-        with(w, |w| w.failed += 1);
-        return None;
-    };
-    let lease_id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
-    let inc = params.get("remote_incarnation").and_then(|v| v.as_str()?.parse().ok()).unwrap_or(0);
-    with(w, |w| {
-        let got = w.start.elapsed();
-        w.held.entry(r.d).or_default().push((r.p, inc, lease_id, got));
-    });
-    note(w, format!("req {i}.{k}: p{} lease {lease_id} → d{}", r.p, r.d));
-    match collect(&d, request(format!("req{i}.{k}"), r, params)).await {
-        Ok((answer, kept)) if answer == *want => {
-            note(w, format!("req {i}.{k}: answered ({} tokens){}", answer.0.len(), if kept.is_some() { ", turn kept" } else { "" }));
-            with(w, |w| w.answered += 1);
-            Some(kept)
-        }
-        Ok((answer, _)) => {
-            violation(w, format!("D7: req {i}.{k} on d{} answered {answer:?}; a local run answers {want:?}", r.d));
-            None
-        }
-        Err(e) => {
-            note(w, format!("req {i}.{k}: d{} failed: {e}", r.d));
-            with(w, |w| w.failed += 1);
-            None
+    let id = format!("req{i}.{k}");
+    let t = now(w);
+    let mut route: Route<Engine, String> = with(w, |w| Route::new(Some(format!("c{i}")), false, &mut w.turn_cache, t));
+    route.planted = c.planted;
+    // P's params; what the client got (relayed from every decoder that answered); D's stream.
+    let mut params = serde_json::Value::Null;
+    let mut got: Answer = (Vec::new(), None);
+    let mut stream: Option<(usize, RequestStream)> = None;
+    loop {
+        let action = with(w, |w| {
+            let (pc, dc) = (candidates(&w.p, &w.p_busy, Engine::P), candidates(&w.d, &w.d_busy, Engine::D));
+            // Ties start at the workload's engines, so the seeded spread stays.
+            route.poll(Pools { prefill: Pool { candidates: &pc, start: r.p }, decode: Pool { candidates: &dc, start: r.d } })
+        });
+        let Some(action) = action else {
+            if !route.is_done() {
+                violation(w, format!("req {i}.{k}: the route stalled"));
+                return false;
+            }
+            break;
+        };
+        let event = match action {
+            Action::SendPrefill { to: Engine::P(pi), turn, retry } => {
+                if retry {
+                    note(w, format!("req {i}.{k}: prefill leg retried on p{pi}"));
+                }
+                let p_params = turn.unwrap_or_else(|| json!({"do_remote_decode": true}));
+                prefill(w, pi, request(id.clone(), r, p_params), &mut params).await
+            }
+            Action::SendDecode { to: Engine::D(dj), retry } => {
+                let Some(Engine::P(pi)) = route.prefiller().copied() else {
+                    violation(w, format!("req {i}.{k}: a decode leg with no prefiller"));
+                    return false;
+                };
+                let lease_id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
+                let inc = params.get("remote_incarnation").and_then(|v| v.as_str()?.parse().ok()).unwrap_or(0);
+                note(w, format!("req {i}.{k}: p{pi} lease {lease_id} → d{dj}{}", if retry { " (retry)" } else { "" }));
+                match with(w, |w| w.d.get(dj).cloned().flatten()) {
+                    None => Event::DecodeFailed(format!("d{dj} is down")),
+                    Some(d) => {
+                        with(w, |w| {
+                            let got = w.start.elapsed();
+                            w.held.entry(dj).or_default().push((pi, inc, lease_id, got));
+                            if retry {
+                                w.rehanded.insert((pi, inc, lease_id));
+                            }
+                        });
+                        match d.submit(request(id.clone(), r, params.clone())) {
+                            Ok(s) => {
+                                with(w, |w| w.d_busy[dj] += 1);
+                                stream = Some((dj, s));
+                                Event::DecodeAnswered(RouteAnswer::Success)
+                            }
+                            Err(e) => {
+                                note(w, format!("req {i}.{k}: d{dj} refused: {}", e.message));
+                                Event::DecodeAnswered(RouteAnswer::Refused)
+                            }
+                        }
+                    }
+                }
+            }
+            Action::RelayStream => match stream.take() {
+                Some((dj, s)) => relay(w, &mut route, dj, s, &mut got).await,
+                None => {
+                    violation(w, format!("req {i}.{k}: nothing to relay"));
+                    return false;
+                }
+            },
+            Action::Release { on: Engine::P(pi) } => {
+                let released = with(w, |w| w.p.get(pi).cloned().flatten()).map(|p| p.release_by_params(&params));
+                note(w, format!("req {i}.{k}: released the lease on p{pi}: {released:?}"));
+                continue;
+            }
+            Action::GiveBack { conversation, turn } => {
+                with(w, |w| w.turn_cache.give_back(conversation, turn));
+                continue;
+            }
+            Action::KeepTurn { conversation, params } => {
+                let t = now(w);
+                let kept = with(w, |w| w.turn_cache.keep(conversation, params, t));
+                note(w, format!("req {i}.{k}: turn {}", if kept { "kept" } else { "not kept (too short a TTL)" }));
+                continue;
+            }
+            Action::RelayWhole { .. } | Action::Fail { .. } => {
+                note(w, format!("req {i}.{k}: failed: {action:?}"));
+                with(w, |w| w.failed += 1);
+                return false;
+            }
+            other => {
+                violation(w, format!("req {i}.{k}: the route asked for {other:?}"));
+                return false;
+            }
+        };
+        if let Err(e) = route.handle(event) {
+            violation(w, format!("req {i}.{k}: {e}"));
+            return false;
         }
     }
+    if got == *want {
+        note(w, format!("req {i}.{k}: answered ({} tokens)", got.0.len()));
+        with(w, |w| w.answered += 1);
+        true
+    } else {
+        violation(w, format!("D7: req {i}.{k}: the client got {got:?}; a local run answers {want:?}"));
+        false
+    }
+}
+
+/// The prefill leg on P `pi`: its params into `params`. An engine that is down or went away
+/// mid-request never answered (a retry may go elsewhere); one that failed the request answered
+/// an error.
+async fn prefill(w: &Shared, pi: usize, req: GenerateRequest, params: &mut serde_json::Value) -> Event<String> {
+    let Some(p) = with(w, |w| w.p.get(pi).cloned().flatten()) else {
+        return Event::PrefillFailed(format!("p{pi} is down"));
+    };
+    let mut s = match p.submit(req) {
+        Ok(s) => s,
+        Err(e) => {
+            note(w, format!("p{pi} refused: {}", e.message));
+            return Event::PrefillAnswered(PrefillAnswer::Other(RouteAnswer::Refused));
+        }
+    };
+    with(w, |w| w.p_busy[pi] += 1);
+    let event = loop {
+        match s.next().await {
+            Some(GenerateEvent::Done { kv_transfer_params: Some(p), .. }) => {
+                *params = p;
+                break Event::PrefillAnswered(PrefillAnswer::Params { lease: params.is_object() });
+            }
+            Some(GenerateEvent::Done { kv_transfer_params: None, .. }) => {
+                violation(w, format!("p{pi} answered without kv_transfer_params"));
+                break Event::PrefillAnswered(PrefillAnswer::Unreadable(format!("p{pi} named no params")));
+            }
+            Some(GenerateEvent::Failed(e)) => {
+                note(w, format!("p{pi} failed: {}", e.message));
+                break Event::PrefillAnswered(PrefillAnswer::Other(RouteAnswer::Refused));
+            }
+            Some(_) => {}
+            None => break Event::PrefillFailed(format!("p{pi} went away")),
+        }
+    };
+    with(w, |w| w.p_busy[pi] -= 1);
+    event
+}
+
+/// D `dj`'s answer relayed to the client (`got`) as it streams, the route told of its first
+/// byte; the event that ends it.
+async fn relay(w: &Shared, route: &mut Route<Engine, String>, dj: usize, mut s: RequestStream, got: &mut Answer) -> Event<String> {
+    let event = loop {
+        match s.next().await {
+            Some(GenerateEvent::Token { id, .. }) => {
+                if got.0.is_empty() {
+                    let _ = route.handle(Event::FirstByteRelayed);
+                }
+                got.0.push(id);
+            }
+            Some(GenerateEvent::Done { finish_reason, kv_transfer_params, .. }) => {
+                got.1 = Some(finish_reason);
+                break Event::DecodeDone { turn: kv_transfer_params };
+            }
+            Some(GenerateEvent::Failed(e)) => break Event::DecodeFailed(format!("d{dj} failed: {}", e.message)),
+            Some(GenerateEvent::Logprobs { .. }) => {}
+            None => break Event::DecodeFailed(format!("d{dj} went away")),
+        }
+    };
+    with(w, |w| w.d_busy[dj] -= 1);
+    if let Event::DecodeFailed(why) = &event {
+        note(w, why.clone());
+    }
+    event
 }
 
 /// The end of the run: no lease left, every lease released once, every block back.

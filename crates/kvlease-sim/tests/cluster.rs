@@ -62,3 +62,17 @@ fn a_seed_runs_in_milliseconds() {
     // Not a speed assertion (that is BENCHMARKS.md): a guard against a run that waits on real time.
     assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
 }
+
+/// SPEC O2 under the seeded faults, through the proxy's own route machine: planted, a decode leg
+/// retried on another decoder after the first byte of its answer reached the client (a decoder
+/// crashed mid-answer) gives the client part of one answer and then all of another — some seed
+/// shows it (D7); the correct machine keeps every invariant on that same seed.
+#[test]
+fn o2_a_planted_retry_after_the_first_byte_is_found() {
+    let found = search(1, 2_000, Some(PlantedBug::RetryAfterFirstByte)).expect_err("no seed found the planted bug");
+    assert!(found.violations.iter().any(|v| v.starts_with("D7") && v.contains("the client got")), "{}", report(&found));
+    assert!(found.trace.iter().any(|l| l.contains("(retry)")), "{}", report(&found));
+    let clean = Cluster::from_seed(found.seed).run();
+    assert!(clean.violations.is_empty(), "{}", report(&clean));
+    println!("seed {} finds it: {:?}", found.seed, found.violations);
+}
