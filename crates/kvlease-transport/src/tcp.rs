@@ -956,8 +956,8 @@ impl Inner {
 
     /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
     fn serve_read(&self, conn: &Arc<Conn>, req: wire::ReadReq) {
-        if let Some(Err(msg)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
-            let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
+        if let Some(Err(e)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
+            let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &e.to_string()));
             return;
         }
         // In the order the read names them (SPEC S4: the gate checks it), a block split over
@@ -1034,7 +1034,7 @@ impl Inner {
 
     async fn read(&self, peer: &str, op: ReadOp) -> Result<(), TransportError> {
         for s in &op.segments {
-            self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+            self.arena.check(s.local_block, s.local_offset, s.len, "our")?;
         }
         let max_segments = (self.options.max_frame.saturating_sub(wire::READ_REQ_FIXED)) / wire::READ_REQ_PER_SEGMENT;
         if op.segments.len() > max_segments {
