@@ -37,18 +37,29 @@ pub(crate) enum Listener {
     Mem(kvlease_transport::mem::MemListener),
 }
 
+/// Why the side channel could not listen.
+#[derive(Debug, Error)]
+pub enum BindError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Mem(#[from] kvlease_transport::TransportError),
+    #[error("{addr}: {why}")]
+    MemAddr { addr: String, why: std::net::AddrParseError },
+}
+
 impl Listener {
     /// Binds the side channel for `transport` at `host:port`; returns it and its address.
-    pub async fn bind(transport: &TransportKind, host: &str, port: u16) -> Result<(Listener, SocketAddr), String> {
+    pub async fn bind(transport: &TransportKind, host: &str, port: u16) -> Result<(Listener, SocketAddr), BindError> {
         match transport {
             TransportKind::Mem(net) => {
-                let l = net.listen(host, port).map_err(|e| e.to_string())?;
-                let addr = l.addr().parse().map_err(|e| format!("{}: {e}", l.addr()))?;
+                let l = net.listen(host, port)?;
+                let addr = l.addr().parse().map_err(|why| BindError::MemAddr { addr: l.addr().to_string(), why })?;
                 Ok((Listener::Mem(l), addr))
             }
             _ => {
-                let l = kvlease_transport::listen(host, port).await.map_err(|e| e.to_string())?;
-                let addr = l.local_addr().map_err(|e| e.to_string())?;
+                let l = kvlease_transport::listen(host, port).await?;
+                let addr = l.local_addr()?;
                 Ok((Listener::Tcp(l), addr))
             }
         }

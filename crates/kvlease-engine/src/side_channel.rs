@@ -316,9 +316,9 @@ mod tests {
         ClusterKey::new(Some(secret))
     }
 
-    async fn dial(addr: &str, secret: &[u8], ours: Hello) -> Result<Hello, String> {
-        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        exchange(stream, addr, &key(secret), ours).await.map_err(|e| e.to_string())
+    async fn dial(addr: &str, secret: &[u8], ours: Hello) -> Result<Hello, DialError> {
+        let stream = TcpStream::connect(addr).await.map_err(|e| DialError::Io(addr.to_string(), e))?;
+        exchange(stream, addr, &key(secret), ours).await
     }
 
     fn hello(engine_id: &str) -> Hello {
@@ -364,7 +364,7 @@ mod tests {
     #[tokio::test]
     async fn s2_the_server_proves_nothing_before_the_dialer_does() {
         let (addr, task) = server(b"k").await;
-        let err = dial(&addr, b"not-k", hello("D")).await.unwrap_err();
+        let err = dial(&addr, b"not-k", hello("D")).await.unwrap_err().to_string();
         assert!(err.contains("secret"), "{err}");
         assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
 
@@ -435,7 +435,7 @@ mod tests {
             let _ = s.read_to_end(&mut rest).await;
             rest
         });
-        let err = dial(&addr, b"k", hello("D")).await.unwrap_err();
+        let err = dial(&addr, b"k", hello("D")).await.unwrap_err().to_string();
         assert!(err.contains("does not hold"), "{err}");
         assert!(squatter.await.unwrap().is_empty(), "the squatter got nothing after the proofs");
     }
