@@ -5,6 +5,7 @@
 //! or as [`wire::Message`] values. The serving runtime and the simulator drive the same types, so
 //! every rule of the protocol is written once, here, and tested here.
 //!
+//! * [`auth`] — the challenge-response proving the cluster secret on every channel (SPEC S2).
 //! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
 //! * [`digest`] — the prompt digest that binds a lease to its prompt (SPEC S4).
 //! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
@@ -22,6 +23,7 @@
 //! * [`turn`] — multi-turn: whether P reads a cached turn back from D, and how much (B2, B4).
 //! * [`tp`] — which ranks read which heads under heterogeneous tensor parallelism (SPEC T1, T2).
 
+pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod digest;

@@ -4,7 +4,7 @@
 //! broken connections.
 
 use crate::state::{Inner, Rank};
-use crate::{handshake, lease_holder, pull, renewal, StartError, TransportKind};
+use crate::{handshake, lease_holder, pull, renewal, ConfigError, StartError, TransportKind};
 use kvlease_core::wire::Message;
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
     let mut ranks = Vec::new();
     for r in 0..cfg.tp_size {
         let arena = BlockArena::try_new(cfg.num_gpu_blocks, block_bytes)
-            .map_err(|e| StartError::Config(format!("--num-gpu-blocks {}: {e}", cfg.num_gpu_blocks)))?;
+            .map_err(|why| StartError::Config(ConfigError::Arena { blocks: cfg.num_gpu_blocks, why }))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let name = kvlease_core::peers::agent_name(&cfg.engine_id, inner.incarnation, r as usize);
         let gate: Arc<dyn ReadGate> = Arc::new(lease_holder::Gate { inner: Arc::downgrade(inner) });
@@ -32,9 +32,7 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
             #[cfg(feature = "nixl")]
             TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx, cfg.secret.clone()).await?,
             #[cfg(not(feature = "nixl"))]
-            TransportKind::Nixl => {
-                return Err(StartError::Config("this kvlease was built without NIXL support: build it with `--features nixl`".into()))
-            }
+            TransportKind::Nixl => return Err(StartError::Config(ConfigError::NoNixl)),
         };
         let inner2 = inner.clone();
         inner.tasks.spawn(events(inner2, r as usize, rx));

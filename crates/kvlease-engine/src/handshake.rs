@@ -13,12 +13,12 @@ use crate::lease_holder::settle;
 use crate::side_channel::{self, write_frame, DialError, Request};
 use crate::state::{lock, Inner};
 use crate::TransportKind;
+use kvlease_core::auth::{ClusterKey, Nonces, Side};
 use kvlease_core::clock::ClockSample;
 use kvlease_core::peers::{check_agent_names, check_reply, holder_name, Geometry, Refused};
 use kvlease_core::renewer::{Handshook, NotRead, SideChannelRelease};
 use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_transport::admission::{Admission, Unproven};
-use kvlease_transport::auth::{ClusterKey, Nonces, Side};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,18 +37,29 @@ pub(crate) enum Listener {
     Mem(kvlease_transport::mem::MemListener),
 }
 
+/// Why the side channel could not listen.
+#[derive(Debug, Error)]
+pub enum BindError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Mem(#[from] kvlease_transport::TransportError),
+    #[error("{addr}: {why}")]
+    MemAddr { addr: String, why: std::net::AddrParseError },
+}
+
 impl Listener {
     /// Binds the side channel for `transport` at `host:port`; returns it and its address.
-    pub async fn bind(transport: &TransportKind, host: &str, port: u16) -> Result<(Listener, SocketAddr), String> {
+    pub async fn bind(transport: &TransportKind, host: &str, port: u16) -> Result<(Listener, SocketAddr), BindError> {
         match transport {
             TransportKind::Mem(net) => {
-                let l = net.listen(host, port).map_err(|e| e.to_string())?;
-                let addr = l.addr().parse().map_err(|e| format!("{}: {e}", l.addr()))?;
+                let l = net.listen(host, port)?;
+                let addr = l.addr().parse().map_err(|why| BindError::MemAddr { addr: l.addr().to_string(), why })?;
                 Ok((Listener::Mem(l), addr))
             }
             _ => {
-                let l = kvlease_transport::listen(host, port).await.map_err(|e| e.to_string())?;
-                let addr = l.local_addr().map_err(|e| e.to_string())?;
+                let l = kvlease_transport::listen(host, port).await?;
+                let addr = l.local_addr()?;
                 Ok((Listener::Tcp(l), addr))
             }
         }
@@ -161,23 +172,23 @@ async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Strea
         _ = place.evicted() => return,
         r = tokio::time::timeout(side_channel::PROOF_TIMEOUT, side_channel::challenge(stream, key)) => r,
     };
-    let nonces = match proof {
+    let dialer = match proof {
         // Silent past the deadline: a probe or a stranger, nothing to count.
         Err(_) => return,
         Ok(Err(e)) => return refused(inner, &e),
-        Ok(Ok(n)) => n,
+        Ok(Ok(dialer)) => dialer,
     };
     place.proven();
     // A member of the cluster: it waits for one of the few places for proven handshakes.
     let Ok(Ok(_permit)) = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, proven.clone().acquire_owned()).await else { return };
-    let request = match tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, side_channel::request(stream, key, &nonces)).await {
+    let request = match tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, side_channel::request(stream, key, &dialer)).await {
         Err(_) => return,
         Ok(Err(e)) => return refused(inner, &e),
         Ok(Ok(r)) => r,
     };
     let t_recv = inner.now().0;
     match request {
-        Request::Hello(hello) => answer_hello(inner, key, stream, hello, &nonces, t_recv).await,
+        Request::Hello(hello) => answer_hello(inner, key, stream, hello, &dialer.nonces, t_recv).await,
         Request::Release(release) => {
             let ack = apply_side_release(inner, &release);
             let _ = write_frame(stream, &ack).await;

@@ -29,9 +29,10 @@ mod side_channel;
 mod state;
 
 pub use engine::{EngineHandle, RequestStream};
+pub use handshake::BindError;
 pub use kvlease_core::params::{KvRole, ParamError, Refusal, RemoteKv};
 pub use metrics::Metrics;
-pub use model::ModelConfig;
+pub use model::{ConfigError, ModelConfig};
 
 use kvlease_core::config::KvTransferConfig;
 use thiserror::Error;
@@ -240,9 +241,9 @@ impl RequestError {
 #[derive(Debug, Error)]
 pub enum StartError {
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(ConfigError),
     #[error("cannot listen on {addr}: {why}")]
-    Bind { addr: String, why: String },
+    Bind { addr: String, why: BindError },
     #[error("transport: {0}")]
     Transport(#[from] kvlease_transport::TransportError),
 }

@@ -118,6 +118,35 @@ impl Default for ModelConfig {
     }
 }
 
+/// A configuration an engine cannot run with; every message names the flag to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    #[error("--tp-size {tp_size} must divide --num-kv-heads {num_kv_heads}")]
+    TpSize { tp_size: u32, num_kv_heads: u32 },
+    #[error("{0} must be a finite number ≥ 0")]
+    NotFinite(&'static str),
+    #[error(
+        "a KV block (heads per rank × layers × 2 × --block-size × --head-dim × --dtype-bytes) would exceed 64 MiB: reduce the geometry"
+    )]
+    BlockTooLarge,
+    #[error("--num-gpu-blocks {blocks}: {why}")]
+    Arena { blocks: u32, why: kvlease_transport::ArenaError },
+    #[error("this kvlease was built without NIXL support: build it with `--features nixl`")]
+    NoNixl,
+    /// Another flag, as its fixed message says.
+    #[error("{0}")]
+    Flag(&'static str),
+}
+
+/// The engine's checks of its other flags are fixed messages.
+impl From<&'static str> for ConfigError {
+    fn from(message: &'static str) -> Self {
+        ConfigError::Flag(message)
+    }
+}
+
 impl ModelConfig {
     /// Bytes of one head's K (or V) for one token.
     pub fn head_bytes(&self) -> usize {
@@ -150,7 +179,7 @@ impl ModelConfig {
     }
 
     /// Checks the shape; the message names the flag.
-    pub fn validate(&self, tp_size: u32) -> Result<(), String> {
+    pub fn validate(&self, tp_size: u32) -> Result<(), ConfigError> {
         for (v, flag) in [
             (self.num_layers, "--num-layers"),
             (self.num_kv_heads, "--num-kv-heads"),
@@ -160,17 +189,17 @@ impl ModelConfig {
             (self.max_model_len, "--max-model-len"),
         ] {
             if v == 0 {
-                return Err(format!("{flag} must be at least 1"));
+                return Err(ConfigError::Zero(flag));
             }
         }
         if tp_size == 0 || !self.num_kv_heads.is_multiple_of(tp_size) {
-            return Err(format!("--tp-size {tp_size} must divide --num-kv-heads {}", self.num_kv_heads));
+            return Err(ConfigError::TpSize { tp_size, num_kv_heads: self.num_kv_heads });
         }
         if !(self.prefill_ms_per_token >= 0.0 && self.prefill_ms_per_token.is_finite()) {
-            return Err("--prefill-ms-per-token must be a finite number ≥ 0".into());
+            return Err(ConfigError::NotFinite("--prefill-ms-per-token"));
         }
         if !(self.decode_ms_per_token >= 0.0 && self.decode_ms_per_token.is_finite()) {
-            return Err("--decode-ms-per-token must be a finite number ≥ 0".into());
+            return Err(ConfigError::NotFinite("--decode-ms-per-token"));
         }
         // Checked here so that the unchecked arithmetic everywhere else cannot overflow.
         let block = [self.num_kv_heads / tp_size, self.num_layers, 2, self.block_size, self.head_dim, self.dtype_bytes]
@@ -178,7 +207,7 @@ impl ModelConfig {
             .try_fold(1u64, |acc, &x| acc.checked_mul(u64::from(x)))
             .filter(|b| *b <= 64 << 20);
         if block.is_none() {
-            return Err("a KV block (heads per rank × layers × 2 × --block-size × --head-dim × --dtype-bytes) would exceed 64 MiB: reduce the geometry".into());
+            return Err(ConfigError::BlockTooLarge);
         }
         Ok(())
     }
@@ -495,10 +524,18 @@ mod tests {
     fn validate_names_the_flag() {
         let m = ModelConfig::default();
         assert!(m.validate(1).is_ok() && m.validate(4).is_ok());
-        assert!(m.validate(3).unwrap_err().contains("--tp-size"));
-        assert!(ModelConfig { block_size: 0, ..m.clone() }.validate(1).unwrap_err().contains("--block-size"));
-        assert!(ModelConfig { decode_ms_per_token: f64::NAN, ..m.clone() }.validate(1).unwrap_err().contains("--decode-ms"));
-        assert!(ModelConfig { head_dim: 65536, dtype_bytes: 65536, ..m.clone() }.validate(1).unwrap_err().contains("64 MiB"));
-        assert!(ModelConfig { num_layers: u32::MAX, block_size: u32::MAX, ..m }.validate(1).unwrap_err().contains("64 MiB"));
+        let refused = |m: ModelConfig, tp: u32| m.validate(tp).map_err(|e| e.to_string()).unwrap_err();
+        assert_eq!(refused(m.clone(), 3), format!("--tp-size 3 must divide --num-kv-heads {}", m.num_kv_heads));
+        assert_eq!(refused(ModelConfig { block_size: 0, ..m.clone() }, 1), "--block-size must be at least 1");
+        assert_eq!(
+            refused(ModelConfig { decode_ms_per_token: f64::NAN, ..m.clone() }, 1),
+            "--decode-ms-per-token must be a finite number ≥ 0"
+        );
+        assert_eq!(
+            refused(ModelConfig { prefill_ms_per_token: -1.0, ..m.clone() }, 1),
+            "--prefill-ms-per-token must be a finite number ≥ 0"
+        );
+        assert!(refused(ModelConfig { head_dim: 65536, dtype_bytes: 65536, ..m.clone() }, 1).contains("64 MiB"));
+        assert!(refused(ModelConfig { num_layers: u32::MAX, block_size: u32::MAX, ..m }, 1).contains("64 MiB"));
     }
 }

@@ -1,26 +1,5 @@
 //! The handshake side channel (vLLM's NIXL side channel): a small TCP service on each engine
 //! where a peer sends its [`Hello`] — identity, incarnation, one agent metadata blob per rank,
-//! geometry — and gets ours back. It is also where clock samples for SPEC B2 are taken: the
-//! reply echoes the request's send time and its own receive time.
-//!
-//! Trust (SPEC S1, S2): before either side reads anything larger than a few dozen bytes, each
-//! proves it holds the cluster secret for this connection. The server opens with a fresh nonce;
-//! the dialer answers with its own nonce and an HMAC over both; the server answers with its own
-//! HMAC over both. Only then does the server read a Hello (up to [`MAX_FRAME`]), so an outsider
-//! can make it hold no more than a small fixed buffer per connection (and [`MAX_PENDING`]
-//! connections at once); and only then does the dialer send its Hello, whose agent metadata (over
-//! NIXL, what lets a peer read and write our registered memory) must never reach a process that
-//! merely took over a dead engine's port. Both Hellos carry an HMAC over their contents, both
-//! nonces and the direction, so a recorded Hello cannot be replayed on another connection or
-//! reflected back. The dialer proves first, so nobody without the secret gets a MAC to test
-//! guesses of it against. Without a secret the same exchange runs under an empty
-//! key and proves nothing: such engines must stay on loopback (SPEC S3).
-//!
-//! Frames are a 4-byte big-endian length and a [`Message`]; anything malformed or oversized
-//! closes that connection and is counted, never more (SPEC P7).
-
-//! The handshake side channel (vLLM's NIXL side channel): a small TCP service on each engine
-//! where a peer sends its [`Hello`] — identity, incarnation, one agent metadata blob per rank,
 //! geometry — and gets ours back, or a [`Message::Refused`] saying why not (a geometry field and
 //! both values, so both logs tell the operator what to fix). It is also where clock samples for
 //! SPEC B2 are taken: the reply echoes the request's send time and its own receive time. And it
@@ -29,9 +8,9 @@
 //!
 //! Trust (SPEC S1, S2): before either side reads anything larger than a few dozen bytes, each
 //! proves it holds the cluster secret for this connection, with the challenge-response the tcp
-//! agents use too (`kvlease_transport::auth`): the server opens with a fresh nonce; the dialer
-//! answers with its own nonce and an HMAC over both; only then does the server answer with its
-//! own HMAC. **The dialer proves first**, so whoever merely reaches the port gets a nonce and
+//! agents use too (`kvlease_core::auth`, which computes and checks every proof; this module only
+//! moves the bytes): the server opens with a fresh nonce; the dialer answers with its own nonce
+//! and an HMAC over both; only then does the server answer with its own HMAC. **The dialer proves first**, so whoever merely reaches the port gets a nonce and
 //! nothing to test guesses of the secret against. Only then does the server read a request (up
 //! to [`MAX_FRAME`]); and only after the server's proof does the dialer send it, so its agent
 //! metadata (over NIXL, what lets a peer read and write our registered memory) never reaches a
@@ -53,9 +32,10 @@
 //! Frames are a 4-byte big-endian length and a [`Message`]; anything malformed or oversized
 //! closes that connection and is counted, never more (SPEC P7).
 
+use kvlease_core::auth::{Answer, Challenge, Channel, ClusterKey, Nonces, Parties, Proven, Side, NONCE_LEN, TAG_LEN};
 use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_core::LeaseId;
-use kvlease_transport::auth::{self, Channel, ClusterKey, Nonces, Side, NONCE_LEN, TAG_LEN};
+use kvlease_transport::auth;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -72,7 +52,7 @@ pub const MAX_UNPROVEN_PER_SOURCE: usize = 256;
 /// Proven connections served at once (they may allocate for a Hello); more wait for a place.
 pub const MAX_PROVEN: usize = 16;
 /// Opens the server's challenge: the side channel's own magic and version (3: the nonces and
-/// proofs of `kvlease_transport::auth`).
+/// proofs of `kvlease_core::auth`).
 const CHALLENGE_MAGIC: [u8; 4] = *b"KLS3";
 const SC: Channel = Channel::SideChannel;
 
@@ -140,13 +120,13 @@ pub fn authentic(key: &ClusterKey, n: &Nonces, side: Side, msg: &Message) -> boo
 
 /// Server side, first part: our challenge and the dialer's proof, in a fixed small buffer;
 /// nothing we send depends on the secret. The caller bounds it by [`PROOF_TIMEOUT`] (and may
-/// evict it). Returns the connection's nonces.
-pub async fn challenge<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, key: &ClusterKey) -> Result<Nonces, HandshakeError> {
-    let acceptor = auth::nonce().map_err(|e| FrameError::Io(std::io::Error::other(e.to_string())))?;
-    let mut challenge = [0u8; 4 + NONCE_LEN];
-    challenge[..4].copy_from_slice(&CHALLENGE_MAGIC);
-    challenge[4..].copy_from_slice(&acceptor);
-    stream.write_all(&challenge).await.map_err(FrameError::Io)?;
+/// evict it). Returns the connection's nonces and our proof, for [`request`].
+pub async fn challenge<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, key: &ClusterKey) -> Result<Proven, HandshakeError> {
+    let challenge = Challenge::new(auth::nonce().map_err(|e| FrameError::Io(std::io::Error::other(e.to_string())))?);
+    let mut opening = [0u8; 4 + NONCE_LEN];
+    opening[..4].copy_from_slice(&CHALLENGE_MAGIC);
+    opening[4..].copy_from_slice(challenge.nonce());
+    stream.write_all(&opening).await.map_err(FrameError::Io)?;
     let mut answer = [0u8; NONCE_LEN + TAG_LEN];
     let mut got = 0;
     while got < answer.len() {
@@ -157,18 +137,20 @@ pub async fn challenge<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, key: &
             n => got += n,
         }
     }
-    let mut nonces = Nonces { dialer: [0; NONCE_LEN], acceptor };
-    nonces.dialer.copy_from_slice(&answer[..NONCE_LEN]);
-    if !key.verify_dial(SC, "", "", &nonces, &answer[NONCE_LEN..]) {
-        return Err(HandshakeError::Unauthenticated);
-    }
-    Ok(nonces)
+    let mut dialer = [0; NONCE_LEN];
+    dialer.copy_from_slice(&answer[..NONCE_LEN]);
+    challenge.check(key, Parties::SIDE_CHANNEL, dialer, &answer[NONCE_LEN..]).map_err(|_| HandshakeError::Unauthenticated)
 }
 
 /// Server side, second part, for a proven dialer: our proof, then its request (a Hello or a
 /// release, up to [`MAX_FRAME`]), signed for this connection. The caller bounds it in time.
-pub async fn request<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, key: &ClusterKey, n: &Nonces) -> Result<Request, HandshakeError> {
-    stream.write_all(&key.accept_tag(SC, "", "", n)).await.map_err(FrameError::Io)?;
+pub async fn request<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: &ClusterKey,
+    proven: &Proven,
+) -> Result<Request, HandshakeError> {
+    let n = &proven.nonces;
+    stream.write_all(&proven.proof).await.map_err(FrameError::Io)?;
     let msg = read_frame(stream).await?;
     if !matches!(msg, Message::Hello(_) | Message::SideRelease(_)) {
         return Err(HandshakeError::NotARequest);
@@ -236,18 +218,16 @@ async fn prove<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, addr: &str, ke
     let dialer = auth::nonce().map_err(|e| DialError::Io(at(), std::io::Error::other(e.to_string())))?;
     let mut nonces = Nonces { dialer, acceptor: [0; NONCE_LEN] };
     nonces.acceptor.copy_from_slice(&challenge[4..]);
+    let ours = Answer::new(key, Parties::SIDE_CHANNEL, nonces);
     let mut answer = [0u8; NONCE_LEN + TAG_LEN];
-    answer[..NONCE_LEN].copy_from_slice(&nonces.dialer);
-    answer[NONCE_LEN..].copy_from_slice(&key.dial_tag(SC, "", "", &nonces));
+    answer[..NONCE_LEN].copy_from_slice(&ours.nonces.dialer);
+    answer[NONCE_LEN..].copy_from_slice(&ours.proof);
     stream.write_all(&answer).await.map_err(|e| DialError::Io(at(), e))?;
     let mut theirs = [0u8; TAG_LEN];
     if stream.read_exact(&mut theirs).await.is_err() {
         return Err(DialError::ProofRefused(at()));
     }
-    if !key.verify_accept(SC, "", "", &nonces, &theirs) {
-        return Err(DialError::ServerUnproven(at()));
-    }
-    Ok(nonces)
+    ours.check(&theirs).map_err(|_| DialError::ServerUnproven(at()))
 }
 
 /// D's side, on a connection to `addr`: prove, send our Hello, return P's once it proves it was
@@ -336,9 +316,9 @@ mod tests {
         ClusterKey::new(Some(secret))
     }
 
-    async fn dial(addr: &str, secret: &[u8], ours: Hello) -> Result<Hello, String> {
-        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        exchange(stream, addr, &key(secret), ours).await.map_err(|e| e.to_string())
+    async fn dial(addr: &str, secret: &[u8], ours: Hello) -> Result<Hello, DialError> {
+        let stream = TcpStream::connect(addr).await.map_err(|e| DialError::Io(addr.to_string(), e))?;
+        exchange(stream, addr, &key(secret), ours).await
     }
 
     fn hello(engine_id: &str) -> Hello {
@@ -353,12 +333,12 @@ mod tests {
         let task = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             let k = key(secret);
-            let n = challenge(&mut s, &k).await?;
-            let got = request(&mut s, &k, &n).await?;
+            let proven = challenge(&mut s, &k).await?;
+            let got = request(&mut s, &k, &proven).await?;
             let reply = match &got {
                 Request::Hello(_) => {
                     let mut ours = Message::Hello(hello("P"));
-                    sign(&k, &n, Side::Acceptor, &mut ours);
+                    sign(&k, &proven.nonces, Side::Acceptor, &mut ours);
                     ours
                 }
                 Request::Release(r) => Message::SideReleaseAck { incarnation: 9, lost_ids: r.lease_ids[1..].to_vec() },
@@ -384,7 +364,7 @@ mod tests {
     #[tokio::test]
     async fn s2_the_server_proves_nothing_before_the_dialer_does() {
         let (addr, task) = server(b"k").await;
-        let err = dial(&addr, b"not-k", hello("D")).await.unwrap_err();
+        let err = dial(&addr, b"not-k", hello("D")).await.unwrap_err().to_string();
         assert!(err.contains("secret"), "{err}");
         assert!(matches!(task.await.unwrap(), Err(HandshakeError::Unauthenticated)));
 
@@ -424,7 +404,7 @@ mod tests {
             let mut n = Nonces { dialer: [5; NONCE_LEN], acceptor: [0; NONCE_LEN] };
             n.acceptor.copy_from_slice(&challenge[4..]);
             let mut answer = n.dialer.to_vec();
-            answer.extend_from_slice(&key(b"k").dial_tag(SC, "", "", &n));
+            answer.extend_from_slice(&Answer::new(&key(b"k"), Parties::SIDE_CHANNEL, n).proof);
             answer.extend(junk);
             raw.write_all(&answer).await.unwrap();
             let err = task.await.unwrap().unwrap_err();
@@ -455,7 +435,7 @@ mod tests {
             let _ = s.read_to_end(&mut rest).await;
             rest
         });
-        let err = dial(&addr, b"k", hello("D")).await.unwrap_err();
+        let err = dial(&addr, b"k", hello("D")).await.unwrap_err().to_string();
         assert!(err.contains("does not hold"), "{err}");
         assert!(squatter.await.unwrap().is_empty(), "the squatter got nothing after the proofs");
     }

@@ -33,6 +33,34 @@ impl fmt::Display for EtcdError {
 
 impl std::error::Error for EtcdError {}
 
+/// Why a registration read back from etcd is skipped: the proxy logs it with the key.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistrationError {
+    #[error("not JSON: {0}")]
+    NotJson(#[from] serde_json::Error),
+    #[error("no string `{0}`")]
+    NoString(&'static str),
+    #[error("role {0:?} is none of prefill, decode, both")]
+    Role(String),
+    #[error("no positive `tp_size`")]
+    TpSize,
+    #[error(transparent)]
+    Url(#[from] UrlError),
+}
+
+/// Why an engine's registered URL is not one the proxy can send legs to.
+#[derive(Debug, thiserror::Error)]
+pub enum UrlError {
+    #[error("url {url:?}: {why}")]
+    Unparsable { url: String, why: <reqwest::Url as std::str::FromStr>::Err },
+    #[error("url {0:?} is not http:// or https://")]
+    Scheme(String),
+    #[error("url {0:?} has no host")]
+    NoHost(String),
+    #[error("url {0:?} has no port")]
+    NoPort(String),
+}
+
 /// A client for an etcd cluster's JSON gateway, through one member at a time: the one that last
 /// answered, the next one when it cannot be reached.
 #[derive(Clone, Debug)]
@@ -414,14 +442,14 @@ impl Registration {
     }
 
     /// A registration as read back from etcd; why not, if it does not parse.
-    pub fn parse(raw: &[u8]) -> Result<Registration, String> {
-        let v: Value = serde_json::from_slice(raw).map_err(|e| format!("not JSON: {e}"))?;
-        let text = |f: &str| v.get(f).and_then(Value::as_str).filter(|s| !s.is_empty()).ok_or_else(|| format!("no string `{f}`"));
+    pub fn parse(raw: &[u8]) -> Result<Registration, RegistrationError> {
+        let v: Value = serde_json::from_slice(raw)?;
+        let text = |f: &'static str| v.get(f).and_then(Value::as_str).filter(|s| !s.is_empty()).ok_or(RegistrationError::NoString(f));
         let role = match text("role")? {
             "prefill" => Role::Prefill,
             "decode" => Role::Decode,
             "both" => Role::Both,
-            other => return Err(format!("role {other:?} is none of prefill, decode, both")),
+            other => return Err(RegistrationError::Role(other.to_string())),
         };
         let url = text("url")?.to_string();
         upstream_of(&url)?;
@@ -431,25 +459,25 @@ impl Registration {
             url,
             engine_id: text("engine_id")?.to_string(),
             kv_addr: text("kv_addr")?.to_string(),
-            tp_size: tp_size.ok_or("no positive `tp_size`")?,
+            tp_size: tp_size.ok_or(RegistrationError::TpSize)?,
         })
     }
 
     /// Where the proxy sends this engine's legs.
-    pub fn upstream(&self) -> Result<crate::Upstream, String> {
+    pub fn upstream(&self) -> Result<crate::Upstream, UrlError> {
         upstream_of(&self.url)
     }
 }
 
-fn upstream_of(url: &str) -> Result<crate::Upstream, String> {
-    let u = reqwest::Url::parse(url).map_err(|e| format!("url {url:?}: {e}"))?;
+fn upstream_of(url: &str) -> Result<crate::Upstream, UrlError> {
+    let u = reqwest::Url::parse(url).map_err(|why| UrlError::Unparsable { url: url.to_string(), why })?;
     let https = match u.scheme() {
         "http" => false,
         "https" => true,
-        _ => return Err(format!("url {url:?} is not http:// or https://")),
+        _ => return Err(UrlError::Scheme(url.to_string())),
     };
-    let host = u.host_str().ok_or_else(|| format!("url {url:?} has no host"))?;
-    let port = u.port_or_known_default().ok_or_else(|| format!("url {url:?} has no port"))?;
+    let host = u.host_str().ok_or_else(|| UrlError::NoHost(url.to_string()))?;
+    let port = u.port_or_known_default().ok_or_else(|| UrlError::NoPort(url.to_string()))?;
     Ok(crate::Upstream { host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port, https })
 }
 
@@ -607,7 +635,7 @@ mod tests {
             (br#"{"role":"prefill","url":"http://a:1","engine_id":"e","kv_addr":"a:2","tp_size":0}"#, "tp_size"),
             (br#"{"role":"prefill","url":"http://a:1","kv_addr":"a:2","tp_size":1}"#, "engine_id"),
         ] {
-            let e = Registration::parse(raw).unwrap_err();
+            let e = Registration::parse(raw).unwrap_err().to_string();
             assert!(e.contains(why), "{e}");
         }
     }

@@ -43,11 +43,11 @@ impl BlockArena {
     /// Zeroed memory for `num_blocks` blocks of `block_bytes`, or why not: an empty geometry,
     /// a size past the address space, or memory the system will not give (a configured
     /// `--num-gpu-blocks` too large for this machine is an error to report, not an abort).
-    pub fn try_new(num_blocks: u32, block_bytes: usize) -> Result<Arc<BlockArena>, String> {
+    pub fn try_new(num_blocks: u32, block_bytes: usize) -> Result<Arc<BlockArena>, ArenaError> {
         if num_blocks == 0 || block_bytes == 0 {
-            return Err("an arena needs at least one non-empty block".into());
+            return Err(ArenaError::Empty);
         }
-        let too_big = || format!("a KV arena of {num_blocks} blocks of {block_bytes} bytes does not fit in memory");
+        let too_big = || ArenaError::TooBig { num_blocks, block_bytes };
         let size = (num_blocks as usize).checked_mul(block_bytes).ok_or_else(too_big)?;
         // Allocated with the allocator's own alignment and aligned here: `alloc_zeroed` with
         // an alignment above it writes every byte (a 10 GiB arena resident at start), where
@@ -58,7 +58,7 @@ impl BlockArena {
         // SAFETY: padded > 0.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         if base.is_null() {
-            return Err(format!("cannot allocate {size} bytes for the KV arena ({num_blocks} blocks of {block_bytes} bytes)"));
+            return Err(ArenaError::NoMemory { size, num_blocks, block_bytes });
         }
         // Computed, not `align_offset`, which may answer "impossible" (usize::MAX) by contract.
         let skip = (ARENA_ALIGN - base as usize % ARENA_ALIGN) % ARENA_ALIGN;
@@ -93,13 +93,13 @@ impl BlockArena {
         block < self.num_blocks && offset.checked_add(len).is_some_and(|end| end <= self.block_bytes)
     }
 
-    /// `Ok` if `len` bytes at `offset` in `block` lie inside the arena; otherwise a message that
-    /// says so, naming the arena as `whose` ("our", or a peer's name).
-    pub fn check(&self, block: u32, offset: u32, len: u32, whose: &str) -> Result<(), String> {
+    /// `Ok` if `len` bytes at `offset` in `block` lie inside the arena; otherwise why not, naming
+    /// the arena as `whose` ("our", or a peer's name).
+    pub fn check(&self, block: u32, offset: u32, len: u32, whose: &str) -> Result<(), OutOfRange> {
         if self.contains(block, offset as usize, len as usize) {
             return Ok(());
         }
-        Err(out_of_range(block, offset, len, whose, self.num_blocks, self.block_bytes))
+        Err(OutOfRange { block, offset, len, whose: whose.to_string(), num_blocks: self.num_blocks, block_bytes: self.block_bytes })
     }
 
     /// Copies `dst.len()` bytes from `offset` in `block` into `dst`.
@@ -143,9 +143,43 @@ impl BlockArena {
 }
 
 /// The message for a segment outside an arena of `num_blocks` blocks of `block_bytes` bytes.
-pub(crate) fn out_of_range(block: u32, offset: u32, len: u32, whose: &str, num_blocks: u32, block_bytes: usize) -> String {
-    let arena = if whose == "our" { "our arena".to_string() } else { format!("{whose}'s arena") };
-    format!("block {block} bytes {offset}..+{len} is outside {arena} of {num_blocks} blocks of {block_bytes} bytes")
+/// Why an arena could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArenaError {
+    #[error("an arena needs at least one non-empty block")]
+    Empty,
+    #[error("a KV arena of {num_blocks} blocks of {block_bytes} bytes does not fit in memory")]
+    TooBig { num_blocks: u32, block_bytes: usize },
+    #[error("cannot allocate {size} bytes for the KV arena ({num_blocks} blocks of {block_bytes} bytes)")]
+    NoMemory { size: usize, num_blocks: u32, block_bytes: usize },
+}
+
+/// A range of bytes outside an arena ("our", or the peer `whose`'s, of `num_blocks` blocks of
+/// `block_bytes`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("block {block} bytes {offset}..+{len} is outside {} of {num_blocks} blocks of {block_bytes} bytes", arena_name(whose))]
+pub struct OutOfRange {
+    pub block: u32,
+    pub offset: u32,
+    pub len: u32,
+    pub whose: String,
+    pub num_blocks: u32,
+    pub block_bytes: usize,
+}
+
+fn arena_name(whose: &str) -> String {
+    if whose == "our" {
+        "our arena".to_string()
+    } else {
+        format!("{whose}'s arena")
+    }
+}
+
+/// Crosses the wire (and the `Agent` trait) as its message.
+impl From<OutOfRange> for crate::TransportError {
+    fn from(e: OutOfRange) -> Self {
+        crate::TransportError::OutOfRange(e.to_string())
+    }
 }
 
 impl Drop for BlockArena {
@@ -158,6 +192,23 @@ impl Drop for BlockArena {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The message names the block, the bytes and whose arena (it crosses the wire as text).
+    #[test]
+    fn out_of_range_names_the_block_the_bytes_and_the_arena() {
+        let a = BlockArena::new(4, 128);
+        assert_eq!(a.check(3, 100, 28, "our"), Ok(()));
+        assert_eq!(
+            a.check(3, 100, 29, "our").unwrap_err().to_string(),
+            "block 3 bytes 100..+29 is outside our arena of 4 blocks of 128 bytes"
+        );
+        assert_eq!(
+            a.check(4, 0, 1, "p/1/0").unwrap_err().to_string(),
+            "block 4 bytes 0..+1 is outside p/1/0's arena of 4 blocks of 128 bytes"
+        );
+        let e: crate::TransportError = a.check(u32::MAX, u32::MAX, u32::MAX, "our").unwrap_err().into();
+        assert!(matches!(e, crate::TransportError::OutOfRange(m) if m.starts_with("block 4294967295 bytes")));
+    }
 
     /// Resident memory of this process, bytes (Linux).
     fn resident() -> u64 {
@@ -181,9 +232,9 @@ mod tests {
             assert!(seen.iter().all(|&x| x == 0));
         }
         assert!(BlockArena::try_new(0, 8).is_err() && BlockArena::try_new(8, 0).is_err());
-        let refused = BlockArena::try_new(u32::MAX, usize::MAX / 2).err().unwrap_or_default();
+        let refused = BlockArena::try_new(u32::MAX, usize::MAX / 2).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(refused.contains("does not fit"), "a size past the address space is an error, not an abort: {refused}");
-        let refused = BlockArena::try_new(u32::MAX, 1 << 20).err().unwrap_or_default();
+        let refused = BlockArena::try_new(u32::MAX, 1 << 20).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(refused.contains("cannot allocate"), "memory the system will not give (4 PiB) is an error: {refused}");
         let before = resident();
         let big = BlockArena::new(1 << 20, 4096);

@@ -25,7 +25,7 @@ pub mod tcp;
 #[cfg(test)]
 mod testing;
 
-pub use arena::BlockArena;
+pub use arena::{ArenaError, BlockArena, OutOfRange};
 
 use std::future::Future;
 use tokio::net::{TcpListener, TcpSocket};

@@ -302,8 +302,8 @@ impl MemAgent {
             LinkDown::Gone | LinkDown::Cut => TransportError::Disconnected(peer.to_owned()),
         })?;
         for s in &op.segments {
-            other.arena.check(s.remote_block, s.remote_offset, s.len, peer).map_err(TransportError::OutOfRange)?;
-            self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+            other.arena.check(s.remote_block, s.remote_offset, s.len, peer)?;
+            self.arena.check(s.local_block, s.local_offset, s.len, "our")?;
         }
         // In the order the read names them (SPEC S4: the gate checks it), a block split over
         // several segments counted once.
@@ -343,8 +343,8 @@ impl MemAgent {
 /// notification, as a NIXL notification that follows the READ.
 fn land_unfenced(ours: &BlockArena, name: &str, other: &MemAgent, op: ReadOp) -> Result<(), TransportError> {
     for s in &op.segments {
-        other.arena.check(s.remote_block, s.remote_offset, s.len, &other.name).map_err(TransportError::OutOfRange)?;
-        ours.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+        other.arena.check(s.remote_block, s.remote_offset, s.len, &other.name)?;
+        ours.check(s.local_block, s.local_offset, s.len, "our")?;
     }
     for s in &op.segments {
         let mut tmp = vec![0; s.len as usize];

@@ -299,16 +299,17 @@ impl NixlAgent {
         let base = arena.as_ptr() as usize;
         let mut descs = Vec::with_capacity(op.segments.len());
         for s in &op.segments {
-            arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+            arena.check(s.local_block, s.local_offset, s.len, "our")?;
             let Some(remote) = peer.addr(s.remote_block, s.remote_offset, s.len).and_then(|a| usize::try_from(a).ok()) else {
-                return Err(TransportError::OutOfRange(crate::arena::out_of_range(
-                    s.remote_block,
-                    s.remote_offset,
-                    s.len,
-                    &peer.name,
-                    peer.num_blocks,
-                    peer.block_bytes as usize,
-                )));
+                return Err(crate::arena::OutOfRange {
+                    block: s.remote_block,
+                    offset: s.remote_offset,
+                    len: s.len,
+                    whose: peer.name.clone(),
+                    num_blocks: peer.num_blocks,
+                    block_bytes: peer.block_bytes as usize,
+                }
+                .into());
             };
             if s.len > 0 {
                 let local = base + s.local_block as usize * arena.block_bytes() + s.local_offset as usize;

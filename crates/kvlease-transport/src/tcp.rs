@@ -73,8 +73,9 @@
 mod wire;
 
 use crate::admission::{Admission, Unproven};
-use crate::auth::{self, Channel, ClusterKey, Nonces};
+use crate::auth;
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
+use kvlease_core::auth::{Answer, Challenge, ClusterKey, Nonces, Parties, Proven};
 use std::collections::HashMap;
 use std::future::Future;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -566,10 +567,9 @@ impl Inner {
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
         let (mut rd, mut wr) = stream.into_split();
-        let Some((from, nonces)) = self.prove_inbound(&mut rd, &mut wr, place).await else { return };
+        let Some((from, Proven { proof: ours, .. })) = self.prove_inbound(&mut rd, &mut wr, place).await else { return };
         // Proven: one of the few places for a holder of the secret (never a stranger's).
         let Some(slot) = HandshakeSlot::take(&self) else { return self.reject("overloaded") };
-        let ours = self.key.accept_tag(Channel::Agent, &from, &self.name, &nonces);
 
         // Hold the connection until the engine adds the peer (SPEC S2), or give up.
         let deadline = Instant::now() + self.options.hold_unknown;
@@ -650,9 +650,8 @@ impl Inner {
     /// The unauthenticated part of an inbound connection, all within `proof_timeout` and unless
     /// a newcomer evicts it first: the dialer's `Hello`, our challenge, its proof (SPEC S2; see
     /// the module doc). Nothing we send depends on the secret. Returns the proven dialer's name
-    /// and the connection's nonces; otherwise the refusal is counted and the connection is to be
-    /// closed.
-    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, mut place: Unproven) -> Option<(String, Nonces)> {
+    /// and our proof for it; otherwise the refusal is counted and the connection is to be closed.
+    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, mut place: Unproven) -> Option<(String, Proven)> {
         let deadline = Instant::now() + self.options.proof_timeout;
         let said_hello = std::sync::atomic::AtomicBool::new(false);
         let exchange = async {
@@ -666,20 +665,21 @@ impl Inner {
             if hello.to != self.name || hello.from == self.name {
                 return Err(Some("unknown_agent"));
             }
-            let nonces = Nonces { dialer: hello.nonce, acceptor: auth::nonce().map_err(|_| None)? };
-            wr.write_all(&Outgoing::hello_challenge(&nonces.acceptor).to_bytes()).await.map_err(|_| Some("unauthenticated"))?;
+            let challenge = Challenge::new(auth::nonce().map_err(|_| None)?);
+            wr.write_all(&Outgoing::hello_challenge(challenge.nonce()).to_bytes()).await.map_err(|_| Some("unauthenticated"))?;
             // Anything but a valid proof (a wrong one, another frame, a close) is a failed proof.
-            match read_handshake_frame(rd).await {
-                Ok((wire::HELLO_PROOF, proof)) if self.key.verify_dial(Channel::Agent, &hello.from, &self.name, &nonces, &proof) => {
-                    Ok((hello.from, nonces))
-                }
-                Ok((wire::HELLO_PROOF, _)) => {
+            let proof = match read_handshake_frame(rd).await {
+                Ok((wire::HELLO_PROOF, proof)) => proof,
+                _ => return Err(Some("unauthenticated")),
+            };
+            match challenge.check(&self.key, Parties::agents(&hello.from, &self.name), hello.nonce, &proof) {
+                Ok(proven) => Ok((hello.from, proven)),
+                Err(_) => {
                     // Says nothing of the secret, and spares a peer configured with another one
                     // its retries: it learns at once (best effort; we close anyway).
                     let _ = wr.write_all(&Outgoing::hello_refused().to_bytes()).await;
                     Err(Some("unauthenticated"))
                 }
-                _ => Err(Some("unauthenticated")),
             }
         };
         let outcome = tokio::select! {
@@ -785,15 +785,15 @@ impl Inner {
         let (mut rd, mut wr) = stream.into_split();
         let nonce = auth::nonce()?;
         wr.write_all(&Outgoing::hello(&self.name, peer, &nonce).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
-        let nonces = match read_handshake_frame(&mut rd).await {
-            Ok((wire::HELLO_CHALLENGE, body)) => Nonces { dialer: nonce, acceptor: wire::decode_challenge(&body).ok_or_else(bad_reply)? },
+        let challenge = match read_handshake_frame(&mut rd).await {
+            Ok((wire::HELLO_CHALLENGE, body)) => wire::decode_challenge(&body).ok_or_else(bad_reply)?,
             Ok(_) => return Err(bad_reply()),
             // Refused before any proof: not the agent we mean, or too many handshakes there.
             Err(_) => return Ok(Dialed::Closed),
         };
         // We prove first (see the module doc); the acceptor's proof comes with its verdict.
-        let ours = self.key.dial_tag(Channel::Agent, &self.name, peer, &nonces);
-        wr.write_all(&Outgoing::hello_proof(&ours).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
+        let answer = Answer::new(&self.key, Parties::agents(&self.name, peer), Nonces { dialer: nonce, acceptor: challenge });
+        wr.write_all(&Outgoing::hello_proof(&answer.proof).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
         let (verdict, theirs) = match read_handshake_frame(&mut rd).await {
             Ok((kind @ (wire::HELLO_ACK | wire::HELLO_NACK), body)) => (kind, wire::decode_proof(&body).ok_or_else(bad_reply)?),
             Ok((wire::HELLO_REFUSED, _)) => {
@@ -807,7 +807,7 @@ impl Inner {
             // It refused our proof (another secret?), did not add us in time, or is full.
             Err(_) => return Ok(Dialed::Closed),
         };
-        if !self.key.verify_accept(Channel::Agent, &self.name, peer, &nonces, &theirs) {
+        if answer.check(&theirs).is_err() {
             self.reject("unauthenticated");
             return Err(io_err(
                 "refusing",
@@ -956,8 +956,8 @@ impl Inner {
 
     /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
     fn serve_read(&self, conn: &Arc<Conn>, req: wire::ReadReq) {
-        if let Some(Err(msg)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
-            let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &msg));
+        if let Some(Err(e)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
+            let _ = self.send_ctrl(conn, Outgoing::read_err(req.req_id, wire::ERR_OUT_OF_RANGE, &e.to_string()));
             return;
         }
         // In the order the read names them (SPEC S4: the gate checks it), a block split over
@@ -1034,7 +1034,7 @@ impl Inner {
 
     async fn read(&self, peer: &str, op: ReadOp) -> Result<(), TransportError> {
         for s in &op.segments {
-            self.arena.check(s.local_block, s.local_offset, s.len, "our").map_err(TransportError::OutOfRange)?;
+            self.arena.check(s.local_block, s.local_offset, s.len, "our")?;
         }
         let max_segments = (self.options.max_frame.saturating_sub(wire::READ_REQ_FIXED)) / wire::READ_REQ_PER_SEGMENT;
         if op.segments.len() > max_segments {

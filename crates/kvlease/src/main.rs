@@ -250,9 +250,9 @@ struct EtcdArgs {
 
 /// `--etcd-prefix`: non-empty and ending in `/`, so one cluster's prefix never matches a
 /// sibling's (`/kvlease` would also watch `/kvlease-staging/...`).
-fn etcd_prefix(s: &str) -> Result<String, String> {
+fn etcd_prefix(s: &str) -> Result<String, InvalidConfig> {
     if s.is_empty() || !s.ends_with('/') {
-        return Err(format!("{s:?}: a key prefix ending in '/', e.g. /kvlease/"));
+        return Err(InvalidConfig(format!("{s:?}: a key prefix ending in '/', e.g. /kvlease/")));
     }
     Ok(s.to_string())
 }
@@ -514,7 +514,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         decode_ms_per_token: args.decode_ms_per_token,
     };
     check_sizes(args)?;
-    model.validate(args.tp_size).map_err(InvalidConfig)?;
+    model.validate(args.tp_size).map_err(|e| InvalidConfig(e.to_string()))?;
     if let Some(limit) = memory_limit() {
         check_kv_memory(&model, args.tp_size, args.num_gpu_blocks, limit)?;
     }

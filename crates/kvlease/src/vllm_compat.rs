@@ -4,6 +4,8 @@
 //! (`-pp`/`--pipeline-parallel-size`, `-dp`/`--data-parallel-size` above 1) is refused.
 //! The README's vLLM section lists every flag here.
 
+use crate::InvalidConfig;
+
 /// `vllm serve` flags taking a value that change nothing here: accepted, one warning each.
 pub const IGNORED_WITH_VALUE: &[(&str, &str)] = &[
     ("--gpu-memory-utilization", "the KV pool is --num-gpu-blocks"),
@@ -42,7 +44,7 @@ pub const IGNORED_SWITCHES: &[(&str, &str)] = &[
 const MUST_BE_ONE: &[&str] = &["--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"];
 
 /// Rewrites `serve`'s vLLM spellings; returns the arguments for clap and the warnings to log.
-pub fn rewrite(args: Vec<String>) -> Result<(Vec<String>, Vec<String>), String> {
+pub fn rewrite(args: Vec<String>) -> Result<(Vec<String>, Vec<String>), InvalidConfig> {
     if args.get(1).map(String::as_str) != Some("serve") {
         return Ok((args, Vec::new()));
     }
@@ -68,7 +70,7 @@ pub fn rewrite(args: Vec<String>) -> Result<(Vec<String>, Vec<String>), String> 
         if let Some((_, why)) = IGNORED_WITH_VALUE.iter().find(|(f, _)| *f == flag) {
             let value = match inline {
                 Some(v) => v,
-                None => it.next().ok_or_else(|| format!("{flag} needs a value"))?,
+                None => it.next().ok_or_else(|| InvalidConfig(format!("{flag} needs a value")))?,
             };
             notes.push(format!("vLLM flag {flag} {value} accepted and ignored: {why}"));
             continue;
@@ -80,12 +82,12 @@ pub fn rewrite(args: Vec<String>) -> Result<(Vec<String>, Vec<String>), String> 
         if MUST_BE_ONE.contains(&flag.as_str()) {
             let value = match inline {
                 Some(v) => v,
-                None => it.next().ok_or_else(|| format!("{flag} needs a value"))?,
+                None => it.next().ok_or_else(|| InvalidConfig(format!("{flag} needs a value")))?,
             };
             if value.trim() != "1" {
-                return Err(format!(
+                return Err(InvalidConfig(format!(
                     "{flag} {value}: kvlease has tensor parallelism only (--tp-size); pipeline and data parallelism must be 1"
-                ));
+                )));
             }
             continue;
         }
@@ -109,8 +111,8 @@ mod tests {
         assert_eq!(out, args("kvlease serve m --tp-size 2 --port 1"));
         assert_eq!(notes.len(), 3, "{notes:?}");
         assert!(notes[0].contains("--dtype bfloat16"));
-        assert!(rewrite(args("kvlease serve -pp 2")).unwrap_err().contains("pipeline"));
-        assert!(rewrite(args("kvlease serve --dtype")).unwrap_err().contains("needs a value"));
+        assert!(rewrite(args("kvlease serve -pp 2")).unwrap_err().0.contains("pipeline"));
+        assert!(rewrite(args("kvlease serve --dtype")).unwrap_err().0.contains("needs a value"));
         let proxy = args("kvlease proxy --dtype x");
         assert_eq!(rewrite(proxy.clone()).unwrap().0, proxy, "only serve is rewritten");
     }

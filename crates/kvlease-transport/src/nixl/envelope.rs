@@ -14,8 +14,9 @@
 //! tag being HMAC-SHA256 under the pair's key of `counter · payload` (see the crate's `auth`
 //! module and the nixl module doc). The trailer goes last so the payload stays where it is.
 
-use crate::auth::{NotifKey, TAG_LEN};
+use crate::auth::NotifKey;
 use crate::TransportError;
+use kvlease_core::auth::TAG_LEN;
 
 const MAGIC: &[u8; 4] = b"KVLN";
 const VERSION: u8 = 1;
@@ -217,7 +218,7 @@ mod tests {
 
     #[test]
     fn notifications_are_sealed_and_split_s2() {
-        let key = crate::auth::ClusterKey::new(Some(b"s")).notif_key("d", "p");
+        let key = NotifKey::new(&kvlease_core::auth::ClusterKey::new(Some(b"s")), "d", "p");
         let sealed = seal_notif(b"heartbeat".to_vec(), 7, &key);
         assert_eq!(sealed.len(), 9 + NOTIF_TRAILER);
         let (len, counter, tag) = split_notif(&sealed).expect("a trailer");

@@ -11,8 +11,9 @@
 
 use super::envelope::{self, PeerMd, NOTIF_TRAILER};
 use super::{lock, NixlOptions, Peer, Shared};
-use crate::auth::{ClusterKey, NotifKey, ReplayWindow};
+use crate::auth::{NotifKey, ReplayWindow};
 use crate::{AgentEvent, BlockArena, TransportError};
+use kvlease_core::auth::ClusterKey;
 use nixl_sys::{
     Agent as Nixl, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
     XferOp, XferRequest, XferStatus,
@@ -576,7 +577,8 @@ impl Worker {
 
     /// Seals a notification to `peer` with the next counter (SPEC S2).
     fn seal(&mut self, peer: &str, payload: Vec<u8>) -> Vec<u8> {
-        let out = self.outbound.entry(peer.to_owned()).or_insert_with(|| Outbound { key: self.key.notif_key(&self.name, peer), next: 1 });
+        let out =
+            self.outbound.entry(peer.to_owned()).or_insert_with(|| Outbound { key: NotifKey::new(&self.key, &self.name, peer), next: 1 });
         let counter = out.next;
         out.next += 1;
         envelope::seal_notif(payload, counter, &out.key)
@@ -594,7 +596,7 @@ impl Worker {
                 }
             }
             None => {
-                let key = self.key.notif_key(from, &self.name);
+                let key = NotifKey::new(&self.key, from, &self.name);
                 if !key.verify(counter, &bytes[..len], tag) {
                     return None;
                 }

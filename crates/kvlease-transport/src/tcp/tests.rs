@@ -3,10 +3,9 @@
 
 use super::wire::{self, Outgoing};
 use super::*;
-use crate::auth::{Channel::Agent as AG, Nonces};
-use crate::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use crate::testing::*;
 use crate::OpenGate;
+use kvlease_core::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use std::collections::BTreeMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -107,7 +106,7 @@ async fn closed(s: &mut TcpStream) {
 
 /// A raw client's side of the handshake, as `from` to the agent `to` at `addr`, with the key
 /// `key`: says hello, gets a bare nonce, and proves itself first. This pins the wire format.
-async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey) -> (TcpStream, Nonces) {
+async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey) -> (TcpStream, Answer) {
     let mut s = TcpStream::connect(addr).await.expect("connect");
     let nonce: Nonce = [0x11; NONCE_LEN];
     send(&mut s, &Outgoing::hello(from, to, &nonce)).await;
@@ -115,21 +114,22 @@ async fn raw_handshake(addr: SocketAddr, from: &str, to: &str, key: &ClusterKey)
     assert_eq!(kind, wire::HELLO_CHALLENGE);
     assert_eq!(body.len(), NONCE_LEN, "the challenge is a nonce and nothing computed from the secret");
     let nonces = Nonces { dialer: nonce, acceptor: wire::decode_challenge(&body).expect("a well-formed challenge") };
-    send(&mut s, &Outgoing::hello_proof(&key.dial_tag(AG, from, to, &nonces))).await;
-    (s, nonces)
+    let answer = Answer::new(key, Parties::agents(from, to), nonces);
+    send(&mut s, &Outgoing::hello_proof(&answer.proof)).await;
+    (s, answer)
 }
 
 /// A raw client that completes the handshake as the known peer `name` of `agent` (which has
 /// no secret), checking the agent's proof in its ack.
 async fn raw_known_peer(agent: &TcpAgent, name: &str) -> TcpStream {
     let key = ClusterKey::new(None);
-    let (mut s, nonces) = raw_handshake(agent.local_addr(), name, agent.name(), &key).await;
+    let (mut s, answer) = raw_handshake(agent.local_addr(), name, agent.name(), &key).await;
     eventually("the agent to hold the proven stranger", || agent.holds(name)).await;
     let md = wire::encode_metadata(name, "127.0.0.1:9".parse().unwrap());
     assert_eq!(within("add_peer", agent.add_peer(&md)).await.expect("adopts the held connection"), name);
     let (kind, proof) = recv(&mut s).await.expect("the ack");
     assert_eq!(kind, wire::HELLO_ACK);
-    assert!(key.verify_accept(AG, name, agent.name(), &nonces, &proof), "the ack carries the agent's proof");
+    assert!(answer.check(&proof).is_ok(), "the ack carries the agent's proof");
     s
 }
 
@@ -270,12 +270,12 @@ async fn fake_p_handshake(d: &TcpAgent, listener: &TcpListener) -> TcpStream {
         assert_eq!(kind, wire::HELLO);
         let hello = wire::decode_hello(&body).expect("a well-formed hello");
         assert_eq!((hello.from.as_str(), hello.to.as_str()), ("d", "fake-p"));
-        let (key, nonces) = (ClusterKey::new(None), Nonces { dialer: hello.nonce, acceptor: [0x22; NONCE_LEN] });
-        send(&mut s, &Outgoing::hello_challenge(&nonces.acceptor)).await;
+        let challenge = Challenge::new([0x22; NONCE_LEN]);
+        send(&mut s, &Outgoing::hello_challenge(challenge.nonce())).await;
         let (kind, proof) = recv(&mut s).await.expect("d's proof");
         assert_eq!(kind, wire::HELLO_PROOF);
-        assert!(key.verify_dial(AG, "d", "fake-p", &nonces, &proof), "d proves itself");
-        send(&mut s, &Outgoing::hello_ack(&key.accept_tag(AG, "d", "fake-p", &nonces))).await;
+        let proven = challenge.check(&ClusterKey::new(None), Parties::agents("d", "fake-p"), hello.nonce, &proof).expect("d proves itself");
+        send(&mut s, &Outgoing::hello_ack(&proven.proof)).await;
         s
     };
     let (added, s) = within("handshake with the fake", async { tokio::join!(d.add_peer(&md), fake) }).await;

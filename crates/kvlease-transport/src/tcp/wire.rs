@@ -20,8 +20,8 @@
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
 //! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
 
-use crate::auth::{Nonce, Tag, NONCE_LEN, TAG_LEN};
 use crate::{Segment, TransportError};
+use kvlease_core::auth::{Nonce, Tag, NONCE_LEN, TAG_LEN};
 use std::net::SocketAddr;
 
 pub(super) const MAGIC: [u8; 4] = *b"KVLT";
