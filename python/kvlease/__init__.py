@@ -8,6 +8,7 @@ re-implemented in Python. Time is integer nanoseconds on the caller's monotonic 
 * :class:`IssuedLeaseTable` — the same when another process issues the ids D names leases by
   (vLLM's scheduler): names, leases on their way, completions the transport reports.
 * :class:`Renewer` — D's batched heartbeats and read safety (SPEC §5).
+* :class:`Pull` — D's pull of one request's KV: when to read, whether to use it (SPEC D6).
 * :func:`encode` / :func:`decode` / :func:`encode_heartbeats` — the wire codec (SPEC §9).
 * :class:`LeaseConfig`, :func:`parse_kv_transfer_config` — config parsing (SPEC §2).
 * ``kvlease.vllm`` — ``KvleaseConnector``, a vLLM KV connector built on these (needs vLLM).
@@ -23,6 +24,7 @@ from kvlease._core import (
     KvTransferConfig,
     LeaseConfig,
     LeaseTable,
+    Pull,
     Released,
     Renewer,
     WireDecodeError,
@@ -44,6 +46,7 @@ __all__ = [
     "KvTransferConfig",
     "LeaseConfig",
     "LeaseTable",
+    "Pull",
     "Released",
     "Renewer",
     "WireDecodeError",

@@ -12,6 +12,7 @@ __all__ = [
     "KvTransferConfig",
     "LeaseConfig",
     "LeaseTable",
+    "Pull",
     "Released",
     "Renewer",
     "WireDecodeError",
@@ -137,6 +138,33 @@ class LeaseTable:
     def stats(self) -> _LeaseStats: ...
     def __len__(self) -> int: ...
 
+_Verdict = tuple[Literal["use", "recompute", "fail"], str | None, str | None]
+
+@final
+class Pull:
+    def __new__(
+        cls,
+        config: LeaseConfig,
+        engine_id: str,
+        now_ns: int,
+        incarnation: int = 0,
+        fenced: bool = False,
+        link_wait: float | None = None,
+        confirm_within: float | None = None,
+    ) -> Pull: ...
+    @property
+    def read_budget(self) -> float: ...
+    def check(
+        self, answer: Literal["safe", "renew_first", "no_link", "untracked", "unreachable"], now_ns: int
+    ) -> tuple[Literal["read", "wait", "lost"], int | None, bool, _Verdict | None]: ...
+    def reading(self, now_ns: int) -> int | None: ...
+    def reads_done(
+        self, ok: bool, n: int, now_ns: int, timed_out: bool = False, why: str | None = None
+    ) -> tuple[Literal["await", "decided"], int | None, _Verdict | None]: ...
+    def on_read_done_ack(self, live: bool) -> _Verdict | None: ...
+    def on_deadline(self) -> _Verdict: ...
+    def lease_lost(self) -> _Verdict: ...
+
 class _IssuedStats(_LeaseStats):
     unknown: int
     early_renewals: int
@@ -208,7 +236,7 @@ class Renewer:
     def lease_lost(self, engine_id: str, lease_ids: Sequence[int], now_ns: int) -> None: ...
     def read_check(
         self, request_id: str, budget: float, now_ns: int, fenced: bool = False
-    ) -> Literal["safe", "renew_first", "untracked", "unreachable"]: ...
+    ) -> Literal["safe", "renew_first", "no_link", "untracked", "unreachable"]: ...
     def poll(self, now_ns: int) -> list[Action]: ...
     def poll_timeout(self) -> int | None: ...
     @property

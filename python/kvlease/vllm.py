@@ -54,6 +54,7 @@ from kvlease._core import (
     WIRE_VERSION,
     IssuedLeaseTable,
     LeaseConfig,
+    Pull,
     Released,
     Renewer,
     WireDecodeError,
@@ -507,10 +508,13 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_thread: threading.Thread | None = None
         self._kvlease_stop = threading.Event()
         self._kvlease_wake = threading.Event()
-        # SPEC D6: reads waiting for an acknowledged renewal: request -> (its metadata, give up at).
-        self._kvlease_deferred: dict[str, tuple[Any, int]] = {}
-        # When each held-back read was first held back.
-        self._kvlease_deferred_at: dict[str, int] = {}
+        # SPEC D6: each read of a kvlease P's lease is a kvlease-core Pull, which decides when it
+        # may be read and whether its bytes may be used; here only vLLM's side is carried out.
+        # Reads waiting for an acknowledged renewal: request -> (its metadata, its pull, ask
+        # again at (ns)).
+        self._kvlease_deferred: dict[str, tuple[Any, Pull, int]] = {}
+        # Reads posted: request -> its pull.
+        self._kvlease_pulls: dict[str, Pull] = {}
         # Answers from P applied so far (acknowledgements, losses), and what the gate last saw.
         self._kvlease_news = 0
         self._kvlease_news_seen = 0
@@ -520,7 +524,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # they arrive, never read unguarded, and their reads are used only once P confirms them.
         self._kvlease_reqs: dict[str, tuple[str, int]] = {}
         # SPEC P5/D6: reads landed and waiting for P's confirmation, by wire id:
-        # [request, give up at (ns), answers still awaited, every answer so far live].
+        # [request, its pull, give up at (ns), the verdict once decided].
         self._kvlease_confirming: dict[int, list[Any]] = {}
         # Requests whose read landed (confirming or confirmed): no longer renewed.
         self._kvlease_landed: set[str] = set()
@@ -566,91 +570,75 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._log_failure(failure_type=why, req_id=req_id, meta=meta)
         self._failed_recv_reqs.put(req_id)
 
+    def _kvlease_pull(self, req_id: str, now: int) -> Pull:
+        """A kvlease-core Pull for a read of a kvlease P's lease: vLLM's worker handshakes late
+        (on a heartbeat step or for a read), so a read may also wait for that link, within L (a
+        lease nobody could renew is gone by then); and a busy vLLM P answers confirmations on
+        its control channel's thread, so they are waited for max(L, CONFIRM_WAIT_MIN_S)."""
+        cfg = self.kvlease_config
+        engine = self._kvlease_reqs.get(req_id, ("", 0))[0]
+        return Pull(cfg, engine, now, link_wait=cfg.lease_duration, confirm_within=max(cfg.lease_duration, self.CONFIRM_WAIT_MIN_S))
+
     def _kvlease_gate_reads(self, metadata: Any) -> None:
-        """SPEC D6 on D, for leases kvlease's renewer holds: a lease P reported lost is never
-        read; a lease is read while an acknowledged heartbeat covers the read budget (E/4) —
-        otherwise its read waits for the renewal's acknowledgement, at most E (longer only while
-        there is no link to P yet), and its load fails if none comes. A request of a kvlease P
-        whose lease the renewer no longer holds is never read (its load fails); requests of a
-        stock P read as in vLLM."""
+        """SPEC D6 on D, for leases kvlease's renewer holds, as each read's Pull decides: a lease
+        P reported lost is never read; a lease is read while an acknowledged heartbeat covers the
+        read budget, otherwise its read waits for the renewal's acknowledgement (E; once more
+        while there is no link to P yet, within L), and its load fails if none comes or P cannot
+        be reached. Requests of a stock P read as in vLLM."""
         reqs = metadata.reqs_to_recv
         for req_id in [r for r in reqs if r in self.kvlease_lost]:
             self.kvlease_lost.discard(req_id)
             self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_lost")
         if not reqs and not self._kvlease_deferred:
             return
-        budget = self.kvlease_config.read_budget
         wake = False
         with self._kvlease_lock:
             r = self._kvlease_renewer
             now = time.monotonic_ns()
-            # A held-back read is asked about again when P answered something, or every
-            # RECHECK_NS: each "not yet" queues a renewal, and vLLM steps in a busy loop (asking
-            # every step sent a renewal per step, hundreds a second, while the read waited).
+            # A held-back read is asked about again when P answered something, or when its pull
+            # says (at most every RECHECK_NS otherwise): each "not yet" queues a renewal, and
+            # vLLM steps in a busy loop.
             recheck = self._kvlease_news != self._kvlease_news_seen or now >= self._kvlease_recheck_at
             if recheck:
                 self._kvlease_news_seen = self._kvlease_news
                 self._kvlease_recheck_at = now + self.RECHECK_NS
-            for req_id, (meta, give_up) in list(self._kvlease_deferred.items()):
+            for req_id, (meta, pull, at) in list(self._kvlease_deferred.items()):
                 if req_id in self.kvlease_lost:
                     self.kvlease_lost.discard(req_id)
                     del self._kvlease_deferred[req_id]
                     self._kvlease_fail_load(req_id, meta, "kvlease_lease_lost")
                     continue
-                if not recheck and now < give_up:
+                if not recheck and now < at:
                     continue
-                check = r.read_check(req_id, budget, now)
-                if check == "safe":
+                del self._kvlease_deferred[req_id]
+                if self._kvlease_step(req_id, meta, pull, now):
                     logger.debug("kvlease: the held-back read of %s may go", req_id)
-                    del self._kvlease_deferred[req_id]
                     reqs[req_id] = meta
-                elif check == "untracked":
-                    # Held back unconfirmed and no longer renewed (aborted, finished or lost
-                    # meanwhile): never read it now; its blocks may be anyone's.
-                    del self._kvlease_deferred[req_id]
-                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_untracked")
-                elif now >= give_up and not self._kvlease_waits_for_link(req_id, give_up, now):
-                    # P acknowledged no renewal within E (it answers on its control channel's
-                    # thread, whether or not its engine steps): the lease cannot be shown live,
-                    # and its blocks may be another request's. Never read it.
-                    logger.warning("kvlease: P acknowledged no renewal of the lease of %s within E; its load fails", req_id)
-                    del self._kvlease_deferred[req_id]
-                    self._kvlease_fail_load(req_id, meta, "kvlease_lease_unconfirmed")
-                elif now >= give_up:
-                    # No link to P yet: the wait for its answer starts once there is one.
-                    self._kvlease_deferred[req_id] = (meta, now + int(self.kvlease_config.ack_wait * 1e9))
-                    wake = True
-                else:
-                    wake = True
+                wake = True
             for req_id in list(reqs):
-                if req_id in self._kvlease_deferred or req_id not in self._kvlease_reqs:
+                if req_id in self._kvlease_pulls or req_id not in self._kvlease_reqs:
                     continue
-                if not r.is_tracked(req_id):
-                    self._kvlease_fail_load(req_id, reqs.pop(req_id), "kvlease_lease_untracked")
-                    continue
-                check = r.read_check(req_id, budget, now)
-                if check != "safe":
-                    logger.debug("kvlease: the read of %s waits for an acknowledged renewal (%s)", req_id, check)
-                    wait = self.kvlease_config.ack_wait
-                    self._kvlease_deferred[req_id] = (reqs.pop(req_id), now + int(wait * 1e9))
-                    self._kvlease_deferred_at.setdefault(req_id, now)
+                if not self._kvlease_step(req_id, reqs[req_id], self._kvlease_pull(req_id, now), now):
+                    del reqs[req_id]
                     wake = True
-            for req_id in [q for q in self._kvlease_deferred_at if q not in self._kvlease_deferred]:
-                del self._kvlease_deferred_at[req_id]
         if wake:
             self._kvlease_wake.set()
 
-    def _kvlease_waits_for_link(self, req_id: str, give_up: int, now: int) -> bool:
-        """Whether a held-back read whose wait ran out should go on waiting because P's engine has
-        no link yet (vLLM's worker handshakes on its next heartbeat step, and only then can a
-        renewal be sent and answered): at most a lease duration after it was held back, by which
-        time a lease nobody renewed is gone anyway. Under the lock."""
-        engine = self._kvlease_reqs.get(req_id, ("", 0))[0]
-        if self._kvlease_renewer.is_ready(engine):
-            self._kvlease_deferred_at.pop(req_id, None)
+    def _kvlease_step(self, req_id: str, meta: Any, pull: Pull, now: int) -> bool:
+        """Asks ``pull`` whether ``req_id`` may be read now (under the lock): ``True`` to read
+        (the pull then waits for the read); otherwise it waits (held back) or its load fails."""
+        step, at, _, verdict = pull.check(self._kvlease_renewer.read_check(req_id, pull.read_budget, now), now)
+        if step == "read" and pull.reading(now) is not None:
+            self._kvlease_pulls[req_id] = pull
+            return True
+        if step == "wait" and at is not None:
+            logger.debug("kvlease: the read of %s waits for an acknowledged renewal", req_id)
+            self._kvlease_deferred[req_id] = (meta, pull, at)
             return False
-        since = self._kvlease_deferred_at.get(req_id, give_up)
-        return now < since + int(self.kvlease_config.lease_duration * 1e9)
+        kind, why = (verdict[1], verdict[2]) if verdict is not None else ("lease_lost", "")
+        logger.warning("kvlease: the lease of %s cannot be shown live (%s); its load fails", req_id, why)
+        self._kvlease_fail_load(req_id, meta, f"kvlease_{kind}")
+        return False
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """vLLM's registration; then, on a P, kvlease's control channel starts and its port joins
@@ -788,6 +776,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             for req_id in gone:
                 r.untrack(req_id)
                 self._kvlease_reqs.pop(req_id, None)
+                self._kvlease_pulls.pop(req_id, None)
                 self._kvlease_landed.discard(req_id)
             for req_id, (engine_id, host, port, wire_id, control) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
@@ -886,33 +875,43 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if transfers is not self._recving_transfers:
             return done, failed
         now = time.monotonic_ns()
-        wait = int(max(self.kvlease_config.lease_duration, self.CONFIRM_WAIT_MIN_S) * 1e9)
         for req_id in [r for r in done if r in self._kvlease_reqs and r not in failed]:
             done.discard(req_id)
             engine_id, wire_id = self._kvlease_reqs[req_id]
             msg = encode({"type": "read_done", "lease_id": wire_id, "consumer_rank": self.tp_rank, "n": 1, "digest": bytes(16)})
+            ranks = len(self._remote_agents.get(engine_id) or {})
             with self._kvlease_lock:
-                self._kvlease_confirming[wire_id] = [req_id, now + wait, 0, True]
-                # The read is done: nothing renews the lease any more (P ends it on the read's
-                # completion), and a heartbeat racing that end is not reported as a loss.
+                pull = self._kvlease_pulls.pop(req_id, None)
+                if pull is None:  # pragma: no cover - every read of a kvlease lease passed the gate
+                    pull = self._kvlease_pull(req_id, now)
+                    pull.check("safe", now)
+                    pull.reading(now)
+                # One confirmation per P rank read from; registered before the questions go, so
+                # an answer cannot overtake it. The read is done: nothing renews the lease any
+                # more (P ends it on the read's completion).
+                what, until, verdict = pull.reads_done(True, max(ranks, 1), now)
+                self._kvlease_confirming[wire_id] = [req_id, pull, until or now, verdict]
                 self._kvlease_landed.add(req_id)
                 self._kvlease_renewer.untrack(req_id)
             sent = self._kvlease_send(engine_id, msg)
-            with self._kvlease_lock:
-                entry = self._kvlease_confirming.get(wire_id)
-                if entry is not None:
-                    entry[2] += sent
-                    entry[3] = entry[3] and sent > 0  # nobody to ask: not confirmed
+            if sent < ranks or not sent:
+                # A P rank not asked never answers: not confirmed (SPEC P5).
+                with self._kvlease_lock:
+                    entry = self._kvlease_confirming.get(wire_id)
+                    if entry is not None and entry[3] is None:
+                        entry[3] = pull.on_deadline()
         with self._kvlease_lock:
-            for wire_id, (req_id, give_up, awaited, live) in list(self._kvlease_confirming.items()):
-                if live and awaited > 0 and now < give_up:
+            for wire_id, (req_id, pull, until, verdict) in list(self._kvlease_confirming.items()):
+                if verdict is None and now < until:
                     continue
                 del self._kvlease_confirming[wire_id]
-                if live and awaited <= 0:
+                if verdict is None:
+                    verdict = pull.on_deadline()
+                if verdict[0] == "use":
                     done.add(req_id)
                 else:
-                    why = "kvlease_read_lost" if not live else "kvlease_read_unconfirmed"
-                    logger.warning("kvlease: the read of request %s is not used (%s): P did not confirm its lease", req_id, why)
+                    why = f"kvlease_{verdict[1]}"
+                    logger.warning("kvlease: the read of request %s is not used (%s): %s", req_id, why, verdict[2])
                     self._kvlease_lost_count += 1
                     self._log_failure(failure_type=why, req_id=req_id)
                     failed.add(req_id)
@@ -954,16 +953,15 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             return
         with self._kvlease_lock:
             for entry in self._kvlease_confirming.values():
-                if entry[2] > 0 and self._kvlease_reqs.get(entry[0], ("", 0))[0] == engine_id:
-                    entry[1] = 0
+                if entry[3] is None and self._kvlease_reqs.get(entry[0], ("", 0))[0] == engine_id:
+                    entry[3] = entry[1].on_deadline()
 
     def _kvlease_read_answered(self, wire_id: int, live: bool) -> None:
         """One P rank's answer to our ``ReadDone``."""
         with self._kvlease_lock:
             entry = self._kvlease_confirming.get(wire_id)
-            if entry is not None:
-                entry[2] -= 1
-                entry[3] = entry[3] and bool(live)
+            if entry is not None and entry[3] is None:
+                entry[3] = entry[1].on_read_done_ack(bool(live))
 
     def kvlease_finished(self, req_ids: set[str]) -> None:
         """Requests vLLM's scheduler finished or aborted: a lost lease remembered for a load

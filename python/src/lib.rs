@@ -11,6 +11,7 @@ use kvlease_core::config::{ConfigError, KvRole, KvTransferConfig, LeaseConfig, L
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::IssuedLeases;
 use kvlease_core::lease_table::{Completion, Holder, LeaseTable, ReleaseReason, Released};
+use kvlease_core::pull::{AfterReads, Pull, PullLost, ReadFailure, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::{self, Hello, Message, WireError};
 use kvlease_core::{LeaseId, Nanos};
@@ -444,6 +445,130 @@ impl PyLeaseTable {
     }
 }
 
+// ---------------------------------------------------------------- pull
+
+fn read_check_of(answer: &str) -> PyResult<ReadCheck> {
+    Ok(match answer {
+        "safe" => ReadCheck::Safe,
+        "renew_first" => ReadCheck::RenewFirst,
+        "no_link" => ReadCheck::NoLink,
+        "untracked" => ReadCheck::Untracked,
+        "unreachable" => ReadCheck::Unreachable,
+        other => return Err(KvleaseError::new_err(format!("not an answer of Renewer.read_check: {other:?}"))),
+    })
+}
+
+/// A verdict as ``(what, kind, why)``: what is ``"use"``, ``"recompute"`` or ``"fail"``; for the
+/// last two, ``kind`` names why in a word (``lease_lost``, ``read_unconfirmed``, ...) and ``why``
+/// in words.
+fn verdict_of(v: Verdict) -> (&'static str, Option<&'static str>, Option<String>) {
+    match v {
+        Verdict::Use => ("use", None, None),
+        Verdict::Recompute(l) => ("recompute", Some(l.kind()), Some(l.to_string())),
+        Verdict::Fail(l) => ("fail", Some(l.kind()), Some(l.to_string())),
+    }
+}
+
+/// D's pull of one request's KV (SPEC D6) as kvlease-core decides it: wait for a live
+/// acknowledgement (``check`` with ``Renewer.read_check``'s answer), read (``reading``: the
+/// driver posts the reads itself), wait for P's confirmations (``reads_done``,
+/// ``on_read_done_ack``, ``on_deadline``). Verdicts are ``(what, kind, why)`` tuples.
+#[pyclass(module = "kvlease._core", name = "Pull")]
+struct PyPull {
+    pull: Pull,
+}
+
+#[pymethods]
+impl PyPull {
+    /// A pull of a lease ``engine_id`` granted, from ``now_ns``. ``link_wait``: a read whose wait
+    /// ran out with no link to P yet waits once more within this many seconds of the start
+    /// (default: none). ``confirm_within``: how long P's confirmations are waited for (default:
+    /// the config's).
+    #[new]
+    #[pyo3(signature = (config, engine_id, now_ns, incarnation = 0, fenced = false, link_wait = None, confirm_within = None))]
+    fn new(
+        config: &PyLeaseConfig,
+        engine_id: &str,
+        now_ns: u64,
+        incarnation: u64,
+        fenced: bool,
+        link_wait: Option<f64>,
+        confirm_within: Option<f64>,
+    ) -> PyResult<Self> {
+        let mut pull = Pull::new(&config.inner, engine_id, incarnation, fenced, Nanos(now_ns));
+        if let Some(s) = link_wait {
+            pull = pull.waiting_for_link(duration_of("link_wait", s)?);
+        }
+        if let Some(s) = confirm_within {
+            pull = pull.confirming_within(duration_of("confirm_within", s)?);
+        }
+        Ok(PyPull { pull })
+    }
+
+    /// The read budget (seconds): ``Renewer.read_check``'s.
+    #[getter]
+    fn read_budget(&self) -> f64 {
+        secs(self.pull.read_budget())
+    }
+
+    /// Step 1, with ``Renewer.read_check``'s answer: ``("read", None, False, None)``,
+    /// ``("wait", until_ns, renew, None)`` (``renew``: wake the renewer first) or
+    /// ``("lost", None, False, verdict)``.
+    #[allow(clippy::type_complexity)]
+    fn check(
+        &mut self,
+        answer: &str,
+        now_ns: u64,
+    ) -> PyResult<(&'static str, Option<u64>, bool, Option<(&'static str, Option<&'static str>, Option<String>)>)> {
+        Ok(match self.pull.check(read_check_of(answer)?, Nanos(now_ns)) {
+            Step::Read => ("read", None, false, None),
+            Step::Wait { until, renew } => ("wait", Some(until.0), renew, None),
+            Step::Lost(lost) => ("lost", None, false, Some(verdict_of(self.pull.finish(Err(lost))))),
+        })
+    }
+
+    /// Step 2 when the driver posts the reads itself: their deadline (ns), or None when the pull
+    /// may not read (it is over).
+    fn reading(&mut self, now_ns: u64) -> Option<u64> {
+        self.pull.reading(Nanos(now_ns)).ok().map(|n| n.0)
+    }
+
+    /// Step 3: ``n`` reads landed (``ok``) or failed (``why``). ``("await", until_ns)`` for P's
+    /// confirmations, or ``("decided", verdict)``.
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (ok, n, now_ns, timed_out = false, why = None))]
+    fn reads_done(
+        &mut self,
+        ok: bool,
+        n: u32,
+        now_ns: u64,
+        timed_out: bool,
+        why: Option<String>,
+    ) -> (&'static str, Option<u64>, Option<(&'static str, Option<&'static str>, Option<String>)>) {
+        let result = if ok { Ok(n) } else { Err(ReadFailure::Transport(why.unwrap_or_else(|| "the read failed".into()))) };
+        match self.pull.reads_done(result, timed_out, Nanos(now_ns)) {
+            AfterReads::AwaitAcks { until } => ("await", Some(until.0), None),
+            AfterReads::Decided(v) => ("decided", None, Some(verdict_of(v))),
+        }
+    }
+
+    /// One ``ReadDoneAck``: the verdict once decided, else None.
+    fn on_read_done_ack(&mut self, live: bool) -> Option<(&'static str, Option<&'static str>, Option<String>)> {
+        self.pull.on_read_done_ack(live).map(verdict_of)
+    }
+
+    /// The deadline the pull gave passed (or its answer cannot come: the link to P closed): the
+    /// verdict.
+    fn on_deadline(&mut self) -> (&'static str, Option<&'static str>, Option<String>) {
+        verdict_of(self.pull.on_deadline())
+    }
+
+    /// The lease was reported lost: the verdict.
+    fn lease_lost(&mut self) -> (&'static str, Option<&'static str>, Option<String>) {
+        verdict_of(self.pull.finish(Err(PullLost::LeaseLost)))
+    }
+}
+
 // ---------------------------------------------------------------- issued leases
 
 /// P's lease table when another process issues the ids D names leases by (vLLM's scheduler puts
@@ -775,6 +900,7 @@ impl PyRenewer {
 
     /// SPEC D6: may the request's lease be read now, finishing within ``budget`` seconds?
     /// ``"safe"``, ``"renew_first"`` (a renewal is queued: poll, wait for the ack, ask again),
+    /// ``"no_link"`` (no handshake with P yet; a renewal is queued for when there is one),
     /// ``"untracked"`` or ``"unreachable"``. ``fenced``: the transport refuses reads of dead
     /// leases itself (kvlease's tcp agent; NIXL's READ is not), so only the handshake is needed.
     #[pyo3(signature = (request_id, budget, now_ns, fenced = false))]
@@ -785,6 +911,7 @@ impl PyRenewer {
             ReadCheck::RenewFirst => "renew_first",
             ReadCheck::Untracked => "untracked",
             ReadCheck::Unreachable => "unreachable",
+            ReadCheck::NoLink => "no_link",
         })
     }
 
@@ -1011,6 +1138,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReleased>()?;
     m.add_class::<PyLeaseTable>()?;
     m.add_class::<PyIssuedLeaseTable>()?;
+    m.add_class::<PyPull>()?;
     m.add_class::<PyAction>()?;
     m.add_class::<PyRenewer>()?;
     m.add_function(wrap_pyfunction!(parse_kv_transfer_config, m)?)?;

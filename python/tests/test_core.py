@@ -14,6 +14,7 @@ from kvlease import (
     KvleaseError,
     LeaseConfig,
     LeaseTable,
+    Pull,
     Renewer,
     WireDecodeError,
     decode,
@@ -202,6 +203,31 @@ def test_p1_p5_issued_ids_name_leases_and_overtaking_messages_are_held():
     assert decode(t.on_message(d2, encode(read_done), 3 * S)[0])["live"] is False
     with pytest.raises(KvleaseError):
         t.end(a, "expired", 3 * S)
+
+
+def test_d6_pull_decides_when_to_read_and_whether_to_use_it():
+    """kvlease-core's Pull as a driver that posts its own reads uses it (the vLLM connector): wait
+    for a live acknowledgement, read, use the bytes only once P confirmed every read; a read with
+    no link to P waits once more within the link wait; an unconfirmed one is not used."""
+    cfg = LeaseConfig(30)
+    p = Pull(cfg, "p0", 0, confirm_within=30.0)
+    what, until, renew, verdict = p.check("renew_first", 0)
+    assert what == "wait" and renew and until is not None and verdict is None
+    assert p.check("safe", 1)[0] == "read" and p.reading(1) is not None
+    assert p.reads_done(True, 2, 2) == ("await", 2 + 30 * S, None)
+    assert p.on_read_done_ack(True) is None
+    assert p.on_read_done_ack(True) == ("use", None, None)
+    e = int(cfg.ack_wait * S)
+    late = Pull(cfg, "p0", 0, link_wait=30.0)
+    assert late.check("no_link", e)[0] == "wait", "no link yet: waits once more"
+    assert late.check("no_link", 2 * e)[0] == "lost"
+    q = Pull(cfg, "p0", 0)
+    q.check("safe", 0)
+    q.reading(0)
+    q.reads_done(True, 1, 0)
+    assert q.on_deadline()[:2] == ("recompute", "read_unconfirmed")
+    with pytest.raises(KvleaseError):
+        Pull(cfg, "p0", 0).check("maybe", 0)
 
 
 def test_p7_malformed_message_raises_wire_error_table_unchanged():

@@ -57,6 +57,24 @@ pub enum PullLost {
     EndedUnderRead,
 }
 
+impl PullLost {
+    /// A short name for logs and failure labels (`kvlease_<kind>`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PullLost::LeaseLost => "lease_lost",
+            PullLost::Unreachable { .. } => "unreachable",
+            PullLost::NoLiveAck { .. } => "lease_unconfirmed",
+            PullLost::NoPeer => "no_peer",
+            PullLost::Restarted { .. } => "restarted",
+            PullLost::Topology { .. } => "topology",
+            PullLost::ReadTimedOut { .. } => "read_timed_out",
+            PullLost::ReadFailed(_) => "read_failed",
+            PullLost::NoReadDoneAck => "read_unconfirmed",
+            PullLost::EndedUnderRead => "read_lost",
+        }
+    }
+}
+
 impl fmt::Display for PullLost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -149,6 +167,10 @@ pub struct Pull {
     /// When the renewal asked for last may be asked for again: a wake-up for anything else
     /// before then (another pull's news) neither resends it nor advances the back-off.
     retry_at: Option<Nanos>,
+    /// When the pull began, and how long after it a read may wait for P's link as well as for an
+    /// acknowledgement ([`Pull::waiting_for_link`]).
+    start: Nanos,
+    link_wait: Duration,
     state: State,
     #[doc(hidden)]
     pub planted: Option<PlantedBug>,
@@ -207,9 +229,28 @@ impl Pull {
             renew_retry: Duration::from_millis(50).min(cfg.heartbeat_interval / 2),
             max_renew_retry: cfg.heartbeat_interval / 2,
             retry_at: None,
+            start: now,
+            link_wait: ack_wait,
             state: State::AwaitLive { until: now + ack_wait },
             planted: None,
         }
+    }
+
+    /// A driver whose links to P come late (vLLM's worker handshakes only on a heartbeat step or
+    /// for a read): a read whose wait for an acknowledgement ran out while there was still no
+    /// link to P waits once more, for `ack_wait`, if it began less than `wait` ago — a lease
+    /// nobody could renew is gone after L anyway. Without it, that wait is `ack_wait`.
+    pub fn waiting_for_link(mut self, wait: Duration) -> Pull {
+        self.link_wait = wait.max(self.ack_wait);
+        self
+    }
+
+    /// A driver whose confirmations come from a P that may be busy for longer than the default
+    /// ([`LeaseConfig::read_done_ack_wait`]): P's `ReadDoneAck`s are waited for `wait` once the
+    /// reads landed.
+    pub fn confirming_within(mut self, wait: Duration) -> Pull {
+        self.ack_after_read = wait;
+        self
     }
 
     /// How long a read may take and still be safe (the renewer's `read_check` budget).
@@ -232,7 +273,14 @@ impl Pull {
             _ if self.planted.is_some_and(PlantedBug::unconfirmed) => return Step::Read,
             ReadCheck::Untracked => PullLost::LeaseLost,
             ReadCheck::Unreachable => PullLost::Unreachable { engine_id: self.engine_id.clone() },
-            ReadCheck::RenewFirst if now < until => {
+            ReadCheck::NoLink if now >= until && now < self.start + self.link_wait => {
+                // No link to P yet: the wait for its answer starts again, once.
+                let until = now + self.ack_wait;
+                self.state = State::AwaitLive { until };
+                self.retry_at = None;
+                return Step::Wait { until: (now + self.renew_retry).min(until), renew: true };
+            }
+            ReadCheck::RenewFirst | ReadCheck::NoLink if now < until => {
                 if let Some(at) = self.retry_at.filter(|&at| now < at) {
                     return Step::Wait { until: at.min(until), renew: false };
                 }
@@ -241,7 +289,7 @@ impl Pull {
                 self.renew_retry = (self.renew_retry * 2).min(self.max_renew_retry);
                 return Step::Wait { until: at.min(until), renew: true };
             }
-            ReadCheck::RenewFirst => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
+            ReadCheck::RenewFirst | ReadCheck::NoLink => PullLost::NoLiveAck { engine_id: self.engine_id.clone(), waited: self.ack_wait },
         };
         self.state = State::Done;
         Step::Lost(lost)
@@ -274,6 +322,19 @@ impl Pull {
             return Err(PullLost::Restarted { granted_by: self.incarnation, now: incarnation });
         }
         read_plan(heads, p_ranks, d_tp).ok_or(PullLost::Topology { p_ranks, heads })
+    }
+
+    /// Step 2 for a driver whose transport plans and posts the reads itself (vLLM's worker): the
+    /// lease was found safe to read ([`Step::Read`]) and the reads go now. Returns their
+    /// deadline.
+    pub fn reading(&mut self, now: Nanos) -> Result<Nanos, PullLost> {
+        if !matches!(self.state, State::AwaitLive { .. }) {
+            self.state = State::Done;
+            return Err(PullLost::LeaseLost);
+        }
+        let until = now + self.read_timeout;
+        self.state = State::Reading { until };
+        Ok(until)
     }
 
     /// Step 3: the reads returned (`Err`: the first failure) or their deadline passed
@@ -412,6 +473,49 @@ mod tests {
         assert_eq!(p.check(ReadCheck::RenewFirst, early), Step::Wait { until: T0 + Duration::from_millis(50), renew: false });
         let due = T0 + Duration::from_millis(50);
         assert_eq!(p.check(ReadCheck::RenewFirst, due), Step::Wait { until: due + Duration::from_millis(100), renew: true });
+    }
+
+    /// SPEC D6 for a driver whose links come late (vLLM): a read whose wait for an
+    /// acknowledgement runs out while there is still no link to P waits once more, for
+    /// `ack_wait`, within the link wait; with a link (or by default) it gives up at `ack_wait`.
+    #[test]
+    fn d6_a_read_waits_once_more_for_a_late_link_within_the_link_wait() {
+        let c = cfg(); // L = 30 s, E = 20 s
+        let e = c.ack_wait();
+        let mut p = Pull::new(&c, "p", 0, false, T0);
+        assert!(matches!(p.check(ReadCheck::NoLink, T0 + e), Step::Lost(PullLost::NoLiveAck { .. })), "by default: E");
+        let mut p = Pull::new(&c, "p", 0, false, T0).waiting_for_link(c.lease_duration);
+        assert!(matches!(p.check(ReadCheck::NoLink, T0), Step::Wait { renew: true, .. }));
+        let Step::Wait { renew: true, .. } = p.check(ReadCheck::NoLink, T0 + e) else { panic!("waits once more") };
+        assert!(matches!(p.check(ReadCheck::RenewFirst, T0 + e + e - Duration::from_millis(1)), Step::Wait { .. }));
+        assert!(matches!(p.check(ReadCheck::NoLink, T0 + e + e), Step::Lost(PullLost::NoLiveAck { .. })), "past the link wait");
+        let mut linked = Pull::new(&c, "p", 0, false, T0).waiting_for_link(c.lease_duration);
+        assert!(matches!(linked.check(ReadCheck::RenewFirst, T0 + e), Step::Lost(PullLost::NoLiveAck { .. })), "a link: no more waiting");
+        let mut p = Pull::new(&c, "p", 0, false, T0).waiting_for_link(c.lease_duration);
+        assert!(matches!(p.check(ReadCheck::NoLink, T0 + e), Step::Wait { .. }));
+        assert_eq!(p.check(ReadCheck::Safe, T0 + e), Step::Read);
+    }
+
+    /// A driver that posts its own reads (vLLM): `reading` starts them, and P's confirmations are
+    /// waited for as long as the driver says.
+    #[test]
+    fn d6_reads_posted_by_the_driver_are_confirmed_within_its_wait() {
+        let c = cfg();
+        let wait = Duration::from_secs(30);
+        let mut p = Pull::new(&c, "p", 0, false, T0).confirming_within(wait);
+        assert_eq!(p.check(ReadCheck::Safe, T0), Step::Read);
+        assert!(p.reading(T0).is_ok());
+        assert_eq!(p.reads_done(Ok(2), false, T0), AfterReads::AwaitAcks { until: T0 + wait });
+        assert_eq!(p.on_read_done_ack(true), None);
+        assert_eq!(p.on_read_done_ack(true), Some(Verdict::Use));
+        let mut p = Pull::new(&c, "p", 0, false, T0);
+        p.check(ReadCheck::Safe, T0);
+        p.reading(T0).unwrap();
+        p.reads_done(Ok(1), false, T0);
+        assert_eq!(p.on_deadline(), Verdict::Recompute(PullLost::NoReadDoneAck));
+        let mut lost = Pull::new(&c, "p", 0, false, T0);
+        assert!(matches!(lost.check(ReadCheck::Untracked, T0), Step::Lost(_)));
+        assert_eq!(lost.reading(T0), Err(PullLost::LeaseLost), "never after a lost check");
     }
 
     /// SPEC §3, D6: a lease granted by another incarnation of P is never read.

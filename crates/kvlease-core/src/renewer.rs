@@ -127,6 +127,9 @@ pub enum ReadCheck {
     /// until one succeeds. Waiting is a bet on P coming back within the lease; recomputing now is
     /// always right.
     Unreachable,
+    /// No handshake with the lease's P engine has completed yet (it is asked for): nothing has
+    /// renewed the lease, nor could; a renewal is queued for when there is a link.
+    NoLink,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -961,15 +964,20 @@ impl Renewer {
         if matches!(engine.link, Link::Failed { .. }) {
             return ReadCheck::Unreachable;
         }
+        let linked = engine.link == Link::Ready;
         if fenced {
             // Waiting for the handshake, not for an acknowledgement.
-            return ReadCheck::RenewFirst;
+            return if linked { ReadCheck::RenewFirst } else { ReadCheck::NoLink };
         }
         let (lease_id, index) = (e.lease_id, e.engine);
         if let Some(engine) = self.engines.get_mut(index as usize).and_then(Option::as_mut) {
             engine.renew_for_read.insert(lease_id);
         }
-        ReadCheck::RenewFirst
+        if linked {
+            ReadCheck::RenewFirst
+        } else {
+            ReadCheck::NoLink
+        }
     }
 
     /// Everything due at `now`, appended to `out`.

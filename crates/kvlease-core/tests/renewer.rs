@@ -313,7 +313,7 @@ fn d6_unreachable_engine_is_not_waited_for() {
     let mut r = Renewer::new(&LeaseConfig::default());
     r.track("a", &p("P"), 1, at(0));
     assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
-    assert_eq!(r.read_check("a", Duration::from_secs(1), false, at(1)), ReadCheck::RenewFirst, "handshake still pending");
+    assert_eq!(r.read_check("a", Duration::from_secs(1), false, at(1)), ReadCheck::NoLink, "handshake still pending");
     r.handshake_done("P", Err(()), at(2));
     assert_eq!(r.read_check("a", Duration::from_secs(1), false, at(3)), ReadCheck::Unreachable);
 }
@@ -326,7 +326,7 @@ fn d6_a_fenced_read_waits_for_the_handshake_only() {
     r.track("a", &p("P"), 1, at(0));
     let budget = Duration::from_secs(1);
     assert!(matches!(&poll(&mut r, at(0))[..], [Action::Handshake { .. }]));
-    assert_eq!(r.read_check("a", budget, true, at(1)), ReadCheck::RenewFirst, "handshake still pending");
+    assert_eq!(r.read_check("a", budget, true, at(1)), ReadCheck::NoLink, "handshake still pending");
     r.handshake_done("P", Ok(found(11)), at(2));
     assert_eq!(r.read_check("a", budget, true, at(2)), ReadCheck::Safe, "no ack needed");
     let acts = poll(&mut r, at(3));
