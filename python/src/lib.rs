@@ -461,7 +461,10 @@ fn read_check_of(answer: &str) -> PyResult<ReadCheck> {
 /// A verdict as ``(what, kind, why)``: what is ``"use"``, ``"recompute"`` or ``"fail"``; for the
 /// last two, ``kind`` names why in a word (``lease_lost``, ``read_unconfirmed``, ...) and ``why``
 /// in words.
-fn verdict_of(v: Verdict) -> (&'static str, Option<&'static str>, Option<String>) {
+/// A pull's verdict for Python: what, kind, why.
+type PyVerdict = (&'static str, Option<&'static str>, Option<String>);
+
+fn verdict_of(v: Verdict) -> PyVerdict {
     match v {
         Verdict::Use => ("use", None, None),
         Verdict::Recompute(l) => ("recompute", Some(l.kind()), Some(l.to_string())),
@@ -514,12 +517,7 @@ impl PyPull {
     /// Step 1, with ``Renewer.read_check``'s answer: ``("read", None, False, None)``,
     /// ``("wait", until_ns, renew, None)`` (``renew``: wake the renewer first) or
     /// ``("lost", None, False, verdict)``.
-    #[allow(clippy::type_complexity)]
-    fn check(
-        &mut self,
-        answer: &str,
-        now_ns: u64,
-    ) -> PyResult<(&'static str, Option<u64>, bool, Option<(&'static str, Option<&'static str>, Option<String>)>)> {
+    fn check(&mut self, answer: &str, now_ns: u64) -> PyResult<(&'static str, Option<u64>, bool, Option<PyVerdict>)> {
         Ok(match self.pull.check(read_check_of(answer)?, Nanos(now_ns)) {
             Step::Read => ("read", None, false, None),
             Step::Wait { until, renew } => ("wait", Some(until.0), renew, None),
@@ -535,7 +533,6 @@ impl PyPull {
 
     /// Step 3: ``n`` reads landed (``ok``) or failed (``why``). ``("await", until_ns)`` for P's
     /// confirmations, or ``("decided", verdict)``.
-    #[allow(clippy::type_complexity)]
     #[pyo3(signature = (ok, n, now_ns, timed_out = false, why = None))]
     fn reads_done(
         &mut self,
@@ -544,7 +541,7 @@ impl PyPull {
         now_ns: u64,
         timed_out: bool,
         why: Option<String>,
-    ) -> (&'static str, Option<u64>, Option<(&'static str, Option<&'static str>, Option<String>)>) {
+    ) -> (&'static str, Option<u64>, Option<PyVerdict>) {
         let result = if ok { Ok(n) } else { Err(ReadFailure::Transport(why.unwrap_or_else(|| "the read failed".into()))) };
         match self.pull.reads_done(result, timed_out, Nanos(now_ns)) {
             AfterReads::AwaitAcks { until } => ("await", Some(until.0), None),
@@ -553,23 +550,26 @@ impl PyPull {
     }
 
     /// One ``ReadDoneAck``: the verdict once decided, else None.
-    fn on_read_done_ack(&mut self, live: bool) -> Option<(&'static str, Option<&'static str>, Option<String>)> {
+    fn on_read_done_ack(&mut self, live: bool) -> Option<PyVerdict> {
         self.pull.on_read_done_ack(live).map(verdict_of)
     }
 
     /// The deadline the pull gave passed (or its answer cannot come: the link to P closed): the
     /// verdict.
-    fn on_deadline(&mut self) -> (&'static str, Option<&'static str>, Option<String>) {
+    fn on_deadline(&mut self) -> PyVerdict {
         verdict_of(self.pull.on_deadline())
     }
 
     /// The lease was reported lost: the verdict.
-    fn lease_lost(&mut self) -> (&'static str, Option<&'static str>, Option<String>) {
+    fn lease_lost(&mut self) -> PyVerdict {
         verdict_of(self.pull.finish(Err(PullLost::LeaseLost)))
     }
 }
 
 // ---------------------------------------------------------------- issued leases
+
+/// A held message's answer: the holder it goes to, and the bytes.
+type HeldAnswer = (u32, Py<PyBytes>);
 
 /// P's lease table when another process issues the ids D names leases by (vLLM's scheduler puts
 /// one in ``kv_transfer_params``; its worker grants the lease one engine step later): messages
@@ -680,7 +680,7 @@ impl PyIssuedLeaseTable {
 
     /// The held messages due now (their lease named, or no longer possible, or ``max_age``
     /// seconds passed), answered in arrival order: ``([(holder, reply_bytes)], released)``.
-    fn answer_due(&mut self, py: Python<'_>, now_ns: u64, max_age: f64) -> PyResult<(Vec<(u32, Py<PyBytes>)>, Vec<PyReleased>)> {
+    fn answer_due(&mut self, py: Python<'_>, now_ns: u64, max_age: f64) -> PyResult<(Vec<HeldAnswer>, Vec<PyReleased>)> {
         let age = duration_of("max_age", max_age)?;
         let mut released = Vec::new();
         let due = self.table.answer_due(Nanos(now_ns), age, &mut released);
