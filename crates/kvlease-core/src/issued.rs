@@ -252,20 +252,29 @@ impl<T> IssuedLeases<T> {
     }
 
     /// The messages held for their lease's grant that are due now — the lease is named, or can
-    /// no longer be (a later id was named), or the first of them waited `max_age` — answered in
+    /// no longer be (a later id was named), or the message waited `max_age` — answered in
     /// arrival order: each with the holder that sent it, and the answer to send it.
     pub fn answer_due(&mut self, now: Nanos, max_age: Duration, released: &mut Vec<Released<T>>) -> Vec<(Holder, Message)> {
         if self.early.is_empty() {
             return Vec::new();
         }
         let max_age = u64::try_from(max_age.as_nanos()).unwrap_or(u64::MAX);
-        let due: Vec<u64> = self
-            .early
-            .iter()
-            .filter(|(w, items)| !self.pending(**w) || items.first().is_some_and(|h| now.0.saturating_sub(h.at.0) >= max_age))
-            .map(|(w, _)| *w)
-            .collect();
-        let mut items: Vec<Held> = due.iter().filter_map(|w| self.early.remove(w)).flatten().collect();
+        let aged = |h: &Held| now.0.saturating_sub(h.at.0) >= max_age;
+        let due: Vec<u64> = self.early.iter().filter(|(w, items)| !self.pending(**w) || items.iter().any(aged)).map(|(w, _)| *w).collect();
+        let mut items = Vec::new();
+        for w in due {
+            let Some(held) = self.early.remove(&w) else { continue };
+            if self.pending(w) {
+                // Each message waits its own maximum age; the younger ones stay held.
+                let (old, young): (Vec<Held>, Vec<Held>) = held.into_iter().partition(|h| aged(h));
+                items.extend(old);
+                if !young.is_empty() {
+                    self.early.insert(w, young);
+                }
+            } else {
+                items.extend(held);
+            }
+        }
         self.early_n -= items.len();
         items.sort_by_key(|h| h.at);
         let mut out = Vec::new();
