@@ -21,7 +21,7 @@ use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
 use crate::error::{cause, ApiError};
 use crate::server::{self, HttpLimits, HttpMetrics};
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
@@ -993,7 +993,7 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
         let fail = |why: String| {
             tracing::warn!(upstream = %from, "answer broken off after its first byte: {why}");
             let e = ApiError::bad_gateway(format!("upstream {from} broke off its answer: {why}"));
-            Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
+            crate::sse::framed([crate::sse::json(&e.body()), crate::sse::done()])
         };
         match next {
             Ok(Some(Ok(b))) => {
