@@ -984,8 +984,8 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
     let sse = content_type.as_ref().and_then(|c| c.to_str().ok()).is_some_and(|c| c.starts_with("text/event-stream"));
     let upstream = resp.bytes_stream();
-    // What the answer says, kept (up to a bound) while it passes, for `capture`.
-    let seen = capture.map(|c| (Vec::new(), c));
+    // What the answer says, read (within a bound) while it passes, for `capture`.
+    let seen = capture.map(|c| (TurnReader::new(sse), c));
     let body = futures_util::stream::unfold((Some(upstream), busy, seen), move |(up, busy, mut seen)| async move {
         let mut up = up?;
         let next = tokio::time::timeout_at(deadline, up.next()).await;
@@ -997,14 +997,14 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
         };
         match next {
             Ok(Some(Ok(b))) => {
-                if let Some((kept, _)) = &mut seen {
-                    keep_for_capture(kept, &b, sse);
+                if let Some((reader, _)) = &mut seen {
+                    reader.feed(&b);
                 }
                 Some((Ok(b), (Some(up), busy, seen)))
             }
             Ok(None) => {
-                if let Some((kept, capture)) = seen {
-                    capture(turn_params(&kept, sse));
+                if let Some((reader, capture)) = seen {
+                    capture(reader.finish());
                 }
                 None
             }
@@ -1026,74 +1026,123 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
 /// cached turn), if any.
 type Capture = Box<dyn FnOnce(Option<Value>) + Send>;
 
-/// Bytes of an answer kept to search for its cached turn: a whole answer longer than this is
-/// relayed but not searched; of a stream, the last this many bytes are kept.
+/// Bytes of a whole answer kept to search for its cached turn, and of one event of a stream: an
+/// answer (or event) longer than this is relayed but not searched.
 const MAX_CAPTURED: usize = 4 << 20;
 
-/// Keeps what `turn_params` will search: a whole answer up to [`MAX_CAPTURED`], or at least a
-/// stream's last half of that (D names its cached turn in the last chunk, however long the
-/// answer; a line cut at the front does not parse and is skipped). The front is dropped half the
-/// bound at a time, so each byte is moved at most once.
-fn keep_for_capture(kept: &mut Vec<u8>, piece: &[u8], sse: bool) {
-    if kept.len() + piece.len() <= MAX_CAPTURED {
-        kept.extend_from_slice(piece);
-    } else if sse {
-        let piece = &piece[piece.len().saturating_sub(MAX_CAPTURED / 2)..];
-        let over = (kept.len() + piece.len()).saturating_sub(MAX_CAPTURED / 2).min(kept.len());
-        kept.drain(..over);
-        kept.extend_from_slice(piece);
+/// Reads D's answer as it passes for the `kv_transfer_params` it names (its cached turn, SPEC
+/// B1): a whole JSON answer is kept (up to [`MAX_CAPTURED`]) and read at its end; a stream is
+/// parsed event by event ([`sse_parse`]: any chunking, `data:` with or without its space,
+/// each event bounded), and the last event that names params wins (D names them in its last
+/// chunk). Only an event that mentions `kv_transfer_params` is parsed as JSON.
+enum TurnReader {
+    Whole(Option<Vec<u8>>),
+    Stream { parser: Box<sse_parse::SseParser>, params: Option<Value> },
+}
+
+impl TurnReader {
+    fn new(sse: bool) -> TurnReader {
+        if sse {
+            TurnReader::Stream { parser: Box::new(sse_parse::SseParser::new().max_buffer(MAX_CAPTURED)), params: None }
+        } else {
+            TurnReader::Whole(Some(Vec::new()))
+        }
+    }
+
+    /// The next piece of the answer.
+    fn feed(&mut self, piece: &[u8]) {
+        match self {
+            TurnReader::Whole(kept) => {
+                if kept.as_ref().is_some_and(|k| k.len() + piece.len() > MAX_CAPTURED) {
+                    *kept = None;
+                }
+                if let Some(k) = kept {
+                    k.extend_from_slice(piece);
+                }
+            }
+            TurnReader::Stream { parser, params } => {
+                parser.feed(piece);
+                Self::drain(parser, params);
+            }
+        }
+    }
+
+    /// The answer ended: the params it named, if any.
+    fn finish(self) -> Option<Value> {
+        match self {
+            TurnReader::Whole(kept) => kept.and_then(|k| serde_json::from_slice::<Value>(&k).ok()).and_then(turn_of),
+            TurnReader::Stream { mut parser, mut params } => {
+                parser.finish();
+                Self::drain(&mut parser, &mut params);
+                params
+            }
+        }
+    }
+
+    fn drain(parser: &mut sse_parse::SseParser, params: &mut Option<Value>) {
+        while let Some(event) = parser.next_event() {
+            if event.data.contains("kv_transfer_params") {
+                if let Some(p) = serde_json::from_str::<Value>(&event.data).ok().and_then(turn_of) {
+                    *params = Some(p);
+                }
+            }
+        }
     }
 }
 
-/// The `kv_transfer_params` of a whole answer (JSON) or of its last SSE chunk that has them.
-fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
-    let of = |v: Value| v.get("kv_transfer_params").filter(|p| p.is_object()).cloned();
-    if !sse {
-        return serde_json::from_slice(answer).ok().and_then(of);
-    }
-    let text = std::str::from_utf8(answer).ok()?;
-    text.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(of).next_back()
+/// The `kv_transfer_params` object of an answer or chunk.
+fn turn_of(v: Value) -> Option<Value> {
+    v.get("kv_transfer_params").filter(|p| p.is_object()).cloned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk.
+    /// What a [`TurnReader`] finds in `pieces` of an answer.
+    fn read(sse: bool, pieces: &[&[u8]]) -> Option<Value> {
+        let mut r = TurnReader::new(sse);
+        for p in pieces {
+            r.feed(p);
+        }
+        r.finish()
+    }
+
+    /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk that
+    /// names it, however the stream is cut into pieces.
     #[test]
     fn b1_the_cached_turn_is_found_in_either_answer_shape() {
         let params = json!({"do_remote_decode": true, "remote_lease_id": 4});
         let whole = serde_json::to_vec(&json!({"choices": [], "kv_transfer_params": params})).unwrap();
-        assert_eq!(turn_params(&whole, false), Some(params.clone()));
+        assert_eq!(read(false, &[&whole[..9], &whole[9..]]), Some(params.clone()));
         let stream = format!(
             "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
             json!({"choices": [{"text": "a"}]}),
             json!({"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": params})
         );
-        assert_eq!(turn_params(stream.as_bytes(), true), Some(params));
-        assert_eq!(turn_params(b"data: {\"kv_transfer_params\": null}\n\n", true), None);
+        let b = stream.as_bytes();
+        for cut in [1, 7, b.len() / 2, b.len() - 3] {
+            assert_eq!(read(true, &[&b[..cut], &b[cut..]]), Some(params.clone()), "cut at {cut}");
+        }
+        assert_eq!(read(true, &[b"data:{\"kv_transfer_params\": {\"a\": 1}}\n\n"]), Some(json!({"a": 1})), "no space");
+        assert_eq!(read(true, &[b"data: {\"kv_transfer_params\": null}\n\n"]), None);
+        assert_eq!(read(true, &[b"data: {\"kv_transfer_params\": {\"a\": 1}}\n"]), None, "an event never ended");
     }
 
-    /// SPEC B1: a stream longer than the capture bound still has its cached turn found (in its
-    /// last chunk); a whole answer over the bound is not searched.
+    /// SPEC B1: a stream of any length still has its cached turn found (in its last chunk), past
+    /// an event over the bound; a whole answer over the bound is not searched.
     #[test]
     fn b1_a_long_stream_still_names_its_cached_turn() {
         let params = json!({"do_remote_decode": true, "remote_lease_id": 9});
         let token = format!("data: {}\n\n", json!({"choices": [{"text": " lease"}]})).repeat(1000);
+        let huge = format!("data: {}\n\n", json!({"kv_transfer_params": {"x": " ".repeat(MAX_CAPTURED)}}));
         let last = format!("data: {}\n\ndata: [DONE]\n\n", json!({"choices": [], "kv_transfer_params": params}));
-        let mut kept = Vec::new();
-        let mut sent = 0;
-        while sent <= 2 * MAX_CAPTURED {
-            keep_for_capture(&mut kept, token.as_bytes(), true);
-            sent += token.len();
-        }
-        keep_for_capture(&mut kept, last.as_bytes(), true);
-        assert!(kept.len() <= MAX_CAPTURED);
-        assert_eq!(turn_params(&kept, true), Some(params));
-        let mut whole = Vec::new();
-        keep_for_capture(&mut whole, &vec![b' '; MAX_CAPTURED], false);
-        keep_for_capture(&mut whole, b"{}", false);
-        assert_eq!(whole.len(), MAX_CAPTURED, "a whole answer over the bound is not kept");
+        let mut pieces: Vec<&[u8]> = vec![token.as_bytes(); 2 * MAX_CAPTURED / token.len() + 1];
+        pieces.push(huge.as_bytes());
+        pieces.push(last.as_bytes());
+        assert_eq!(read(true, &pieces), Some(params));
+        let over = vec![b' '; MAX_CAPTURED];
+        assert_eq!(read(false, &[&over, b"{}"]), None, "a whole answer over the bound is not kept");
     }
 
     /// The P leg as vLLM's toy proxy sends it: one choice, not streamed, one token
