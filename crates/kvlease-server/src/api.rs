@@ -2,7 +2,7 @@
 //! `/v1/models`, `/health` and `/metrics` (SPEC §10, §11), served within [`HttpLimits`].
 //!
 //! A request's [`RequestStream`] is owned by the handler future (non-streaming) or by the
-//! response body's producer (streaming, [`Outbox`]). When the client goes away, or stops taking
+//! response body's producer (streaming, [`crate::outbox::Outbox`]). When the client goes away, or stops taking
 //! its answer (`--http-write-timeout`, `--http-max-buffered-stream-bytes`), both are dropped, the
 //! stream with them, and the engine aborts the request: on D that releases P's lease at once
 //! (SPEC D4).
@@ -12,7 +12,6 @@ use crate::choice::{self, Choice, Out, StopRules};
 use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::openai::{self, Completion, Endpoint, ResponseMeta, Usage};
-use crate::outbox::Outbox;
 use crate::server::{self, HttpLimits, HttpMetrics};
 use crate::sse;
 use axum::body::Body;
@@ -263,18 +262,7 @@ async fn run(st: &AppState, rid: &str, parts: &Parts, body: Body, endpoint: Endp
         }
     }
     if c.stream {
-        let events = sse::events(meta, choices, c.include_usage, c.n, c.logprobs.is_some());
-        let (body, outbox) = Outbox::new(events, st.max_stream_bytes);
-        let mut resp = (
-            [
-                (header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream")),
-                (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-            ],
-            body,
-        )
-            .into_response();
-        resp.extensions_mut().insert(outbox);
-        return Ok(resp);
+        return Ok(sse::response(meta, choices, c.include_usage, c.n, c.logprobs.is_some(), st.max_stream_bytes));
     }
     collect(meta, choices, c.n, c.logprobs.is_some()).await.map(|v| axum::Json(v).into_response())
 }

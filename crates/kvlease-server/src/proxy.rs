@@ -21,7 +21,7 @@ use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
 use crate::error::{cause, ApiError};
 use crate::server::{self, HttpLimits, HttpMetrics};
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
@@ -661,11 +661,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     };
     p.requests.inc();
     let deadline = tokio::time::Instant::now() + p.request_timeout;
-    let routed = tokio::time::timeout_at(deadline, route(&p, &rid, &parts, body, deadline)).await.unwrap_or_else(|_| {
-        p.timeouts.inc();
-        Err(ApiError::gateway_timeout(format!("no answer within the proxy's --request-timeout ({} s)", p.request_timeout.as_secs_f64())))
-    });
-    let resp = match routed {
+    let resp = match route(&p, &rid, &parts, body, deadline).await {
         Ok(r) => r,
         Err(e) => {
             if e.status.is_server_error() {
@@ -684,9 +680,11 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
 }
 
 /// One request through [`route::Route`]: the machine picks the legs' engines and decides
-/// retries, releases and the turn cache; this sends the legs, reads their answers and relays.
+/// retries, releases and the turn cache, and what the request's deadline passing means; this
+/// sends the legs, reads their answers (each within the deadline) and relays.
 async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: tokio::time::Instant) -> Result<Response, ApiError> {
-    let mut request = body::json_object(parts, body).await?;
+    let Some(request) = within(deadline, body::json_object(parts, body)).await else { return Err(timed_out(p)) };
+    let mut request = request?;
     // Multi-turn: the conversation this request continues (the legs do not carry it).
     let conversation = match request.remove("conversation_id") {
         None | Some(Value::Null) => None,
@@ -704,13 +702,13 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     // A list of prompts has no single KV to hand over: the decoder computes it (same answers).
     let batched =
         request.get("prompt").and_then(Value::as_array).is_some_and(|a| a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()));
-    let mut route: Route = route::Route::new(conversation, batched, &mut p.turns.cache(), p.turns.now());
+    let route = route::Route::new(conversation, batched, &mut p.turns.cache(), p.turns.now());
     if route.has_turn() {
         p.turns_used.inc();
     }
-    // P's answer (its params); the decode leg built from it; the answers relayed whole, by leg;
-    // D's answer to stream; why the last prefill leg went wrong (for the log).
-    let mut p_json = Value::Null;
+    let mut routed = Routed { route, p: Arc::clone(p), rid: rid.to_owned(), p_json: Value::Null };
+    // The decode leg built from P's answer; the answers relayed whole, by leg; D's answer to
+    // stream; why the last prefill leg went wrong (for the log).
     let mut d_request: Option<Map<String, Value>> = None;
     let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
     let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
@@ -722,9 +720,10 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             prefill: route::Pool { candidates: &prefill, start: ps },
             decode: route::Pool { candidates: &decode, start: ds },
         };
-        let Some(action) = route.poll(pools) else {
+        let Some(action) = routed.route.poll(pools) else {
             return Err(ApiError::bad_gateway("the proxy lost track of the request (a bug: please report it)"));
         };
+        let Some(action) = routed.settle(action) else { continue };
         let event = match action {
             Action::SendPrefill { to, turn, retry } => {
                 if retry {
@@ -736,26 +735,28 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     leg.insert("kv_transfer_params".into(), t);
                 }
                 let _busy = Outstanding::new(to.clone());
-                match send(p, &to, path, rid, auth, &leg).await {
-                    Ok(r) if r.status().is_success() => match r.json::<Value>().await {
-                        Ok(v) => {
+                match within(deadline, send(p, &to, path, rid, auth, &leg)).await {
+                    None => Event::DeadlinePassed,
+                    Some(Ok(r)) if r.status().is_success() => match within(deadline, r.json::<Value>()).await {
+                        None => Event::DeadlinePassed,
+                        Some(Ok(v)) => {
                             let lease = v.get("kv_transfer_params").is_some_and(Value::is_object);
-                            p_json = v;
+                            routed.p_json = v;
                             Event::PrefillAnswered(PrefillAnswer::Params { lease })
                         }
-                        Err(e) => Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
+                        Some(Err(e)) => Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
                             "prefiller {} answered with invalid JSON: {}",
                             to.up,
                             cause(&e)
                         )))),
                     },
-                    Ok(r) => {
+                    Some(Ok(r)) => {
                         let answer = classify(&r);
                         prefill_trouble = format!("{} turned the prefill leg away (503)", to.up);
                         held_prefill = Some((to.up.clone(), r));
                         Event::PrefillAnswered(PrefillAnswer::Other(answer))
                     }
-                    Err(e) => {
+                    Some(Err(e)) => {
                         prefill_trouble = format!("prefill leg failed before its first byte ({})", e.message);
                         Event::PrefillFailed(e)
                     }
@@ -766,10 +767,11 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     p.retries.inc();
                     tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", to.up);
                 }
-                let leg = d_request.get_or_insert_with(|| decode_leg(std::mem::take(&mut request), &p_json));
+                let leg = d_request.get_or_insert_with(|| decode_leg(std::mem::take(&mut request), &routed.p_json));
                 let busy = Outstanding::new(to.clone());
-                match send(p, &to, path, rid, auth, leg).await {
-                    Ok(r) => {
+                match within(deadline, send(p, &to, path, rid, auth, leg)).await {
+                    None => Event::DeadlinePassed,
+                    Some(Ok(r)) => {
                         let answer_was = classify(&r);
                         if answer_was == Answer::Success {
                             answer = Some((busy, r));
@@ -778,51 +780,37 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                         }
                         Event::DecodeAnswered(answer_was)
                     }
-                    Err(e) => Event::DecodeFailed(e),
+                    Some(Err(e)) => Event::DecodeFailed(e),
                 }
             }
             Action::SendLocal { to } => {
                 request.remove("kv_transfer_params");
                 let busy = Outstanding::new(to.clone());
-                match send(p, &to, path, rid, auth, &request).await {
+                match within(deadline, send(p, &to, path, rid, auth, &request)).await {
+                    None => Event::DeadlinePassed,
                     // Whatever it answers is the answer.
-                    Ok(r) => {
+                    Some(Ok(r)) => {
                         answer = Some((busy, r));
                         Event::DecodeAnswered(Answer::Success)
                     }
-                    Err(e) => Event::DecodeFailed(e),
+                    Some(Err(e)) => Event::DecodeFailed(e),
                 }
             }
+            // Bounded by its own timeout, and carried out even when the deadline has passed: the
+            // lease ends now rather than at its expiry.
             Action::Release { on } => {
-                release_on_p(p, &on.up, rid, &p_json).await;
+                release_on_p(p, &on.up, rid, &routed.p_json).await;
                 continue;
             }
-            Action::GiveBack { conversation, turn } => {
-                p.turns.cache().give_back(conversation, turn);
-                continue;
-            }
-            Action::KeepTurn { conversation, params } => {
-                p.turns.cache().keep(conversation, params, p.turns.now());
-                continue;
-            }
+            // Carried out by `settle`.
+            Action::GiveBack { .. } | Action::KeepTurn { .. } => continue,
             Action::RelayStream => {
                 let Some((busy, resp)) = answer.take() else {
                     return Err(ApiError::bad_gateway("the proxy lost the decoder's answer (a bug: please report it)"));
                 };
                 // The answer's head goes to the client now: from here on nothing is retried.
-                handle(&mut route, Event::FirstByteRelayed, rid);
-                let capture = route.keeps_turn().then(|| {
-                    let p = Arc::clone(p);
-                    Box::new(move |turn: Option<Value>| {
-                        handle(&mut route, Event::DecodeDone { turn }, "");
-                        while let Some(a) = route.poll(route::Pools::EMPTY) {
-                            if let Action::KeepTurn { conversation, params } = a {
-                                p.turns.cache().keep(conversation, params, p.turns.now());
-                            }
-                        }
-                    }) as Capture
-                });
-                return Ok(relay_stream(resp, busy, deadline, capture));
+                routed.handle(Event::FirstByteRelayed);
+                return Ok(relay_stream(resp, busy, deadline, routed));
             }
             Action::RelayWhole { leg } => {
                 let held = match leg {
@@ -832,28 +820,92 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                 let Some((from, resp)) = held else {
                     return Err(ApiError::bad_gateway("the proxy lost an upstream's answer (a bug: please report it)"));
                 };
-                return relay_whole(&from, resp).await;
+                return within(deadline, relay_whole(&from, resp)).await.unwrap_or_else(|| Err(timed_out(p)));
             }
-            Action::Fail { error, .. } => {
-                return Err(match error {
-                    RouteError::NoPrefiller => ApiError::unavailable("no prefiller"),
-                    RouteError::NoDecoder => ApiError::unavailable("no decoder"),
-                    RouteError::TimedOut => ApiError::gateway_timeout("no answer within the proxy's --request-timeout"),
-                    RouteError::Leg(e) => e,
-                })
-            }
+            Action::Fail { error, .. } => return Err(route_error(p, error)),
         };
-        handle(&mut route, event, rid);
+        routed.handle(event);
     }
 }
 
 /// The proxy's route machine: engines by their [`Instance`], leg failures as the client's error.
 type Route = route::Route<Arc<Instance>, ApiError>;
 
-/// Feeds `route` an event; one it does not expect is a bug of this driver, logged.
-fn handle(route: &mut Route, event: Event<ApiError>, rid: &str) {
-    if let Err(e) = route.handle(event) {
-        tracing::warn!(request_id = %rid, "{e} (a bug: please report it)");
+/// `leg` (a wait on an upstream or the client) unless the request's deadline passes first.
+async fn within<T>(deadline: tokio::time::Instant, leg: impl Future<Output = T>) -> Option<T> {
+    tokio::time::timeout_at(deadline, leg).await.ok()
+}
+
+/// The answer to a request whose deadline passed before its answer began (counted).
+fn timed_out(p: &Proxy) -> ApiError {
+    p.timeouts.inc();
+    ApiError::gateway_timeout(format!("no answer within the proxy's --request-timeout ({} s)", p.request_timeout.as_secs_f64()))
+}
+
+/// The client's error for a route that failed.
+fn route_error(p: &Proxy, error: RouteError<ApiError>) -> ApiError {
+    match error {
+        RouteError::NoPrefiller => ApiError::unavailable("no prefiller"),
+        RouteError::NoDecoder => ApiError::unavailable("no decoder"),
+        RouteError::TimedOut => timed_out(p),
+        RouteError::Leg(e) => e,
+    }
+}
+
+/// One request's route machine and what carrying out its actions needs, from the request's
+/// arrival to the end of its answer (it goes into the relayed body). Dropped before the route is
+/// done — the client went away and hyper dropped the request, or its answer's body — it tells the
+/// machine (`ClientGone`) and carries out what the machine asks.
+struct Routed {
+    route: Route,
+    p: Arc<Proxy>,
+    rid: String,
+    /// P's answer, with the params a release names.
+    p_json: Value,
+}
+
+impl Routed {
+    /// Feeds the machine an event; one it does not expect is a bug of this driver, logged.
+    fn handle(&mut self, event: Event<ApiError>) {
+        if let Err(e) = self.route.handle(event) {
+            tracing::warn!(request_id = %self.rid, "{e} (a bug: please report it)");
+        }
+    }
+
+    /// Carries out an action on the turn cache; any other is handed back.
+    fn settle(&self, action: Action<Arc<Instance>, ApiError>) -> Option<Action<Arc<Instance>, ApiError>> {
+        match action {
+            Action::GiveBack { conversation, turn } => self.p.turns.cache().give_back(conversation, turn),
+            Action::KeepTurn { conversation, params } => {
+                self.p.turns.cache().keep(conversation, params, self.p.turns.now());
+            }
+            other => return Some(other),
+        }
+        None
+    }
+}
+
+impl Drop for Routed {
+    fn drop(&mut self) {
+        if self.route.is_done() {
+            return;
+        }
+        self.handle(Event::ClientGone);
+        while let Some(action) = self.route.poll(route::Pools::EMPTY) {
+            match self.settle(action) {
+                None => {}
+                // The request is gone; the release outlives it, bounded by its own timeout.
+                Some(Action::Release { on }) => {
+                    let (p, rid, p_json) = (Arc::clone(&self.p), self.rid.clone(), std::mem::take(&mut self.p_json));
+                    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                        rt.spawn(async move { release_on_p(&p, &on.up, &rid, &p_json).await });
+                    }
+                }
+                Some(_) => {
+                    tracing::warn!(request_id = %self.rid, "the route asked for a leg after its client left (a bug: please report it)")
+                }
+            }
+        }
     }
 }
 
@@ -975,44 +1027,59 @@ async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Respons
 }
 
 /// The upstream's status, content type and body, streamed chunk by chunk. The body owns the
-/// upstream response: dropping it (client gone) closes the upstream connection. If the upstream
-/// breaks off (or the request's deadline passes) after the first byte, an SSE stream ends with an
-/// error event and `[DONE]`, so the client sees a clean failure rather than a cut.
-fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant, capture: Option<Capture>) -> Response {
+/// upstream response and the route: dropping it (client gone) closes the upstream connection,
+/// and the route hears so. How the answer ends — its end (with the turn D keeps, read as it
+/// passes), the upstream breaking off, the request's deadline — goes to the route; when it says
+/// fail (after the first byte), an SSE stream ends with an error event and `[DONE]`, so the
+/// client sees a clean failure rather than a cut.
+fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant, routed: Routed) -> Response {
     use futures_util::StreamExt;
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
     let sse = content_type.as_ref().and_then(|c| c.to_str().ok()).is_some_and(|c| c.starts_with("text/event-stream"));
-    let upstream = resp.bytes_stream();
-    // What the answer says, kept (up to a bound) while it passes, for `capture`.
-    let seen = capture.map(|c| (Vec::new(), c));
-    let body = futures_util::stream::unfold((Some(upstream), busy, seen), move |(up, busy, mut seen)| async move {
-        let mut up = up?;
-        let next = tokio::time::timeout_at(deadline, up.next()).await;
-        let from = busy.0.up.clone();
-        let fail = |why: String| {
-            tracing::warn!(upstream = %from, "answer broken off after its first byte: {why}");
-            let e = ApiError::bad_gateway(format!("upstream {from} broke off its answer: {why}"));
-            Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
-        };
-        match next {
+    // What the answer says, read (within a bound) while it passes, when the route keeps turns.
+    let reader = routed.route.keeps_turn().then(|| TurnReader::new(sse));
+    let relay = Relay { up: Some(resp.bytes_stream()), busy, routed, reader };
+    let body = futures_util::stream::unfold(relay, move |mut st| async move {
+        let up = st.up.as_mut()?;
+        let from = st.busy.0.up.clone();
+        let event = match tokio::time::timeout_at(deadline, up.next()).await {
             Ok(Some(Ok(b))) => {
-                if let Some((kept, _)) = &mut seen {
-                    keep_for_capture(kept, &b, sse);
+                if let Some(reader) = &mut st.reader {
+                    reader.feed(&b);
                 }
-                Some((Ok(b), (Some(up), busy, seen)))
+                return Some((Ok(b), st));
             }
-            Ok(None) => {
-                if let Some((kept, capture)) = seen {
-                    capture(turn_params(&kept, sse));
+            Ok(None) => Event::DecodeDone { turn: st.reader.take().and_then(TurnReader::finish) },
+            Ok(Some(Err(e))) => Event::DecodeFailed(ApiError::bad_gateway(format!("upstream {from} broke off its answer: {}", cause(&e)))),
+            Err(_) => Event::DeadlinePassed,
+        };
+        st.up = None;
+        st.routed.handle(event);
+        let mut failed = None;
+        while let Some(action) = st.routed.route.poll(route::Pools::EMPTY) {
+            match st.routed.settle(action) {
+                None => {}
+                Some(Action::Fail { error, .. }) => failed = Some(error),
+                Some(_) => {
+                    tracing::warn!(request_id = %st.routed.rid, "the route asked for a leg after the first byte (a bug: please report it)")
                 }
-                None
             }
-            Ok(Some(Err(e))) if sse => Some((Ok(fail(cause(&e))), (None, busy, None))),
-            Err(_) if sse => Some((Ok(fail("the proxy's --request-timeout passed".into())), (None, busy, None))),
-            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(cause(&e))), (None, busy, None))),
-            Err(_) => Some((Err(std::io::Error::other("the proxy's --request-timeout passed")), (None, busy, None))),
         }
+        let e = match failed? {
+            RouteError::Leg(e) => e,
+            RouteError::TimedOut => {
+                ApiError::bad_gateway(format!("upstream {from} broke off its answer: the proxy's --request-timeout passed"))
+            }
+            other => route_error(&st.routed.p, other),
+        };
+        tracing::warn!(upstream = %from, "answer broken off after its first byte: {}", e.message);
+        let end = if sse {
+            Ok(crate::sse::framed([crate::sse::json(&e.body()), crate::sse::done()]))
+        } else {
+            Err(std::io::Error::other(e.message))
+        };
+        Some((end, st))
     });
     let mut out = (status, Body::from_stream(body)).into_response();
 
@@ -1022,78 +1089,132 @@ fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::tim
     out
 }
 
-/// What to do at the end of a decoder's answer with the `kv_transfer_params` it carries (its
-/// cached turn), if any.
-type Capture = Box<dyn FnOnce(Option<Value>) + Send>;
+/// A relayed answer's state: the upstream's bytes until they end, the leg's count on its
+/// engine, the route, and the reader of D's cached turn.
+struct Relay<S> {
+    up: Option<S>,
+    busy: Outstanding,
+    routed: Routed,
+    reader: Option<TurnReader>,
+}
 
-/// Bytes of an answer kept to search for its cached turn: a whole answer longer than this is
-/// relayed but not searched; of a stream, the last this many bytes are kept.
+/// Bytes of a whole answer kept to search for its cached turn, and of one event of a stream: an
+/// answer (or event) longer than this is relayed but not searched.
 const MAX_CAPTURED: usize = 4 << 20;
 
-/// Keeps what `turn_params` will search: a whole answer up to [`MAX_CAPTURED`], or at least a
-/// stream's last half of that (D names its cached turn in the last chunk, however long the
-/// answer; a line cut at the front does not parse and is skipped). The front is dropped half the
-/// bound at a time, so each byte is moved at most once.
-fn keep_for_capture(kept: &mut Vec<u8>, piece: &[u8], sse: bool) {
-    if kept.len() + piece.len() <= MAX_CAPTURED {
-        kept.extend_from_slice(piece);
-    } else if sse {
-        let piece = &piece[piece.len().saturating_sub(MAX_CAPTURED / 2)..];
-        let over = (kept.len() + piece.len()).saturating_sub(MAX_CAPTURED / 2).min(kept.len());
-        kept.drain(..over);
-        kept.extend_from_slice(piece);
+/// Reads D's answer as it passes for the `kv_transfer_params` it names (its cached turn, SPEC
+/// B1): a whole JSON answer is kept (up to [`MAX_CAPTURED`]) and read at its end; a stream is
+/// parsed event by event ([`sse_parse`]: any chunking, `data:` with or without its space,
+/// each event bounded), and the last event that names params wins (D names them in its last
+/// chunk). Only an event that mentions `kv_transfer_params` is parsed as JSON.
+enum TurnReader {
+    Whole(Option<Vec<u8>>),
+    Stream { parser: Box<sse_parse::SseParser>, params: Option<Value> },
+}
+
+impl TurnReader {
+    fn new(sse: bool) -> TurnReader {
+        if sse {
+            TurnReader::Stream { parser: Box::new(sse_parse::SseParser::new().max_buffer(MAX_CAPTURED)), params: None }
+        } else {
+            TurnReader::Whole(Some(Vec::new()))
+        }
+    }
+
+    /// The next piece of the answer.
+    fn feed(&mut self, piece: &[u8]) {
+        match self {
+            TurnReader::Whole(kept) => {
+                if kept.as_ref().is_some_and(|k| k.len() + piece.len() > MAX_CAPTURED) {
+                    *kept = None;
+                }
+                if let Some(k) = kept {
+                    k.extend_from_slice(piece);
+                }
+            }
+            TurnReader::Stream { parser, params } => {
+                parser.feed(piece);
+                Self::drain(parser, params);
+            }
+        }
+    }
+
+    /// The answer ended: the params it named, if any.
+    fn finish(self) -> Option<Value> {
+        match self {
+            TurnReader::Whole(kept) => kept.and_then(|k| serde_json::from_slice::<Value>(&k).ok()).and_then(turn_of),
+            TurnReader::Stream { mut parser, mut params } => {
+                parser.finish();
+                Self::drain(&mut parser, &mut params);
+                params
+            }
+        }
+    }
+
+    fn drain(parser: &mut sse_parse::SseParser, params: &mut Option<Value>) {
+        while let Some(event) = parser.next_event() {
+            if event.data.contains("kv_transfer_params") {
+                if let Some(p) = serde_json::from_str::<Value>(&event.data).ok().and_then(turn_of) {
+                    *params = Some(p);
+                }
+            }
+        }
     }
 }
 
-/// The `kv_transfer_params` of a whole answer (JSON) or of its last SSE chunk that has them.
-fn turn_params(answer: &[u8], sse: bool) -> Option<Value> {
-    let of = |v: Value| v.get("kv_transfer_params").filter(|p| p.is_object()).cloned();
-    if !sse {
-        return serde_json::from_slice(answer).ok().and_then(of);
-    }
-    let text = std::str::from_utf8(answer).ok()?;
-    text.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(of).next_back()
+/// The `kv_transfer_params` object of an answer or chunk.
+fn turn_of(v: Value) -> Option<Value> {
+    v.get("kv_transfer_params").filter(|p| p.is_object()).cloned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk.
+    /// What a [`TurnReader`] finds in `pieces` of an answer.
+    fn read(sse: bool, pieces: &[&[u8]]) -> Option<Value> {
+        let mut r = TurnReader::new(sse);
+        for p in pieces {
+            r.feed(p);
+        }
+        r.finish()
+    }
+
+    /// SPEC B1: the proxy finds D's cached turn in a whole answer or in the last SSE chunk that
+    /// names it, however the stream is cut into pieces.
     #[test]
     fn b1_the_cached_turn_is_found_in_either_answer_shape() {
         let params = json!({"do_remote_decode": true, "remote_lease_id": 4});
         let whole = serde_json::to_vec(&json!({"choices": [], "kv_transfer_params": params})).unwrap();
-        assert_eq!(turn_params(&whole, false), Some(params.clone()));
+        assert_eq!(read(false, &[&whole[..9], &whole[9..]]), Some(params.clone()));
         let stream = format!(
             "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
             json!({"choices": [{"text": "a"}]}),
             json!({"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": params})
         );
-        assert_eq!(turn_params(stream.as_bytes(), true), Some(params));
-        assert_eq!(turn_params(b"data: {\"kv_transfer_params\": null}\n\n", true), None);
+        let b = stream.as_bytes();
+        for cut in [1, 7, b.len() / 2, b.len() - 3] {
+            assert_eq!(read(true, &[&b[..cut], &b[cut..]]), Some(params.clone()), "cut at {cut}");
+        }
+        assert_eq!(read(true, &[b"data:{\"kv_transfer_params\": {\"a\": 1}}\n\n"]), Some(json!({"a": 1})), "no space");
+        assert_eq!(read(true, &[b"data: {\"kv_transfer_params\": null}\n\n"]), None);
+        assert_eq!(read(true, &[b"data: {\"kv_transfer_params\": {\"a\": 1}}\n"]), None, "an event never ended");
     }
 
-    /// SPEC B1: a stream longer than the capture bound still has its cached turn found (in its
-    /// last chunk); a whole answer over the bound is not searched.
+    /// SPEC B1: a stream of any length still has its cached turn found (in its last chunk), past
+    /// an event over the bound; a whole answer over the bound is not searched.
     #[test]
     fn b1_a_long_stream_still_names_its_cached_turn() {
         let params = json!({"do_remote_decode": true, "remote_lease_id": 9});
         let token = format!("data: {}\n\n", json!({"choices": [{"text": " lease"}]})).repeat(1000);
+        let huge = format!("data: {}\n\n", json!({"kv_transfer_params": {"x": " ".repeat(MAX_CAPTURED)}}));
         let last = format!("data: {}\n\ndata: [DONE]\n\n", json!({"choices": [], "kv_transfer_params": params}));
-        let mut kept = Vec::new();
-        let mut sent = 0;
-        while sent <= 2 * MAX_CAPTURED {
-            keep_for_capture(&mut kept, token.as_bytes(), true);
-            sent += token.len();
-        }
-        keep_for_capture(&mut kept, last.as_bytes(), true);
-        assert!(kept.len() <= MAX_CAPTURED);
-        assert_eq!(turn_params(&kept, true), Some(params));
-        let mut whole = Vec::new();
-        keep_for_capture(&mut whole, &vec![b' '; MAX_CAPTURED], false);
-        keep_for_capture(&mut whole, b"{}", false);
-        assert_eq!(whole.len(), MAX_CAPTURED, "a whole answer over the bound is not kept");
+        let mut pieces: Vec<&[u8]> = vec![token.as_bytes(); 2 * MAX_CAPTURED / token.len() + 1];
+        pieces.push(huge.as_bytes());
+        pieces.push(last.as_bytes());
+        assert_eq!(read(true, &pieces), Some(params));
+        let over = vec![b' '; MAX_CAPTURED];
+        assert_eq!(read(false, &[&over, b"{}"]), None, "a whole answer over the bound is not kept");
     }
 
     /// The P leg as vLLM's toy proxy sends it: one choice, not streamed, one token
