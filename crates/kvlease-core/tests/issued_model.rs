@@ -165,7 +165,7 @@ impl World {
             }
             Op::Step => {
                 let lease = self.cfg.lease_duration;
-                for w in self.issued[self.granted_upto..].to_vec() {
+                for &w in &self.issued[self.granted_upto..] {
                     let id = self.t.grant(now, lease, 1, w);
                     assert!(self.t.name(id, w));
                     self.lease_of.insert(w, id);
