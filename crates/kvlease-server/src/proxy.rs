@@ -374,7 +374,7 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30));
     let client =
-        cfg.tls.client.apply(client).map_err(ProxyError)?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+        cfg.tls.client.apply(client).map_err(|e| ProxyError(e.to_string()))?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
     let proxy = Arc::new_cyclic(|me| {
         let mut registry = Registry::default();
         let proxy = Proxy {

@@ -55,6 +55,9 @@ pub enum TlsError {
     NoServerCert { flag: &'static str },
     #[error("--ssl-ca-certs {}: {why}", path.display())]
     Ca { path: PathBuf, why: String },
+    /// The proxy's client cannot take the roots or the identity it was given.
+    #[error("{flag}: {source}")]
+    Client { flag: &'static str, source: reqwest::Error },
 }
 
 /// The HTTPS side of a listener: what accepts TLS connections (replaced when the files are
@@ -133,15 +136,18 @@ impl ClientTls {
     }
 
     /// `builder` trusting only these roots and presenting this identity.
-    pub(crate) fn apply(&self, mut builder: reqwest::ClientBuilder) -> Result<reqwest::ClientBuilder, String> {
+    pub(crate) fn apply(&self, mut builder: reqwest::ClientBuilder) -> Result<reqwest::ClientBuilder, TlsError> {
         builder = builder.tls_built_in_root_certs(false);
         if let Some(pem) = &self.roots_pem {
-            for cert in reqwest::Certificate::from_pem_bundle(pem).map_err(|e| format!("--ssl-ca-certs: {e}"))? {
+            let roots = reqwest::Certificate::from_pem_bundle(pem).map_err(|source| TlsError::Client { flag: "--ssl-ca-certs", source })?;
+            for cert in roots {
                 builder = builder.add_root_certificate(cert);
             }
         }
         if let Some(pem) = &self.identity_pem {
-            builder = builder.identity(reqwest::Identity::from_pem(pem).map_err(|e| format!("--ssl-certfile/--ssl-keyfile: {e}"))?);
+            let identity =
+                reqwest::Identity::from_pem(pem).map_err(|source| TlsError::Client { flag: "--ssl-certfile/--ssl-keyfile", source })?;
+            builder = builder.identity(identity);
         }
         Ok(builder)
     }
