@@ -373,8 +373,13 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30));
-    let client =
-        cfg.tls.client.apply(client).map_err(|e| ProxyError(e.to_string()))?.build().map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+    let client = cfg
+        .tls
+        .client
+        .apply(client)
+        .map_err(|e| ProxyError(e.to_string()))?
+        .build()
+        .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
     let proxy = Arc::new_cyclic(|me| {
         let mut registry = Registry::default();
         let proxy = Proxy {
