@@ -10,7 +10,7 @@
 use kvlease_core::config::{ConfigError, KvRole, KvTransferConfig, LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::IssuedLeases;
-use kvlease_core::lease_table::{Completion, Holder, LeaseTable, ReleaseReason, Released};
+use kvlease_core::lease_table::{Answer, Completion, Holder, LeaseTable, ReleaseReason, Released};
 use kvlease_core::pull::{AfterReads, Pull, PullLost, ReadFailure, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::{self, Hello, Message, WireError};
@@ -244,6 +244,49 @@ fn released_list(v: Vec<Released<Payload>>) -> Vec<PyReleased> {
         .collect()
 }
 
+/// Decodes a wire message and applies it with the GIL released: the reply's bytes, how many
+/// leases it renewed, and the leases it ended. Raises ``WireDecodeError`` for bytes that are not
+/// a message.
+fn on_wire(
+    py: Python<'_>,
+    data: &[u8],
+    apply: impl FnOnce(&Message, &mut Vec<Released<Payload>>) -> Answer + Send,
+) -> PyResult<(Option<Py<PyBytes>>, usize, Vec<PyReleased>)> {
+    let data = data.to_vec();
+    let (reply, renewed, released) = py
+        .detach(move || {
+            let msg = Message::decode(&data)?;
+            let mut released = Vec::new();
+            let a = apply(&msg, &mut released);
+            Ok::<_, WireError>((a.reply.map(|m| m.encode()), a.renewed, released))
+        })
+        .map_err(wire_err)?;
+    Ok((reply.map(|b| PyBytes::new(py, &b).unbind()), renewed, released_list(released)))
+}
+
+/// Runs `f` with the GIL released and returns what it ended.
+fn ending(py: Python<'_>, f: impl FnOnce(&mut Vec<Released<Payload>>) + Send) -> Vec<PyReleased> {
+    let released = py.detach(move || {
+        let mut released = Vec::new();
+        f(&mut released);
+        released
+    });
+    released_list(released)
+}
+
+/// A renewal with the GIL released: ``(renewed, lost_ids, released)``.
+fn renewing(
+    py: Python<'_>,
+    f: impl FnOnce(&mut Vec<LeaseId>, &mut Vec<Released<Payload>>) -> usize + Send,
+) -> (usize, Vec<LeaseId>, Vec<PyReleased>) {
+    let (n, lost, released) = py.detach(move || {
+        let (mut lost, mut released) = (Vec::new(), Vec::new());
+        let n = f(&mut lost, &mut released);
+        (n, lost, released)
+    });
+    (n, lost, released_list(released))
+}
+
 /// P's lease table (SPEC §4): grant, renew, complete, release, expire — each exactly once.
 ///
 /// Each lease owns a payload (any Python object, e.g. the request id), handed back in the
@@ -295,12 +338,7 @@ impl PyLeaseTable {
     fn renew(&mut self, py: Python<'_>, holder: u32, ids: Vec<LeaseId>, now_ns: u64) -> PyResult<(usize, Vec<LeaseId>, Vec<PyReleased>)> {
         let h = holder_of(holder)?;
         let table = &mut self.table;
-        let (n, lost, released) = py.detach(move || {
-            let (mut lost, mut released) = (Vec::new(), Vec::new());
-            let n = table.renew(h, &ids, Nanos(now_ns), &mut lost, &mut released);
-            (n, lost, released)
-        });
-        Ok((n, lost, released_list(released)))
+        Ok(renewing(py, move |lost, released| table.renew(h, &ids, Nanos(now_ns), lost, released)))
     }
 
     /// SPEC D4, P6: D will not read ``ids``: release the live ones. Returns
@@ -353,29 +391,15 @@ impl PyLeaseTable {
         now_ns: u64,
     ) -> PyResult<(Option<Py<PyBytes>>, usize, Vec<PyReleased>)> {
         let h = holder_of(holder)?;
-        let data = data.to_vec();
         let table = &mut self.table;
-        let (reply, renewed, released) = py
-            .detach(move || {
-                let msg = Message::decode(&data)?;
-                let mut released = Vec::new();
-                let a = table.on_message(h, &msg, Nanos(now_ns), &mut released);
-                Ok::<_, WireError>((a.reply.map(|m| m.encode()), a.renewed, released))
-            })
-            .map_err(wire_err)?;
-        Ok((reply.map(|b| PyBytes::new(py, &b).unbind()), renewed, released_list(released)))
+        on_wire(py, data, move |msg, released| table.on_message(h, msg, Nanos(now_ns), released))
     }
 
     /// SPEC P4: release every lease whose deadline ≤ ``now_ns``, as expired, in deadline order.
     /// O(1) when nothing is due. Runs without the GIL.
     fn tick(&mut self, py: Python<'_>, now_ns: u64) -> Vec<PyReleased> {
         let table = &mut self.table;
-        let released = py.detach(move || {
-            let mut released = Vec::new();
-            table.tick(Nanos(now_ns), &mut released);
-            released
-        });
-        released_list(released)
+        ending(py, move |released| table.tick(Nanos(now_ns), released))
     }
 
     /// Like ``tick`` but looks at no more than ``max_work`` index entries. Returns
@@ -398,12 +422,7 @@ impl PyLeaseTable {
     /// Engine shutdown: release every live lease as ``"shutdown"``.
     fn shutdown(&mut self, py: Python<'_>, now_ns: u64) -> Vec<PyReleased> {
         let table = &mut self.table;
-        let released = py.detach(move || {
-            let mut released = Vec::new();
-            table.shutdown(Nanos(now_ns), &mut released);
-            released
-        });
-        released_list(released)
+        ending(py, move |released| table.shutdown(Nanos(now_ns), released))
     }
 
     /// The payload of a live lease, or None.
@@ -629,12 +648,7 @@ impl PyIssuedLeaseTable {
     fn renew(&mut self, py: Python<'_>, holder: u32, ids: Vec<LeaseId>, now_ns: u64) -> PyResult<(usize, Vec<LeaseId>, Vec<PyReleased>)> {
         let h = holder_of(holder)?;
         let table = &mut self.table;
-        let (n, lost, released) = py.detach(move || {
-            let (mut lost, mut released) = (Vec::new(), Vec::new());
-            let n = table.renew(h, &ids, Nanos(now_ns), &mut lost, &mut released);
-            (n, lost, released)
-        });
-        Ok((n, lost, released_list(released)))
+        Ok(renewing(py, move |lost, released| table.renew(h, &ids, Nanos(now_ns), lost, released)))
     }
 
     /// P ends a lease itself: ``"transferred"`` (its read completed as the transport reported
@@ -665,17 +679,8 @@ impl PyIssuedLeaseTable {
         hold: bool,
     ) -> PyResult<(Option<Py<PyBytes>>, usize, Vec<PyReleased>)> {
         let h = holder_of(holder)?;
-        let data = data.to_vec();
         let table = &mut self.table;
-        let (reply, renewed, released) = py
-            .detach(move || {
-                let msg = Message::decode(&data)?;
-                let mut released = Vec::new();
-                let a = table.on_message(h, &msg, Nanos(now_ns), hold, &mut released);
-                Ok::<_, WireError>((a.reply.map(|m| m.encode()), a.renewed, released))
-            })
-            .map_err(wire_err)?;
-        Ok((reply.map(|b| PyBytes::new(py, &b).unbind()), renewed, released_list(released)))
+        on_wire(py, data, move |msg, released| table.on_message(h, msg, Nanos(now_ns), hold, released))
     }
 
     /// The held messages due now (their lease named, or no longer possible, or ``max_age``
@@ -691,12 +696,7 @@ impl PyIssuedLeaseTable {
     /// SPEC P4: release every lease whose deadline ≤ ``now_ns``, as expired.
     fn tick(&mut self, py: Python<'_>, now_ns: u64) -> Vec<PyReleased> {
         let table = &mut self.table;
-        let released = py.detach(move || {
-            let mut released = Vec::new();
-            table.tick(Nanos(now_ns), &mut released);
-            released
-        });
-        released_list(released)
+        ending(py, move |released| table.tick(Nanos(now_ns), released))
     }
 
     /// When the next lease may expire (ns), a lower bound; None when no lease is live.

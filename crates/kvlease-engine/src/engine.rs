@@ -6,7 +6,7 @@ use crate::metrics::Metrics;
 use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
 use crate::scheduler::{self, SchedMsg, Seq};
-use crate::state::{lock, Inner, Tasks};
+use crate::state::{lock, Inner, Tasks, Woken};
 use crate::{agents, lease_holder, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
 use kvlease_core::lease_table::LeaseTable;
@@ -80,8 +80,7 @@ impl EngineHandle {
             leases: Mutex::new(LeaseTable::new(&lease_cfg)),
             quarantine: Mutex::new(Quarantine::new(&lease_cfg, true)),
             reaper_wake: Notify::new(),
-            renewer: Mutex::new(Renewer::new(&lease_cfg)),
-            renewer_wake: Notify::new(),
+            renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),
             read_acks: Mutex::new(BTreeMap::new()),
             tasks: Tasks::default(),
@@ -98,7 +97,7 @@ impl EngineHandle {
         let ranks = agents::start(&inner).await?;
         let fenced = crate::pull::reads_are_fenced(&ranks);
         *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, fenced);
-        lock(&inner.renewer).set_fenced_reads(fenced);
+        inner.renewer.lock().set_fenced_reads(fenced);
         lock(&inner.leases).set_fenced_reads(fenced);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
@@ -174,8 +173,7 @@ impl EngineHandle {
             }
             if verdict == Admit::Pull {
                 // Checked and tracked in one step, so racing replays cannot both pass.
-                if lock(&inner.renewer).track_first(&internal, &rk.remote(), rk.lease_id, inner.now()) {
-                    inner.renewer_wake.notify_one();
+                if inner.renewer.with(|r| r.track_first(&internal, &rk.remote(), rk.lease_id, inner.now())) {
                     tracing::debug!(request = %req.request_id, lease_id = rk.lease_id, engine = %rk.engine_id, "renewing the prefill engine's lease");
                 } else {
                     verdict = admission.not_read(NotRead::Replay);
@@ -212,7 +210,7 @@ impl EngineHandle {
             seq = seq.own_kv(blocks);
         }
         if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
-            lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
+            inner.renewer.lock().untrack(&internal, Untrack::Abandoned);
             return Err(RequestError::unavailable("the engine has stopped"));
         }
         let abort = Abort { inner: Arc::downgrade(&self.inner), sched: self.owner.sched.clone(), id, internal };
@@ -241,7 +239,7 @@ impl EngineHandle {
             expiry_ns: turn.expiry_time.map(|s| (s * 1e9) as u64),
             ttl_remaining: turn.ttl_remaining.map(Duration::from_secs_f64),
         };
-        let clock = lock(&inner.renewer).peer(&rk.engine_id).map(|p| p.clock.clone());
+        let clock = inner.renewer.lock().peer(&rk.engine_id).map(|p| p.clock.clone());
         let now = inner.now();
         let plan = turn::plan(prompt, &cached, m.block_size, lease.kv_recompute_threshold, clock.as_ref(), now, now, lease.read_budget());
         let remote = rk.remote();
@@ -249,8 +247,7 @@ impl EngineHandle {
             TurnPlan::Read { tokens, blocks } if blocks as usize <= rk.block_ids.len() => {
                 let mut read = rk.clone();
                 read.block_ids.truncate(blocks as usize);
-                lock(&inner.renewer).track(internal, &remote, rk.lease_id, now);
-                inner.renewer_wake.notify_one();
+                inner.renewer.with(|r| r.track(internal, &remote, rk.lease_id, now));
                 Ok(Some((read, tokens as usize)))
             }
             TurnPlan::Read { .. } => {
@@ -264,8 +261,7 @@ impl EngineHandle {
                 tracing::info!(engine = %rk.engine_id, "not reading the cached turn ({why}); prefilling the whole prompt");
                 inner.metrics.turns_recomputed.inc();
                 if why.releases_turn() {
-                    lock(&inner.renewer).release(&remote, rk.lease_id, now);
-                    inner.renewer_wake.notify_one();
+                    inner.renewer.with(|r| r.release(&remote, rk.lease_id, now));
                 }
                 Ok(None)
             }
@@ -279,8 +275,7 @@ impl EngineHandle {
         match whose {
             Whose::Ours => lease_holder::release_own(inner, rk.lease_id),
             Whose::Theirs => {
-                lock(&inner.renewer).release(&rk.remote(), rk.lease_id, inner.now());
-                inner.renewer_wake.notify_one();
+                inner.renewer.with(|r| r.release(&rk.remote(), rk.lease_id, inner.now()));
                 tracing::info!(engine = %rk.engine_id, lease_id = rk.lease_id, "released the prefill engine's lease: its params are not read here (O4)");
             }
         }
@@ -401,8 +396,7 @@ impl Drop for RequestStream {
         if let Some(Abort { inner, sched, id, internal }) = self.abort.take() {
             if let Some(inner) = inner.upgrade() {
                 // SPEC D4: the lease is released now, not after the scheduler's next step.
-                lock(&inner.renewer).untrack(&internal, Untrack::Abandoned);
-                inner.renewer_wake.notify_one();
+                inner.renewer.with(|r| r.untrack(&internal, Untrack::Abandoned));
             }
             let _ = sched.send(SchedMsg::Abort(id));
         }

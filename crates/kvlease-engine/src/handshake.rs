@@ -221,9 +221,8 @@ async fn answer_hello(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn
     inner.tasks.spawn(async move {
         match introduce(&inner2, &hello2).await {
             Ok(names) => {
-                let old = lock(&inner2.renewer).introduced(&hello2.engine_id, hello2.incarnation, names);
+                let old = inner2.renewer.with(|r| r.introduced(&hello2.engine_id, hello2.incarnation, names));
                 drop_agents(&inner2, &old);
-                inner2.renewer_wake.notify_one();
             }
             Err(e) => tracing::warn!(peer = %hello2.engine_id, "{e}"),
         }
@@ -334,12 +333,11 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
         Ok((found, sample)) => {
             // Under the renewer's lock: no pull sees the engine Ready before its agents are
             // known, and a result nobody waits for any more leaves nothing behind.
-            let taken = {
-                let mut renewer = lock(&inner.renewer);
+            let taken = inner.renewer.with(|renewer| {
                 let taken = renewer.handshake_done(&engine_id, Ok(found), now);
                 renewer.clock_sample(&engine_id, sample);
                 taken
-            };
+            });
             drop_agents(&inner, &taken.drop_agents);
         }
         Err(e) => {
@@ -354,11 +352,10 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
                 }
                 e => e.to_string(),
             };
-            let waiting = {
-                let mut renewer = lock(&inner.renewer);
+            let waiting = inner.renewer.with(|renewer| {
                 renewer.handshake_done(&engine_id, Err(()), now);
                 renewer.tracked_toward(&engine_id)
-            };
+            });
             tracing::warn!(
                 engine = %engine_id,
                 waiting,
@@ -367,7 +364,6 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
             );
         }
     }
-    inner.renewer_wake.notify_one();
     inner.bump_news();
 }
 
@@ -415,29 +411,24 @@ pub(crate) async fn release_over_side_channel(inner: Arc<Inner>, batch: SideChan
             Err(())
         }
     };
-    lock(&inner.renewer).side_release_done(&batch, outcome, now);
-    inner.renewer_wake.notify_one();
+    inner.renewer.with(|r| r.side_release_done(&batch, outcome, now));
 }
 
 /// A peer agent's connection broke. A P engine we renew with: forget its agents and handshake
 /// again before the next heartbeat. Another engine's agent: it handshakes again if it comes
 /// back.
 pub(crate) fn disconnected(inner: &Inner, agent: &str) {
-    let gone = {
-        let mut renewer = lock(&inner.renewer);
-        match renewer.peers().engine_of(agent).map(str::to_string) {
-            Some(engine) => {
-                tracing::info!(peer = %agent, "transfer agent disconnected; handshake again before it is needed");
-                renewer.disconnected(&engine)
-            }
-            None => {
-                renewer.agent_gone(agent);
-                vec![agent.to_string()]
-            }
+    let gone = inner.renewer.with(|renewer| match renewer.peers().engine_of(agent).map(str::to_string) {
+        Some(engine) => {
+            tracing::info!(peer = %agent, "transfer agent disconnected; handshake again before it is needed");
+            renewer.disconnected(&engine)
         }
-    };
+        None => {
+            renewer.agent_gone(agent);
+            vec![agent.to_string()]
+        }
+    });
     drop_agents(inner, &gone);
-    inner.renewer_wake.notify_one();
 }
 
 #[cfg(test)]
@@ -534,7 +525,7 @@ mod tests {
         hello.agents = vec![victim.metadata()];
         let err = introduce(inner, &hello).await.unwrap_err().to_string();
         assert!(err.contains("must be named mallory/7/<rank>"), "{err}");
-        assert!(lock(&inner.renewer).peers().is_empty(), "nothing of it is kept");
+        assert!(inner.renewer.lock().peers().is_empty(), "nothing of it is kept");
 
         // The same agent introduced by the engine it is named for is welcome.
         hello.engine_id = "victim".into();

@@ -29,13 +29,13 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         let news = inner.news.notified();
         tokio::pin!(news);
         news.as_mut().enable();
-        let answer = lock(&inner.renewer).read_check(internal, pull.read_budget(), pull.fenced(), inner.now());
+        let answer = inner.renewer.lock().read_check(internal, pull.read_budget(), pull.fenced(), inner.now());
         match pull.check(answer, inner.now()) {
             Step::Read => break,
             Step::Lost(lost) => return pull.finish(Err(lost)),
             Step::Wait { until, renew } => {
                 if renew {
-                    inner.renewer_wake.notify_one();
+                    inner.renewer.wake();
                 }
                 // On the deadline, the next check decides.
                 let _ = tokio::time::timeout_at(inner.instant(until), news).await;
@@ -47,7 +47,7 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         tokio::time::sleep(delay).await;
     }
     // 2. P's incarnation must still be the one that granted the lease; plan the reads.
-    let peer = lock(&inner.renewer).peer(&rk.engine_id).map(|p| (p.incarnation, p.agents.clone()));
+    let peer = inner.renewer.lock().peer(&rk.engine_id).map(|p| (p.incarnation, p.agents.clone()));
     let m = &inner.cfg.model;
     let (plan, read_until) =
         match pull.begin_read(peer.as_ref().map(|(i, a)| (*i, a.len() as u32)), m.num_kv_heads, inner.cfg.tp_size, inner.now()) {

@@ -50,16 +50,14 @@ impl EngineHandle {
             return false;
         }
         let remote = rk.remote();
-        {
-            let mut r = lock(&inner.renewer);
+        inner.renewer.with(|r| {
             // A refused replay of params another request here is pulling with: the lease is
             // that request's, not this one's to release.
             if r.tracks_lease(&rk.engine_id, rk.lease_id, rk.incarnation) {
                 return false;
             }
             r.release(&remote, rk.lease_id, inner.now());
-        }
-        inner.renewer_wake.notify_one();
-        true
+            true
+        })
     }
 }

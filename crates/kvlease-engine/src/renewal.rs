@@ -4,7 +4,7 @@
 //! renewer's, in kvlease-core; this is glue.
 
 use crate::handshake;
-use crate::state::{lock, Inner};
+use crate::state::Inner;
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::renewer::{Action, SendKind};
 use kvlease_core::wire::Message;
@@ -17,7 +17,7 @@ pub(crate) async fn run(inner: Arc<Inner>) {
     loop {
         // Every change to the renewer from outside this task wakes it; otherwise it sleeps until
         // the renewer's own next deadline — or for good, when nothing is tracked.
-        let woken = inner.renewer_wake.notified();
+        let woken = inner.renewer.woken();
         match drive(&inner) {
             Some(t) => {
                 let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
@@ -31,7 +31,7 @@ pub(crate) async fn run(inner: Arc<Inner>) {
 pub(crate) fn drive(inner: &Arc<Inner>) -> Option<Nanos> {
     let mut actions = Vec::new();
     let next = {
-        let mut r = lock(&inner.renewer);
+        let mut r = inner.renewer.lock();
         r.poll(inner.now(), &mut actions);
         r.poll_timeout()
     };
@@ -71,9 +71,9 @@ pub(crate) fn drive(inner: &Arc<Inner>) -> Option<Nanos> {
 
 /// SPEC D2: a renewer message goes to every P rank that holds a shard.
 fn send(inner: &Inner, engine_id: &str, bytes: Vec<u8>, kind: SendKind) {
-    let agents = lock(&inner.renewer).peer(engine_id).map(|p| p.agents.clone());
+    let agents = inner.renewer.lock().peer(engine_id).map(|p| p.agents.clone());
     let Some(agents) = agents else {
-        let gone = lock(&inner.renewer).disconnected(engine_id);
+        let gone = inner.renewer.lock().disconnected(engine_id);
         handshake::drop_agents(inner, &gone);
         return;
     };
@@ -93,20 +93,21 @@ fn send(inner: &Inner, engine_id: &str, bytes: Vec<u8>, kind: SendKind) {
         SendKind::Release | SendKind::ClockProbe => {}
     }
     if !ok {
-        let gone = lock(&inner.renewer).disconnected(engine_id);
+        let gone = inner.renewer.lock().disconnected(engine_id);
         handshake::drop_agents(inner, &gone);
     }
 }
 
 /// A message for D from a P engine's agent `from`: acknowledgements and lost leases.
 pub(crate) fn on_message(inner: &Inner, from: &str, msg: &Message) {
-    {
-        let mut renewer = lock(&inner.renewer);
-        let Some(engine) = renewer.peers().engine_of(from).map(str::to_string) else { return };
+    let known = inner.renewer.with(|renewer| {
+        let Some(engine) = renewer.peers().engine_of(from).map(str::to_string) else { return false };
         renewer.on_message(&engine, msg, inner.now());
+        true
+    });
+    if known {
+        inner.bump_news();
     }
-    inner.renewer_wake.notify_one();
-    inner.bump_news();
 }
 
 /// Stops renewing everything, releasing each renewed lease explicitly (shutdown), and sends it.

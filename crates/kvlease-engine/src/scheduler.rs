@@ -180,11 +180,11 @@ pub(crate) async fn run(
                     let err = RequestError::unavailable("the engine is shutting down");
                     for seq in waiting.drain(..).chain(running.drain(..)).chain(std::mem::take(&mut loading).into_values()) {
                         if matches!(seq.role, KvRole::DecodeRemote(_)) || seq.read_turn.is_some() {
-                            lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
+                            inner.renewer.lock().untrack(&seq.internal, Untrack::Abandoned);
                         }
                         seq.fail(err.clone());
                     }
-                    inner.renewer_wake.notify_one();
+                    inner.renewer.wake();
                     stopped.send_replace(true);
                     return;
                 }
@@ -284,7 +284,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
         Verdict::Use if seq.read_turn.is_some() => {
             // SPEC B4: the conversation so far is in our blocks; prefill only the rest.
             seq.blocks = Some(blocks);
-            lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
+            inner.renewer.lock().untrack(&seq.internal, Untrack::Transferred);
             seq.reused = seq.read_turn.take().map_or(0, |(_, tokens)| tokens);
             inner.metrics.turn_tokens_read.inc_by(seq.reused as u64);
             seq.state = State::Prefill;
@@ -292,7 +292,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
         }
         Verdict::Use => {
             seq.blocks = Some(blocks);
-            lock(&inner.renewer).untrack(&seq.internal, Untrack::Transferred);
+            inner.renewer.lock().untrack(&seq.internal, Untrack::Transferred);
             prompt_ready(inner, &mut seq);
             match finish_reason(&seq) {
                 Some(reason) => complete(inner, seq, reason),
@@ -341,8 +341,7 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
 
 /// The request's remote KV will not be used: stop renewing (releasing P's lease) and count it.
 fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
-    lock(&inner.renewer).untrack(&seq.internal, Untrack::Abandoned);
-    inner.renewer_wake.notify_one();
+    inner.renewer.with(|r| r.untrack(&seq.internal, Untrack::Abandoned));
     inner.metrics.lease_lost.inc();
     if matches!(why, PullLost::LeaseLost | PullLost::EndedUnderRead) {
         inner.metrics.lease_ended_by_prefill.inc();

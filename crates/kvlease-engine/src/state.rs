@@ -35,6 +35,44 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// State one task drives and others change: the lock and the wake-up travel together, so a
+/// change made through [`Woken::with`] always wakes the task that acts on it, and a look through
+/// [`Woken::lock`] never does.
+pub(crate) struct Woken<T> {
+    value: Mutex<T>,
+    wake: Notify,
+}
+
+impl<T> Woken<T> {
+    pub fn new(value: T) -> Self {
+        Woken { value: Mutex::new(value), wake: Notify::new() }
+    }
+
+    /// Changes the state and wakes the task that drives it.
+    pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        let r = f(&mut lock(&self.value));
+        self.wake.notify_one();
+        r
+    }
+
+    /// Looks at (or changes, without waking anyone) the state: for the task that drives it, and
+    /// for readers.
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        lock(&self.value)
+    }
+
+    /// Wakes the driving task without a change (it re-reads the state).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Completes after the next [`Woken::with`] or [`Woken::wake`] (or at once if one came since
+    /// the last wait).
+    pub fn woken(&self) -> tokio::sync::futures::Notified<'_> {
+        self.wake.notified()
+    }
+}
+
 /// One rank: its shard of the heads, its memory, its agent.
 pub(crate) struct Rank {
     pub heads: Range<u32>,
@@ -88,8 +126,7 @@ pub(crate) struct Inner {
     /// Wakes the reaper when the quarantine's next release moved earlier.
     pub reaper_wake: Notify,
     /// D: renewals of leases on remote blocks, and the registry of remote engines.
-    pub renewer: Mutex<Renewer>,
-    pub renewer_wake: Notify,
+    pub renewer: Woken<Renewer>,
     /// Signalled on every acknowledgement or lost lease, for pulls waiting to read. A `Notify`,
     /// not a `watch`: a watch wakes its waiters in a random order, and the simulator needs the
     /// same order every run.
