@@ -21,6 +21,7 @@
 use crate::config::LeaseConfig;
 use crate::digest::{reads_lease_blocks, Bound, PromptDigest};
 use crate::lease_table::{Answer, Evicted, Holder, LeasePayload, LeaseTable, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
+use crate::params::RemoteKv;
 use crate::quarantine::Quarantine;
 use crate::wire::Message;
 use crate::{LeaseId, Nanos};
@@ -127,8 +128,8 @@ pub enum ReadRefused {
     /// SPEC S4: the read does not name exactly the lease's blocks in its params' order.
     #[error("the read names other blocks than the lease's, or in another order")]
     NotTheLeasesBlocks,
-    /// SPEC P5, S4, S5: the lease is not live, another engine holds it, or the digest is not the
-    /// one it was granted with.
+    /// SPEC P5, S4, S5: the lease is not live (or another incarnation of this engine granted
+    /// it), another engine holds it, or the digest is not the one it was granted with.
     #[error("the lease is not live, is another engine's, or was granted for another prompt")]
     NotLive,
 }
@@ -335,23 +336,19 @@ impl<B: BlockGuard> LeaseHolder<B> {
         self.table.end_read(ticket).map(|l| l.blocks)
     }
 
-    /// SPEC O4: this engine was handed its own params (a `kv_both` engine a router paired with
-    /// itself): the request takes the lease's blocks instead of reading them, as a read of
-    /// `block_ids` by this engine for `digest` (live, the digest it was granted with, exactly
-    /// its blocks in order, the whole of a cached turn: S4, S5) that completes at once, ending
-    /// the lease as `transferred`. Returns the lease's blocks.
-    pub fn take_own(
-        &mut self,
-        lease_id: LeaseId,
-        block_ids: &[u32],
-        digest: PromptDigest,
-        now: Nanos,
-        out: &mut Settled<B>,
-    ) -> Result<B, ReadRefused> {
+    /// SPEC O4: this engine was handed its own params `rk` (a `kv_both` engine a router paired
+    /// with itself): the request takes the lease's blocks instead of reading them, as a read by
+    /// this engine (of this incarnation; live, the digest it was granted with, exactly its blocks
+    /// in order, the whole of a cached turn: S4, S5) that completes at once, ending the lease as
+    /// `transferred`. Returns the lease's blocks, which the request copies its prompt's KV from.
+    pub fn take_own(&mut self, rk: &RemoteKv, now: Nanos, out: &mut Settled<B>) -> Result<B, ReadRefused> {
+        if rk.incarnation != self.incarnation {
+            return Err(ReadRefused::NotLive);
+        }
         let us = self.table.holder(&self.own);
-        let ticket = self.begin_read_as(us, lease_id, block_ids, digest, true, now, out)?;
+        let ticket = self.begin_read_as(us, rk.lease_id, &rk.block_ids, rk.prompt_digest, true, now, out)?;
         let mut released = Vec::new();
-        self.table.complete(us, lease_id, 0, 1, digest, now, &mut released);
+        self.table.complete(us, rk.lease_id, 0, 1, rk.prompt_digest, now, &mut released);
         self.settle(now, released, out);
         // The read "ends" now: the lease's payload comes back to us, not to the pool.
         self.end_read(ticket).ok_or(ReadRefused::NotLive)
@@ -513,6 +510,23 @@ mod tests {
         h
     }
 
+    /// Params of this holder's lease `g` naming `blocks`, from incarnation `incarnation`.
+    fn own(g: &Granted, blocks: &[u32], incarnation: u64) -> RemoteKv {
+        RemoteKv {
+            engine_id: "p".into(),
+            request_id: "r".into(),
+            block_ids: blocks.to_vec(),
+            host: "h".into(),
+            port: 1,
+            tp_size: 1,
+            num_tokens: 1,
+            lease_id: g.lease_id,
+            incarnation,
+            prompt_digest: g.prompt_digest,
+            signature: None,
+        }
+    }
+
     fn freed(out: &Settled<Ids>) -> Vec<&[u32]> {
         out.freed.iter().map(|b| b.ids()).collect()
     }
@@ -562,11 +576,13 @@ mod tests {
         assert_eq!(t.expiry, T0 + LeaseConfig::default().decoder_kv_blocks_ttl);
         let ticket = h.begin_read("p2/1", t.lease_id, &[9], &t.prompt_digest.0, T0, &mut out).unwrap();
         assert_eq!(h.end_read(ticket), None);
-        assert_eq!(h.take_own(t.lease_id, &[9], t.prompt_digest, T0, &mut out).err(), Some(ReadRefused::NotTheLeasesBlocks));
-        // A cached turn another engine claimed is not ours to take; a lease nobody claimed is.
-        assert_eq!(h.take_own(t.lease_id, &[9, 8], t.prompt_digest, T0, &mut out).err(), Some(ReadRefused::NotLive));
+        assert_eq!(h.take_own(&own(&t, &[9], 3), T0, &mut out).err(), Some(ReadRefused::NotTheLeasesBlocks));
+        // A cached turn another engine claimed is not ours to take; a lease nobody claimed is,
+        // by this incarnation only.
+        assert_eq!(h.take_own(&own(&t, &[9, 8], 3), T0, &mut out).err(), Some(ReadRefused::NotLive));
         let g2 = h.grant(T0, "own", Ids(vec![4]), &[1], &mut out).unwrap();
-        assert_eq!(h.take_own(g2.lease_id, &[4], g2.prompt_digest, T0, &mut out), Ok(Ids(vec![4])));
+        assert_eq!(h.take_own(&own(&g2, &[4], 5), T0, &mut out).err(), Some(ReadRefused::NotLive));
+        assert_eq!(h.take_own(&own(&g2, &[4], 3), T0, &mut out), Ok(Ids(vec![4])));
         assert_eq!(out.ended.last().map(|e| (e.reason, e.request.as_str())), Some((ReleaseReason::Transferred, "own")));
     }
 
