@@ -9,6 +9,8 @@
 //! * [`config`] — `--kv-transfer-config` parsing (SPEC §2).
 //! * [`digest`] — the prompt digest that binds a lease to its prompt (SPEC S4).
 //! * [`lease_table`] — P's leases: grant, renew, complete, release, reap (SPEC §4).
+//! * [`holder`] — P's side as one machine: the lease table, the quarantine and the cached turns
+//!   behind grant, message, read, release, evict and the reaper's poll (SPEC §4, S4, B1).
 //! * [`issued`] — P's leases when another process issues the ids D names them by (vLLM's
 //!   scheduler): names, leases on their way to the table, completions the transport reports.
 //! * [`params`] — `kv_transfer_params`: parsing, P's signature (S1), the prompt binding (S4),
@@ -27,6 +29,7 @@ pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod digest;
+pub mod holder;
 pub mod issued;
 pub mod lease_table;
 pub mod params;

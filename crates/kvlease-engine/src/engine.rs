@@ -9,9 +9,9 @@ use crate::scheduler::{self, SchedMsg, Seq};
 use crate::state::{lock, Inner, Tasks, Woken};
 use crate::{agents, lease_holder, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
-use kvlease_core::lease_table::LeaseTable;
+use kvlease_core::holder::LeaseHolder;
 use kvlease_core::params::{Admit, KvRole, NotRead, RemoteKv, TurnKv, Whose};
-use kvlease_core::quarantine::Quarantine;
+use kvlease_core::pull::PlantedBug;
 use kvlease_core::renewer::{Renewer, Untrack};
 use kvlease_core::turn::{self, CachedTurn, TurnPlan};
 use std::collections::BTreeMap;
@@ -68,6 +68,11 @@ impl EngineHandle {
         let pool = BlockPool::new(cfg.num_gpu_blocks, metrics.clone());
         let (sched_tx, sched_rx) = mpsc::unbounded_channel();
         let lease_cfg = cfg.transfer.lease.clone();
+        let mut holder = LeaseHolder::new(&lease_cfg, &cfg.engine_id, incarnation, cfg.model.block_size);
+        if cfg.planted_bug == Some(PlantedBug::VllmLease) {
+            // Simulator only (`kvlease sim`'s vLLM lease): vLLM's head-only sweep (#58222).
+            holder.sweep_head_only();
+        }
         let inner = Arc::new(Inner {
             incarnation,
             origin: tokio::time::Instant::now(),
@@ -77,8 +82,7 @@ impl EngineHandle {
             pool,
             ranks: OnceLock::new(),
             kv_addr: OnceLock::new(),
-            leases: Mutex::new(LeaseTable::new(&lease_cfg)),
-            quarantine: Mutex::new(Quarantine::new(&lease_cfg, true)),
+            holder: Mutex::new(holder),
             reaper_wake: Notify::new(),
             renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),
@@ -96,9 +100,8 @@ impl EngineHandle {
         // From here on, a failed start stops whatever was started (the owner's drop).
         let ranks = agents::start(&inner).await?;
         let fenced = crate::pull::reads_are_fenced(&ranks);
-        *lock(&inner.quarantine) = Quarantine::new(&lease_cfg, fenced);
+        lock(&inner.holder).set_fenced_reads(fenced);
         inner.renewer.lock().set_fenced_reads(fenced);
-        lock(&inner.leases).set_fenced_reads(fenced);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
         let (listener, local) = Listener::bind(&cfg.transport, &cfg.host, cfg.kv_port)
@@ -273,7 +276,9 @@ impl EngineHandle {
     fn forgo(&self, rk: &RemoteKv, whose: Whose) {
         let inner = &self.inner;
         match whose {
-            Whose::Ours => lease_holder::release_own(inner, rk.lease_id),
+            Whose::Ours => {
+                lease_holder::release_own(inner, rk.lease_id);
+            }
             Whose::Theirs => {
                 inner.renewer.with(|r| r.release(&rk.remote(), rk.lease_id, inner.now()));
                 tracing::info!(engine = %rk.engine_id, lease_id = rk.lease_id, "released the prefill engine's lease: its params are not read here (O4)");
@@ -309,7 +314,7 @@ impl EngineHandle {
 
     /// Whether P still holds lease `lease_id` (the simulator's reclaim check).
     pub fn holds_lease(&self, lease_id: u64) -> bool {
-        lock(&self.inner.leases).get(lease_id).is_some()
+        lock(&self.inner.holder).is_live(lease_id)
     }
 
     /// Live leases on this engine's blocks.

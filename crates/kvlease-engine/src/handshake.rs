@@ -9,9 +9,9 @@
 //! (S5) — is decided in `kvlease_core::peers`, and what a new incarnation, a failed handshake or
 //! a duplicate engine id means for leases in the renewer. This module moves bytes and agents.
 
-use crate::lease_holder::settle;
+use crate::lease_holder::with_holder;
 use crate::side_channel::{self, write_frame, DialError, Request};
-use crate::state::{lock, Inner};
+use crate::state::Inner;
 use crate::TransportKind;
 use kvlease_core::auth::{ClusterKey, Nonces, Side};
 use kvlease_core::clock::ClockSample;
@@ -243,13 +243,8 @@ fn apply_side_release(inner: &Inner, r: &SideRelease) -> Message {
     let lost = if r.granted_by != 0 && r.granted_by != inner.incarnation {
         r.lease_ids.clone()
     } else {
-        let mut released = Vec::new();
-        let answer = {
-            let mut table = lock(&inner.leases);
-            let holder = table.holder(&holder_name(&r.engine_id, r.incarnation));
-            table.on_message(holder, &Message::Release { lease_ids: r.lease_ids.clone() }, inner.now(), &mut released)
-        };
-        settle(inner, released);
+        let release = Message::Release { lease_ids: r.lease_ids.clone() };
+        let answer = with_holder(inner, |h, now, out| h.on_message(&holder_name(&r.engine_id, r.incarnation), &release, now, out));
         match answer.reply {
             Some(Message::LeaseLost { lease_ids }) => lease_ids,
             _ => Vec::new(),
@@ -455,15 +450,7 @@ mod tests {
     /// Grants a lease on one block of `inner`'s pool, as a prefill would.
     fn lease(inner: &Inner) -> u64 {
         let blocks = inner.pool.alloc(1).expect("a free block");
-        let named = blocks.ids().to_vec();
-        let lease = crate::state::Lease {
-            blocks,
-            named,
-            prefix_reads: false,
-            request: "r".into(),
-            prompt_digest: kvlease_core::digest::PromptDigest::of(&[1]),
-        };
-        lock(&inner.leases).grant(inner.now(), 1, lease)
+        with_holder(inner, |h, now, out| h.grant(now, "r", blocks, &[1], out)).expect("a lease on one block").lease_id
     }
 
     fn release_from(engine_id: &str, incarnation: u64, granted_by: u64, lease_ids: Vec<u64>) -> SideRelease {
@@ -488,12 +475,8 @@ mod tests {
         let inner = p.inner();
         let (unclaimed, held) = (lease(inner), lease(inner));
         // `held` is claimed by another decoder ("d2"), as a heartbeat over its agents would.
-        {
-            let mut table = lock(&inner.leases);
-            let d2 = table.holder(&holder_name("d2", 5));
-            let mut released = Vec::new();
-            table.on_message(d2, &Message::Heartbeat { seq: 1, lease_ids: vec![held] }, inner.now(), &mut released);
-        }
+        let heartbeat = Message::Heartbeat { seq: 1, lease_ids: vec![held] };
+        with_holder(inner, |h, now, out| h.on_message(&holder_name("d2", 5), &heartbeat, now, out));
         let other_incarnation = inner.incarnation.wrapping_add(1);
         let ack = apply_side_release(inner, &release_from("d", 7, other_incarnation, vec![unclaimed]));
         assert_eq!(ack, Message::SideReleaseAck { incarnation: inner.incarnation, lost_ids: vec![unclaimed] });

@@ -99,6 +99,13 @@ impl BlockPool {
     }
 }
 
+/// The holder keeps leased and quarantined blocks as this guard (SPEC P5).
+impl kvlease_core::holder::BlockGuard for Blocks {
+    fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
 impl Drop for Blocks {
     fn drop(&mut self) {
         self.pool.give_back(std::mem::take(&mut self.ids));

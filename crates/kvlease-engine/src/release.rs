@@ -11,8 +11,7 @@
 //!   does, SPEC D4) instead of waiting for its expiry.
 
 use crate::engine::EngineHandle;
-use crate::lease_holder::settle;
-use crate::state::lock;
+use crate::lease_holder;
 use crate::RequestError;
 use kvlease_core::params::{KvRole, Refusal};
 use serde_json::Value;
@@ -29,15 +28,7 @@ impl EngineHandle {
             _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
         };
         inner.admission().names_our_lease(&rk).map_err(|e| bad(e.to_string()))?;
-        let (mut lost, mut released) = (Vec::new(), Vec::new());
-        {
-            let mut table = lock(&inner.leases);
-            let us = table.holder(&inner.holder_name());
-            table.release(us, &[rk.lease_id], inner.now(), &mut lost, &mut released);
-        }
-        let done = !released.is_empty() && lost.is_empty();
-        settle(inner, released);
-        Ok(done)
+        Ok(lease_holder::release_own(inner, rk.lease_id))
     }
 
     /// D: a request carrying P's params was refused before admission: release P's lease now

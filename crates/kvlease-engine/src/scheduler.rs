@@ -11,7 +11,7 @@ use crate::lease_holder::{self, PrefillDone};
 use crate::model::{self, EOS};
 use crate::pool::Blocks;
 use crate::pull::pull;
-use crate::state::{lock, Inner, Rank};
+use crate::state::{Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
 use kvlease_core::params::{KvRole, RemoteKv};
@@ -312,17 +312,13 @@ fn finish_load(inner: &Arc<Inner>, mut seq: Seq, blocks: Blocks, verdict: Verdic
             // A READ that failed or timed out may still land in these blocks where the transport
             // cannot fence it: then they sit out in quarantine and the prompt is computed into
             // fresh ones; else they are used at once.
-            let now = inner.now();
-            match lock(&inner.quarantine).hold(now, blocks) {
+            match lease_holder::with_holder(inner, |h, now, out| h.quarantine(now, blocks, out)) {
                 Some(blocks) => {
                     seq.blocks = Some(blocks);
                     seq.state = State::Prefill;
                     running.push(seq);
                 }
-                None => {
-                    inner.reaper_wake.notify_one();
-                    waiting.push_front(seq);
-                }
+                None => waiting.push_front(seq),
             }
         }
         Verdict::Fail(why) => {

@@ -1,9 +1,9 @@
 //! The engine's shared state: what every task of one engine reads, and who owns each part.
 //!
-//! * `leases` (P): the lease table, owned by [`crate::lease_holder`];
+//! * `holder` (P): the lease table, the quarantine and the cached turns, kvlease-core's
+//!   `LeaseHolder`, driven by [`crate::lease_holder`];
 //! * `renewer` (D): the renewer and, inside it, the registry of remote engines, owned by
 //!   [`crate::renewal`] and [`crate::handshake`];
-//! * `quarantine`: blocks an unfenced READ may still target (SPEC P5), polled by the reaper;
 //! * `read_acks` (D): pulls waiting for `ReadDoneAck`s, owned by [`crate::pull`];
 //! * `tasks`: every task the engine runs, and the one signal that stops them all.
 //!
@@ -13,10 +13,8 @@
 use crate::metrics::Metrics;
 use crate::pool::{BlockPool, Blocks};
 use crate::EngineConfig;
-use kvlease_core::digest::PromptDigest;
-use kvlease_core::lease_table::{LeasePayload, LeaseTable};
+use kvlease_core::holder::LeaseHolder;
 use kvlease_core::params::Admission;
-use kvlease_core::quarantine::Quarantine;
 use kvlease_core::renewer::Renewer;
 use kvlease_core::Nanos;
 use kvlease_transport::{Agent, BlockArena};
@@ -80,31 +78,6 @@ pub(crate) struct Rank {
     pub agent: Arc<dyn Agent>,
 }
 
-/// What P keeps under a lease: the blocks, returned to the pool when the lease ends, the block ids
-/// its params name, in their order (a read must name exactly those, SPEC S4), and the params
-/// digest (S4).
-#[derive(Debug)]
-pub(crate) struct Lease {
-    pub blocks: Blocks,
-    /// `remote_block_ids` as the params name them, in order.
-    pub named: Vec<u32>,
-    /// A cached turn (B1): read as far as the next turn's prompt shares it, so an in-order
-    /// prefix of `named` is a read of it too (B4).
-    pub prefix_reads: bool,
-    /// The request the lease was granted for, for the log.
-    pub request: String,
-    /// SPEC S4: the digest of the prompt the lease's KV belongs to, bound to the params' fields;
-    /// the lease table confirms a read or completion only for it (it keeps no digest of its
-    /// own: `LeasePayload`).
-    pub prompt_digest: PromptDigest,
-}
-
-impl LeasePayload for Lease {
-    fn prompt_digest(&self) -> Option<&PromptDigest> {
-        Some(&self.prompt_digest)
-    }
-}
-
 /// A pull's wait for one `ReadDoneAck`: (our rank, P's agent, lease id).
 pub(crate) type AckKey = (usize, String, u64);
 
@@ -119,11 +92,9 @@ pub(crate) struct Inner {
     pub pool: Arc<BlockPool>,
     pub ranks: OnceLock<Vec<Rank>>,
     pub kv_addr: OnceLock<SocketAddr>,
-    /// P: leases on our blocks.
-    pub leases: Mutex<LeaseTable<Lease>>,
-    /// Blocks an unfenced READ may still target (SPEC P5, D6).
-    pub quarantine: Mutex<Quarantine<Blocks>>,
-    /// Wakes the reaper when the quarantine's next release moved earlier.
+    /// P: leases on our blocks, and blocks an unfenced READ may still target (SPEC P5, D6).
+    pub holder: Mutex<LeaseHolder<Blocks>>,
+    /// Wakes the reaper when the holder's next wake-up may have moved earlier.
     pub reaper_wake: Notify,
     /// D: renewals of leases on remote blocks, and the registry of remote engines.
     pub renewer: Woken<Renewer>,
@@ -172,11 +143,6 @@ impl Inner {
     /// The tokio instant of a core deadline.
     pub fn instant(&self, at: Nanos) -> tokio::time::Instant {
         self.origin + Duration::from_nanos(at.0.saturating_sub(self.clock_base))
-    }
-
-    /// The name this engine holds leases under, and each agent's prefix (SPEC S5).
-    pub fn holder_name(&self) -> String {
-        kvlease_core::peers::holder_name(&self.cfg.engine_id, self.incarnation)
     }
 }
 
