@@ -7,6 +7,7 @@ __all__ = [
     "WIRE_VERSION",
     "Action",
     "ConfigInvalid",
+    "IdIssuer",
     "IssuedLeaseTable",
     "KvleaseError",
     "KvTransferConfig",
@@ -164,6 +165,11 @@ class Pull:
     def on_read_done_ack(self, live: bool) -> _Verdict | None: ...
     def on_deadline(self) -> _Verdict: ...
     def lease_lost(self) -> _Verdict: ...
+
+@final
+class IdIssuer:
+    def __new__(cls, series: int) -> IdIssuer: ...
+    def next_id(self) -> int: ...
 
 class _IssuedStats(_LeaseStats):
     unknown: int

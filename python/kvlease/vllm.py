@@ -52,6 +52,7 @@ import secrets
 from kvlease.control import ControlLink, ControlServer, Peer, spawn
 from kvlease._core import (
     WIRE_VERSION,
+    IdIssuer,
     IssuedLeaseTable,
     LeaseConfig,
     Pull,
@@ -1113,9 +1114,9 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
         # SPEC §2: I = L/6 exactly. vLLM computes `L // 6` in whole seconds, so a lease under 6 s
         # heartbeats on every engine step and a lease of 8 s every 1 s instead of 1.33 s.
         self._heartbeat_interval = lease_config_of(vllm_config).heartbeat_interval
-        # Wire ids are never reused within a P's life; a random start keeps a restarted P from
-        # taking a dead incarnation's ids for its own (vLLM has no incarnation to fence with).
-        self._kvlease_next_id = (secrets.randbits(20) + 1) << 32
+        # Wire ids come from kvlease-core's issuer: in order (P's worker relies on it), never
+        # reused, one random series per life of P (vLLM has no incarnation to fence with).
+        self._kvlease_ids = IdIssuer(secrets.randbits(20))
         self._kvlease_new_ids: dict[str, int] = {}
         self._kvlease_d: dict[str, dict[str, int]] = {}  # D: engine -> remote req id -> wire id
         self._kvlease_d_req: dict[str, tuple[str, str]] = {}  # D: local req id -> (engine, remote)
@@ -1137,8 +1138,7 @@ class KvleaseConnectorScheduler(NixlPullConnectorScheduler):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
         if delay and params is not None and params.get("do_remote_prefill") and self._kvlease_control_ports:
-            wire_id = self._kvlease_next_id
-            self._kvlease_next_id += 1
+            wire_id = self._kvlease_ids.next_id()
             params["kvlease_wire"] = WIRE_VERSION
             params["kvlease_lease_id"] = wire_id
             params["kvlease_control_ports"] = self._kvlease_control_ports

@@ -9,7 +9,7 @@
 
 use kvlease_core::config::{ConfigError, KvRole, KvTransferConfig, LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
-use kvlease_core::issued::IssuedLeases;
+use kvlease_core::issued::{IssuedLeases, Issuer};
 use kvlease_core::lease_table::{Answer, Completion, Holder, LeaseTable, ReleaseReason, Released};
 use kvlease_core::pull::{AfterReads, Pull, PullLost, ReadFailure, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
@@ -461,6 +461,27 @@ impl PyLeaseTable {
             d.set_item(r.as_str(), s.released(r))?;
         }
         Ok(d)
+    }
+}
+
+/// The ids P's scheduler issues for its leases, in order (kvlease-core's ``Issuer``): one
+/// series per life of P (``series``: draw it at random, e.g. ``secrets.randbits(20)``), never
+/// the same id twice.
+#[pyclass(module = "kvlease._core", name = "IdIssuer")]
+struct PyIdIssuer {
+    issuer: Issuer,
+}
+
+#[pymethods]
+impl PyIdIssuer {
+    #[new]
+    fn new(series: u32) -> Self {
+        PyIdIssuer { issuer: Issuer::new(series) }
+    }
+
+    /// The next id.
+    fn next_id(&mut self) -> u64 {
+        self.issuer.next_id()
     }
 }
 
@@ -1139,6 +1160,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLeaseTable>()?;
     m.add_class::<PyIssuedLeaseTable>()?;
     m.add_class::<PyPull>()?;
+    m.add_class::<PyIdIssuer>()?;
     m.add_class::<PyAction>()?;
     m.add_class::<PyRenewer>()?;
     m.add_function(wrap_pyfunction!(parse_kv_transfer_config, m)?)?;

@@ -10,6 +10,7 @@ import pytest
 import kvlease
 from kvlease import (
     ConfigInvalid,
+    IdIssuer,
     IssuedLeaseTable,
     KvleaseError,
     LeaseConfig,
@@ -203,6 +204,13 @@ def test_p1_p5_issued_ids_name_leases_and_overtaking_messages_are_held():
     assert decode(t.on_message(d2, encode(read_done), 3 * S)[0])["live"] is False
     with pytest.raises(KvleaseError):
         t.end(a, "expired", 3 * S)
+
+
+def test_p1_id_issuer_issues_in_order_in_one_series():
+    """kvlease-core's Issuer, as vLLM's scheduler uses it: ids in order, one series per life."""
+    a = IdIssuer(6)
+    assert [a.next_id(), a.next_id()] == [7 << 32, (7 << 32) + 1]
+    assert IdIssuer(0).next_id() == 1 << 32
 
 
 def test_d6_pull_decides_when_to_read_and_whether_to_use_it():

@@ -37,6 +37,29 @@ pub const EARLY_MEMORY: usize = 1 << 12;
 /// How many leases ended by their read are remembered, for D's `ReadDone` that comes after.
 pub const READ_MEMORY: usize = 1 << 16;
 
+/// The ids the process that is not the table issues (vLLM's scheduler), in order — what
+/// [`IssuedLeases::pending`] relies on. One series per life of P, drawn at random by the caller
+/// (the core draws nothing): ids are `series << 32` onwards, so a restarted P does not issue a
+/// dead life's ids (vLLM has no incarnation to fence with), and never the same id twice.
+#[derive(Debug, Clone)]
+pub struct Issuer {
+    next: u64,
+}
+
+impl Issuer {
+    /// Ids of the series `series` (its low 20 bits).
+    pub fn new(series: u32) -> Issuer {
+        Issuer { next: (u64::from(series & 0xF_FFFF) + 1) << 32 }
+    }
+
+    /// The next id, one above the last.
+    pub fn next_id(&mut self) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        id
+    }
+}
+
 /// What [`IssuedLeases`] counted beside the table's own stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IssuedStats {
@@ -338,6 +361,16 @@ mod tests {
 
     const SEC: u64 = 1_000_000_000;
     const L: Duration = Duration::from_secs(30);
+
+    /// Ids come in order, one series per life, never 0, never twice.
+    #[test]
+    fn p1_issued_ids_come_in_order_in_their_series() {
+        let mut a = Issuer::new(6);
+        let (x, y) = (a.next_id(), a.next_id());
+        assert_eq!((x, y), (7 << 32, (7 << 32) + 1));
+        assert_eq!(Issuer::new(0).next_id(), 1 << 32);
+        assert_eq!(Issuer::new(u32::MAX).next_id(), 1 << 52, "20 bits of series");
+    }
 
     fn leases() -> (IssuedLeases<&'static str>, Holder, Holder) {
         let mut t = IssuedLeases::new(&LeaseConfig::default(), 0);

@@ -253,6 +253,16 @@ impl Pull {
         self
     }
 
+    /// The round trip to P as the renewer measured it ([`crate::renewer::Renewer::round_trip`]):
+    /// a renewal for this read whose acknowledgement has not come after two of them (at least
+    /// 1 ms, at most I/2) is sent again, then after twice as long each time — not after a fixed
+    /// 50 ms. Only before the first resend: the back-off is not undone.
+    pub fn measured_round_trip(&mut self, rtt: Duration) {
+        if self.retry_at.is_none() {
+            self.renew_retry = (rtt * 2).clamp(Duration::from_millis(1), self.max_renew_retry);
+        }
+    }
+
     /// How long a read may take and still be safe (the renewer's `read_check` budget).
     pub fn read_budget(&self) -> Duration {
         self.read_budget
@@ -516,6 +526,26 @@ mod tests {
         let mut lost = Pull::new(&c, "p", 0, false, T0);
         assert!(matches!(lost.check(ReadCheck::Untracked, T0), Step::Lost(_)));
         assert_eq!(lost.reading(T0), Err(PullLost::LeaseLost), "never after a lost check");
+    }
+
+    /// SPEC D6 under loss: with a measured round trip, a renewal for a read is sent again after
+    /// two of them (1 ms at least), then doubling; without one, after 50 ms.
+    #[test]
+    fn d6_a_lost_renewal_is_sent_again_after_two_measured_round_trips() {
+        let c = cfg();
+        let mut p = Pull::new(&c, "p", 7, false, T0);
+        p.measured_round_trip(Duration::from_micros(300));
+        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(1), renew: true }, "1 ms floor");
+        let mut p = Pull::new(&c, "p", 7, false, T0);
+        p.measured_round_trip(Duration::from_millis(4));
+        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(8), renew: true });
+        let at = T0 + Duration::from_millis(8);
+        p.measured_round_trip(Duration::from_millis(1));
+        assert_eq!(
+            p.check(ReadCheck::RenewFirst, at),
+            Step::Wait { until: at + Duration::from_millis(16), renew: true },
+            "the back-off is kept"
+        );
     }
 
     /// SPEC §3, D6: a lease granted by another incarnation of P is never read.

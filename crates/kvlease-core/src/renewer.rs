@@ -427,6 +427,9 @@ struct RemoteEngine {
     seen: Vec<Endpoint>,
     /// Incarnations of another engine under this id already reported as duplicates.
     duplicates: BTreeSet<u64>,
+    /// The smoothed round trip of a heartbeat and its acknowledgement (TCP's SRTT: 7/8 of the
+    /// last estimate and 1/8 of the new sample), once one has been measured.
+    srtt: Option<Duration>,
 }
 
 /// How many incarnations' addresses an engine remembers.
@@ -584,6 +587,7 @@ impl Renewer {
             probe_seq: 0,
             seen: Vec::new(),
             duplicates: BTreeSet::new(),
+            srtt: None,
         };
         let i = match self.engines.iter().position(Option::is_none) {
             Some(i) => {
@@ -893,6 +897,14 @@ impl Renewer {
     }
 
     /// The remote engine a P engine's lease is read from, when its handshake is done.
+    /// The measured round trip of a heartbeat to `engine_id` and its acknowledgement (smoothed),
+    /// once one has been measured: how long a renewal for a read waits before it is sent again
+    /// ([`crate::pull::Pull::measured_round_trip`]).
+    pub fn round_trip(&self, engine_id: &str) -> Option<Duration> {
+        let i = *self.by_name.get(engine_id)?;
+        self.engines.get(i as usize)?.as_ref()?.srtt
+    }
+
     pub fn peer(&self, engine_id: &str) -> Option<&Peer> {
         self.peers.get(engine_id)
     }
@@ -923,7 +935,12 @@ impl Renewer {
                 if *seq > engine.ack_floor {
                     if let Ok(pos) = engine.sent.binary_search_by_key(seq, |s| s.seq) {
                         // Ranks ack the same heartbeat each; one is enough, the others change nothing.
-                        engine.sent[pos].acked = true;
+                        let sent = &mut engine.sent[pos];
+                        if !sent.acked {
+                            let sample = now.since(sent.at);
+                            engine.srtt = Some(engine.srtt.map_or(sample, |s| (s * 7 + sample) / 8));
+                        }
+                        sent.acked = true;
                     }
                 }
                 for id in lost_ids {

@@ -222,6 +222,27 @@ fn d6_read_only_under_an_acknowledged_lease() {
     assert_eq!(r.tracked(), 0);
 }
 
+/// A heartbeat's acknowledgement measures the round trip to P (smoothed, TCP's SRTT), for the
+/// resend of a renewal for a read; a second rank's acknowledgement of the same heartbeat does
+/// not count again.
+#[test]
+fn d6_acknowledgements_measure_the_round_trip() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.track("a", &p("P"), 7, at(0));
+    ready(&mut r, "P", at(0));
+    assert_eq!(r.round_trip("P"), None, "nothing measured yet");
+    let acts = poll(&mut r, at(0));
+    let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] }, at(8));
+    assert_eq!(r.round_trip("P"), Some(Duration::from_millis(8)));
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] }, at(100));
+    assert_eq!(r.round_trip("P"), Some(Duration::from_millis(8)), "one acknowledgement per heartbeat");
+    let acts = poll(&mut r, at(5_000));
+    let Message::Heartbeat { seq, .. } = sent(&acts, "P")[0] else { panic!() };
+    r.on_message("P", &Message::HeartbeatAck { seq, lost_ids: vec![] }, at(5_016));
+    assert_eq!(r.round_trip("P"), Some(Duration::from_millis(9)), "7/8 of 8 ms and 1/8 of 16 ms");
+}
+
 /// SPEC D6: an acknowledgement that arrives after E no longer proves anything.
 #[test]
 fn d6_stale_acknowledgements_are_ignored() {

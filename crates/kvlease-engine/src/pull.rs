@@ -29,7 +29,13 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
         let news = inner.news.notified();
         tokio::pin!(news);
         news.as_mut().enable();
-        let answer = inner.renewer.lock().read_check(internal, pull.read_budget(), pull.fenced(), inner.now());
+        let answer = {
+            let mut renewer = inner.renewer.lock();
+            if let Some(rtt) = renewer.round_trip(&rk.engine_id) {
+                pull.measured_round_trip(rtt);
+            }
+            renewer.read_check(internal, pull.read_budget(), pull.fenced(), inner.now())
+        };
         match pull.check(answer, inner.now()) {
             Step::Read => break,
             Step::Lost(lost) => return pull.finish(Err(lost)),
