@@ -52,6 +52,11 @@ fn duration_of(name: &str, s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s).map_err(|e| KvleaseError::new_err(format!("{name}: {s} s is not a duration: {e}")))
 }
 
+/// The config given, or the default one (L = 30 s).
+fn config_or_default(config: Option<&PyLeaseConfig>) -> LeaseConfig {
+    config.map(|c| c.inner.clone()).unwrap_or_default()
+}
+
 fn holder_of(h: u32) -> PyResult<Holder> {
     NonZeroU32::new(h).map(Holder).ok_or_else(|| KvleaseError::new_err("holder 0 does not exist: use LeaseTable.holder(engine)"))
 }
@@ -302,7 +307,7 @@ impl PyLeaseTable {
     #[new]
     #[pyo3(signature = (config = None, capacity = 0))]
     fn new(config: Option<&PyLeaseConfig>, capacity: usize) -> Self {
-        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        let cfg = config_or_default(config);
         PyLeaseTable { table: LeaseTable::with_capacity(&cfg, capacity) }
     }
 
@@ -629,7 +634,7 @@ impl PyIssuedLeaseTable {
     #[new]
     #[pyo3(signature = (config = None, capacity = 0))]
     fn new(config: Option<&PyLeaseConfig>, capacity: usize) -> Self {
-        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        let cfg = config_or_default(config);
         PyIssuedLeaseTable { table: IssuedLeases::new(&cfg, capacity), lease: cfg.lease_duration }
     }
 
@@ -869,7 +874,7 @@ impl PyRenewer {
     #[new]
     #[pyo3(signature = (config = None))]
     fn new(config: Option<&PyLeaseConfig>) -> Self {
-        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        let cfg = config_or_default(config);
         PyRenewer { renewer: Renewer::new(&cfg) }
     }
 
