@@ -382,13 +382,14 @@ impl Admission<'_> {
         Ok(())
     }
 
-    /// SPEC O3: a request carrying P's params that is refused before admission releases P's
-    /// lease at once — but only params that verify (S1: a forgery releases nothing), that name
-    /// another engine (this one's own lease is not renewed from here), and whose refusal does
-    /// not say they are another request's ([`Refusal::keeps_lease`]). The caller also leaves a
-    /// lease alone that another request here is reading with (a refused replay).
-    pub fn releases_on_refusal(&self, rk: &RemoteKv, refusal: Refusal) -> bool {
-        refusal == Refusal::Request && self.verify(rk).is_ok() && self.whose(rk) == Some(Whose::Theirs)
+    /// SPEC O3: a request carrying params that is refused before admission releases the lease
+    /// they name at once — P's through the renewer, or this engine's own (a `kv_both` engine
+    /// handed its own params) — but only params that verify (S1: a forgery releases nothing),
+    /// of a live incarnation, and whose refusal does not say they are another request's
+    /// ([`Refusal::keeps_lease`]). For P's lease the caller also leaves it alone when another
+    /// request here is reading with it (a refused replay). Returns whose lease to release.
+    pub fn releases_on_refusal(&self, rk: &RemoteKv, refusal: Refusal) -> Option<Whose> {
+        (refusal == Refusal::Request && self.verify(rk).is_ok()).then(|| self.whose(rk)).flatten()
     }
 
     /// P: params to end one of this engine's leases (the proxy's O3 release) must be this
@@ -572,7 +573,7 @@ mod tests {
         let a = admission(Some(b"s3cret"), LoadFailurePolicy::Recompute);
         let mut forged = params_for(&PROMPT, Some(b"other"));
         assert!(matches!(a.admit(&forged, &PROMPT), Admit::Invalid(e) if e.0.contains("kvlease_signature")));
-        assert!(!a.releases_on_refusal(&forged, Refusal::Request));
+        assert_eq!(a.releases_on_refusal(&forged, Refusal::Request), None);
         forged.signature = None;
         assert!(matches!(a.admit(&forged, &PROMPT), Admit::Invalid(e) if e.0.contains("unsigned")));
         let genuine = params_for(&PROMPT, Some(b"s3cret"));
@@ -635,17 +636,21 @@ mod tests {
     }
 
     /// SPEC O3: a refused request releases the lease its params name only when they verify,
-    /// name another engine, and are its own (not another request's).
+    /// name a live incarnation (P's, or this engine's own), and are its own (not another
+    /// request's).
     #[test]
     fn o3_a_refusal_releases_only_the_requests_own_verified_lease() {
         let a = admission(Some(b"s3cret"), LoadFailurePolicy::Recompute);
         let theirs = params_for(&PROMPT, Some(b"s3cret"));
-        assert!(a.releases_on_refusal(&theirs, Refusal::Request));
-        assert!(!a.releases_on_refusal(&theirs, Refusal::NotItsParams));
-        let ours = RemoteKv { engine_id: "d0".into(), ..theirs.clone() };
-        assert!(!a.releases_on_refusal(&ours, Refusal::Request));
+        assert_eq!(a.releases_on_refusal(&theirs, Refusal::Request), Some(Whose::Theirs));
+        assert_eq!(a.releases_on_refusal(&theirs, Refusal::NotItsParams), None);
+        let mut ours = RemoteKv { engine_id: "d0".into(), incarnation: 7, ..theirs.clone() };
+        ours.signature = Some(ours.sign(b"s3cret"));
+        assert_eq!(a.releases_on_refusal(&ours, Refusal::Request), Some(Whose::Ours), "a kv_both engine's own lease");
+        let previous_run = RemoteKv { incarnation: 5, ..ours.clone() };
+        assert_eq!(a.releases_on_refusal(&previous_run, Refusal::Request), None);
         let unsigned = RemoteKv { signature: None, ..theirs };
-        assert!(!a.releases_on_refusal(&unsigned, Refusal::Request));
+        assert_eq!(a.releases_on_refusal(&unsigned, Refusal::Request), None);
     }
 
     /// SPEC O3 on P: a router may end only this engine's lease of this run.

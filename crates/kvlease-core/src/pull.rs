@@ -32,6 +32,9 @@ use crate::Nanos;
 use std::fmt;
 use std::time::Duration;
 
+/// The least wait before a renewal for a read is sent again ([`Pull::measured_round_trip`]).
+pub const MIN_RESEND: Duration = Duration::from_millis(10);
+
 /// Why a pull's bytes must not be used.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PullLost {
@@ -255,11 +258,13 @@ impl Pull {
 
     /// The round trip to P as the renewer measured it ([`crate::renewer::Renewer::round_trip`]):
     /// a renewal for this read whose acknowledgement has not come after two of them (at least
-    /// 1 ms, at most I/2) is sent again, then after twice as long each time — not after a fixed
-    /// 50 ms. Only before the first resend: the back-off is not undone.
+    /// [`MIN_RESEND`], at most I/2) is sent again, then after twice as long each time — not after
+    /// a fixed 50 ms. Only before the first resend: the back-off is not undone. The floor keeps a
+    /// round trip measured on an idle link from turning a slow P's acknowledgements into a burst
+    /// of resends from every waiting read.
     pub fn measured_round_trip(&mut self, rtt: Duration) {
         if self.retry_at.is_none() {
-            self.renew_retry = (rtt * 2).clamp(Duration::from_millis(1), self.max_renew_retry);
+            self.renew_retry = (rtt * 2).clamp(MIN_RESEND, self.max_renew_retry.max(MIN_RESEND));
         }
     }
 
@@ -529,21 +534,21 @@ mod tests {
     }
 
     /// SPEC D6 under loss: with a measured round trip, a renewal for a read is sent again after
-    /// two of them (1 ms at least), then doubling; without one, after 50 ms.
+    /// two of them (10 ms at least), then doubling; without one, after 50 ms.
     #[test]
     fn d6_a_lost_renewal_is_sent_again_after_two_measured_round_trips() {
         let c = cfg();
         let mut p = Pull::new(&c, "p", 7, false, T0);
         p.measured_round_trip(Duration::from_micros(300));
-        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(1), renew: true }, "1 ms floor");
+        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + MIN_RESEND, renew: true }, "the floor");
         let mut p = Pull::new(&c, "p", 7, false, T0);
-        p.measured_round_trip(Duration::from_millis(4));
-        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(8), renew: true });
-        let at = T0 + Duration::from_millis(8);
+        p.measured_round_trip(Duration::from_millis(20));
+        assert_eq!(p.check(ReadCheck::RenewFirst, T0), Step::Wait { until: T0 + Duration::from_millis(40), renew: true });
+        let at = T0 + Duration::from_millis(40);
         p.measured_round_trip(Duration::from_millis(1));
         assert_eq!(
             p.check(ReadCheck::RenewFirst, at),
-            Step::Wait { until: at + Duration::from_millis(16), renew: true },
+            Step::Wait { until: at + Duration::from_millis(80), renew: true },
             "the back-off is kept"
         );
     }

@@ -13,7 +13,7 @@
 use crate::engine::EngineHandle;
 use crate::lease_holder;
 use crate::RequestError;
-use kvlease_core::params::{KvRole, Refusal};
+use kvlease_core::params::{KvRole, Refusal, Whose};
 use serde_json::Value;
 
 impl EngineHandle {
@@ -37,8 +37,11 @@ impl EngineHandle {
     pub fn release_refused(&self, params: Option<&Value>, refusal: Refusal) -> bool {
         let inner = self.inner();
         let Ok(KvRole::DecodeRemote(rk)) = KvRole::parse(params) else { return false };
-        if !inner.admission().releases_on_refusal(&rk, refusal) {
-            return false;
+        match inner.admission().releases_on_refusal(&rk, refusal) {
+            None => return false,
+            // A kv_both engine handed its own params: its own lease, ended here.
+            Some(Whose::Ours) => return crate::lease_holder::release_own(inner, rk.lease_id),
+            Some(Whose::Theirs) => {}
         }
         let remote = rk.remote();
         inner.renewer.with(|r| {

@@ -149,6 +149,20 @@ async fn d4_abort_on_d_releases_the_lease_at_once() {
     busy.abort();
 }
 
+/// SPEC O3 for a `kv_both` engine handed its own params: a request refused before admission
+/// (a bad field, too long, ...) releases the engine's own lease at once, as it would P's; a
+/// previous run's lease, or params refused as another request's, release nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn o3_a_refused_request_with_its_own_engines_params_releases_that_lease() {
+    let p = engine(config(30.0, 1)).await;
+    let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
+    assert_eq!(p.live_leases(), 1);
+    assert!(!p.release_refused(params.as_ref(), kvlease_engine::Refusal::NotItsParams), "another request's: kept");
+    assert_eq!(p.live_leases(), 1);
+    assert!(p.release_refused(params.as_ref(), kvlease_engine::Refusal::Request), "its own: released");
+    assert_eq!(p.live_leases(), 0, "released at once, not at expiry");
+}
+
 /// SPEC S5, O3: a replay of params another request on this D is still waiting to pull with
 /// neither takes the lease over nor releases it (refused): the replay computes its prompt
 /// itself, and the first request still reads P's blocks (`transferred`, no recompute of its own).
