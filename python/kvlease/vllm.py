@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -323,18 +324,20 @@ class LeaseBook:
         self.table.name(self._lease_of.get(req_id, 0), wire_id)
 
     @_locked
-    def on_message(self, engine: str, data: bytes, hold: bool = True) -> tuple[int, bytes | None, list[str]]:
-        """A kvlease D's message (``engine``: the id its Hello gave), decided by the table:
-        ``(holder, answer or None, requests its Release freed)``. With ``hold``, a ``ReadDone``
-        or ``Release`` of a lease not granted yet is held for the grant (no answer now)."""
+    def on_message(self, engine: str, data: bytes, hold: bool = True, tag: int = 0) -> tuple[bytes | None, list[str], int]:
+        """A kvlease D's message (``engine``: the id its Hello gave; ``tag``: the connection it
+        came on), decided by the table: ``(answer or None, requests its Release freed, how many
+        messages were held for their lease's grant)``. With ``hold``, a ``ReadDone`` or
+        ``Release`` of a lease not granted yet is held for the grant (no answer now)."""
         holder = self.table.holder(engine)
-        reply, _, released = self.table.on_message(holder, data, time.monotonic_ns(), hold)
-        return holder, reply, self._gone(released)
+        held = self.table.held
+        reply, _, released = self.table.on_message(holder, data, time.monotonic_ns(), hold, tag)
+        return reply, self._gone(released), self.table.held - held
 
     @_locked
-    def answer_due(self, max_age: float) -> tuple[list[tuple[int, bytes]], list[str]]:
-        """The held messages due now, answered (``[(holder, answer)]``), and the requests their
-        Releases freed."""
+    def answer_due(self, max_age: float) -> tuple[list[tuple[int, int, bytes | None]], list[str]]:
+        """The held messages whose turn came (``[(holder, tag, answer or None)]``, in arrival
+        order), and the requests their Releases freed."""
         due, released = self.table.answer_due(time.monotonic_ns(), max_age)
         return due, self._gone(released)
 
@@ -493,9 +496,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # P: requests a D's Release freed on the channel's thread, for the engine thread to
         # report sent (vLLM frees the blocks of requests reported sent); under the book's lock.
         self._kvlease_freed: set[str] = set()
-        # P: the connection each D engine (the table's holder for it) last spoke on, for answers
-        # to messages held for their lease's grant.
-        self._kvlease_peers: dict[int, Peer] = {}
+        # P: the connection each message held for its lease's grant came on (by the tag it was
+        # given), with how many of its parts are still held: its answers go back there (each
+        # rank of a D engine has a connection of its own).
+        self._kvlease_tags = itertools.count(1)
+        self._kvlease_held: dict[int, list[Any]] = {}
         # D: each kvlease P engine's control addresses (host, (pp rank, tp rank) -> port), and
         # our connection to each P worker we read from.
         self._kvlease_control: dict[str, tuple[str, dict[tuple[int, int], int]]] = {}
@@ -556,13 +561,21 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         """Answers what D sent about leases before this worker was handed them (now granted, or
         never to be): held at most E, D's own wait for an answer (on the engine thread)."""
         book = self._reqs_to_send
+        answers = []
         with book.lock:  # type: ignore[attr-defined]
             due, freed = book.answer_due(self.kvlease_config.ack_wait)  # type: ignore[attr-defined]
             self._kvlease_freed.update(freed)
-        for holder, reply in due:
-            peer = self._kvlease_peers.get(holder)
-            if peer is not None:
-                peer.send(reply)
+            for _, tag, reply in due:
+                entry = self._kvlease_held.get(tag)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._kvlease_held[tag]
+                if reply is not None:
+                    answers.append((entry[0], reply))
+        for peer, reply in answers:
+            peer.send(reply)
 
     def _kvlease_fail_load(self, req_id: str, meta: Any, why: str) -> None:
         """The request's KV is not read: vLLM's load-failure path (failed receive, its blocks
@@ -730,8 +743,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if kind == "heartbeat":
             self._kvlease_hb_received += 1
         with book.lock:  # type: ignore[attr-defined]
-            holder, reply, freed = book.on_message(engine, data)  # type: ignore[attr-defined]
-            self._kvlease_peers[holder] = peer
+            tag = next(self._kvlease_tags)
+            reply, freed, held = book.on_message(engine, data, tag=tag)  # type: ignore[attr-defined]
+            if held:
+                # Answered later, on this connection: an engine speaks on one per rank.
+                self._kvlease_held[tag] = [peer, held]
             self._kvlease_freed.update(freed)
         if reply is None:
             if kind == "read_done":

@@ -613,8 +613,9 @@ impl PyPull {
 
 // ---------------------------------------------------------------- issued leases
 
-/// A held message's answer: the holder it goes to, and the bytes.
-type HeldAnswer = (u32, Py<PyBytes>);
+/// A held message's turn: its holder, the tag of the connection it came on, and the answer's
+/// bytes (none for a `Release` that took effect).
+type HeldAnswer = (u32, u64, Option<Py<PyBytes>>);
 
 /// P's lease table when another process issues the ids D names leases by (vLLM's scheduler puts
 /// one in ``kv_transfer_params``; its worker grants the lease one engine step later): messages
@@ -693,9 +694,10 @@ impl PyIssuedLeaseTable {
 
     /// A wire message from ``holder`` naming leases by issued ids (SPEC P2, P5, P6, D4, S5):
     /// ``(reply_bytes_or_None, renewed, released)``. With ``hold``, a ReadDone or Release of a
-    /// lease on its way is held (no reply now). Raises ``WireDecodeError`` for bytes that are
+    /// lease on its way is held (no reply now); ``tag`` names the connection it came on, and
+    /// comes back with its turn in ``answer_due``. Raises ``WireDecodeError`` for bytes that are
     /// not a message. Runs without the GIL.
-    #[pyo3(signature = (holder, data, now_ns, hold = true))]
+    #[pyo3(signature = (holder, data, now_ns, hold = true, tag = 0))]
     fn on_message(
         &mut self,
         py: Python<'_>,
@@ -703,19 +705,20 @@ impl PyIssuedLeaseTable {
         data: &[u8],
         now_ns: u64,
         hold: bool,
+        tag: u64,
     ) -> PyResult<(Option<Py<PyBytes>>, usize, Vec<PyReleased>)> {
         let h = holder_of(holder)?;
         let table = &mut self.table;
-        on_wire(py, data, move |msg, released| table.on_message(h, msg, Nanos(now_ns), hold, released))
+        on_wire(py, data, move |msg, released| table.on_message_from(h, tag, msg, Nanos(now_ns), hold, released))
     }
 
     /// The held messages due now (their lease named, or no longer possible, or ``max_age``
-    /// seconds passed), answered in arrival order: ``([(holder, reply_bytes)], released)``.
+    /// seconds passed), in arrival order: ``([(holder, tag, reply_bytes_or_None)], released)``.
     fn answer_due(&mut self, py: Python<'_>, now_ns: u64, max_age: f64) -> PyResult<(Vec<HeldAnswer>, Vec<PyReleased>)> {
         let age = duration_of("max_age", max_age)?;
         let mut released = Vec::new();
         let due = self.table.answer_due(Nanos(now_ns), age, &mut released);
-        let due = due.into_iter().map(|(h, m)| (h.0.get(), PyBytes::new(py, &m.encode()).unbind())).collect();
+        let due = due.into_iter().map(|d| (d.holder.0.get(), d.tag, d.reply.map(|m| PyBytes::new(py, &m.encode()).unbind()))).collect();
         Ok((due, released_list(released)))
     }
 

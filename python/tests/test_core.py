@@ -192,11 +192,11 @@ def test_p1_p5_issued_ids_name_leases_and_overtaking_messages_are_held():
     reply, renewed, _ = t.on_message(d1, encode({"type": "heartbeat", "seq": 1, "lease_ids": [w, w + 1, w - 1]}), S)
     assert renewed == 1 and decode(reply)["lost_ids"] == [w - 1]
     read_done = {"type": "read_done", "lease_id": w + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}
-    assert t.on_message(d1, encode(read_done), S)[0] is None and t.held == 1
+    assert t.on_message(d1, encode(read_done), S, tag=5)[0] is None and t.held == 1
     b = t.grant(2 * S, 1, payload="b")
     t.name(b, w + 1)
     due, _ = t.answer_due(2 * S, 20.0)
-    assert [(h, decode(m)) for h, m in due] == [(d1, {"type": "read_done_ack", "lease_id": w + 1, "live": True})]
+    assert [(h, tag, decode(m)) for h, tag, m in due] == [(d1, 5, {"type": "read_done_ack", "lease_id": w + 1, "live": True})]
     t.on_message(d1, encode({"type": "heartbeat", "seq": 2, "lease_ids": [w + 1]}), 2 * S)  # d1 holds it (S5)
     live, released = t.end(b, "transferred", 3 * S)
     assert live and [r.payload for r in released] == ["b"] and t.stats()["transferred"] == 1

@@ -371,6 +371,26 @@ def test_p1_p6_renewals_and_reads_that_overtake_their_grant_are_not_lost(p_worke
         kv._reqs_to_send.pop(r)
 
 
+def test_p5_a_held_answer_goes_back_on_the_connection_its_question_came_on(p_workers):
+    """Review of the sixth round: a D engine speaks on one control connection per rank. A
+    ReadDone held for its lease's grant is answered on the connection it came on, not on the one
+    the engine spoke on last (which would leave the asking rank without its confirmation)."""
+    kv, _, _ = p_workers
+    W = (45 << 32) + 10
+    grant(kv, ["rk-0"], ttl=30, wire_ids={"rk-0": W})
+    rank0, rank1 = DLink(kv, "d-two-ranks"), DLink(kv, "d-two-ranks")
+    rank0.send(kvlease.encode({"type": "read_done", "lease_id": W + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}))
+    wait_for(lambda: kv._reqs_to_send.table.held == 1, "rank 0's ReadDone held for its grant")
+    rank1.send(kvlease.encode({"type": "heartbeat", "seq": 1, "lease_ids": [W]}))
+    wait_for(lambda: rank1.answers("heartbeat_ack"), "rank 1's renewal answered")
+    grant(kv, ["rk-1"], ttl=30, wire_ids={"rk-1": W + 1})
+    wait_for(lambda: rank0.answers("read_done_ack"), "rank 0's answer, on rank 0's connection")
+    assert [(m["lease_id"], m["live"]) for m in rank0.answers("read_done_ack")] == [(W + 1, True)]
+    assert not rank1.answers("read_done_ack"), "not on the connection the engine spoke on last"
+    for r in ("rk-0", "rk-1"):
+        kv._reqs_to_send.pop(r)
+
+
 def test_p3_p8_read_completion_over_nixl_frees_once(p_workers):
     """SPEC P3/P8: D's read-done notification (vLLM's `req:n` text) releases the lease once."""
     kv, _, d = p_workers
@@ -845,7 +865,7 @@ def test_d6_a_read_p_does_not_acknowledge_within_e_fails_its_load_never_read(cre
 
 def _ask(book: LeaseBook, engine: str, msg: dict) -> dict | None:
     """A kvlease D's message to P's book, as the control channel hands it over; P's answer."""
-    _, reply, _ = book.on_message(engine, kvlease.encode(msg))
+    reply, _, _ = book.on_message(engine, kvlease.encode(msg))
     return kvlease.decode(reply) if reply is not None else None
 
 

@@ -75,8 +75,20 @@ pub struct IssuedStats {
 #[derive(Debug)]
 struct Held {
     holder: Holder,
+    /// The caller's name for where the message came from (a connection), handed back with the
+    /// answer: one engine may speak on several connections (a rank each).
+    tag: u64,
     msg: Message,
     at: Nanos,
+}
+
+/// A held message's turn: who sent it (the holder, and the caller's tag for the connection it
+/// came on) and the answer to send back, if any (a `Release` that took effect has none).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Due {
+    pub holder: Holder,
+    pub tag: u64,
+    pub reply: Option<Message>,
 }
 
 /// P's [`LeaseTable`] under ids issued elsewhere (see the module's documentation).
@@ -211,6 +223,20 @@ impl<T> IssuedLeases<T> {
     /// `ReadDone` asks whether the read's lease was live and not another engine's. With `hold`,
     /// a `ReadDone` or `Release` of a lease on its way is held for its grant (no answer now).
     pub fn on_message(&mut self, holder: Holder, msg: &Message, now: Nanos, hold: bool, released: &mut Vec<Released<T>>) -> Answer {
+        self.on_message_from(holder, 0, msg, now, hold, released)
+    }
+
+    /// [`IssuedLeases::on_message`] for a message that came on the connection the caller calls
+    /// `tag`: a message held for its grant is answered with that tag ([`IssuedLeases::answer_due`]).
+    pub fn on_message_from(
+        &mut self,
+        holder: Holder,
+        tag: u64,
+        msg: &Message,
+        now: Nanos,
+        hold: bool,
+        released: &mut Vec<Released<T>>,
+    ) -> Answer {
         let from = released.len();
         let answer = match msg {
             Message::Heartbeat { seq, lease_ids } => {
@@ -240,7 +266,7 @@ impl<T> IssuedLeases<T> {
             Message::Release { lease_ids } => {
                 let mut lost = Vec::new();
                 for &w in lease_ids {
-                    if hold && self.hold(holder, w, Message::Release { lease_ids: vec![w] }, now) {
+                    if hold && self.hold(holder, tag, w, Message::Release { lease_ids: vec![w] }, now) {
                         continue;
                     }
                     match self.lease_of(w) {
@@ -261,7 +287,7 @@ impl<T> IssuedLeases<T> {
                 Answer { reply: (!lost.is_empty()).then_some(Message::LeaseLost { lease_ids: lost }), renewed: 0 }
             }
             Message::ReadDone { lease_id: w, .. } => {
-                if hold && self.hold(holder, *w, msg.clone(), now) {
+                if hold && self.hold(holder, tag, *w, msg.clone(), now) {
                     Answer { reply: None, renewed: 0 }
                 } else {
                     let live = self.read_was_live(holder, *w, now, released);
@@ -276,8 +302,9 @@ impl<T> IssuedLeases<T> {
 
     /// The messages held for their lease's grant that are due now — the lease is named, or can
     /// no longer be (a later id was named), or the message waited `max_age` — answered in
-    /// arrival order: each with the holder that sent it, and the answer to send it.
-    pub fn answer_due(&mut self, now: Nanos, max_age: Duration, released: &mut Vec<Released<T>>) -> Vec<(Holder, Message)> {
+    /// arrival order: each with who sent it and the answer to send back (none for a `Release`
+    /// that took effect).
+    pub fn answer_due(&mut self, now: Nanos, max_age: Duration, released: &mut Vec<Released<T>>) -> Vec<Due> {
         if self.early.is_empty() {
             return Vec::new();
         }
@@ -302,19 +329,18 @@ impl<T> IssuedLeases<T> {
         items.sort_by_key(|h| h.at);
         let mut out = Vec::new();
         for h in items {
-            if let Some(reply) = self.on_message(h.holder, &h.msg, now, false, released).reply {
-                out.push((h.holder, reply));
-            }
+            let reply = self.on_message_from(h.holder, h.tag, &h.msg, now, false, released).reply;
+            out.push(Due { holder: h.holder, tag: h.tag, reply });
         }
         out
     }
 
     /// Holds `msg` about issued id `w` for its grant if `w` is on its way and there is room.
-    fn hold(&mut self, holder: Holder, w: u64, msg: Message, now: Nanos) -> bool {
+    fn hold(&mut self, holder: Holder, tag: u64, w: u64, msg: Message, now: Nanos) -> bool {
         if self.early_n >= EARLY_MEMORY || !self.pending(w) {
             return false;
         }
-        self.early.entry(w).or_default().push(Held { holder, msg, at: now });
+        self.early.entry(w).or_default().push(Held { holder, tag, msg, at: now });
         self.early_n += 1;
         self.stats.held += 1;
         true
@@ -421,8 +447,9 @@ mod tests {
         let answer = t.on_message(d1, &hb(&[s + 2, s + 1 + PENDING_WINDOW + 1]), Nanos(SEC), true, &mut rel);
         assert_eq!(lost_of(answer), vec![s + 2 + PENDING_WINDOW], "far ahead: lost");
         assert_eq!(t.stats().early_renewals, 1);
-        assert_eq!(t.on_message(d1, &read_done(s + 2), Nanos(SEC), true, &mut rel).reply, None, "held");
-        assert_eq!(t.on_message(d1, &Message::Release { lease_ids: vec![s + 3] }, Nanos(SEC), true, &mut rel).reply, None);
+        // Two connections of the same engine (two ranks of D): each answer goes back on its own.
+        assert_eq!(t.on_message_from(d1, 7, &read_done(s + 2), Nanos(SEC), true, &mut rel).reply, None, "held");
+        assert_eq!(t.on_message_from(d1, 8, &Message::Release { lease_ids: vec![s + 3] }, Nanos(SEC), true, &mut rel).reply, None);
         assert_eq!(t.held(), 2);
         assert!(t.answer_due(Nanos(SEC), L, &mut rel).is_empty(), "not granted yet");
         // The worker's next step grants both; each message is answered as for a live lease.
@@ -431,7 +458,14 @@ mod tests {
         t.name(b, s + 2);
         t.name(c, s + 3);
         let due = t.answer_due(Nanos(2 * SEC), L, &mut rel);
-        assert_eq!(due, vec![(d1, Message::ReadDoneAck { lease_id: s + 2, live: true })], "the release has no answer");
+        assert_eq!(
+            due,
+            vec![
+                Due { holder: d1, tag: 7, reply: Some(Message::ReadDoneAck { lease_id: s + 2, live: true }) },
+                Due { holder: d1, tag: 8, reply: None },
+            ],
+            "the release took effect: no answer, but its turn is said"
+        );
         assert_eq!(rel.iter().map(|r| r.payload).collect::<Vec<_>>(), vec![Some("c")], "released by the held Release");
         assert_eq!(t.held(), 0);
     }
@@ -448,12 +482,10 @@ mod tests {
         assert_eq!(t.on_message(d1, &read_done(105), Nanos(0), true, &mut rel).reply, None);
         let b = t.grant(Nanos(0), L, 1, "b");
         t.name(b, 102);
-        assert_eq!(t.answer_due(Nanos(SEC), L, &mut rel), vec![(d1, Message::ReadDoneAck { lease_id: 101, live: false })]);
+        let not_live = |w| vec![Due { holder: d1, tag: 0, reply: Some(Message::ReadDoneAck { lease_id: w, live: false }) }];
+        assert_eq!(t.answer_due(Nanos(SEC), L, &mut rel), not_live(101));
         assert!(t.answer_due(Nanos(SEC), Duration::from_secs(5), &mut rel).is_empty());
-        assert_eq!(
-            t.answer_due(Nanos(6 * SEC), Duration::from_secs(5), &mut rel),
-            vec![(d1, Message::ReadDoneAck { lease_id: 105, live: false })]
-        );
+        assert_eq!(t.answer_due(Nanos(6 * SEC), Duration::from_secs(5), &mut rel), not_live(105));
     }
 
     /// At most EARLY_MEMORY messages are held; the rest are answered at once.

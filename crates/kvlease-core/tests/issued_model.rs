@@ -233,9 +233,9 @@ impl World {
         }
         // Held messages due now are answered; each answer is checked like any other.
         let max_age = self.cfg.ack_wait();
-        for (h, reply) in self.t.answer_due(Nanos(self.now), max_age, &mut rel) {
-            let d = self.held_by(h);
-            if let Message::ReadDoneAck { lease_id, live } = reply {
+        for due in self.t.answer_due(Nanos(self.now), max_age, &mut rel) {
+            let d = self.held_by(due.holder);
+            if let Some(Message::ReadDoneAck { lease_id, live }) = due.reply {
                 self.check_read_answer(d, lease_id, live);
             }
         }
