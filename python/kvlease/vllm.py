@@ -319,9 +319,11 @@ class LeaseBook:
             self.table.end(lease, reason, time.monotonic_ns())
 
     @_locked
-    def name_wire_id(self, req_id: str, wire_id: int) -> None:
-        """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params."""
-        self.table.name(self._lease_of.get(req_id, 0), wire_id)
+    def name_wire_id(self, req_id: str, wire_id: int) -> list[str]:
+        """The id P's scheduler advertised for ``req_id``'s lease in its kv_transfer_params (a
+        renewal of it that overtook the grant is applied now). Returns requests that ended."""
+        _, released = self.table.name(self._lease_of.get(req_id, 0), wire_id, time.monotonic_ns())
+        return self._gone(released)
 
     @_locked
     def on_message(self, engine: str, data: bytes, hold: bool = True, tag: int = 0) -> tuple[bytes | None, list[str], int]:

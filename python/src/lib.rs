@@ -656,9 +656,12 @@ impl PyIssuedLeaseTable {
         Ok(self.table.grant(Nanos(now_ns), life, blocks, (PromptDigest::default(), payload)))
     }
 
-    /// The id P's scheduler issued for live lease ``lease_id``; returns whether it now names it.
-    fn name(&mut self, lease_id: LeaseId, issued: u64) -> bool {
-        self.table.name(lease_id, issued)
+    /// The id P's scheduler issued for live lease ``lease_id``, named at ``now_ns`` (a renewal of
+    /// it that came before is applied now): ``(whether it now names it, released)``.
+    fn name(&mut self, lease_id: LeaseId, issued: u64, now_ns: u64) -> (bool, Vec<PyReleased>) {
+        let mut released = Vec::new();
+        let named = self.table.name(lease_id, issued, Nanos(now_ns), &mut released);
+        (named, released_list(released))
     }
 
     /// The live lease an issued id names, or None.

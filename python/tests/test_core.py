@@ -188,13 +188,13 @@ def test_p1_p5_issued_ids_name_leases_and_overtaking_messages_are_held():
     d1, d2 = t.holder("d1"), t.holder("d2")
     w = (5 << 32) + 1
     a = t.grant(0, 1, payload="a")
-    assert t.name(a, w) and t.lease_of(w) == a and t.pending(w + 1) and not t.pending(w - 1)
+    assert t.name(a, w, 0) == (True, []) and t.lease_of(w) == a and t.pending(w + 1) and not t.pending(w - 1)
     reply, renewed, _ = t.on_message(d1, encode({"type": "heartbeat", "seq": 1, "lease_ids": [w, w + 1, w - 1]}), S)
     assert renewed == 1 and decode(reply)["lost_ids"] == [w - 1]
     read_done = {"type": "read_done", "lease_id": w + 1, "consumer_rank": 0, "n": 1, "digest": bytes(16)}
     assert t.on_message(d1, encode(read_done), S, tag=5)[0] is None and t.held == 1
     b = t.grant(2 * S, 1, payload="b")
-    t.name(b, w + 1)
+    t.name(b, w + 1, 2 * S)
     due, _ = t.answer_due(2 * S, 20.0)
     assert [(h, tag, decode(m)) for h, tag, m in due] == [(d1, 5, {"type": "read_done_ack", "lease_id": w + 1, "live": True})]
     t.on_message(d1, encode({"type": "heartbeat", "seq": 2, "lease_ids": [w + 1]}), 2 * S)  # d1 holds it (S5)

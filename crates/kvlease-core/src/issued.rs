@@ -104,6 +104,10 @@ pub struct IssuedLeases<T> {
     read_order: VecDeque<u64>,
     early: BTreeMap<u64, Vec<Held>>,
     early_n: usize,
+    /// Ids on their way that an engine renewed before the grant: the renewal is applied at the
+    /// grant (the first engine to renew holds the lease, S5), so the acknowledgement D counted
+    /// on holds (D reads while an acknowledged renewal covers it, D6).
+    early_renewed: HashMap<u64, Holder>,
     stats: IssuedStats,
 }
 
@@ -118,6 +122,7 @@ impl<T> IssuedLeases<T> {
             read_order: VecDeque::new(),
             early: BTreeMap::new(),
             early_n: 0,
+            early_renewed: HashMap::new(),
             stats: IssuedStats::default(),
         }
     }
@@ -146,10 +151,18 @@ impl<T> IssuedLeases<T> {
         self.table.grant_for(now, lifetime, blocks, payload)
     }
 
-    /// The id P's scheduler issued for live lease `id`. Returns whether it now names it (not if
-    /// the lease is not live or the id already names a live lease).
-    pub fn name(&mut self, id: LeaseId, issued: u64) -> bool {
+    /// The id P's scheduler issued for live lease `id`, named at `now` (the grant's step).
+    /// Returns whether it now names it (not if the lease is not live or the id already names a
+    /// live lease). A renewal of `issued` that came before, on its way, is applied now: the
+    /// lease runs at least E from now and is that engine's (SPEC P2, S5).
+    pub fn name(&mut self, id: LeaseId, issued: u64, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
         self.highest = self.highest.max(issued);
+        let renewed = self.early_renewed.remove(&issued);
+        if !self.early_renewed.is_empty() {
+            // Ids below the highest named can no longer come: their renewals renewed nothing.
+            let highest = self.highest;
+            self.early_renewed.retain(|w, _| *w > highest);
+        }
         if self.table.get(id).is_none() || self.by_issued.contains_key(&issued) {
             return false;
         }
@@ -157,6 +170,11 @@ impl<T> IssuedLeases<T> {
             self.by_issued.remove(&old);
         }
         self.by_issued.insert(issued, id);
+        if let Some(holder) = renewed {
+            let from = released.len();
+            self.table.renew(holder, &[id], now, &mut Vec::new(), released);
+            self.forget(&released[from..]);
+        }
         true
     }
 
@@ -247,7 +265,7 @@ impl<T> IssuedLeases<T> {
                             ids.push(id);
                             names.push(w);
                         }
-                        None if self.pending(w) => self.stats.early_renewals += 1,
+                        None if self.pending(w) && self.keep_renewal(holder, w) => self.stats.early_renewals += 1,
                         None => {
                             self.stats.unknown += 1;
                             lost.push(w);
@@ -333,6 +351,20 @@ impl<T> IssuedLeases<T> {
             out.push(Due { holder: h.holder, tag: h.tag, reply });
         }
         out
+    }
+
+    /// Keeps a renewal of `w`, on its way, for its grant (the first engine's; another engine's
+    /// renews nothing, as it would not after the grant); false when there is no room (then the
+    /// renewal is answered lost: it could not be kept).
+    fn keep_renewal(&mut self, holder: Holder, w: u64) -> bool {
+        if let Some(first) = self.early_renewed.get(&w) {
+            return *first == holder;
+        }
+        if self.early_renewed.len() >= EARLY_MEMORY {
+            return false;
+        }
+        self.early_renewed.insert(w, holder);
+        true
     }
 
     /// Holds `msg` about issued id `w` for its grant if `w` is on its way and there is room.
@@ -426,7 +458,7 @@ mod tests {
         let (mut t, d1, _) = leases();
         let mut rel = Vec::new();
         let a = t.grant(Nanos(0), L, 1, "a");
-        assert!(t.name(a, (7 << 32) + 5));
+        assert!(t.name(a, (7 << 32) + 5, Nanos(0), &mut rel));
         let answer = t.on_message(d1, &hb(&[(7 << 32) + 5, 3]), Nanos(SEC), true, &mut rel);
         assert_eq!(answer.renewed, 1);
         assert_eq!(lost_of(answer), vec![3], "an id before the series is lost at once");
@@ -442,7 +474,7 @@ mod tests {
         let mut rel = Vec::new();
         let s = 9 << 32;
         let a = t.grant(Nanos(0), L, 1, "a");
-        t.name(a, s + 1);
+        t.name(a, s + 1, Nanos(0), &mut rel);
         // Before any id was named every id may be on its way; now, s+2 is.
         let answer = t.on_message(d1, &hb(&[s + 2, s + 1 + PENDING_WINDOW + 1]), Nanos(SEC), true, &mut rel);
         assert_eq!(lost_of(answer), vec![s + 2 + PENDING_WINDOW], "far ahead: lost");
@@ -455,8 +487,8 @@ mod tests {
         // The worker's next step grants both; each message is answered as for a live lease.
         let b = t.grant(Nanos(2 * SEC), L, 1, "b");
         let c = t.grant(Nanos(2 * SEC), L, 1, "c");
-        t.name(b, s + 2);
-        t.name(c, s + 3);
+        t.name(b, s + 2, Nanos(2 * SEC), &mut rel);
+        t.name(c, s + 3, Nanos(2 * SEC), &mut rel);
         let due = t.answer_due(Nanos(2 * SEC), L, &mut rel);
         assert_eq!(
             due,
@@ -470,6 +502,26 @@ mod tests {
         assert_eq!(t.held(), 0);
     }
 
+    /// SPEC P2, D6: a renewal that overtook its grant was acknowledged (not lost), so D may read
+    /// on it: it is applied at the grant, whatever lifetime the grant came with, and the lease
+    /// is the renewing engine's (S5); another engine's renewal of it is lost.
+    #[test]
+    fn p2_d6_a_renewal_before_the_grant_is_applied_at_the_grant() {
+        let (mut t, d1, d2) = leases();
+        let mut rel = Vec::new();
+        let w = 11 << 32;
+        let hb_lost = |t: &mut IssuedLeases<_>, h, rel: &mut Vec<_>| lost_of(t.on_message(h, &hb(&[w]), Nanos(4 * SEC), true, rel));
+        assert_eq!(hb_lost(&mut t, d1, &mut rel), Vec::<u64>::new(), "on its way: not lost");
+        assert_eq!(hb_lost(&mut t, d2, &mut rel), vec![w], "another engine's renewal of it");
+        // P's step came late: vLLM's deadline leaves the grant 1 ms.
+        let a = t.grant(Nanos(5 * SEC), Duration::from_millis(1), 1, "a");
+        assert!(t.name(a, w, Nanos(5 * SEC), &mut rel));
+        let e = LeaseConfig::default().extension;
+        assert!(t.table().deadline(a).is_some_and(|d| d.0 >= 5 * SEC + e.as_nanos() as u64), "renewed at the grant");
+        assert_eq!(t.table().holder_of(a), Some(d1));
+        assert!(rel.is_empty());
+    }
+
     /// A held message is answered not live when its lease can no longer come (a later id was
     /// named first) or when it waited its maximum age.
     #[test]
@@ -477,11 +529,11 @@ mod tests {
         let (mut t, d1, _) = leases();
         let mut rel = Vec::new();
         let a = t.grant(Nanos(0), L, 1, "a");
-        t.name(a, 100);
+        t.name(a, 100, Nanos(0), &mut rel);
         assert_eq!(t.on_message(d1, &read_done(101), Nanos(0), true, &mut rel).reply, None);
         assert_eq!(t.on_message(d1, &read_done(105), Nanos(0), true, &mut rel).reply, None);
         let b = t.grant(Nanos(0), L, 1, "b");
-        t.name(b, 102);
+        t.name(b, 102, Nanos(0), &mut rel);
         let not_live = |w| vec![Due { holder: d1, tag: 0, reply: Some(Message::ReadDoneAck { lease_id: w, live: false }) }];
         assert_eq!(t.answer_due(Nanos(SEC), L, &mut rel), not_live(101));
         assert!(t.answer_due(Nanos(SEC), Duration::from_secs(5), &mut rel).is_empty());
@@ -508,7 +560,7 @@ mod tests {
         let mut rel = Vec::new();
         let (a, b, c) = (t.grant(Nanos(0), L, 1, "a"), t.grant(Nanos(0), L, 1, "b"), t.grant(Nanos(0), L, 1, "c"));
         for (id, w) in [(a, 11), (b, 12), (c, 13)] {
-            t.name(id, w);
+            t.name(id, w, Nanos(0), &mut rel);
         }
         let ack = |t: &mut IssuedLeases<_>, w, now, rel: &mut Vec<_>| t.on_message(d1, &read_done(w), Nanos(now), true, rel).reply;
         assert_eq!(ack(&mut t, 11, SEC, &mut rel), Some(Message::ReadDoneAck { lease_id: 11, live: true }));
@@ -530,7 +582,7 @@ mod tests {
         let (mut t, d1, d2) = leases();
         let mut rel = Vec::new();
         let a = t.grant(Nanos(0), L, 1, "a");
-        t.name(a, 21);
+        t.name(a, 21, Nanos(0), &mut rel);
         assert_eq!(lost_of(t.on_message(d1, &hb(&[21]), Nanos(SEC), true, &mut rel)), Vec::<u64>::new());
         assert_eq!(lost_of(t.on_message(d2, &hb(&[21]), Nanos(SEC), true, &mut rel)), vec![21]);
         assert_eq!(lost_of(t.on_message(d2, &Message::Release { lease_ids: vec![21] }, Nanos(SEC), true, &mut rel)), vec![21]);
@@ -557,7 +609,7 @@ mod tests {
         let (mut t, d1, _) = leases();
         let mut rel = Vec::new();
         let a = t.grant(Nanos(0), L, 1, "a");
-        t.name(a, 31);
+        t.name(a, 31, Nanos(0), &mut rel);
         let answer = t.on_message(d1, &Message::Release { lease_ids: vec![31, 30] }, Nanos(SEC), true, &mut rel);
         assert_eq!(lost_of(answer), vec![30]);
         assert_eq!(rel.len(), 1);

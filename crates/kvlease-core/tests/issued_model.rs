@@ -83,6 +83,8 @@ struct World {
     waiting: BTreeMap<(usize, u64), u64>,
     /// Releases held for their lease's grant: (holder index, id, when they came).
     held_releases: Vec<(usize, u64, u64)>,
+    /// Renewals of ids on their way, by the first engine that renewed each.
+    early_renewed: BTreeMap<u64, usize>,
     cfg: LeaseConfig,
 }
 
@@ -101,6 +103,7 @@ impl World {
             now: 1_000 * MS,
             waiting: BTreeMap::new(),
             held_releases: Vec::new(),
+            early_renewed: BTreeMap::new(),
             cfg,
         }
     }
@@ -167,9 +170,14 @@ impl World {
                 let lease = self.cfg.lease_duration;
                 for &w in &self.issued[self.granted_upto..] {
                     let id = self.t.grant(now, lease, 1, w);
-                    assert!(self.t.name(id, w));
+                    assert!(self.t.name(id, w, now, &mut rel));
                     self.lease_of.insert(w, id);
-                    self.refs.insert(w, Ref::Live { deadline: self.now + lease.as_nanos() as u64, holder: None });
+                    // A renewal that came before the grant is applied at it.
+                    let (deadline, holder) = match self.early_renewed.remove(&w) {
+                        Some(d) => (self.now + lease.max(self.cfg.extension).as_nanos() as u64, Some(d)),
+                        None => (self.now + lease.as_nanos() as u64, None),
+                    };
+                    self.refs.insert(w, Ref::Live { deadline, holder });
                 }
                 self.granted_upto = self.issued.len();
             }
@@ -188,8 +196,11 @@ impl World {
                             self.refs.insert(w, Ref::Live { deadline: deadline.max(self.now + e), holder: Some(d) });
                         }
                     }
-                    Some(Ref::Issued) => assert!(!lost, "{w:#x}, on its way, reported lost"),
-                    None if self.pending(w) => assert!(!lost, "{w:#x} may be on its way"),
+                    Some(Ref::Issued) | None if self.pending(w) => {
+                        // Kept for the grant, the first engine's; another's is lost.
+                        let first = *self.early_renewed.entry(w).or_insert(d);
+                        assert_eq!(lost, first != d, "{w:#x}, on its way, renewed by d{d} (first d{first})");
+                    }
                     _ => assert!(lost, "{w:#x} ({before:?}) renewed for d{d}"),
                 }
             }
