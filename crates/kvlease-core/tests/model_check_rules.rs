@@ -5,7 +5,7 @@
 //! every interleaving of what its environment may do, within small bounds.
 //!
 //! Neither machine is `Clone`, so a state of the check is the history of what the environment
-//! did, replayed into a fresh machine at every step (a history is at most ~16 steps), plus the
+//! did, replayed into a fresh machine at every step (a history is at most ~11 steps), plus the
 //! environment's own account (a reference, and what went wrong). States are told apart by the
 //! machine's `Debug` text, with the entries of every `{…}` group sorted (a `HashMap` prints in
 //! its seed's order; sorting distinct keys or field names is one-to-one, so equal text means
@@ -25,31 +25,34 @@
 //! the engine that granted it, or handed to a decoder when the request was abandoned, D4: never
 //! two of these, nothing left at the end), B1 (a taken turn goes back exactly when no prefill
 //! may have read it), liveness (the route never waits with nothing out, and every route ends),
-//! and the driver's contract (no event the route calls stray, no action after the end). ~3.3k
-//! unique states over 64 starts.
+//! and the driver's contract (no event the route calls stray, no action after the end). ~5.1k
+//! unique states (~6.9k visited) over 64 starts.
 //!
-//! **IssuedLeases** ([`IssuedModel`]): P's scheduler issues two ids, the worker grants and
-//! names them in order a step later, for L or for 1 s (vLLM's deadline after a slow step); two
-//! D engines send up to three messages (renewal, `ReadDone`, `Release`, any engine, either id,
-//! before or after the grant); the worker ends a lease by its read or because its request went
-//! away (vLLM's `end`); time moves in steps of 1 s (L = 3 s, E = 2 s) and the reaper ticks. An
-//! exact reference says what every answer must be. Properties: P5 (a `ReadDone` is confirmed
-//! only for a granted lease live at the answer and not another engine's, or one ended by its
-//! read while the asker's or nobody's), P6/S5 (another engine's or an ended lease's renewal or
+//! **IssuedLeases** ([`IssuedModel`]): P's scheduler has issued two ids (the table never hears
+//! of an issue, so issuing first loses no interleaving); the worker grants and names them in
+//! order, for L or for 1 s (vLLM's deadline after a slow step); two D engines send up to two
+//! messages (renewal, `ReadDone`, `Release`, either engine, either id, before or after the
+//! grant; d1 speaks only after d0, the engines being interchangeable); vLLM ends a live lease
+//! by its read or because its request went away (`end(Transferred|Released)`); time moves in
+//! steps of 1 s over 3 s (L = 3 s, E = 2 s) and the reaper ticks when a lease is due. An exact
+//! reference says what every answer must be. Properties: P5 (a `ReadDone` is confirmed only
+//! for a granted lease live at the answer and not another engine's, or one ended by its read
+//! while the asker's or nobody's), P6/S5 (another engine's or an ended lease's renewal or
 //! release is answered lost and changes nothing), P3 (each lease ends once, under the reason
-//! the reference gives), P2/D6 (a renewal acknowledged at t keeps the lease until t + E, also
-//! one acknowledged before the grant), held messages (answered at the grant, on their
-//! connection, or after E), and the table's agreement with the reference (deadlines, holders,
-//! every answer). ~66k unique states. What the histories cannot tell apart is the lease
-//! table's expiry wheel (its own tests check it): its `Debug` is left out of the state, the
-//! deadline and holder of every lease are in.
+//! it ended for), P2/D6 (a renewal acknowledged at t keeps the lease until t + E, also one
+//! acknowledged before the grant), held messages (answered at the grant, on their connection,
+//! or after E), and the table's agreement with the reference (deadlines, holders, every
+//! answer). ~30k unique states (~107k visited). The state keeps `IssuedLeases`' own fields
+//! whole and, of its lease table, each lease's name, deadline, holder and payload: the table's
+//! slots and expiry wheel (checked by its own tests) are left out.
 //!
-//! The whole file runs in ~15 s wall in debug on the shared 2-core dev machine
-//! (`time cargo test -p kvlease-core --test model_check_rules`). Planted bugs prove each
-//! property bites: the route's `RetryAfterFirstByte` (the simulator's switch), and, for the
-//! connector, drivers that misuse the real table from the test (an early renewal acknowledged
-//! and not passed on, as before 6ee67ac; a dropped request ended as read; one holder for every
-//! engine).
+//! The whole file takes ~20 s of CPU in debug, ~14 of them the connector's check; the tests
+//! run two at a time, so ~15 s wall on an idle 2-core machine, 35-55 s on the shared dev
+//! machine under load (`time cargo test -p kvlease-core --test model_check_rules`). Planted
+//! bugs prove each property bites, each found in under ~5k states: the route's
+//! `RetryAfterFirstByte` (the simulator's switch), and, for the connector, drivers that misuse
+//! the real table from the test (an early renewal acknowledged and not passed on, as before
+//! 6ee67ac; a dropped request ended as read; one holder for every engine).
 //!
 //! Abstractions: a prefill leg that fails before its answer, or that is dropped because the
 //! request was abandoned, left no lease (P aborts a request whose connection closed, P1); an
@@ -57,23 +60,121 @@
 //! bound (O4's one exception) and the check does not count it; a decode leg that fails before
 //! its answer's head did not take the lease.
 
+use kvlease_core::config::LeaseConfig;
+use kvlease_core::issued::IssuedLeases;
+use kvlease_core::lease_table::{Holder, ReleaseReason};
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::route::{Action, Answer, Candidate, Event, Pool, Pools, PrefillAnswer, Route, TurnCache};
-use kvlease_core::Nanos;
+use kvlease_core::wire::Message;
+use kvlease_core::{digest::PromptDigest, LeaseId, Nanos};
 use serde_json::json;
-use stateright::{Checker, Model, Property};
+use stateright::{Checker, HasDiscoveries, Model, Property};
 use std::hash::{Hash, Hasher};
+use std::time::Duration;
+
+/// `Debug` text made canonical: the items of every `{…}` group (a struct's fields, a map's or a
+/// set's entries) sorted, fields named in `drop` left out; `[…]` and `(…)` keep their order.
+fn canonical(debug: &str, drop: &[&str]) -> String {
+    let drop: Vec<String> = drop.iter().map(|d| format!("{d}:")).collect();
+    let mut i = 0;
+    items(debug.as_bytes(), &mut i, None, &drop).concat()
+}
+
+/// `debug` without the field `name` (with its value, a balanced group up to the next `,`).
+fn without(debug: &str, name: &str) -> String {
+    let Some(at) = debug.find(name) else { return debug.to_string() };
+    let b = debug.as_bytes();
+    let (mut i, mut depth) = (at, 0i32);
+    while i < b.len() {
+        match b[i] {
+            b'{' | b'[' | b'(' => depth += 1,
+            b'}' | b']' | b')' if depth == 0 => break,
+            b'}' | b']' | b')' => depth -= 1,
+            b',' if depth == 0 => {
+                i += 1;
+                break;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    format!("{}{}", &debug[..at], &debug[i..])
+}
+
+/// The items up to `close` (consumed), split at top-level commas, each made canonical.
+fn items(c: &[u8], i: &mut usize, close: Option<u8>, drop: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut from = *i;
+    let flush = |cur: &mut String, from: usize, to: usize| cur.push_str(std::str::from_utf8(&c[from..to]).expect("utf-8 at a delimiter"));
+    while *i < c.len() {
+        let ch = c[*i];
+        match ch {
+            _ if Some(ch) == close => {
+                flush(&mut cur, from, *i);
+                *i += 1;
+                from = *i;
+                break;
+            }
+            b',' => {
+                flush(&mut cur, from, *i);
+                out.push(std::mem::take(&mut cur).trim().to_string());
+                *i += 1;
+                from = *i;
+            }
+            b'{' | b'[' | b'(' => {
+                flush(&mut cur, from, *i);
+                *i += 1;
+                let end = match ch {
+                    b'{' => b'}',
+                    b'[' => b']',
+                    _ => b')',
+                };
+                let mut inner = items(c, i, Some(end), drop);
+                if ch == b'{' {
+                    inner.retain(|it| !drop.iter().any(|d| it.starts_with(d.as_str())));
+                    inner.sort_unstable();
+                }
+                cur.push(char::from(ch));
+                cur.push_str(&inner.join(","));
+                cur.push(char::from(end));
+                from = *i;
+            }
+            b'"' => {
+                *i += 1;
+                while *i < c.len() && c[*i] != b'"' {
+                    *i += if c[*i] == b'\\' { 2 } else { 1 };
+                }
+                *i += 1;
+            }
+            _ => *i += 1,
+        }
+    }
+    if from < (*i).min(c.len()) {
+        flush(&mut cur, from, (*i).min(c.len()));
+    }
+    let last = cur.trim().to_string();
+    if !last.is_empty() || !out.is_empty() {
+        out.push(last);
+    }
+    out
+}
 
 /// Checks every state within a model's bounds (breadth first, one thread: the machine is
 /// shared) and reports the counts.
-fn check<M>(model: M) -> impl Checker<M>
+fn check<M>(model: M, until: Option<&'static str>) -> impl Checker<M>
 where
     M: Model + Send + Sync + 'static,
     M::State: Hash + Send + Sync + Clone + std::fmt::Debug + PartialEq,
     M::Action: Clone + std::fmt::Debug + PartialEq,
 {
     let started = std::time::Instant::now();
-    let checker = model.checker().threads(1).spawn_bfs().join();
+    let builder = model.checker().threads(1);
+    let builder = match until {
+        Some(property) => builder.finish_when(HasDiscoveries::AnyOf([property].into())),
+        None => builder,
+    };
+    let checker = builder.spawn_bfs().join();
     eprintln!(
         "model check: {} states ({} unique), depth {}, in {:?}",
         checker.state_count(),
@@ -90,7 +191,7 @@ where
     M::State: Hash + Send + Sync + Clone + std::fmt::Debug + PartialEq,
     M::Action: Clone + std::fmt::Debug + PartialEq,
 {
-    let checker = check(model);
+    let checker = check(model, Some(property));
     let path = checker.discovery(property).unwrap_or_else(|| panic!("the checker missed it ({property})"));
     let last = path.last_state().clone();
     eprintln!("counterexample for {property:?}: {:?}\nending in {last:?}", path.into_actions());
@@ -594,7 +695,7 @@ impl Model for RouteModel {
 /// SPEC O2, O3, O4, B1 and the route's liveness, over every way one request can go.
 #[test]
 fn o2_o3_o4_b1_model_check_the_route() {
-    check(RouteModel { bug: None }).assert_properties();
+    check(RouteModel { bug: None }, None).assert_properties();
 }
 
 /// SPEC O2: with the simulator's planted bug (a decode leg retried after its first byte), the
@@ -602,4 +703,580 @@ fn o2_o3_o4_b1_model_check_the_route() {
 #[test]
 fn o2_planted_bug_retry_after_first_byte_is_found() {
     assert_found(RouteModel { bug: Some(PlantedBug::RetryAfterFirstByte) }, O2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vLLM connector's P side: leases under ids P's scheduler issues (SPEC P2, P3, P5, P6, S5)
+// ---------------------------------------------------------------------------------------------
+
+const SERIES: u64 = 7 << 32;
+const SEC: u64 = 1_000_000_000;
+/// L and E in seconds (SPEC §2: E = 2L/3); time moves a second at a time.
+const L: u64 = 3;
+const E: u64 = 2;
+/// A grant after a slow engine step: vLLM's deadline leaves the lease this long.
+const SHORT: u64 = 1;
+const IDS: usize = 2;
+const SENDS: u8 = 2;
+const START: u64 = 1;
+const NOW_MAX: u64 = START + 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Kind {
+    Renew,
+    ReadDone,
+    Release,
+}
+
+/// What P's scheduler, its worker, the D engines and time do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Step {
+    /// The worker grants the next issued id's lease and names it, for L or for [`SHORT`].
+    Grant {
+        short: bool,
+    },
+    /// D engine `d` sends a message about the `i`-th issued id (on its own connection).
+    Send {
+        d: u8,
+        kind: Kind,
+        i: u8,
+    },
+    /// vLLM ends the `i`-th lease: its read completed (`read`), or its request went away.
+    End {
+        i: u8,
+        read: bool,
+    },
+    Advance,
+    Tick,
+}
+
+/// A connector that misuses the real table (test-side: the table is not changed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DriverBug {
+    /// A renewal of a lease not granted yet is acknowledged (not lost) by the connector and not
+    /// passed to the table: kvlease before 6ee67ac.
+    AckEarlyRenewalUnapplied,
+    /// A lease whose request went away is ended as read (`Transferred`).
+    DropEndedAsRead,
+    /// Every D engine gets the same holder (engines told apart by nothing).
+    OneHolder,
+}
+
+/// The reference's lease, by issued id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Lease {
+    /// Issued by the scheduler, not granted yet.
+    Issued,
+    /// Granted, not ended (past its deadline, it awaits the reaper); held by the first engine
+    /// that renewed or released it.
+    Live { deadline: u64, holder: Option<u8> },
+    /// Ended, for this reason, while held by `holder`.
+    Ended { reason: ReleaseReason, holder: Option<u8> },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Held {
+    d: u8,
+    kind: Kind,
+    i: u8,
+    at: u64,
+}
+
+impl Held {
+    /// The connection tag the message came with: one per engine, message kind and id, so an
+    /// answer names the message it answers.
+    fn tag(&self) -> u64 {
+        tag(self.d, self.kind, self.i)
+    }
+}
+
+fn tag(d: u8, kind: Kind, i: u8) -> u64 {
+    u64::from(d) * 100 + kind as u64 * 10 + u64::from(i)
+}
+
+fn issued_id(i: usize) -> u64 {
+    SERIES + 1 + i as u64
+}
+
+const P5: &str = "P5: a ReadDone confirmed only for a live lease not another's, or one ended by its read";
+const P6_S5: &str = "P6/S5: another engine's or an ended lease's renewal or release is answered lost, changes nothing";
+const P3: &str = "P3: each lease ends once, under the reason it ended for";
+const P2_D6: &str = "P2/D6: a renewal acknowledged at t keeps its lease until t + E";
+const HELD: &str = "held messages are answered at the grant, on their connection, or after E";
+const AGREES: &str = "the table agrees with the reference";
+
+/// What happened so far, as the reference tells it (the environment's side of a state).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Reference {
+    now: u64,
+    leases: Vec<Lease>,
+    granted: usize,
+    /// The first engine that renewed each id before its grant.
+    early: [Option<u8>; IDS],
+    /// Until when an acknowledged renewal promised each lease (D reads on it, D6).
+    promised: [u64; IDS],
+    held: Vec<Held>,
+    ended_by_vllm: [bool; IDS],
+    sends_left: u8,
+    /// Engine d0 has sent a message: d1 sends only then (the engines are interchangeable, so
+    /// the histories where d1 speaks first are these with the names swapped).
+    d0_spoke: bool,
+    /// Ways through seen, for the non-vacuity checks (bits of [`Seen`]).
+    seen: u8,
+    /// The properties broken, and the first account of each.
+    violations: Vec<(&'static str, String)>,
+}
+
+#[derive(Clone, Copy)]
+enum Seen {
+    HeldReadConfirmedAtGrant = 1,
+    EarlyRenewalApplied = 2,
+    ReadConfirmedAfterItsEnd = 4,
+    ForeignReleaseRefused = 8,
+    HeldAnsweredByAge = 16,
+}
+
+/// What an answer must be.
+#[derive(Debug, PartialEq)]
+enum Expected {
+    Held,
+    Lost(bool),
+    Live(bool),
+}
+
+struct World {
+    t: IssuedLeases<u64>,
+    holders: [Holder; 2],
+    ids: [Option<LeaseId>; IDS],
+    r: Reference,
+    bug: Option<DriverBug>,
+}
+
+impl World {
+    fn new(bug: Option<DriverBug>) -> World {
+        let cfg = LeaseConfig::with_lease_secs(L as f64).expect("valid");
+        assert_eq!(cfg.extension, Duration::from_secs(E));
+        let mut t = IssuedLeases::new(&cfg, 0);
+        let holders = if bug == Some(DriverBug::OneHolder) { [t.holder("d"), t.holder("d")] } else { [t.holder("d0"), t.holder("d1")] };
+        let r = Reference {
+            now: START,
+            // P's scheduler issued both ids: the table never hears of an issue, and D can name
+            // an id only once it is issued, so issuing first loses no interleaving.
+            leases: vec![Lease::Issued; IDS],
+            granted: 0,
+            early: [None; IDS],
+            promised: [0; IDS],
+            held: Vec::new(),
+            ended_by_vllm: [false; IDS],
+            sends_left: SENDS,
+            d0_spoke: false,
+            seen: 0,
+            violations: Vec::new(),
+        };
+        World { t, holders, ids: [None; IDS], r, bug }
+    }
+
+    fn violate(&mut self, property: &'static str, what: String) {
+        if self.r.violations.iter().all(|(p, _)| *p != property) {
+            self.r.violations.push((property, what));
+            self.r.violations.sort();
+        }
+    }
+
+    fn see(&mut self, s: Seen) {
+        self.r.seen |= s as u8;
+    }
+
+    fn end(&mut self, i: usize, reason: ReleaseReason, holder: Option<u8>, ends: &mut Vec<(u64, ReleaseReason)>) {
+        self.r.leases[i] = Lease::Ended { reason, holder };
+        ends.push((i as u64, reason));
+    }
+
+    /// What the answer to D engine `d`'s message must be, and what it does to the reference.
+    fn expect(&mut self, d: u8, kind: Kind, i: usize, hold: bool, ends: &mut Vec<(u64, ReleaseReason)>) -> Expected {
+        let now = self.r.now;
+        if i >= self.r.granted {
+            // On its way: a renewal is kept for the grant (the first engine's); a ReadDone or a
+            // Release is held for it, or, once aged, answered as not live.
+            return match kind {
+                Kind::Renew => {
+                    let first = *self.r.early[i].get_or_insert(d);
+                    if first == d {
+                        self.r.promised[i] = self.r.promised[i].max(now + E);
+                    }
+                    Expected::Lost(first != d)
+                }
+                _ if hold => {
+                    self.r.held.push(Held { d, kind, i: i as u8, at: now });
+                    Expected::Held
+                }
+                Kind::ReadDone => Expected::Live(false),
+                Kind::Release => Expected::Lost(true),
+            };
+        }
+        let lease = self.r.leases[i];
+        let mine = |h: Option<u8>| h.is_none_or(|h| h == d);
+        match (kind, lease) {
+            (Kind::Renew | Kind::Release, Lease::Live { holder, .. }) if !mine(holder) => {
+                if kind == Kind::Release {
+                    self.see(Seen::ForeignReleaseRefused);
+                }
+                Expected::Lost(true)
+            }
+            (_, Lease::Live { deadline, .. }) if deadline <= now => {
+                self.end(i, ReleaseReason::Expired, Some(d), ends);
+                if kind == Kind::ReadDone {
+                    Expected::Live(false)
+                } else {
+                    Expected::Lost(true)
+                }
+            }
+            (Kind::Renew, Lease::Live { deadline, .. }) => {
+                self.r.leases[i] = Lease::Live { deadline: deadline.max(now + E), holder: Some(d) };
+                self.r.promised[i] = self.r.promised[i].max(now + E);
+                Expected::Lost(false)
+            }
+            (Kind::Release, Lease::Live { .. }) => {
+                self.end(i, ReleaseReason::Released, Some(d), ends);
+                Expected::Lost(false)
+            }
+            // A question: it claims nothing (SPEC S5 is about what changes a lease).
+            (Kind::ReadDone, Lease::Live { holder, .. }) => Expected::Live(mine(holder)),
+            (Kind::ReadDone, Lease::Ended { reason: ReleaseReason::Transferred, holder }) => {
+                if mine(holder) {
+                    self.see(Seen::ReadConfirmedAfterItsEnd);
+                }
+                Expected::Live(mine(holder))
+            }
+            (Kind::ReadDone, _) => Expected::Live(false),
+            (_, _) => Expected::Lost(true),
+        }
+    }
+
+    /// Compares an answer to D engine `d`'s message about the `i`-th id with what it must be.
+    fn judge(&mut self, d: u8, kind: Kind, i: usize, expected: Expected, reply: Option<Message>) {
+        let w = issued_id(i);
+        let got = match (kind, reply) {
+            (_, None) if expected == Expected::Held => Expected::Held,
+            (Kind::Renew, Some(Message::HeartbeatAck { lost_ids, .. })) => Expected::Lost(lost_ids.contains(&w)),
+            (Kind::Release, None) => Expected::Lost(false),
+            (Kind::Release, Some(Message::LeaseLost { lease_ids })) => Expected::Lost(lease_ids.contains(&w)),
+            (Kind::ReadDone, Some(Message::ReadDoneAck { lease_id, live })) if lease_id == w => Expected::Live(live),
+            (_, reply) => {
+                self.violate(AGREES, format!("d{d}'s {kind:?} of #{i} answered {reply:?}"));
+                return;
+            }
+        };
+        if got == expected {
+            return;
+        }
+        let what = format!("d{d}'s {kind:?} of #{i} at {}: {got:?}, must be {expected:?} ({:?})", self.r.now, self.r.leases[i]);
+        match (&got, &expected) {
+            (Expected::Live(true), Expected::Live(false)) => self.violate(P5, what),
+            (Expected::Lost(false), Expected::Lost(true)) => self.violate(P6_S5, what),
+            _ => self.violate(AGREES, what),
+        }
+    }
+
+    fn step(&mut self, step: Step) {
+        let mut rel = Vec::new();
+        // Ends the table must report in this step: (issued index, reason).
+        let mut ends = Vec::new();
+        let now = Nanos(self.r.now * SEC);
+        match step {
+            Step::Grant { short } => {
+                let i = self.r.granted;
+                let life = if short { SHORT } else { L };
+                let id = self.t.grant(now, Duration::from_secs(life), 1, i as u64);
+                if !self.t.name(id, issued_id(i), now, &mut rel) {
+                    self.violate(AGREES, format!("#{i} not named"));
+                }
+                self.ids[i] = Some(id);
+                self.r.granted += 1;
+                // A renewal that came before is applied at the grant (SPEC P2, S5).
+                self.r.leases[i] = match self.r.early[i].take() {
+                    Some(d) => {
+                        self.see(Seen::EarlyRenewalApplied);
+                        Lease::Live { deadline: self.r.now + life.max(E), holder: Some(d) }
+                    }
+                    None => Lease::Live { deadline: self.r.now + life, holder: None },
+                };
+            }
+            Step::Send { d, kind, i } => {
+                self.r.sends_left -= 1;
+                self.r.d0_spoke |= d == 0;
+                let i = usize::from(i);
+                let w = issued_id(i);
+                let expected = self.expect(d, kind, i, true, &mut ends);
+                let reply = match (kind, self.bug) {
+                    (Kind::Renew, Some(DriverBug::AckEarlyRenewalUnapplied)) if self.t.lease_of(w).is_none() && self.t.pending(w) => {
+                        Some(Message::HeartbeatAck { seq: 1, lost_ids: Vec::new() })
+                    }
+                    _ => {
+                        let msg = match kind {
+                            Kind::Renew => Message::Heartbeat { seq: 1, lease_ids: vec![w] },
+                            Kind::ReadDone => Message::ReadDone { lease_id: w, consumer_rank: 0, n: 1, digest: PromptDigest([0; 16]) },
+                            Kind::Release => Message::Release { lease_ids: vec![w] },
+                        };
+                        let holder = self.holders[usize::from(d)];
+                        self.t.on_message_from(holder, tag(d, kind, i as u8), &msg, now, true, &mut rel).reply
+                    }
+                };
+                self.judge(d, kind, i, expected, reply);
+            }
+            Step::End { i, read } => {
+                let i = usize::from(i);
+                self.r.ended_by_vllm[i] = true;
+                let truth = if read { ReleaseReason::Transferred } else { ReleaseReason::Released };
+                let told = if self.bug == Some(DriverBug::DropEndedAsRead) { ReleaseReason::Transferred } else { truth };
+                let id = self.ids[i].expect("granted");
+                let live = self.t.end(id, told, now, &mut rel);
+                if let Lease::Live { holder, .. } = self.r.leases[i] {
+                    // The table ends it under the reason it is told; what happened is `truth`.
+                    self.end(i, truth, holder, &mut Vec::new());
+                    ends.push((i as u64, told));
+                }
+                if live != ends.iter().any(|e| e.0 == i as u64) {
+                    self.violate(P3, format!("vLLM's end of #{i} at {}: {live}", self.r.now));
+                }
+            }
+            Step::Advance => self.r.now += 1,
+            Step::Tick => {
+                self.t.tick(now, &mut rel);
+                for i in 0..self.r.leases.len() {
+                    if matches!(self.r.leases[i], Lease::Live { deadline, .. } if deadline <= self.r.now) {
+                        self.end(i, ReleaseReason::Expired, None, &mut ends);
+                    }
+                }
+            }
+        }
+        self.answer_held(&mut rel, &mut ends);
+        self.check_ends(&rel, ends);
+        self.check_table();
+    }
+
+    /// The connector asks for the held messages due after every step; each answer is judged
+    /// like any other.
+    fn answer_held(&mut self, rel: &mut Vec<kvlease_core::lease_table::Released<u64>>, ends: &mut Vec<(u64, ReleaseReason)>) {
+        let now = self.r.now;
+        for due in self.t.answer_due(Nanos(now * SEC), Duration::from_secs(E), rel) {
+            let Some(k) = self.r.held.iter().position(|h| h.tag() == due.tag) else {
+                self.violate(HELD, format!("an answer for tag {} nobody waits for", due.tag));
+                continue;
+            };
+            let h = self.r.held.remove(k);
+            let i = usize::from(h.i);
+            if due.holder != self.holders[usize::from(h.d)] {
+                self.violate(HELD, format!("{h:?} answered to {:?}", due.holder));
+            }
+            let granted = i < self.r.granted;
+            if !granted && now < h.at + E {
+                self.violate(AGREES, format!("{h:?} answered at {now}, before its grant and before E"));
+            }
+            if !granted {
+                self.see(Seen::HeldAnsweredByAge);
+            }
+            let expected = self.expect(h.d, h.kind, i, false, ends);
+            if granted && h.kind == Kind::ReadDone && expected == Expected::Live(true) {
+                self.see(Seen::HeldReadConfirmedAtGrant);
+            }
+            self.judge(h.d, h.kind, i, expected, due.reply);
+        }
+        let late: Vec<Held> = self.r.held.iter().filter(|h| usize::from(h.i) < self.r.granted || now >= h.at + E).copied().collect();
+        if let Some(h) = late.first() {
+            self.violate(HELD, format!("{h:?} still held at {now}"));
+        }
+    }
+
+    /// SPEC P3, P2/D6: the leases the table ended in this step are the ones the reference
+    /// ended, under the same reasons, and none expired while a renewal promised it.
+    fn check_ends(&mut self, rel: &[kvlease_core::lease_table::Released<u64>], mut ends: Vec<(u64, ReleaseReason)>) {
+        let mut got: Vec<(u64, ReleaseReason)> = rel.iter().map(|r| (r.payload.unwrap_or(u64::MAX), r.reason)).collect();
+        for &(i, reason) in &got {
+            let promised = self.r.promised.get(i as usize).copied().unwrap_or(0);
+            if reason == ReleaseReason::Expired && self.r.now < promised {
+                self.violate(P2_D6, format!("#{i} expired at {}, promised until {promised}", self.r.now));
+            }
+        }
+        got.sort();
+        ends.sort();
+        if got != ends {
+            self.violate(P3, format!("at {}: ended {got:?}, must be {ends:?}", self.r.now));
+        }
+    }
+
+    /// Every lease's name, deadline and holder in the table are the reference's (SPEC P2, S5);
+    /// as many messages are held.
+    fn check_table(&mut self) {
+        for i in 0..self.r.leases.len() {
+            let w = issued_id(i);
+            let named = self.t.lease_of(w);
+            let ok = match self.r.leases[i] {
+                Lease::Live { deadline, holder } => {
+                    named.is_some()
+                        && named == self.ids[i]
+                        && self.t.table().deadline(named.unwrap_or(0)) == Some(Nanos(deadline * SEC))
+                        && self.t.table().holder_of(named.unwrap_or(0)) == holder.map(|d| self.holders[usize::from(d)])
+                }
+                Lease::Issued | Lease::Ended { .. } => named.is_none(),
+            };
+            if !ok {
+                let (deadline, holder) = named.map_or((None, None), |id| (self.t.table().deadline(id), self.t.table().holder_of(id)));
+                let what =
+                    format!("#{i} at {}: {named:?} until {deadline:?} held by {holder:?}, must be {:?}", self.r.now, self.r.leases[i]);
+                let foreign = matches!(self.r.leases[i], Lease::Live { holder: Some(h), .. } if holder.is_some_and(|x| x != self.holders[usize::from(h)]));
+                self.violate(if foreign { P6_S5 } else { AGREES }, what);
+            }
+        }
+        if self.t.held() != self.r.held.len() {
+            self.violate(AGREES, format!("{} held, must be {}", self.t.held(), self.r.held.len()));
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct IssuedState {
+    history: Vec<Step>,
+    r: Reference,
+    /// The connector's state: `IssuedLeases`' own, as its canonical `Debug` says (counters
+    /// left out), and each lease of its table (name, deadline, holder, payload).
+    table: String,
+    /// The table's next expiry is due.
+    expiry_due: bool,
+}
+
+impl Hash for IssuedState {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        (&self.r, &self.table).hash(h);
+    }
+}
+
+impl PartialEq for IssuedState {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.r, &self.table) == (&other.r, &other.table)
+    }
+}
+
+#[derive(Clone)]
+struct IssuedModel {
+    bug: Option<DriverBug>,
+}
+
+impl IssuedModel {
+    fn state(&self, history: Vec<Step>) -> IssuedState {
+        let mut w = World::new(self.bug);
+        for &s in &history {
+            w.step(s);
+        }
+        // IssuedLeases' own state whole; of its lease table, what each lease is.
+        let debug = format!("{:?}", w.t);
+        // The table is the first field; the rest is short (the fallback, whole, is slow).
+        let own = match debug.find(", by_issued: ") {
+            Some(at) => canonical(&debug[at..], &["stats"]),
+            None => canonical(&without(&debug, "table: "), &["stats"]),
+        };
+        let t = w.t.table();
+        let leases: Vec<_> =
+            (0..IDS).map(|i| w.t.lease_of(issued_id(i)).map(|id| (id, t.deadline(id), t.holder_of(id), t.get(id).copied()))).collect();
+        let table = format!("{own} {leases:?} {} {} {:?}", t.live(), t.leased_blocks(), t.next_expiry());
+        let expiry_due = t.next_expiry().is_some_and(|at| at.0 <= w.r.now * SEC);
+        IssuedState { history, r: w.r, table, expiry_due }
+    }
+}
+
+impl Model for IssuedModel {
+    type State = IssuedState;
+    type Action = Step;
+
+    fn init_states(&self) -> Vec<IssuedState> {
+        vec![self.state(Vec::new())]
+    }
+
+    fn actions(&self, s: &IssuedState, out: &mut Vec<Step>) {
+        let r = &s.r;
+        if r.granted < r.leases.len() {
+            out.extend([Step::Grant { short: false }, Step::Grant { short: true }]);
+        }
+        if r.sends_left > 0 {
+            for d in 0..if r.d0_spoke { 2 } else { 1 } {
+                for kind in [Kind::Renew, Kind::ReadDone, Kind::Release] {
+                    out.extend((0..r.leases.len() as u8).map(|i| Step::Send { d, kind, i }));
+                }
+            }
+        }
+        for i in 0..r.granted {
+            if !r.ended_by_vllm[i] && matches!(r.leases[i], Lease::Live { .. }) {
+                out.extend([Step::End { i: i as u8, read: true }, Step::End { i: i as u8, read: false }]);
+            }
+        }
+        // Time moves while it can change something: a lease not yet past its deadline, a
+        // message held.
+        let waiting = r.leases.iter().any(|l| matches!(l, Lease::Live { deadline, .. } if *deadline > r.now)) || !r.held.is_empty();
+        if r.now < NOW_MAX && waiting {
+            out.push(Step::Advance);
+        }
+        // The reaper, when the reference or the table has a lease due.
+        if s.expiry_due || r.leases.iter().any(|l| matches!(l, Lease::Live { deadline, .. } if *deadline <= r.now)) {
+            out.push(Step::Tick);
+        }
+    }
+
+    fn next_state(&self, s: &IssuedState, step: Step) -> Option<IssuedState> {
+        let mut history = s.history.clone();
+        history.push(step);
+        Some(self.state(history))
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        fn holds(s: &IssuedState, p: &str) -> bool {
+            s.r.violations.iter().all(|(q, _)| *q != p)
+        }
+        fn seen(s: &IssuedState, what: Seen) -> bool {
+            s.r.seen & what as u8 != 0
+        }
+        vec![
+            Property::always(P5, |_, s: &IssuedState| holds(s, P5)),
+            Property::always(P6_S5, |_, s: &IssuedState| holds(s, P6_S5)),
+            Property::always(P3, |_, s: &IssuedState| holds(s, P3)),
+            Property::always(P2_D6, |_, s: &IssuedState| holds(s, P2_D6)),
+            Property::always(HELD, |_, s: &IssuedState| holds(s, HELD)),
+            Property::always(AGREES, |_, s: &IssuedState| holds(s, AGREES)),
+            // Not vacuous: each way through is reachable.
+            Property::sometimes("a held ReadDone confirmed at its grant", |_, s: &IssuedState| seen(s, Seen::HeldReadConfirmedAtGrant)),
+            Property::sometimes("a renewal before the grant applied at it", |_, s: &IssuedState| seen(s, Seen::EarlyRenewalApplied)),
+            Property::sometimes("a ReadDone confirmed after its lease ended by its read", |_, s: &IssuedState| {
+                seen(s, Seen::ReadConfirmedAfterItsEnd)
+            }),
+            Property::sometimes("another engine's release refused", |_, s: &IssuedState| seen(s, Seen::ForeignReleaseRefused)),
+            Property::sometimes("a held message answered after E", |_, s: &IssuedState| seen(s, Seen::HeldAnsweredByAge)),
+        ]
+    }
+}
+
+/// SPEC P2, P3, P5, P6, S5 for leases under ids P's scheduler issues, over every interleaving
+/// within the bounds (see the module's documentation).
+#[test]
+fn p2_p3_p5_p6_s5_model_check_issued_leases() {
+    check(IssuedModel { bug: None }, None).assert_properties();
+}
+
+/// SPEC P2, D6: a renewal that overtook its grant, acknowledged and not applied (kvlease before
+/// 6ee67ac), is found: the lease expires under the acknowledgement.
+#[test]
+fn p2_d6_planted_bug_early_renewal_acknowledged_not_applied_is_found() {
+    assert_found(IssuedModel { bug: Some(DriverBug::AckEarlyRenewalUnapplied) }, P2_D6);
+}
+
+/// SPEC P5: a connector that ends a dropped request's lease as read is found: a later
+/// `ReadDone` is confirmed for a lease nobody read.
+#[test]
+fn p5_planted_bug_drop_ended_as_read_is_found() {
+    assert_found(IssuedModel { bug: Some(DriverBug::DropEndedAsRead) }, P5);
+}
+
+/// SPEC S5: a connector that gives every engine one holder is found: one engine releases
+/// another's lease.
+#[test]
+fn s5_planted_bug_one_holder_for_every_engine_is_found() {
+    assert_found(IssuedModel { bug: Some(DriverBug::OneHolder) }, P6_S5);
 }
