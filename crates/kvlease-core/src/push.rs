@@ -50,3 +50,6 @@ pub mod sink;
 pub mod source;
 
 pub use crate::wire::{PushFailure, PushKey, PushRegistration, PushRenewal};
+
+#[cfg(test)]
+mod tests;

@@ -100,7 +100,10 @@ impl PushKey {
     /// count as absent. `None`: nothing to pair by (P pairs by the lease id it grants).
     pub fn choose(transfer_id: Option<&str>, remote_request_id: Option<&str>, lease_id: Option<LeaseId>) -> Option<PushKey> {
         let given = |s: Option<&str>| s.filter(|s| !s.is_empty()).map(str::to_owned);
-        given(transfer_id).map(PushKey::Transfer).or_else(|| given(remote_request_id).map(PushKey::Request)).or(lease_id.map(PushKey::Lease))
+        given(transfer_id)
+            .map(PushKey::Transfer)
+            .or_else(|| given(remote_request_id).map(PushKey::Request))
+            .or(lease_id.map(PushKey::Lease))
     }
 }
 
@@ -494,7 +497,17 @@ impl Message {
                     block_ids.push(r.u32()?);
                 }
                 let window_ns = r.varint()?;
-                Message::PushRegister(PushRegistration { key, attempt, incarnation, granted_by, digest, dst_ranks, stages, block_ids, window_ns })
+                Message::PushRegister(PushRegistration {
+                    key,
+                    attempt,
+                    incarnation,
+                    granted_by,
+                    digest,
+                    dst_ranks,
+                    stages,
+                    block_ids,
+                    window_ns,
+                })
             }
             tag::PUSH_REGISTER_ACK => Message::PushRegisterAck { key: r.key()?, attempt: r.u32()?, granted: r.bool()? },
             tag::PUSH_HEARTBEAT => {
@@ -798,10 +811,7 @@ mod tests {
             Message::PushRegister(registration()),
             Message::PushRegister(PushRegistration { key: PushKey::Lease(5), block_ids: vec![], ..registration() }),
             Message::PushRegisterAck { key: PushKey::Request("r".into()), attempt: 0, granted: true },
-            Message::PushHeartbeat {
-                seq: 9,
-                renewals: keys.iter().map(|k| PushRenewal { key: k.clone(), window_ns: 1 << 40 }).collect(),
-            },
+            Message::PushHeartbeat { seq: 9, renewals: keys.iter().map(|k| PushRenewal { key: k.clone(), window_ns: 1 << 40 }).collect() },
             Message::PushHeartbeat { seq: 0, renewals: vec![] },
             Message::PushRelease { keys: keys.clone() },
             Message::PushLost { keys: keys.clone() },

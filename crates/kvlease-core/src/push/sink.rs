@@ -270,7 +270,14 @@ impl PushSink {
             }
             Message::PushWriteDone { key, attempt, dst_rank, stage } => {
                 let (r, s) = (*dst_rank, *stage);
-                self.with(engine_id, key, now, out, |t| t.attempt == *attempt, |t| r < t.dst_ranks && s < t.stages && t.done.insert((r, s)));
+                self.with(
+                    engine_id,
+                    key,
+                    now,
+                    out,
+                    |t| t.attempt == *attempt,
+                    |t| r < t.dst_ranks && s < t.stages && t.done.insert((r, s)),
+                );
             }
             Message::PushWriteFailed { key, attempt, done, failed, why } => {
                 self.with(
@@ -455,7 +462,11 @@ impl PushSink {
                     s.released = true;
                     out.push(PushAction::Ready { request_id: req.to_owned() });
                 } else if (t.p_failed > 0 || t.lost) && t.stopped() {
-                    let why = if t.lost && t.p_failed == 0 { WriteLost::LeaseLost } else { WriteLost::Failed(t.why.unwrap_or(PushFailure::WriteError)) };
+                    let why = if t.lost && t.p_failed == 0 {
+                        WriteLost::LeaseLost
+                    } else {
+                        WriteLost::Failed(t.why.unwrap_or(PushFailure::WriteError))
+                    };
                     self.fail(req, why, now, out);
                 }
             }

@@ -325,7 +325,9 @@ impl<B: BlockGuard> PushSource<B> {
                 self.pending -= 1;
                 t
             }
-            None => self.keys.entry(key.clone()).or_insert(Transfer { holder: None, lease: None, seen: now, regs: Vec::new(), ending: false }),
+            None => {
+                self.keys.entry(key.clone()).or_insert(Transfer { holder: None, lease: None, seen: now, regs: Vec::new(), ending: false })
+            }
         };
         t.lease = Some(lease_id);
         // U2: the renewal D sent before the grant was acknowledged as kept: it holds now.
@@ -578,7 +580,9 @@ impl<B: BlockGuard> PushSource<B> {
     }
 
     fn register(&mut self, holder: Holder, from: &str, reg: &PushRegistration, now: Nanos, out: &mut PushSettled<B>) {
-        let lost = |out: &mut PushSettled<B>| out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushLost { keys: vec![reg.key.clone()] } });
+        let lost = |out: &mut PushSettled<B>| {
+            out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushLost { keys: vec![reg.key.clone()] } })
+        };
         // U11, §3: a registration meant for another life of this engine names nothing here.
         if reg.granted_by != 0 && reg.granted_by != self.incarnation {
             return lost(out);
@@ -615,7 +619,10 @@ impl<B: BlockGuard> PushSource<B> {
         if granted {
             self.pair(&reg.key, now, out);
         } else {
-            out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted } });
+            out.send.push(Outgoing {
+                to: from.to_owned(),
+                msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
+            });
         }
         out.rearm = true;
     }
@@ -771,7 +778,8 @@ impl<B: BlockGuard> PushSource<B> {
         if reg.expected() == 0 {
             return;
         }
-        out.send.push(Outgoing { to: to.clone(), msg: Message::PushRegisterAck { key: key.clone(), attempt: reg.reg.attempt, granted: true } });
+        out.send
+            .push(Outgoing { to: to.clone(), msg: Message::PushRegisterAck { key: key.clone(), attempt: reg.reg.attempt, granted: true } });
         out.ready.push(WriteJob {
             key: key.clone(),
             attempt: reg.reg.attempt,
