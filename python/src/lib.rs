@@ -1102,6 +1102,14 @@ fn dict_of<'py>(py: Python<'py>, m: &Message) -> PyResult<Bound<'py, PyDict>> {
             d.set_item("incarnation", incarnation)?;
             d.set_item("lost_ids", lost_ids)?;
         }
+        // Push mode (SPEC §13), which the connector does not speak yet: named, not unpacked.
+        Message::PushRegister(_) => d.set_item("type", "push_register")?,
+        Message::PushRegisterAck { .. } => d.set_item("type", "push_register_ack")?,
+        Message::PushHeartbeat { .. } => d.set_item("type", "push_heartbeat")?,
+        Message::PushRelease { .. } => d.set_item("type", "push_release")?,
+        Message::PushLost { .. } => d.set_item("type", "push_lost")?,
+        Message::PushWriteDone { .. } => d.set_item("type", "push_write_done")?,
+        Message::PushWriteFailed { .. } => d.set_item("type", "push_write_failed")?,
     }
     Ok(d)
 }

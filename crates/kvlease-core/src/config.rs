@@ -44,6 +44,9 @@ pub struct LeaseConfig {
     pub load_failure_policy: LoadFailurePolicy,
     /// SPEC D2: heartbeats are split into messages of at most this many bytes.
     pub max_notif_bytes: usize,
+    /// SPEC U10: push mode, how long D waits for its writes without progress from P before the
+    /// request fails over to `load_failure_policy` (`push_registration_timeout`).
+    pub push_registration_timeout: Duration,
 }
 
 /// The most D waits for P's `ReadDoneAck`s after its reads ([`LeaseConfig::read_done_ack_wait`]).
@@ -174,6 +177,7 @@ impl LeaseConfig {
             kv_recompute_threshold,
             load_failure_policy,
             max_notif_bytes,
+            push_registration_timeout: secs_key(extra, "push_registration_timeout", 30.0)?,
         };
         if cfg.bidirectional && cfg.decoder_kv_blocks_ttl <= cfg.read_budget() {
             // SPEC B2: P reads a cached turn only if it outlives the read budget; a TTL that
@@ -286,7 +290,7 @@ const KNOWN_TOP_KEYS: [&str; 13] = [
     "kv_load_failure_policy",
 ];
 
-const KNOWN_EXTRA_KEYS: [&str; 9] = [
+const KNOWN_EXTRA_KEYS: [&str; 10] = [
     "kv_lease_duration",
     "kv_lease_max_lifetime",
     "decoder_kv_blocks_ttl",
@@ -294,6 +298,7 @@ const KNOWN_EXTRA_KEYS: [&str; 9] = [
     "kv_recompute_threshold",
     "kv_load_failure_policy",
     "max_notif_bytes",
+    "push_registration_timeout",
     "backends",
     "num_threads",
 ];
@@ -368,6 +373,7 @@ mod tests {
         assert_eq!(c.lease.max_lifetime, None);
         assert!(!c.lease.bidirectional);
         assert_eq!(c.lease.reap_granularity(), Duration::from_millis(100));
+        assert_eq!(c.lease.push_registration_timeout, Duration::from_secs(30));
     }
 
     /// SPEC D6, P5: the read budget is E/4 up to 5 s whatever the lease, so the read timeout
@@ -388,7 +394,8 @@ mod tests {
         let (c, _) = KvTransferConfig::parse(
             r#"{"kv_connector":"KvLeaseConnector","kv_role":"kv_producer",
                 "kv_connector_extra_config":{"kv_lease_duration":1.5,"decoder_kv_blocks_ttl":"60",
-                "bidirectional_kv_xfer":true,"kv_load_failure_policy":"fail","kv_lease_max_lifetime":90}}"#,
+                "bidirectional_kv_xfer":true,"kv_load_failure_policy":"fail","kv_lease_max_lifetime":90,
+                "push_registration_timeout":2.5}}"#,
         )
         .unwrap();
         assert_eq!(c.kv_role, KvRole::Producer);
@@ -400,6 +407,7 @@ mod tests {
         assert_eq!(c.lease.load_failure_policy, LoadFailurePolicy::Fail);
         assert!(c.lease.bidirectional);
         assert_eq!(c.lease.reap_granularity(), Duration::from_millis(25));
+        assert_eq!(c.lease.push_registration_timeout, Duration::from_millis(2500));
     }
 
     #[test]
@@ -415,6 +423,8 @@ mod tests {
             (r#"{"kv_connector_extra_config":{"kv_load_failure_policy":"retry"}}"#, "kv_load_failure_policy"),
             (r#"{"kv_connector_extra_config":{"max_notif_bytes":16}}"#, "max_notif_bytes"),
             (r#"{"kv_connector_extra_config":{"bidirectional_kv_xfer":3}}"#, "bidirectional_kv_xfer"),
+            (r#"{"kv_connector_extra_config":{"push_registration_timeout":0}}"#, "push_registration_timeout"),
+            (r#"{"kv_connector_extra_config":{"push_registration_timeout":"later"}}"#, "push_registration_timeout"),
             (r#"{"kv_role":"kv_reader"}"#, "kv_role"),
             (r#"{"kv_connector":"LMCacheConnector"}"#, "kv_connector"),
             (r#"{"kv_connector_extra_config":"x"}"#, "kv_connector_extra_config"),

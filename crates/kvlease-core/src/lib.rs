@@ -16,6 +16,7 @@
 //! * [`params`] — `kv_transfer_params`: parsing, P's signature (S1), the prompt binding (S4),
 //!   and what D does with a request's params (admission: read, recompute or refuse; O3, O4).
 //! * [`peers`] — handshake validation and the registry of remote engines (SPEC D5, S5, T1).
+//! * [`push`] — push mode (SPEC §13): P's writes into D's registered blocks, both sides' machines.
 //! * [`pull`] — D's pull of a request's KV: waits, deadlines, the fencing verdict (SPEC D6).
 //! * [`quarantine`] — blocks an unfenced READ may still target, held until safe (SPEC P5).
 //! * [`route`] — the routing proxy's rules: legs, retries, releases, the turn cache (SPEC O2–O4, B1).
@@ -35,6 +36,7 @@ pub mod lease_table;
 pub mod params;
 pub mod peers;
 pub mod pull;
+pub mod push;
 pub mod quarantine;
 pub mod renewer;
 pub mod route;

@@ -2,8 +2,9 @@
 //!
 //! Layout: magic `b"KL"`, a version byte, a type byte, then the body. Integers are LEB128 varints;
 //! lease-id lists are sorted, deduplicated and delta-encoded, so a heartbeat for ids granted in a
-//! row costs about one byte per lease. Request ids never appear on the wire, so nothing needs
-//! escaping. [`Message::decode`] is total: any byte string yields a message or a [`WireError`],
+//! row costs about one byte per lease. Pull messages never carry a request id; push messages
+//! (SPEC §13) name their transfer by a [`PushKey`], whose strings are length-prefixed, so nothing
+//! needs escaping either. [`Message::decode`] is total: any byte string yields a message or a [`WireError`],
 //! never a panic, and never an allocation larger than the input justifies.
 
 use crate::digest::PromptDigest;
@@ -57,7 +58,156 @@ pub enum Message {
     /// Side channel, P → D: the answer to a `SideRelease`: P's incarnation, and the ids it did
     /// not release (not live, held by another engine, or granted by another incarnation).
     SideReleaseAck { incarnation: u64, lost_ids: Vec<LeaseId> },
+    /// Push mode, D → P (SPEC U1, U2, U8, U11): D's destination blocks for the transfer `key`
+    /// names, and what P must check before writing into them.
+    PushRegister(PushRegistration),
+    /// Push mode, P → D: registration `attempt` of `key` is kept, paired with a live lease
+    /// (`granted`) or held for the grant (SPEC U1, U2). A duplicate is acknowledged the same way.
+    PushRegisterAck { key: PushKey, attempt: u32, granted: bool },
+    /// Push mode, D → P: renew the leases these keys name, granted or not yet (SPEC U2, P2), and
+    /// say how long D still waits for each one's writes (SPEC U8, U10). Only lost keys are
+    /// answered (`PushLost`).
+    PushHeartbeat { seq: u64, renewals: Vec<PushRenewal> },
+    /// Push mode, D → P: D gave these transfers up (SPEC U9): free the source blocks, post no
+    /// write. Answered `PushLost` once no write to them is in flight.
+    PushRelease { keys: Vec<PushKey> },
+    /// Push mode, P → D: P holds nothing for these keys (ended, released, or never its own): no
+    /// write into their blocks is in flight and none will be posted (SPEC U3, U8, P6).
+    PushLost { keys: Vec<PushKey> },
+    /// Push mode, P → D: the write of destination rank `dst_rank` and pipeline stage `stage` of
+    /// registration `attempt` landed (SPEC U5, U7).
+    PushWriteDone { key: PushKey, attempt: u32, dst_rank: u32, stage: u32 },
+    /// Push mode, P → D (SPEC U6): writes of registration `attempt` failed or will not be posted.
+    /// `done` and `failed` are P's running totals for that registration, so D's tally closes
+    /// however many of these arrive, in any order: once `done + failed` covers every expected
+    /// write, none is in flight any more.
+    PushWriteFailed { key: PushKey, attempt: u32, done: u32, failed: u32, why: PushFailure },
 }
+
+/// How a push transfer is named on both sides (SPEC U1): the router's `transfer_id` when
+/// present, else the `remote_request_id` both legs carry, else the lease id P returned. The kind
+/// is part of the key, so a transfer id never matches a request id that happens to be spelled
+/// the same.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PushKey {
+    Transfer(String),
+    Request(String),
+    Lease(LeaseId),
+}
+
+impl PushKey {
+    /// SPEC U1: the key of a transfer from what its params carry, by precedence; empty strings
+    /// count as absent. `None`: nothing to pair by (P pairs by the lease id it grants).
+    pub fn choose(transfer_id: Option<&str>, remote_request_id: Option<&str>, lease_id: Option<LeaseId>) -> Option<PushKey> {
+        let given = |s: Option<&str>| s.filter(|s| !s.is_empty()).map(str::to_owned);
+        given(transfer_id)
+            .map(PushKey::Transfer)
+            .or_else(|| given(remote_request_id).map(PushKey::Request))
+            .or(lease_id.map(PushKey::Lease))
+    }
+}
+
+impl std::fmt::Display for PushKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PushKey::Transfer(t) => write!(f, "transfer {t:?}"),
+            PushKey::Request(r) => write!(f, "request {r:?}"),
+            PushKey::Lease(id) => write!(f, "lease {id}"),
+        }
+    }
+}
+
+/// D's registration of its destination blocks for one push transfer (SPEC U1, U8, U11).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushRegistration {
+    pub key: PushKey,
+    /// D's registrations of one key count up; a higher one supersedes the lower (SPEC U11):
+    /// P writes for the newest only, and D ignores completions of the older.
+    pub attempt: u32,
+    /// D's incarnation (SPEC §3, U11): a registration of another life of D is not the same.
+    pub incarnation: u64,
+    /// The incarnation of P that D expects to write (from P's params); 0: not known yet (the
+    /// router sent both legs at once). Another incarnation writes nothing (a restarted P reuses
+    /// lease ids).
+    pub granted_by: u64,
+    /// SPEC S4, U11: the digest of D's prompt ([`PromptDigest::of`]); P writes only when it is
+    /// the digest of the tokens it prefilled.
+    pub digest: PromptDigest,
+    /// Expected writes: one per destination rank and pipeline stage (SPEC U5, P8).
+    pub dst_ranks: u32,
+    pub stages: u32,
+    /// D's destination blocks, in order (the same ids on every destination rank).
+    pub block_ids: Vec<u32>,
+    /// SPEC U8: how long from sending this D still waits for the writes; P posts none after it.
+    pub window_ns: u64,
+}
+
+/// One key of a [`Message::PushHeartbeat`]: renew it, and D still waits `window_ns` for its
+/// writes (0: not registered yet, nothing to write).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushRenewal {
+    pub key: PushKey,
+    pub window_ns: u64,
+}
+
+/// Why writes of a push transfer failed or will not be posted (SPEC U6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PushFailure {
+    /// A posted write ended in error.
+    WriteError = 1,
+    /// The write could not be posted: no handshake toward D, or the transport refused it.
+    NotPosted = 2,
+    /// D's write deadline passed before the write could be posted (SPEC U8).
+    Deadline = 3,
+    /// P's lease ended (expired) before the writes were done.
+    LeaseLost = 4,
+    /// The registration's prompt digest is not P's prefill's (SPEC S4, U11).
+    Digest = 5,
+    /// The registration names another incarnation of P (SPEC §3, U11).
+    Incarnation = 6,
+    /// P's request was aborted.
+    Aborted = 7,
+    /// P is shutting down.
+    Shutdown = 8,
+    /// D registered again (a higher attempt): this registration's writes stop (SPEC U11).
+    Superseded = 9,
+}
+
+impl PushFailure {
+    pub const ALL: [PushFailure; 9] = [
+        PushFailure::WriteError,
+        PushFailure::NotPosted,
+        PushFailure::Deadline,
+        PushFailure::LeaseLost,
+        PushFailure::Digest,
+        PushFailure::Incarnation,
+        PushFailure::Aborted,
+        PushFailure::Shutdown,
+        PushFailure::Superseded,
+    ];
+
+    /// A label for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PushFailure::WriteError => "write_error",
+            PushFailure::NotPosted => "not_posted",
+            PushFailure::Deadline => "deadline",
+            PushFailure::LeaseLost => "lease_lost",
+            PushFailure::Digest => "digest",
+            PushFailure::Incarnation => "incarnation",
+            PushFailure::Aborted => "aborted",
+            PushFailure::Shutdown => "shutdown",
+            PushFailure::Superseded => "superseded",
+        }
+    }
+
+    fn from_code(code: u8) -> Option<PushFailure> {
+        PushFailure::ALL.into_iter().find(|f| *f as u8 == code)
+    }
+}
+
+/// The most writes one push registration may expect (destination ranks × pipeline stages).
+pub const MAX_PUSH_WRITES: u64 = 1 << 16;
 
 /// D's release over P's side channel (SPEC O4): the holder, the leases, the incarnation of P
 /// that granted them, and why D will not read them.
@@ -135,6 +285,13 @@ mod tag {
     pub const REFUSED: u8 = 10;
     pub const SIDE_RELEASE: u8 = 11;
     pub const SIDE_RELEASE_ACK: u8 = 12;
+    pub const PUSH_REGISTER: u8 = 13;
+    pub const PUSH_REGISTER_ACK: u8 = 14;
+    pub const PUSH_HEARTBEAT: u8 = 15;
+    pub const PUSH_RELEASE: u8 = 16;
+    pub const PUSH_LOST: u8 = 17;
+    pub const PUSH_WRITE_DONE: u8 = 18;
+    pub const PUSH_WRITE_FAILED: u8 = 19;
 }
 
 impl Message {
@@ -223,6 +380,59 @@ impl Message {
                 put_varint(out, *incarnation);
                 put_ids(out, lost_ids);
             }
+            Message::PushRegister(r) => {
+                out.push(tag::PUSH_REGISTER);
+                put_key(out, &r.key);
+                put_varint(out, u64::from(r.attempt));
+                put_varint(out, r.incarnation);
+                put_varint(out, r.granted_by);
+                out.extend_from_slice(&r.digest.0);
+                put_varint(out, u64::from(r.dst_ranks));
+                put_varint(out, u64::from(r.stages));
+                put_varint(out, r.block_ids.len() as u64);
+                for b in &r.block_ids {
+                    put_varint(out, u64::from(*b));
+                }
+                put_varint(out, r.window_ns);
+            }
+            Message::PushRegisterAck { key, attempt, granted } => {
+                out.push(tag::PUSH_REGISTER_ACK);
+                put_key(out, key);
+                put_varint(out, u64::from(*attempt));
+                out.push(u8::from(*granted));
+            }
+            Message::PushHeartbeat { seq, renewals } => {
+                out.push(tag::PUSH_HEARTBEAT);
+                put_varint(out, *seq);
+                put_varint(out, renewals.len() as u64);
+                for r in renewals {
+                    put_key(out, &r.key);
+                    put_varint(out, r.window_ns);
+                }
+            }
+            Message::PushRelease { keys } => {
+                out.push(tag::PUSH_RELEASE);
+                put_keys(out, keys);
+            }
+            Message::PushLost { keys } => {
+                out.push(tag::PUSH_LOST);
+                put_keys(out, keys);
+            }
+            Message::PushWriteDone { key, attempt, dst_rank, stage } => {
+                out.push(tag::PUSH_WRITE_DONE);
+                put_key(out, key);
+                for v in [attempt, dst_rank, stage] {
+                    put_varint(out, u64::from(*v));
+                }
+            }
+            Message::PushWriteFailed { key, attempt, done, failed, why } => {
+                out.push(tag::PUSH_WRITE_FAILED);
+                put_key(out, key);
+                for v in [attempt, done, failed] {
+                    put_varint(out, u64::from(*v));
+                }
+                out.push(*why as u8);
+            }
         }
     }
 
@@ -246,14 +456,7 @@ impl Message {
             tag::HEARTBEAT_ACK => Message::HeartbeatAck { seq: r.varint()?, lost_ids: r.ids()? },
             tag::RELEASE => Message::Release { lease_ids: r.ids()? },
             tag::READ_DONE => Message::ReadDone { lease_id: r.varint()?, consumer_rank: r.u32()?, n: r.u32()?, digest: r.digest()? },
-            tag::READ_DONE_ACK => Message::ReadDoneAck {
-                lease_id: r.varint()?,
-                live: match r.byte()? {
-                    0 => false,
-                    1 => true,
-                    _ => return Err(WireError::Body("bool")),
-                },
-            },
+            tag::READ_DONE_ACK => Message::ReadDoneAck { lease_id: r.varint()?, live: r.bool()? },
             tag::LEASE_LOST => Message::LeaseLost { lease_ids: r.ids()? },
             tag::CLOCK_PING => Message::ClockPing { seq: r.varint()?, t0: r.varint()? },
             tag::CLOCK_PONG => Message::ClockPong { seq: r.varint()?, t0: r.varint()?, t1: r.varint()?, t2: r.varint()? },
@@ -282,6 +485,51 @@ impl Message {
                 auth: r.bytes(MAX_STRING)?.to_vec(),
             }),
             tag::SIDE_RELEASE_ACK => Message::SideReleaseAck { incarnation: r.varint()?, lost_ids: r.ids()? },
+            tag::PUSH_REGISTER => {
+                let (key, attempt, incarnation, granted_by, digest) = (r.key()?, r.u32()?, r.varint()?, r.varint()?, r.digest()?);
+                let (dst_ranks, stages) = (r.u32()?, r.u32()?);
+                if u64::from(dst_ranks) * u64::from(stages) > MAX_PUSH_WRITES {
+                    return Err(WireError::Body("too many expected writes"));
+                }
+                let n = r.count(1)?;
+                let mut block_ids = Vec::with_capacity(n);
+                for _ in 0..n {
+                    block_ids.push(r.u32()?);
+                }
+                let window_ns = r.varint()?;
+                Message::PushRegister(PushRegistration {
+                    key,
+                    attempt,
+                    incarnation,
+                    granted_by,
+                    digest,
+                    dst_ranks,
+                    stages,
+                    block_ids,
+                    window_ns,
+                })
+            }
+            tag::PUSH_REGISTER_ACK => Message::PushRegisterAck { key: r.key()?, attempt: r.u32()?, granted: r.bool()? },
+            tag::PUSH_HEARTBEAT => {
+                let seq = r.varint()?;
+                // A key and a window take at least three bytes.
+                let n = r.count(3)?;
+                let mut renewals = Vec::with_capacity(n);
+                for _ in 0..n {
+                    renewals.push(PushRenewal { key: r.key()?, window_ns: r.varint()? });
+                }
+                Message::PushHeartbeat { seq, renewals }
+            }
+            tag::PUSH_RELEASE => Message::PushRelease { keys: r.keys()? },
+            tag::PUSH_LOST => Message::PushLost { keys: r.keys()? },
+            tag::PUSH_WRITE_DONE => Message::PushWriteDone { key: r.key()?, attempt: r.u32()?, dst_rank: r.u32()?, stage: r.u32()? },
+            tag::PUSH_WRITE_FAILED => Message::PushWriteFailed {
+                key: r.key()?,
+                attempt: r.u32()?,
+                done: r.u32()?,
+                failed: r.u32()?,
+                why: PushFailure::from_code(r.byte()?).ok_or(WireError::Body("unknown push failure"))?,
+            },
             t => return Err(WireError::UnknownType(t)),
         };
         if !r.buf.is_empty() {
@@ -341,6 +589,31 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// A kind byte (0 transfer id, 1 request id, 2 lease id), then the string or the id.
+fn put_key(out: &mut Vec<u8>, key: &PushKey) {
+    match key {
+        PushKey::Transfer(t) => {
+            out.push(0);
+            put_bytes(out, t.as_bytes());
+        }
+        PushKey::Request(r) => {
+            out.push(1);
+            put_bytes(out, r.as_bytes());
+        }
+        PushKey::Lease(id) => {
+            out.push(2);
+            put_varint(out, *id);
+        }
+    }
+}
+
+fn put_keys(out: &mut Vec<u8>, keys: &[PushKey]) {
+    put_varint(out, keys.len() as u64);
+    for k in keys {
+        put_key(out, k);
+    }
+}
+
 fn put_ids(out: &mut Vec<u8>, ids: &[LeaseId]) {
     if ids.windows(2).all(|w| w[0] < w[1]) {
         put_sorted_ids(out, ids);
@@ -389,6 +662,33 @@ impl Reader<'_> {
             }
         }
         Err(WireError::Varint)
+    }
+
+    fn bool(&mut self) -> Result<bool, WireError> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(WireError::Body("bool")),
+        }
+    }
+
+    fn key(&mut self) -> Result<PushKey, WireError> {
+        match self.byte()? {
+            0 => Ok(PushKey::Transfer(self.string("transfer id is not UTF-8")?)),
+            1 => Ok(PushKey::Request(self.string("request id is not UTF-8")?)),
+            2 => Ok(PushKey::Lease(self.varint()?)),
+            _ => Err(WireError::Body("unknown push key kind")),
+        }
+    }
+
+    fn keys(&mut self) -> Result<Vec<PushKey>, WireError> {
+        // A key takes at least two bytes.
+        let n = self.count(2)?;
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            keys.push(self.key()?);
+        }
+        Ok(keys)
     }
 
     fn digest(&mut self) -> Result<PromptDigest, WireError> {
@@ -482,8 +782,88 @@ mod tests {
                 auth: vec![3; 32],
             }),
             Message::SideReleaseAck { incarnation: 7, lost_ids: vec![5] },
-        ] {
+        ]
+        .into_iter()
+        .chain(push_messages())
+        {
             assert_eq!(Message::decode(&m.encode()), Ok(m));
+        }
+    }
+
+    fn registration() -> PushRegistration {
+        PushRegistration {
+            key: PushKey::Transfer("t,1:HB \"é\"".into()),
+            attempt: 2,
+            incarnation: u64::MAX,
+            granted_by: 0,
+            digest: crate::digest::PromptDigest::of(&[1, 2, 3]),
+            dst_ranks: 4,
+            stages: 2,
+            block_ids: vec![9, 3, 7, u32::MAX],
+            window_ns: 30_000_000_000,
+        }
+    }
+
+    /// One of each push message (SPEC §13), every key kind among them.
+    fn push_messages() -> Vec<Message> {
+        let keys = vec![PushKey::Transfer(String::new()), PushKey::Request("r-1".into()), PushKey::Lease(u64::MAX)];
+        let mut m = vec![
+            Message::PushRegister(registration()),
+            Message::PushRegister(PushRegistration { key: PushKey::Lease(5), block_ids: vec![], ..registration() }),
+            Message::PushRegisterAck { key: PushKey::Request("r".into()), attempt: 0, granted: true },
+            Message::PushHeartbeat { seq: 9, renewals: keys.iter().map(|k| PushRenewal { key: k.clone(), window_ns: 1 << 40 }).collect() },
+            Message::PushHeartbeat { seq: 0, renewals: vec![] },
+            Message::PushRelease { keys: keys.clone() },
+            Message::PushLost { keys: keys.clone() },
+            Message::PushWriteDone { key: PushKey::Lease(3), attempt: 1, dst_rank: 7, stage: 3 },
+        ];
+        m.extend(PushFailure::ALL.map(|why| Message::PushWriteFailed { key: keys[1].clone(), attempt: 1, done: 2, failed: 6, why }));
+        m
+    }
+
+    /// SPEC U1: the key is the router's transfer id, else the request id both legs carry, else
+    /// P's lease id; an empty id counts as absent, and the kinds never match each other.
+    #[test]
+    fn u1_push_keys_are_chosen_by_precedence() {
+        assert_eq!(PushKey::choose(Some("t"), Some("r"), Some(5)), Some(PushKey::Transfer("t".into())));
+        assert_eq!(PushKey::choose(Some(""), Some("r"), Some(5)), Some(PushKey::Request("r".into())));
+        assert_eq!(PushKey::choose(None, None, Some(5)), Some(PushKey::Lease(5)));
+        assert_eq!(PushKey::choose(None, Some(""), None), None);
+        assert_ne!(PushKey::Transfer("x".into()), PushKey::Request("x".into()));
+        let on_wire = |k: PushKey| Message::PushLost { keys: vec![k] }.encode();
+        assert_ne!(on_wire(PushKey::Transfer("x".into())), on_wire(PushKey::Request("x".into())));
+    }
+
+    /// SPEC §9, P7 for the push messages: what is malformed is refused, never a panic, never an
+    /// allocation the input does not justify.
+    #[test]
+    fn malformed_push_messages_are_refused() {
+        let header = |t: u8| vec![b'K', b'L', VERSION, t];
+        let with = |t: u8, body: &[u8]| {
+            let mut b = header(t);
+            b.extend_from_slice(body);
+            Message::decode(&b)
+        };
+        assert_eq!(with(tag::PUSH_LOST, &[1, 3, 0]), Err(WireError::Body("unknown push key kind")));
+        assert_eq!(with(tag::PUSH_LOST, &[1, 0, 2, 0xff, 0xfe]), Err(WireError::Body("transfer id is not UTF-8")));
+        assert_eq!(with(tag::PUSH_LOST, &[1, 1, 9, b'a']), Err(WireError::Body("length exceeds message")));
+        assert_eq!(with(tag::PUSH_RELEASE, &[0xff, 0xff, 0xff, 0xff, 0x0f, 2, 0]), Err(WireError::Body("count exceeds message")));
+        assert_eq!(with(tag::PUSH_HEARTBEAT, &[1, 0xff, 0xff, 0x03, 2, 0, 0]), Err(WireError::Body("count exceeds message")));
+        assert_eq!(with(tag::PUSH_REGISTER_ACK, &[2, 1, 0, 2]), Err(WireError::Body("bool")));
+        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 0]), Err(WireError::Body("unknown push failure")));
+        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 10]), Err(WireError::Body("unknown push failure")));
+        assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0, 0xff, 0xff, 0xff, 0xff, 0x1f, 0]), Err(WireError::Body("u32 out of range")));
+        assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0]), Err(WireError::Truncated));
+        let too_many = PushRegistration { dst_ranks: 1 << 9, stages: 1 << 8, ..registration() };
+        assert_eq!(Message::decode(&Message::PushRegister(too_many).encode()), Err(WireError::Body("too many expected writes")));
+        let mut m = Message::PushRegister(registration()).encode();
+        m.push(0);
+        assert_eq!(Message::decode(&m), Err(WireError::Body("trailing bytes")));
+        for msg in push_messages() {
+            let b = msg.encode();
+            for cut in 0..b.len() {
+                assert!(Message::decode(&b[..cut]).is_err(), "{msg:?} cut at {cut}");
+            }
         }
     }
 
@@ -543,12 +923,22 @@ mod tests {
 
         /// SPEC §9: valid headers followed by arbitrary bodies never panic either.
         #[test]
-        fn decode_never_panics_behind_a_valid_header(t in 0u8..16, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn decode_never_panics_behind_a_valid_header(t in 0u8..24, body in proptest::collection::vec(any::<u8>(), 0..128)) {
             let mut b = vec![b'K', b'L', VERSION, t];
             b.extend(body);
             if let Ok(m) = Message::decode(&b) {
                 prop_assert_eq!(Message::decode(&m.encode()), Ok(m));
             }
+        }
+
+        /// SPEC §9, U1: push keys of any text round-trip.
+        #[test]
+        fn push_keys_round_trip(t in ".{0,40}", r in ".{0,40}", id in any::<u64>(), window in any::<u64>()) {
+            let keys = vec![PushKey::Transfer(t), PushKey::Request(r), PushKey::Lease(id)];
+            let m = Message::PushHeartbeat { seq: id, renewals: keys.iter().map(|k| PushRenewal { key: k.clone(), window_ns: window }).collect() };
+            prop_assert_eq!(Message::decode(&m.encode()), Ok(m));
+            let m = Message::PushRelease { keys };
+            prop_assert_eq!(Message::decode(&m.encode()), Ok(m));
         }
 
         #[test]

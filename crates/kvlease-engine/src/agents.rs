@@ -68,6 +68,18 @@ fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
         Message::Hello(_) | Message::Refused { .. } | Message::SideRelease(_) | Message::SideReleaseAck { .. } => {
             inner.metrics.rejected("malformed")
         }
+        // Push mode (SPEC §13) is not served by this engine yet (kvlease_core::push has the
+        // machines; issue 24): a peer speaking it is counted and logged, never acted on.
+        Message::PushRegister(_)
+        | Message::PushRegisterAck { .. }
+        | Message::PushHeartbeat { .. }
+        | Message::PushRelease { .. }
+        | Message::PushLost { .. }
+        | Message::PushWriteDone { .. }
+        | Message::PushWriteFailed { .. } => {
+            tracing::debug!(from, "push-mode message on a pull engine, dropped");
+            inner.metrics.rejected("malformed")
+        }
         // For P, from a D engine.
         Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {
             lease_holder::on_message(inner, rank, from, &msg)

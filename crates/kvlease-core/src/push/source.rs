@@ -1,0 +1,867 @@
+//! Push mode, P's side (SPEC §13): the lease over a request's source blocks while P **writes**
+//! its KV into the destination blocks D registered, under the rules of §4 with the read replaced
+//! by P's write.
+//!
+//! * **Pairing** (U1): a transfer is named by a [`PushKey`] on both sides; a registration pairs
+//!   with the one lease P granted under that key, a duplicate is acknowledged and changes nothing,
+//!   a key already granted is never granted again (two dispatches never cross-match).
+//! * **Before the grant** (U2): D renews and registers from the moment it admits the request,
+//!   often before P's prefill is done. What D said is kept under the key ([`PushSource`] holds it
+//!   while D keeps renewing, at most [`PENDING_MEMORY`] keys) and applied at the grant: the kept
+//!   renewal renews the new lease for the engine that sent it (S5), as
+//!   [`crate::issued::IssuedLeases::name`] does for vLLM's ids, through the same
+//!   [`LeaseTable::renew`].
+//! * **Lost at once** (U3, P6): a registration, renewal or release of a key whose lease ended
+//!   (remembered for [`ENDED_MEMORY`] keys), of a lease id not live, or of another engine's key,
+//!   is answered `PushLost`.
+//! * **The write gate** (U4, U8, U11, S4): [`PushSource::begin_write`] is asked right before a
+//!   write is posted (also after a handshake that came late): the lease is live and the
+//!   registration's engine holds it, the registration is the newest, its digest is the one of
+//!   P's prefill, and D's write deadline is at least the write margin away. A write in flight
+//!   holds the source blocks (the table's read ticket, P5 with the roles swapped) until
+//!   [`PushSource::end_write`].
+//! * **Completion** (U5, P3, P8): each write (destination rank × pipeline stage) is reported to D;
+//!   the last success of every expected write ends the lease as `transferred`, exactly once; a
+//!   late completion changes nothing.
+//! * **Failures** (U6): a write that ended in error or could not be posted, D's deadline passing,
+//!   the lease expiring, a digest or incarnation mismatch, P's abort or shutdown: each sends D a
+//!   `PushWriteFailed` with P's running totals of writes done and failed, so D's tally closes.
+//!
+//! Sans-io like [`crate::holder::LeaseHolder`]: what a call decided comes back in a
+//! [`PushSettled`] — messages to send (each to the engine named), leases ended, blocks to give
+//! back, transfers ready to write.
+//!
+//! A driver (P's engine) calls, in order:
+//! 1. [`PushSource::on_message`] for every `PushRegister`, `PushHeartbeat` and `PushRelease`
+//!    from a D engine (named as the transport authenticated it), at any time, also before the
+//!    grant;
+//! 2. [`PushSource::grant`] when the request's prefill finished normally (P1), with the key its
+//!    params carry ([`PushKey::choose`]); or [`PushSource::abort`] if it was aborted;
+//! 3. for each [`WriteJob`] in [`PushSettled::ready`]: for each destination rank and pipeline
+//!    stage, [`PushSource::begin_write`] right before posting the write, and
+//!    [`PushSource::end_write`] when the transport reports it done or failed;
+//!    [`PushSource::fail_writes`] when writes cannot be posted at all (no handshake toward D);
+//! 4. [`PushSource::poll`] from the reaper, at [`PushSource::poll_timeout`];
+//!    [`PushSource::shutdown`] on exit.
+
+use crate::config::LeaseConfig;
+use crate::digest::PromptDigest;
+use crate::holder::{BlockGuard, Ended, GrantError};
+use crate::lease_table::{Holder, LeasePayload, LeaseTable, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
+use crate::wire::{Message, PushFailure, PushKey, PushRegistration};
+use crate::{LeaseId, Nanos};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+/// How many keys not granted yet P keeps what D said about at once; past that, a new one is
+/// answered lost at once (D recomputes) rather than growing without bound.
+pub const PENDING_MEMORY: usize = 1 << 14;
+
+/// How many ended keys are remembered, so a late registration or renewal of one is answered
+/// lost at once (U3) and a late grant under one is refused.
+pub const ENDED_MEMORY: usize = 1 << 16;
+
+/// What P keeps under a push lease.
+#[derive(Debug)]
+struct Source<B> {
+    blocks: B,
+    request: String,
+    /// SPEC S4, U11: the digest of the tokens P prefilled ([`PromptDigest::of`]).
+    digest: PromptDigest,
+}
+
+impl<B> LeasePayload for Source<B> {
+    fn prompt_digest(&self) -> Option<&PromptDigest> {
+        Some(&self.digest)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    Posted,
+    Done,
+    Failed,
+}
+
+/// One registration of D's destination blocks.
+#[derive(Debug)]
+struct Reg {
+    reg: PushRegistration,
+    /// SPEC U8: D's write deadline on P's clock (the latest D told, counted from receipt).
+    post_until: Nanos,
+    writes: BTreeMap<(u32, u32), Write>,
+    done: u32,
+    failed: u32,
+    /// Handed to the driver as a [`WriteJob`] already.
+    announced: bool,
+}
+
+impl Reg {
+    fn expected(&self) -> u32 {
+        self.reg.dst_ranks.saturating_mul(self.reg.stages)
+    }
+
+    fn in_flight(&self) -> bool {
+        self.writes.values().any(|w| *w == Write::Posted)
+    }
+
+    /// Every expected write stopped (done or failed): nothing can land in D's blocks any more.
+    fn closed(&self) -> bool {
+        self.done + self.failed >= self.expected()
+    }
+
+    fn failed_msg(&self, why: PushFailure) -> Message {
+        Message::PushWriteFailed { key: self.reg.key.clone(), attempt: self.reg.attempt, done: self.done, failed: self.failed, why }
+    }
+
+    /// Fails every write not posted yet; returns how many.
+    fn fail_unposted(&mut self) -> u32 {
+        let mut n = 0;
+        for r in 0..self.reg.dst_ranks {
+            for s in 0..self.reg.stages {
+                if let std::collections::btree_map::Entry::Vacant(v) = self.writes.entry((r, s)) {
+                    v.insert(Write::Failed);
+                    n += 1;
+                }
+            }
+        }
+        self.failed += n;
+        n
+    }
+}
+
+/// Everything P knows of one key.
+#[derive(Debug)]
+struct Transfer {
+    /// SPEC S5: the engine that renewed or registered first, and its name, to address it.
+    holder: Option<(Holder, String)>,
+    lease: Option<LeaseId>,
+    /// Before the grant: when D last named the key (kept while D renews it).
+    seen: Nanos,
+    /// Registrations, oldest first; the last is the newest, older ones stay only while writes of
+    /// theirs are in flight (U11: they are reported stopped when they end).
+    regs: Vec<Reg>,
+    /// D released it, or the lease ended: answer `PushLost` to the holder once no write is in flight.
+    ending: bool,
+}
+
+/// A transfer whose lease is granted and whose registration is paired with it: the driver may
+/// post its writes, one per destination rank and pipeline stage, each through
+/// [`PushSource::begin_write`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteJob {
+    pub key: PushKey,
+    pub attempt: u32,
+    pub lease_id: LeaseId,
+    /// The D engine to write to (its holder name, as the transport authenticated it).
+    pub to: String,
+    pub dst_ranks: u32,
+    pub stages: u32,
+    /// D's destination blocks, in order.
+    pub block_ids: Vec<u32>,
+    pub request: String,
+}
+
+/// A message for the D engine named `to` (as its holder name came to
+/// [`PushSource::on_message`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub to: String,
+    pub msg: Message,
+}
+
+/// What a call of [`PushSource`] leaves the driver to carry out.
+#[derive(Debug)]
+pub struct PushSettled<B> {
+    /// Messages to send, in order.
+    pub send: Vec<Outgoing>,
+    /// Leases that ended, each exactly once (P3).
+    pub ended: Vec<Ended>,
+    /// Source blocks to give back to the pool now.
+    pub freed: Vec<B>,
+    /// Transfers now ready to write.
+    pub ready: Vec<WriteJob>,
+    /// [`PushSource::poll_timeout`] may have moved earlier.
+    pub rearm: bool,
+}
+
+impl<B> Default for PushSettled<B> {
+    fn default() -> Self {
+        PushSettled { send: Vec::new(), ended: Vec::new(), freed: Vec::new(), ready: Vec::new(), rearm: false }
+    }
+}
+
+/// A write posted: hand it back to [`PushSource::end_write`]. Until then the source blocks are
+/// not reused, whatever happens to the lease (U4).
+#[derive(Debug)]
+#[must_use = "a write ticket must be ended, or the lease's blocks are never reused"]
+pub struct WriteTicket {
+    key: PushKey,
+    attempt: u32,
+    dst_rank: u32,
+    stage: u32,
+    read: ReadTicket,
+}
+
+impl WriteTicket {
+    pub fn key(&self) -> &PushKey {
+        &self.key
+    }
+}
+
+/// Why a write may not be posted now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    /// SPEC U4: no live lease under the key (or another engine's registration).
+    #[error("the lease is not live")]
+    NotLive,
+    /// SPEC U11: the write names a registration D has superseded, or none.
+    #[error("the write names a registration that is not D's newest")]
+    NotRegistered,
+    /// The write is outside the registration's ranks and stages, or was posted already.
+    #[error("the write is not one the registration expects, or was posted already")]
+    NotExpected,
+    /// SPEC U8: D's write deadline is too close (the write is failed and D told).
+    #[error("D's write deadline is too close to post the write")]
+    Deadline,
+}
+
+/// Why a push lease was not granted; the blocks come back at once.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PushGrantError {
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// SPEC U1: a lease is already granted under this key: two dispatches never cross-match.
+    #[error("a lease is already granted under {0}")]
+    KeyTaken(PushKey),
+    /// SPEC U9, O3: D released the key (or P aborted it) before the grant: nobody will take it.
+    #[error("{0} was released before the grant")]
+    Released(PushKey),
+}
+
+/// A push lease just granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushGranted {
+    pub lease_id: LeaseId,
+    /// The key the lease is paired by (the lease id itself when the params named no other).
+    pub key: PushKey,
+    /// The digest of the prefilled tokens a registration must show (U11).
+    pub digest: PromptDigest,
+    pub expiry: Nanos,
+}
+
+/// P's push leases (see the module's documentation).
+#[derive(Debug)]
+pub struct PushSource<B> {
+    table: LeaseTable<Source<B>>,
+    cfg: LeaseConfig,
+    incarnation: u64,
+    keys: HashMap<PushKey, Transfer>,
+    by_lease: HashMap<LeaseId, PushKey>,
+    pending: usize,
+    ended: HashSet<PushKey>,
+    ended_order: VecDeque<PushKey>,
+    /// When keys must be looked at again (a pending key nobody renews, a posting deadline);
+    /// entries may be stale and are checked when due.
+    timers: BTreeSet<(Nanos, PushKey)>,
+}
+
+impl<B: BlockGuard> PushSource<B> {
+    /// The push leases of this engine in its incarnation `incarnation`.
+    pub fn new(cfg: &LeaseConfig, incarnation: u64) -> Self {
+        PushSource {
+            table: LeaseTable::new(cfg),
+            cfg: cfg.clone(),
+            incarnation,
+            keys: HashMap::new(),
+            by_lease: HashMap::new(),
+            pending: 0,
+            ended: HashSet::new(),
+            ended_order: VecDeque::new(),
+            timers: BTreeSet::new(),
+        }
+    }
+
+    /// SPEC U8: how far before D's write deadline P posts no more writes: a write posted at
+    /// the limit lands before D may reuse the blocks ([`crate::push::sink::PushSink`] waits a
+    /// grace past the deadline too).
+    pub fn write_margin(cfg: &LeaseConfig) -> Duration {
+        cfg.read_budget()
+    }
+
+    /// SPEC P1, U1, U2: the prefill of `request` finished normally: a lease of L on `blocks`,
+    /// paired by `key` (the lease id when `None`). A registration and a renewal D sent before
+    /// are applied now; if D's registration is here, the transfer is ready to write.
+    pub fn grant(
+        &mut self,
+        now: Nanos,
+        key: Option<PushKey>,
+        request: &str,
+        blocks: B,
+        tokens: &[u32],
+        out: &mut PushSettled<B>,
+    ) -> Result<PushGranted, PushGrantError> {
+        if blocks.ids().is_empty() {
+            out.freed.push(blocks);
+            return Err(GrantError::NoBlocks.into());
+        }
+        if let Some(k) = &key {
+            if self.ended.contains(k) {
+                out.freed.push(blocks);
+                return Err(PushGrantError::Released(k.clone()));
+            }
+            if self.keys.get(k).is_some_and(|t| t.lease.is_some()) {
+                out.freed.push(blocks);
+                return Err(PushGrantError::KeyTaken(k.clone()));
+            }
+        }
+        let digest = PromptDigest::of(tokens);
+        let n = blocks.ids().len() as u32;
+        let lease_id = self.table.grant(now, n, Source { blocks, request: request.to_owned(), digest });
+        let key = key.unwrap_or(PushKey::Lease(lease_id));
+        self.by_lease.insert(lease_id, key.clone());
+        let t = match self.keys.get_mut(&key) {
+            Some(t) => {
+                self.pending -= 1;
+                t
+            }
+            None => {
+                self.keys.entry(key.clone()).or_insert(Transfer { holder: None, lease: None, seen: now, regs: Vec::new(), ending: false })
+            }
+        };
+        t.lease = Some(lease_id);
+        // U2: the renewal D sent before the grant was acknowledged as kept: it holds now.
+        let mut released = Vec::new();
+        if let Some((h, _)) = &t.holder {
+            self.table.renew(*h, &[lease_id], now, &mut Vec::new(), &mut released);
+        }
+        self.settle(now, released, out);
+        self.pair(&key, now, out);
+        out.rearm = true;
+        Ok(PushGranted { lease_id, key, digest, expiry: now + self.cfg.lease_duration })
+    }
+
+    /// Everything P does with a push message from D engine `from` (its holder name, as the
+    /// transport authenticated it): `PushRegister` (U1, U3, U11), `PushHeartbeat` (U2, U3, U8),
+    /// `PushRelease` (U9). Answers go into `out.send`.
+    pub fn on_message(&mut self, from: &str, msg: &Message, now: Nanos, out: &mut PushSettled<B>) {
+        let holder = self.table.holder(from);
+        match msg {
+            Message::PushRegister(reg) => self.register(holder, from, reg, now, out),
+            Message::PushHeartbeat { renewals, .. } => {
+                let mut lost = Vec::new();
+                for r in renewals {
+                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) {
+                        lost.push(r.key.clone());
+                    }
+                }
+                if !lost.is_empty() {
+                    out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushLost { keys: lost } });
+                }
+            }
+            Message::PushRelease { keys } => {
+                let mut lost = Vec::new();
+                for k in keys {
+                    if self.release(holder, k, now, out) {
+                        lost.push(k.clone());
+                    }
+                }
+                if !lost.is_empty() {
+                    out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushLost { keys: lost } });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// SPEC U4, U8, U11: may the write of destination rank `dst_rank`, pipeline stage `stage`
+    /// of registration `attempt` be posted now? Asked right before posting. On `Ok`, the source
+    /// blocks stay out of the pool until the ticket comes back to [`PushSource::end_write`].
+    pub fn begin_write(
+        &mut self,
+        key: &PushKey,
+        attempt: u32,
+        dst_rank: u32,
+        stage: u32,
+        now: Nanos,
+        out: &mut PushSettled<B>,
+    ) -> Result<WriteTicket, WriteRefused> {
+        let margin = Self::write_margin(&self.cfg);
+        let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
+        let (Some(id), Some((holder, to))) = (t.lease, t.holder.clone()) else { return Err(WriteRefused::NotLive) };
+        if t.ending {
+            return Err(WriteRefused::NotLive);
+        }
+        let Some(reg) = t.regs.last_mut().filter(|r| r.reg.attempt == attempt && r.announced) else {
+            return Err(WriteRefused::NotRegistered);
+        };
+        if dst_rank >= reg.reg.dst_ranks || stage >= reg.reg.stages || reg.writes.contains_key(&(dst_rank, stage)) {
+            return Err(WriteRefused::NotExpected);
+        }
+        if now + margin > reg.post_until {
+            // U8, U6: too late for this write; D learns it will not come.
+            reg.writes.insert((dst_rank, stage), Write::Failed);
+            reg.failed += 1;
+            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+            return Err(WriteRefused::Deadline);
+        }
+        let digest = reg.reg.digest;
+        let mut released = Vec::new();
+        // The lease is live, this engine's, and for this prompt (U4, S5, U11) — the table's gate.
+        let Some(read) = self.table.begin_read(holder, id, Some(digest), now, &mut released) else {
+            self.settle(now, released, out);
+            return Err(WriteRefused::NotLive);
+        };
+        // P's own progress keeps the lease while it writes: a write outliving E is failed.
+        self.table.renew(holder, &[id], now, &mut Vec::new(), &mut released);
+        self.settle(now, released, out);
+        if let Some(reg) = self.keys.get_mut(key).and_then(|t| t.regs.last_mut()) {
+            reg.writes.insert((dst_rank, stage), Write::Posted);
+        }
+        Ok(WriteTicket { key: key.clone(), attempt, dst_rank, stage, read })
+    }
+
+    /// SPEC U4, U5, U6: a posted write ended, `ok` or in error. Reports it to D; the last
+    /// success of every expected write ends the lease as `transferred`. A success after the
+    /// lease ended, or of a superseded registration, is not reported done: the lease is gone and
+    /// D counts it failed (its blocks came back only now, U4).
+    pub fn end_write(&mut self, ticket: WriteTicket, ok: bool, now: Nanos, out: &mut PushSettled<B>) {
+        if let Some(source) = self.table.end_read(ticket.read) {
+            out.freed.push(source.blocks);
+        }
+        let key = ticket.key;
+        let Some(t) = self.keys.get_mut(&key) else { return };
+        let live = t.lease.is_some_and(|id| self.table.get(id).is_some()) && !t.ending;
+        let newest = t.regs.last().map(|r| r.reg.attempt);
+        let Some(to) = t.holder.as_ref().map(|(_, n)| n.clone()) else { return };
+        let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == ticket.attempt) else { return };
+        let Some(w) = reg.writes.get_mut(&(ticket.dst_rank, ticket.stage)).filter(|w| **w == Write::Posted) else { return };
+        let good = ok && live && newest == Some(ticket.attempt);
+        if good {
+            *w = Write::Done;
+            reg.done += 1;
+            out.send.push(Outgoing {
+                to: to.clone(),
+                msg: Message::PushWriteDone { key: key.clone(), attempt: ticket.attempt, dst_rank: ticket.dst_rank, stage: ticket.stage },
+            });
+        } else {
+            *w = Write::Failed;
+            reg.failed += 1;
+            let why = if !ok {
+                PushFailure::WriteError
+            } else if newest != Some(ticket.attempt) {
+                PushFailure::Superseded
+            } else {
+                PushFailure::LeaseLost
+            };
+            // A failed write ends the transfer: the writes not posted yet will not be.
+            if live && newest == Some(ticket.attempt) {
+                reg.fail_unposted();
+            }
+            out.send.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+        }
+        let (done, closed, failed) = (reg.done >= reg.expected(), reg.closed(), reg.failed > 0);
+        if good && done && newest == Some(ticket.attempt) {
+            // U5, P3, P8: the last expected write landed.
+            if let Some(id) = t.lease {
+                let mut released = Vec::new();
+                self.table.end_lease(id, ReleaseReason::Transferred, now, &mut released);
+                self.settle(now, released, out);
+            }
+        } else if closed && failed && live && newest == Some(ticket.attempt) {
+            // Every write stopped and the transfer failed: nothing will be written, free now.
+            if let Some(id) = t.lease {
+                let mut released = Vec::new();
+                self.table.end_lease(id, ReleaseReason::Released, now, &mut released);
+                self.settle(now, released, out);
+            }
+        }
+        self.tidy(&key, out);
+    }
+
+    /// SPEC U6: the writes of `key` not posted yet cannot be (no handshake toward D, the
+    /// transport refused them): D is told, with P's totals. The writes in flight end as they end.
+    pub fn fail_writes(&mut self, key: &PushKey, why: PushFailure, now: Nanos, out: &mut PushSettled<B>) {
+        self.fail_transfer(key, why, None, now, out);
+    }
+
+    /// SPEC P1, U6: P's request under `key` was aborted: no lease (or its lease released), and
+    /// a D that registered or renewed it is told at once.
+    pub fn abort(&mut self, key: &PushKey, now: Nanos, out: &mut PushSettled<B>) {
+        if !self.keys.contains_key(key) {
+            self.remember_ended(key.clone());
+            return;
+        }
+        self.fail_transfer(key, PushFailure::Aborted, Some(ReleaseReason::Released), now, out);
+    }
+
+    /// SPEC P4, U6, U8: the reaper's turn. Ends leases past their deadline as `expired` (D told
+    /// what failed), fails writes whose posting deadline passed, forgets keys not granted yet
+    /// that D stopped renewing. Returns whether work is left (poll again at once).
+    pub fn poll(&mut self, now: Nanos, out: &mut PushSettled<B>) -> bool {
+        let mut released = Vec::new();
+        let more = self.table.tick_budget(now, REAP_BUDGET, &mut released);
+        self.settle(now, released, out);
+        let margin = Self::write_margin(&self.cfg);
+        while let Some((at, key)) = self.timers.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            let Some(t) = self.keys.get_mut(&key) else { continue };
+            if t.lease.is_none() {
+                if now.since(t.seen) >= self.cfg.extension {
+                    // Nobody renewed it for E: D is gone; what it said goes with it.
+                    self.keys.remove(&key);
+                    self.pending -= 1;
+                }
+                continue;
+            }
+            let Some(to) = t.holder.as_ref().map(|(_, n)| n.clone()) else { continue };
+            if let Some(reg) = t.regs.last_mut().filter(|r| !r.closed() && now + margin > r.post_until) {
+                if reg.fail_unposted() > 0 {
+                    out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+                }
+            }
+        }
+        more
+    }
+
+    /// When [`PushSource::poll`] must run next.
+    pub fn poll_timeout(&self, now: Nanos) -> Option<Nanos> {
+        let next = match (self.table.next_expiry(), self.timers.first().map(|(t, _)| *t)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        next.map(|t| t.max(now + self.cfg.reap_granularity() / 4))
+    }
+
+    /// Engine shutdown: every lease ends as `shutdown`, and every D with a registration is told
+    /// which writes will not come (U6). Writes still in flight are reported as they end.
+    pub fn shutdown(&mut self, now: Nanos, out: &mut PushSettled<B>) {
+        let mut keys: Vec<PushKey> = self.keys.keys().cloned().collect();
+        keys.sort();
+        for k in &keys {
+            self.fail_transfer(k, PushFailure::Shutdown, Some(ReleaseReason::Shutdown), now, out);
+        }
+        let mut released = Vec::new();
+        self.table.shutdown(now, &mut released);
+        self.settle(now, released, out);
+    }
+
+    /// Whether lease `lease_id` is live.
+    pub fn is_live(&self, lease_id: LeaseId) -> bool {
+        self.table.get(lease_id).is_some()
+    }
+
+    /// The lease paired by `key`, if live.
+    pub fn lease_of(&self, key: &PushKey) -> Option<LeaseId> {
+        self.keys.get(key).and_then(|t| t.lease).filter(|id| self.table.get(*id).is_some())
+    }
+
+    /// The current deadline of a live lease.
+    pub fn deadline(&self, lease_id: LeaseId) -> Option<Nanos> {
+        self.table.deadline(lease_id)
+    }
+
+    /// Live leases (`kvlease_leases_active`).
+    pub fn live(&self) -> usize {
+        self.table.live()
+    }
+
+    /// Keys not granted yet that P keeps what D said about.
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// The table's counters (§11).
+    pub fn stats(&self) -> &crate::lease_table::LeaseStats {
+        self.table.stats()
+    }
+
+    fn register(&mut self, holder: Holder, from: &str, reg: &PushRegistration, now: Nanos, out: &mut PushSettled<B>) {
+        let lost = |out: &mut PushSettled<B>| {
+            out.send.push(Outgoing { to: from.to_owned(), msg: Message::PushLost { keys: vec![reg.key.clone()] } })
+        };
+        // U11, §3: a registration meant for another life of this engine names nothing here.
+        if reg.granted_by != 0 && reg.granted_by != self.incarnation {
+            return lost(out);
+        }
+        if !self.admit(holder, from, &reg.key, now) {
+            return lost(out);
+        }
+        let Some(t) = self.keys.get_mut(&reg.key) else { return lost(out) };
+        let granted = t.lease.is_some();
+        if let Some(last) = t.regs.last() {
+            if reg.attempt <= last.reg.attempt {
+                // U1: a duplicate (or an older one) is acknowledged and changes nothing.
+                if reg.attempt == last.reg.attempt {
+                    out.send.push(Outgoing {
+                        to: from.to_owned(),
+                        msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
+                    });
+                }
+                return;
+            }
+            // U11: a newer registration supersedes: the older one's writes not posted never will be.
+            let to = from.to_owned();
+            let mut msgs = Vec::new();
+            for old in t.regs.iter_mut().filter(|r| !r.closed()) {
+                old.fail_unposted();
+                msgs.push(Outgoing { to: to.clone(), msg: old.failed_msg(PushFailure::Superseded) });
+            }
+            out.send.extend(msgs);
+            t.regs.retain(|r| r.in_flight());
+        }
+        let post_until = now + Duration::from_nanos(reg.window_ns);
+        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false });
+        self.timers.insert((post_until - Self::write_margin(&self.cfg), reg.key.clone()));
+        if granted {
+            self.pair(&reg.key, now, out);
+        } else {
+            out.send.push(Outgoing {
+                to: from.to_owned(),
+                msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
+            });
+        }
+        out.rearm = true;
+    }
+
+    /// SPEC S5, U2, U3: whether `holder` may act on `key`: its lease (live, or on its way) is
+    /// that engine's, the first to name it. A key not known yet is kept for its grant.
+    fn admit(&mut self, holder: Holder, from: &str, key: &PushKey, now: Nanos) -> bool {
+        if self.ended.contains(key) {
+            return false;
+        }
+        match self.keys.get_mut(key) {
+            Some(t) => {
+                if t.ending {
+                    return false;
+                }
+                match &t.holder {
+                    Some((h, _)) if *h != holder => return false,
+                    Some(_) => {}
+                    None => t.holder = Some((holder, from.to_owned())),
+                }
+                if t.lease.is_none() {
+                    t.seen = now;
+                    self.timers.insert((now + self.cfg.extension, key.clone()));
+                }
+                true
+            }
+            // A lease id names a lease already granted: not live, it is gone.
+            None if matches!(key, PushKey::Lease(_)) => false,
+            None if self.pending >= PENDING_MEMORY => false,
+            None => {
+                self.pending += 1;
+                self.keys.insert(
+                    key.clone(),
+                    Transfer { holder: Some((holder, from.to_owned())), lease: None, seen: now, regs: Vec::new(), ending: false },
+                );
+                self.timers.insert((now + self.cfg.extension, key.clone()));
+                true
+            }
+        }
+    }
+
+    /// SPEC P2, U2, U8: a renewal of `key` by `holder`; returns false when it is lost.
+    fn renew(&mut self, holder: Holder, from: &str, key: &PushKey, window_ns: u64, now: Nanos, out: &mut PushSettled<B>) -> bool {
+        if !self.admit(holder, from, key, now) {
+            return false;
+        }
+        let Some(t) = self.keys.get_mut(key) else { return false };
+        if window_ns > 0 {
+            if let Some(reg) = t.regs.last_mut() {
+                let until = now + Duration::from_nanos(window_ns);
+                if until > reg.post_until {
+                    reg.post_until = until;
+                    self.timers.insert((until - Self::write_margin(&self.cfg), key.clone()));
+                }
+            }
+        }
+        let Some(id) = t.lease else { return true };
+        let (mut lost, mut released) = (Vec::new(), Vec::new());
+        self.table.renew(holder, &[id], now, &mut lost, &mut released);
+        self.settle(now, released, out);
+        lost.is_empty()
+    }
+
+    /// SPEC U9: D released `key`. Returns whether to answer `PushLost` now (nothing in flight);
+    /// otherwise it is answered when the last write in flight ends.
+    fn release(&mut self, holder: Holder, key: &PushKey, now: Nanos, out: &mut PushSettled<B>) -> bool {
+        let Some(t) = self.keys.get_mut(key) else {
+            // Not known: remembered, so a grant under it later is refused at once (O3).
+            if !matches!(key, PushKey::Lease(_)) {
+                self.remember_ended(key.clone());
+            }
+            return true;
+        };
+        if t.holder.as_ref().is_some_and(|(h, _)| *h != holder) {
+            return true;
+        }
+        t.ending = true;
+        for reg in t.regs.iter_mut() {
+            reg.fail_unposted();
+        }
+        if let Some(id) = t.lease {
+            let mut released = Vec::new();
+            self.table.release(holder, &[id], now, &mut Vec::new(), &mut released);
+            self.settle(now, released, out);
+        }
+        let in_flight = self.keys.get(key).is_some_and(|t| t.regs.iter().any(Reg::in_flight));
+        if !in_flight {
+            self.forget(key);
+        }
+        !in_flight
+    }
+
+    /// Fails what is left of `key`'s transfer for `why` and tells D (U6). With `end`, the lease
+    /// ends for that reason (P's own release, or shutdown) and the key is remembered as ended;
+    /// without, the lease ends as `released` once every write stopped.
+    fn fail_transfer(&mut self, key: &PushKey, why: PushFailure, end: Option<ReleaseReason>, now: Nanos, out: &mut PushSettled<B>) {
+        let Some(t) = self.keys.get_mut(key) else { return };
+        let to = t.holder.as_ref().map(|(_, n)| n.clone());
+        let mut msgs = Vec::new();
+        for reg in t.regs.iter_mut().filter(|r| !r.closed()) {
+            reg.fail_unposted();
+            if let Some(to) = &to {
+                msgs.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+            }
+        }
+        if msgs.is_empty() && end.is_some() && t.regs.is_empty() {
+            if let Some(to) = &to {
+                // Renewed, never registered: nothing to count; the key is gone.
+                msgs.push(Outgoing { to: to.clone(), msg: Message::PushLost { keys: vec![key.clone()] } });
+            }
+        }
+        out.send.extend(msgs);
+        let Some(id) = t.lease else {
+            if end.is_some() {
+                self.forget(key);
+            }
+            return;
+        };
+        let stopped = !t.regs.iter().any(Reg::in_flight);
+        if end.is_some() {
+            t.ending = true;
+        }
+        if self.table.get(id).is_some() && (end.is_some() || stopped) {
+            let mut released = Vec::new();
+            self.table.end_lease(id, end.unwrap_or(ReleaseReason::Released), now, &mut released);
+            self.settle(now, released, out);
+        }
+        self.tidy(key, out);
+    }
+
+    /// SPEC U1: a lease and a registration under one key, both here: check the registration
+    /// (U11, S4) and hand the transfer to the driver.
+    fn pair(&mut self, key: &PushKey, now: Nanos, out: &mut PushSettled<B>) {
+        let margin = Self::write_margin(&self.cfg);
+        let Some(t) = self.keys.get_mut(key) else { return };
+        let (Some(id), Some((_, to))) = (t.lease, t.holder.clone()) else { return };
+        let Some(source) = self.table.get(id) else { return };
+        let (digest, request) = (source.digest, source.request.clone());
+        let Some(reg) = t.regs.last_mut().filter(|r| !r.announced && !r.closed()) else { return };
+        if reg.reg.digest != digest {
+            // U11, S4: D registered for another prompt: nothing is written into its blocks.
+            reg.fail_unposted();
+            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Digest) });
+            return;
+        }
+        if now + margin > reg.post_until {
+            // U8: D's deadline passed while P prefilled: no write may be posted.
+            reg.fail_unposted();
+            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+            return;
+        }
+        reg.announced = true;
+        if reg.expected() == 0 {
+            return;
+        }
+        out.send
+            .push(Outgoing { to: to.clone(), msg: Message::PushRegisterAck { key: key.clone(), attempt: reg.reg.attempt, granted: true } });
+        out.ready.push(WriteJob {
+            key: key.clone(),
+            attempt: reg.reg.attempt,
+            lease_id: id,
+            to,
+            dst_ranks: reg.reg.dst_ranks,
+            stages: reg.reg.stages,
+            block_ids: reg.reg.block_ids.clone(),
+            request,
+        });
+    }
+
+    /// Leases that ended: their blocks back (or held by writes in flight), D told what will not
+    /// be written (U6), the key forgotten once nothing of it is in flight.
+    fn settle(&mut self, _now: Nanos, released: Vec<Released<Source<B>>>, out: &mut PushSettled<B>) {
+        for r in released {
+            let request = match r.payload {
+                Some(s) => {
+                    out.freed.push(s.blocks);
+                    s.request
+                }
+                None => self.table.parked_payload(r.lease_id).map(|s| s.request.clone()).unwrap_or_default(),
+            };
+            out.ended.push(Ended { lease_id: r.lease_id, reason: r.reason, held: r.held, request });
+            let Some(key) = self.by_lease.remove(&r.lease_id) else { continue };
+            let Some(t) = self.keys.get_mut(&key) else { continue };
+            if r.reason != ReleaseReason::Transferred && !t.ending {
+                let to = t.holder.as_ref().map(|(_, n)| n.clone());
+                let why = if r.reason == ReleaseReason::Shutdown { PushFailure::Shutdown } else { PushFailure::LeaseLost };
+                for reg in t.regs.iter_mut().filter(|r| !r.closed()) {
+                    reg.fail_unposted();
+                    if let Some(to) = &to {
+                        out.send.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+                    }
+                }
+            }
+            t.ending = true;
+            self.tidy(&key, out);
+        }
+    }
+
+    /// Forgets `key` once its lease ended and no write of it is in flight; a release still to be
+    /// answered is answered now.
+    fn tidy(&mut self, key: &PushKey, out: &mut PushSettled<B>) {
+        let Some(t) = self.keys.get_mut(key) else { return };
+        let lease_gone = t.lease.is_some_and(|id| self.table.get(id).is_none());
+        let (n, mut i) = (t.regs.len(), 0);
+        t.regs.retain(|r| {
+            i += 1;
+            i == n || r.in_flight()
+        });
+        if !(t.ending || lease_gone) || t.regs.iter().any(Reg::in_flight) {
+            return;
+        }
+        let answer = t.ending && t.regs.iter().any(|r| r.failed > 0 || r.done < r.expected());
+        let to = t.holder.as_ref().map(|(_, n)| n.clone());
+        self.forget(key);
+        if let (true, Some(to)) = (answer, to) {
+            out.send.push(Outgoing { to, msg: Message::PushLost { keys: vec![key.clone()] } });
+        }
+    }
+
+    fn forget(&mut self, key: &PushKey) {
+        if let Some(t) = self.keys.remove(key) {
+            if t.lease.is_none() {
+                self.pending -= 1;
+            }
+            if let Some(id) = t.lease {
+                self.by_lease.remove(&id);
+            }
+        }
+        self.remember_ended(key.clone());
+    }
+
+    fn remember_ended(&mut self, key: PushKey) {
+        if self.ended.insert(key.clone()) {
+            self.ended_order.push_back(key);
+        }
+        while self.ended_order.len() > ENDED_MEMORY {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
+}

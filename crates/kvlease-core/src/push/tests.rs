@@ -1,0 +1,465 @@
+//! The push machines against SPEC §13, one test per invariant, each named by its id. P and D
+//! talk through hand-carried messages; time is explicit.
+
+use super::sink::{PushAction, PushSink, PushVerdict, WriteLost};
+use super::source::{PushGrantError, PushSettled, PushSource, WriteJob, WriteRefused};
+use crate::config::LeaseConfig;
+use crate::digest::PromptDigest;
+use crate::holder::BlockGuard;
+use crate::lease_table::ReleaseReason;
+use crate::wire::{Message, PushFailure, PushKey, PushRegistration, PushRenewal};
+use crate::Nanos;
+use std::time::Duration;
+
+const SEC: u64 = 1_000_000_000;
+const T0: Nanos = Nanos(3_600 * SEC);
+const P_INC: u64 = 7;
+const D: &str = "d/1";
+const TOKENS: [u32; 3] = [1, 2, 3];
+
+#[derive(Debug, PartialEq, Eq)]
+struct Ids(Vec<u32>);
+
+impl BlockGuard for Ids {
+    fn ids(&self) -> &[u32] {
+        &self.0
+    }
+}
+
+fn at(secs: u64) -> Nanos {
+    T0 + Duration::from_secs(secs)
+}
+
+fn key(s: &str) -> PushKey {
+    PushKey::Transfer(s.into())
+}
+
+fn source() -> PushSource<Ids> {
+    PushSource::new(&LeaseConfig::default(), P_INC)
+}
+
+fn reg(k: &PushKey, attempt: u32, ranks: u32, stages: u32) -> PushRegistration {
+    PushRegistration {
+        key: k.clone(),
+        attempt,
+        incarnation: 1,
+        granted_by: 0,
+        digest: PromptDigest::of(&TOKENS),
+        dst_ranks: ranks,
+        stages,
+        block_ids: vec![4, 5],
+        window_ns: 30 * SEC,
+    }
+}
+
+fn msgs(out: &PushSettled<Ids>) -> Vec<&Message> {
+    out.send.iter().map(|o| &o.msg).collect()
+}
+
+fn lost(k: &PushKey) -> Message {
+    Message::PushLost { keys: vec![k.clone()] }
+}
+
+/// P with a lease under `k` and D's registration of `ranks` × `stages` paired with it.
+fn paired(k: &PushKey, ranks: u32, stages: u32) -> (PushSource<Ids>, WriteJob) {
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(k, 1, ranks, stages)), T0, &mut out);
+    p.grant(T0, Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    let job = out.ready.pop().expect("paired at the grant");
+    (p, job)
+}
+
+/// SPEC U1: a registration pairs with the one lease granted under its key; a registration under
+/// another key pairs with nothing; a duplicate is acknowledged and changes nothing; a key is
+/// granted once, so two dispatches never cross-match.
+#[test]
+fn u1_a_registration_pairs_by_its_key_exactly_once() {
+    let mut p = source();
+    let mut out = PushSettled::default();
+    let (a, b) = (key("a"), PushKey::Request("a".into()));
+    let ga = p.grant(T0, Some(a.clone()), "ra", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    assert!(out.ready.is_empty(), "no registration yet");
+    p.on_message(D, &Message::PushRegister(reg(&b, 1, 1, 1)), T0, &mut out);
+    assert!(out.ready.is_empty(), "a request id spelled like the transfer id is another key");
+    p.on_message(D, &Message::PushRegister(reg(&a, 1, 1, 1)), T0, &mut out);
+    assert_eq!(out.ready.len(), 1);
+    assert_eq!((out.ready[0].key.clone(), out.ready[0].lease_id), (a.clone(), ga.lease_id));
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&a, 1, 1, 1)), T0, &mut out);
+    assert_eq!(msgs(&out), vec![&Message::PushRegisterAck { key: a.clone(), attempt: 1, granted: true }], "acknowledged");
+    assert!(out.ready.is_empty(), "a duplicate changes nothing");
+    assert_eq!(p.grant(T0, Some(a.clone()), "ra2", Ids(vec![9]), &TOKENS, &mut out), Err(PushGrantError::KeyTaken(a.clone())));
+    assert_eq!(out.freed, vec![Ids(vec![9])], "the second dispatch's blocks go back");
+    // Without a transfer or request id the key is the lease id P returned.
+    let g = p.grant(T0, None, "rc", Ids(vec![3]), &TOKENS, &mut out).unwrap();
+    assert_eq!(g.key, PushKey::Lease(g.lease_id));
+}
+
+/// SPEC U2: D renews and registers from admission, before P's grant: P keeps both (not lost)
+/// and applies them at the grant — the lease is the renewing engine's (S5) and the
+/// registration is paired at once; D's heartbeats name the key before it is even registered.
+#[test]
+fn u2_renewal_and_registration_before_the_grant_are_kept_and_applied_at_it() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = PushSink::new(&cfg);
+    d.admit("req", "p", k.clone(), T0);
+    let mut acts = Vec::new();
+    d.poll(T0 + cfg.heartbeat_interval, &mut acts);
+    let hb = match &acts[..] {
+        [PushAction::Send { engine_id, msg: m @ Message::PushHeartbeat { renewals, .. } }] => {
+            assert_eq!(engine_id, "p");
+            assert_eq!(renewals, &vec![PushRenewal { key: k.clone(), window_ns: 0 }], "not registered: no window yet");
+            m.clone()
+        }
+        other => panic!("{other:?}"),
+    };
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &hb, at(1), &mut out);
+    assert!(out.send.is_empty(), "kept, not lost");
+    assert_eq!(p.pending(), 1);
+    p.on_message("other/2", &hb, at(1), &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)], "another engine's renewal of it is lost (S5)");
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), at(2), &mut out);
+    assert_eq!(msgs(&out), vec![&Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: false }]);
+    let mut out = PushSettled::default();
+    let g = p.grant(at(3), Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    assert_eq!(out.ready.len(), 1, "the kept registration is paired at the grant");
+    assert_eq!(msgs(&out), vec![&Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: true }]);
+    assert_eq!(p.pending(), 0);
+    // The lease is D's: the other engine's release changes nothing.
+    let mut out = PushSettled::default();
+    p.on_message("other/2", &Message::PushRelease { keys: vec![k.clone()] }, at(4), &mut out);
+    assert!(p.is_live(g.lease_id));
+}
+
+/// SPEC U3, P6: a registration or renewal of a key whose lease P no longer holds, or of a lease
+/// id that is not live, is answered `PushLost` at once; D then fails over without waiting.
+#[test]
+fn u3_a_key_p_no_longer_holds_is_answered_lost_at_once() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let (mut p, _) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    while p.poll(at(31), &mut out) {}
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Expired]);
+    for m in [
+        Message::PushRegister(reg(&k, 2, 1, 1)),
+        Message::PushHeartbeat { seq: 1, renewals: vec![PushRenewal { key: k.clone(), window_ns: 1 }] },
+    ] {
+        let mut out = PushSettled::default();
+        p.on_message(D, &m, at(32), &mut out);
+        assert_eq!(msgs(&out), vec![&lost(&k)], "{m:?}");
+    }
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&PushKey::Lease(999), 1, 1, 1)), at(32), &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&PushKey::Lease(999))]);
+
+    let mut d = PushSink::new(&cfg);
+    d.admit("req", "p", k.clone(), T0);
+    d.register("req", 1, 0, PromptDigest::of(&TOKENS), 1, 1, vec![4], T0).unwrap();
+    let mut acts = Vec::new();
+    d.on_message("p", &lost(&k), at(1), &mut acts);
+    assert_eq!(
+        acts.iter().find(|a| matches!(a, PushAction::Failed { .. })),
+        Some(&PushAction::Failed {
+            request_id: "req".into(),
+            verdict: PushVerdict::Recompute(WriteLost::LeaseLost),
+            blocks_reusable: true
+        })
+    );
+    assert!(!d.is_tracked("req"));
+}
+
+/// SPEC U4: a write is posted only while the lease is live, checked at the moment of posting;
+/// a lease released with a write in flight keeps its source blocks until the write ends, and
+/// D's release is answered only then.
+#[test]
+fn u4_writes_are_posted_only_on_a_live_lease_and_hold_its_blocks_in_flight() {
+    let k = key("t");
+    let (mut p, job) = paired(&k, 2, 1);
+    let mut out = PushSettled::default();
+    let w0 = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(2), &mut out);
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released]);
+    assert!(out.freed.is_empty(), "a write is in flight: the blocks are not reused");
+    assert!(msgs(&out).iter().all(|m| !matches!(m, Message::PushLost { .. })), "not answered while a write is in flight");
+    assert_eq!(p.begin_write(&k, job.attempt, 1, 0, at(2), &mut out).err(), Some(WriteRefused::NotLive), "checked when posting");
+    let mut out = PushSettled::default();
+    p.end_write(w0, true, at(3), &mut out);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])], "back when the write ended");
+    assert!(msgs(&out).contains(&&lost(&k)), "the release is answered now");
+    assert!(!msgs(&out).iter().any(|m| matches!(m, Message::PushWriteDone { .. })), "not reported done: the lease is gone");
+
+    // A lease past its deadline is not written either, whatever D's window says and whether
+    // the reaper has run or not.
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(PushRegistration { window_ns: 100 * SEC, ..reg(&k, 1, 1, 1) }), T0, &mut out);
+    p.grant(T0, Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    assert_eq!(p.begin_write(&k, 1, 0, 0, at(31), &mut out).err(), Some(WriteRefused::NotLive));
+    assert_eq!(out.ended.last().map(|e| e.reason), Some(ReleaseReason::Expired));
+}
+
+/// SPEC U5, P3, P8: the lease ends as `transferred` exactly once, on the last success of every
+/// destination rank and pipeline stage; a write posted twice or a late completion changes
+/// nothing.
+#[test]
+fn u5_the_lease_is_transferred_once_on_the_last_write_of_every_rank_and_stage() {
+    let k = key("t");
+    let (mut p, job) = paired(&k, 2, 2);
+    let mut out = PushSettled::default();
+    let mut tickets = Vec::new();
+    for (r, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        tickets.push(p.begin_write(&k, job.attempt, r, s, at(1), &mut out).unwrap());
+    }
+    assert_eq!(p.begin_write(&k, job.attempt, 1, 1, at(1), &mut out).err(), Some(WriteRefused::NotExpected), "posted already");
+    assert_eq!(p.begin_write(&k, job.attempt, 2, 0, at(1), &mut out).err(), Some(WriteRefused::NotExpected), "no such rank");
+    let last = tickets.pop().unwrap();
+    for t in tickets {
+        p.end_write(t, true, at(2), &mut out);
+    }
+    assert!(out.ended.is_empty(), "three of four");
+    assert_eq!(p.live(), 1);
+    p.end_write(last, true, at(2), &mut out);
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Transferred]);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+    assert_eq!(msgs(&out).iter().filter(|m| matches!(m, Message::PushWriteDone { .. })).count(), 4);
+    let mut out = PushSettled::default();
+    while p.poll(at(60), &mut out) {}
+    p.shutdown(at(60), &mut out);
+    assert!(out.ended.is_empty() && out.freed.is_empty(), "released once");
+    assert_eq!(p.stats().released(ReleaseReason::Transferred), 1);
+    assert_eq!(p.stats().released.iter().sum::<u64>(), 1);
+}
+
+/// A way P's side of a transfer fails.
+type FailBy = fn(&mut PushSource<Ids>, &PushKey, &mut PushSettled<Ids>);
+
+/// The running totals of the last `PushWriteFailed` P sent.
+fn last_failure(out: &PushSettled<Ids>) -> Option<(u32, u32, PushFailure)> {
+    out.send.iter().rev().find_map(|o| match &o.msg {
+        Message::PushWriteFailed { done, failed, why, .. } => Some((*done, *failed, *why)),
+        _ => None,
+    })
+}
+
+/// SPEC U6: every failure reaches D with totals that close its tally: a write in error (the
+/// rest not posted), writes that cannot be posted, the lease expiring, P's abort, P's shutdown.
+#[test]
+fn u6_every_failure_reaches_d_with_a_count_that_closes_its_tally() {
+    let k = key("t");
+    let (mut p, job) = paired(&k, 3, 1);
+    let mut out = PushSettled::default();
+    let a = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    let b = p.begin_write(&k, job.attempt, 1, 0, at(1), &mut out).unwrap();
+    p.end_write(a, false, at(2), &mut out);
+    assert_eq!(last_failure(&out), Some((0, 2, PushFailure::WriteError)), "the failed one and the one never posted");
+    p.end_write(b, true, at(2), &mut out);
+    assert_eq!(msgs(&out).iter().filter(|m| matches!(m, Message::PushWriteDone { .. })).count(), 1);
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released], "all stopped, nothing more to write");
+
+    let cases: [(&str, FailBy); 4] = [
+        ("not posted", |p, k, out| p.fail_writes(k, PushFailure::NotPosted, at(1), out)),
+        ("expired", |p, _, out| while p.poll(at(31), out) {}),
+        ("aborted", |p, k, out| p.abort(k, at(1), out)),
+        ("shutdown", |p, _, out| p.shutdown(at(1), out)),
+    ];
+    for (what, fail) in cases {
+        let (mut p, _) = paired(&k, 2, 2);
+        let mut out = PushSettled::default();
+        fail(&mut p, &k, &mut out);
+        let (done, failed, _) = last_failure(&out).unwrap_or_else(|| panic!("{what}: D not told"));
+        assert_eq!(done + failed, 4, "{what}: the tally closes");
+        assert_eq!(p.live(), 0, "{what}");
+    }
+    // P aborts a request D only renewed: D learns the key is gone.
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushHeartbeat { seq: 1, renewals: vec![PushRenewal { key: k.clone(), window_ns: 0 }] }, T0, &mut out);
+    p.abort(&k, T0, &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)]);
+}
+
+fn d_registered(cfg: &LeaseConfig, k: &PushKey, ranks: u32, stages: u32) -> PushSink {
+    let mut d = PushSink::new(cfg);
+    d.admit("req", "p", k.clone(), T0);
+    d.register("req", 1, 0, PromptDigest::of(&TOKENS), ranks, stages, vec![4, 5], T0).unwrap();
+    d
+}
+
+fn done(k: &PushKey, attempt: u32, r: u32, s: u32) -> Message {
+    Message::PushWriteDone { key: k.clone(), attempt, dst_rank: r, stage: s }
+}
+
+/// SPEC U7: D schedules only when every expected write (rank × stage) completed and none
+/// failed — duplicates do not count twice — and on a failure applies the policy only once every
+/// sibling write stopped, with blocks it may reuse.
+#[test]
+fn u7_ready_only_when_all_writes_landed_and_policy_only_after_all_stopped() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 2, 2);
+    let mut acts = Vec::new();
+    for (r, s) in [(0, 0), (0, 0), (0, 1), (1, 0), (5, 0)] {
+        d.on_message("p", &done(&k, 1, r, s), at(1), &mut acts);
+    }
+    assert!(acts.is_empty(), "three distinct of four: {acts:?}");
+    d.on_message("p", &done(&k, 1, 1, 1), at(1), &mut acts);
+    assert_eq!(acts, vec![PushAction::Ready { request_id: "req".into() }]);
+
+    let mut d = d_registered(&cfg, &k, 2, 1);
+    let mut acts = Vec::new();
+    let failed = |done, failed| Message::PushWriteFailed { key: k.clone(), attempt: 1, done, failed, why: PushFailure::WriteError };
+    d.on_message("p", &failed(0, 1), at(1), &mut acts);
+    assert!(acts.is_empty(), "a sibling write may still be landing: {acts:?}");
+    d.on_message("p", &done(&k, 1, 1, 0), at(1), &mut acts);
+    assert!(acts.contains(&PushAction::Failed {
+        request_id: "req".into(),
+        verdict: PushVerdict::Recompute(WriteLost::Failed(PushFailure::WriteError)),
+        blocks_reusable: true
+    }));
+    assert!(acts.contains(&PushAction::Send { engine_id: "p".into(), msg: Message::PushRelease { keys: vec![k.clone()] } }));
+    assert!(!acts.contains(&PushAction::Ready { request_id: "req".into() }));
+}
+
+/// SPEC U8: P posts no write within its margin of D's write deadline (renewed by D's
+/// heartbeats); D reuses blocks only after their writes stopped, P answered its release, or
+/// the deadline it told P passed, with a grace.
+#[test]
+fn u8_no_write_after_the_deadline_and_blocks_reused_only_when_safe() {
+    let cfg = LeaseConfig::default();
+    let margin = PushSource::<Ids>::write_margin(&cfg);
+    let k = key("t");
+    let (mut p, job) = paired(&k, 2, 1);
+    let mut out = PushSettled::default();
+    let late = T0 + Duration::from_secs(30) - margin + Duration::from_millis(1);
+    // D's heartbeat says it still waits 30 s from now: the window moves.
+    p.on_message(
+        D,
+        &Message::PushHeartbeat { seq: 1, renewals: vec![PushRenewal { key: k.clone(), window_ns: 30 * SEC }] },
+        at(10),
+        &mut out,
+    );
+    let w = p.begin_write(&k, job.attempt, 0, 0, late, &mut out).expect("the renewed window covers it");
+    p.end_write(w, true, late, &mut out);
+    let past = at(40) - margin + Duration::from_millis(1);
+    let mut out = PushSettled::default();
+    assert_eq!(p.begin_write(&k, job.attempt, 1, 0, past, &mut out).err(), Some(WriteRefused::Deadline));
+    assert_eq!(last_failure(&out), Some((1, 1, PushFailure::Deadline)), "D is told");
+
+    let grace = PushSink::write_grace(&cfg);
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let mut acts = Vec::new();
+    d.poll(at(30), &mut acts);
+    assert!(acts.iter().any(|a| matches!(a, PushAction::Failed { blocks_reusable: false, .. })), "{acts:?}");
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })));
+    assert!(!d.blocks_reusable("req", 1, at(30) + grace - Duration::from_millis(1)));
+    let mut acts = Vec::new();
+    d.poll(at(30) + grace, &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }]);
+
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let mut acts = Vec::new();
+    d.abort("req", at(1), &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })), "a write may be in flight");
+    d.on_message("p", &lost(&k), at(2), &mut acts);
+    assert_eq!(acts.last(), Some(&PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }), "P answered the release");
+}
+
+/// SPEC U9, O3: any abort on D sends `PushRelease` at once — before its blocks were allocated,
+/// after registration — and P frees now: a lease granted later under a released key is not
+/// granted at all.
+#[test]
+fn u9_any_abort_on_d_releases_at_once() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let release = PushAction::Send { engine_id: "p".into(), msg: Message::PushRelease { keys: vec![k.clone()] } };
+    let mut d = PushSink::new(&cfg);
+    d.admit("req", "p", k.clone(), T0);
+    let mut acts = Vec::new();
+    d.abort("req", T0, &mut acts);
+    assert_eq!(acts, vec![release.clone()], "before allocation");
+    assert!(!d.is_tracked("req"));
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let mut acts = Vec::new();
+    d.abort("req", T0, &mut acts);
+    assert_eq!(acts.first(), Some(&release), "after registration");
+
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, T0, &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)]);
+    assert_eq!(p.grant(at(1), Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out), Err(PushGrantError::Released(k.clone())));
+    assert_eq!(out.freed, vec![Ids(vec![1])]);
+    let (mut p, _) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(1), &mut out);
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released]);
+    assert_eq!(out.freed.len(), 1);
+}
+
+/// SPEC U10: D's wait for writes ends `push_registration_timeout` after registering unless P
+/// makes progress, which pushes it back; then the request fails over and P is released.
+#[test]
+fn u10_ds_own_deadline_is_renewed_by_progress_and_fails_over() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 2, 1);
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(20), &mut acts);
+    d.poll(at(30), &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::Failed { .. })), "progress at 20 s pushed the deadline to 50 s");
+    assert_eq!(d.poll_timeout().map(|t| t <= at(50)), Some(true));
+    d.poll(at(50), &mut acts);
+    let timed_out = PushVerdict::Recompute(WriteLost::TimedOut { waited: cfg.push_registration_timeout });
+    assert!(acts.contains(&PushAction::Failed { request_id: "req".into(), verdict: timed_out, blocks_reusable: false }), "{acts:?}");
+    assert!(acts.contains(&PushAction::Send { engine_id: "p".into(), msg: Message::PushRelease { keys: vec![k.clone()] } }));
+    let mut again = Vec::new();
+    d.poll(at(51), &mut again);
+    assert!(!again.iter().any(|a| matches!(a, PushAction::Failed { .. })), "once");
+}
+
+/// SPEC U11, S4: P writes only when the registration's digest is its prefill's and it names
+/// this incarnation of P; D ignores completions of a registration it has superseded, and P
+/// writes for the newest only.
+#[test]
+fn u11_digest_incarnation_and_superseded_registrations() {
+    let k = key("t");
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.grant(T0, Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    let other_prompt = PushRegistration { digest: PromptDigest::of(&[9]), ..reg(&k, 1, 1, 1) };
+    p.on_message(D, &Message::PushRegister(other_prompt), T0, &mut out);
+    assert!(out.ready.is_empty());
+    assert_eq!(last_failure(&out), Some((0, 1, PushFailure::Digest)));
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(PushRegistration { granted_by: P_INC + 1, ..reg(&k, 2, 1, 1) }), T0, &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)], "another life of P");
+    p.on_message(D, &Message::PushRegister(reg(&k, 3, 1, 1)), T0, &mut out);
+    assert_eq!(out.ready.len(), 1, "the right prompt, this P");
+
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let old = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    p.on_message(D, &Message::PushRegister(reg(&k, 2, 1, 1)), at(1), &mut out);
+    assert_eq!(out.ready.last().map(|j| j.attempt), Some(2));
+    assert_eq!(p.begin_write(&k, 1, 0, 0, at(1), &mut out).err(), Some(WriteRefused::NotRegistered));
+    let mut out = PushSettled::default();
+    p.end_write(old, true, at(2), &mut out);
+    assert!(!msgs(&out).iter().any(|m| matches!(m, Message::PushWriteDone { .. })), "a superseded write is not reported done");
+    assert_eq!(p.live(), 1, "nor does it end the lease");
+
+    let cfg = LeaseConfig::default();
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    d.register("req", 1, 0, PromptDigest::of(&TOKENS), 1, 1, vec![6], at(1)).unwrap();
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(2), &mut acts);
+    assert!(!acts.contains(&PushAction::Ready { request_id: "req".into() }), "attempt 1 is superseded");
+    assert!(acts.contains(&PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }), "its blocks are free: its write stopped");
+    d.on_message("p", &done(&k, 2, 0, 0), at(2), &mut acts);
+    assert!(acts.contains(&PushAction::Ready { request_id: "req".into() }));
+}
