@@ -684,8 +684,8 @@ impl World {
             Ev::Params { c } => self.params(c, t),
             Ev::DStep { d } => self.d_step(d, t),
             Ev::DPoll { d, gen } => self.poll(d, gen, t),
-            Ev::ToP { p, d, bytes } => self.to_p(p, d, &bytes, t),
-            Ev::ToD { d, p, bytes } => self.to_d(d, p, &bytes, t),
+            Ev::ToP { p, d, bytes } => self.on_p_message(p, d, &bytes, t),
+            Ev::ToD { d, p, bytes } => self.on_d_message(d, p, &bytes, t),
             Ev::Notif { p, r } => {
                 self.ps[p].notifs.push(r);
                 self.wake_p(p, t);
@@ -880,7 +880,7 @@ impl World {
 
     /// A D's message on P's control channel, decided at once (the connector's
     /// `_kvlease_answer`).
-    fn to_p(&mut self, p: usize, d: usize, bytes: &[u8], t: Nanos) {
+    fn on_p_message(&mut self, p: usize, d: usize, bytes: &[u8], t: Nanos) {
         let msg = match Message::decode(bytes) {
             Ok(m) => m,
             Err(e) => return self.violation(format!("wire: d{d}'s message to p{p} does not decode: {e}")),
@@ -1323,7 +1323,7 @@ impl World {
     }
 
     /// P's answer on D's control link (the connector's `_kvlease_on_answer`).
-    fn to_d(&mut self, d: usize, p: usize, bytes: &[u8], t: Nanos) {
+    fn on_d_message(&mut self, d: usize, p: usize, bytes: &[u8], t: Nanos) {
         let msg = match Message::decode(bytes) {
             Ok(m) => m,
             Err(e) => return self.violation(format!("wire: p{p}'s message to d{d} does not decode: {e}")),
