@@ -173,7 +173,7 @@ impl Connector {
             duplicate: if noisy { r.unit() * 0.1 } else { 0.0 },
             max_delay: if noisy { r.secs(0.0, 0.05) } else { r.secs(0.0, 0.002) },
             step: (Duration::from_millis(5), r.secs(0.01, 0.05)),
-            long_step: (if r.chance(0.3) { r.unit() * 0.03 } else { 0.0 }, r.secs(0.05, lease_secs * 1.5)),
+            long_step: (if r.chance(0.3) { r.unit() * 0.01 } else { 0.0 }, r.secs(0.05, lease_secs * 1.5)),
             slow_first_step: (0..p_engines).map(|_| r.chance(0.5).then(|| r.secs(0.0, lease_secs * 1.5))).collect(),
             read_time: (Duration::from_millis(1), r.secs(0.002, 0.05)),
             slow_read: (if r.chance(0.5) { r.unit() * 0.4 } else { 0.0 }, r.secs(e * 0.5, lease_secs * 1.5)),
@@ -633,7 +633,9 @@ impl World {
         self.note(format!("{c:?}"));
         let last = self.reqs.last().map_or(Duration::ZERO, |r| r.at);
         let pauses: Duration = c.d_pauses.iter().map(|p| p.1).sum();
-        let horizon = Nanos::ZERO + last + pauses + self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) * 20;
+        // A liveness bound, generous: every request may queue behind every other.
+        let per_request = self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) + c.decode.1 + c.long_step.1;
+        let horizon = Nanos::ZERO + last + pauses + self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) * 20 + per_request * c.requests as u32;
         while let Some(q) = self.queue.pop() {
             if q.t > horizon {
                 self.violation(format!(
