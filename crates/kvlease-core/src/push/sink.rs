@@ -161,6 +161,9 @@ struct Sink {
     released: bool,
     /// The request is ready or failed over; only block bookkeeping is left.
     done: bool,
+    /// The registration D scheduled the request over ([`PushAction::Ready`]): its blocks are
+    /// the decode's, not handed back. An aborted request whose writes all land later has none.
+    ready: Option<u32>,
 }
 
 /// D's push transfers (see the module's documentation).
@@ -197,7 +200,16 @@ impl PushSink {
         self.due.entry(engine_id.to_owned()).or_insert(now + self.cfg.heartbeat_interval);
         self.requests.insert(
             request_id.to_owned(),
-            Sink { engine_id: engine_id.to_owned(), key, until: None, tallies: Vec::new(), next_attempt: 1, released: false, done: false },
+            Sink {
+                engine_id: engine_id.to_owned(),
+                key,
+                until: None,
+                tallies: Vec::new(),
+                next_attempt: 1,
+                released: false,
+                done: false,
+                ready: None,
+            },
         );
     }
 
@@ -458,6 +470,7 @@ impl PushSink {
             if let Some(t) = s.tallies.last_mut().filter(|t| !t.settled) {
                 if t.complete() {
                     t.settled = true;
+                    s.ready = Some(t.attempt);
                     s.done = true;
                     s.released = true;
                     out.push(PushAction::Ready { request_id: req.to_owned() });
@@ -515,8 +528,9 @@ impl PushSink {
     fn free_blocks(&mut self, req: &str, now: Nanos, out: &mut Vec<PushAction>) {
         let Some(s) = self.requests.get(req) else { return };
         let free: Vec<u32> = s.tallies.iter().filter(|t| self.reusable(s, t, now)).map(|t| t.attempt).collect();
-        // A ready request's blocks hold its KV: they are the decode's now, not free.
-        let decoding = s.tallies.last().filter(|t| s.done && t.complete()).map(|t| t.attempt);
+        // A ready request's blocks hold its KV: they are the decode's now, not free. (Not every
+        // complete tally: a request aborted after registration may see its last write land.)
+        let decoding = s.ready;
         let Some(s) = self.requests.get_mut(req) else { return };
         for attempt in free {
             s.tallies.retain(|t| t.attempt != attempt);

@@ -463,3 +463,29 @@ fn u11_digest_incarnation_and_superseded_registrations() {
     d.on_message("p", &done(&k, 2, 0, 0), at(2), &mut acts);
     assert!(acts.contains(&PushAction::Ready { request_id: "req".into() }));
 }
+
+/// SPEC U8, U9 (found by `kvlease sim --push`, seed 26): a request aborted after registration
+/// whose writes all land afterwards gets its blocks back once they stopped — its complete
+/// tally is not a decoding request's, whose blocks the decode keeps.
+#[test]
+fn u8_blocks_of_a_request_aborted_before_its_last_write_landed_come_back() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 2, 1);
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(1), &mut acts);
+    d.abort("req", at(1), &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })), "a write is in flight: {acts:?}");
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 1, 0), at(2), &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }], "every write stopped");
+    assert!(!acts.contains(&PushAction::Ready { request_id: "req".into() }));
+    assert!(!d.is_tracked("req"));
+
+    // A ready request's blocks stay the decode's.
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(1), &mut acts);
+    d.finish("req", at(2), &mut acts);
+    assert_eq!(acts, vec![PushAction::Ready { request_id: "req".into() }]);
+}
