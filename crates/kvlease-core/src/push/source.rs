@@ -351,7 +351,7 @@ impl<B: BlockGuard> PushSource<B> {
             Message::PushHeartbeat { renewals, .. } => {
                 let mut lost = Vec::new();
                 for r in renewals {
-                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) {
+                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) && !self.lost_later(holder, &r.key) {
                         lost.push(r.key.clone());
                     }
                 }
@@ -588,6 +588,9 @@ impl<B: BlockGuard> PushSource<B> {
             return lost(out);
         }
         if !self.admit(holder, from, &reg.key, now) {
+            if self.lost_later(holder, &reg.key) {
+                return;
+            }
             return lost(out);
         }
         let Some(t) = self.keys.get_mut(&reg.key) else { return lost(out) };
@@ -625,6 +628,13 @@ impl<B: BlockGuard> PushSource<B> {
             });
         }
         out.rearm = true;
+    }
+
+    /// SPEC U8: `key` is `holder`'s, ended, with writes still in flight: its `PushLost` goes out
+    /// when the last of them stops ([`PushSource::end_write`]), not now — D takes it as "nothing
+    /// more lands in your blocks" and reuses them.
+    fn lost_later(&self, holder: Holder, key: &PushKey) -> bool {
+        self.keys.get(key).is_some_and(|t| t.holder.as_ref().is_some_and(|(h, _)| *h == holder) && t.regs.iter().any(Reg::in_flight))
     }
 
     /// SPEC S5, U2, U3: whether `holder` may act on `key`: its lease (live, or on its way) is

@@ -489,3 +489,39 @@ fn u8_blocks_of_a_request_aborted_before_its_last_write_landed_come_back() {
     d.finish("req", at(2), &mut acts);
     assert_eq!(acts, vec![PushAction::Ready { request_id: "req".into() }]);
 }
+
+/// SPEC U8, U3 (found by `kvlease sim --push`, seed 1313): while a write of an ended lease is in
+/// flight — released by D, or expired — neither a duplicated registration nor a late heartbeat
+/// is answered `PushLost` (D would reuse its blocks under the landing write); the answer goes
+/// out when the write stops.
+#[test]
+fn u8_no_push_lost_while_a_write_of_the_ended_lease_is_in_flight() {
+    let k = key("t");
+    let hb = Message::PushHeartbeat { seq: 9, renewals: vec![PushRenewal { key: k.clone(), window_ns: 30 * SEC }] };
+    // Released by D.
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(1), &mut out);
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), at(1), &mut out);
+    p.on_message(D, &hb, at(1), &mut out);
+    assert!(!msgs(&out).contains(&&lost(&k)), "a write is in flight: {:?}", msgs(&out));
+    let mut out = PushSettled::default();
+    p.end_write(w, true, at(2), &mut out);
+    assert!(msgs(&out).contains(&&lost(&k)), "answered when the write stopped");
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), at(2), &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)], "and at once from then on");
+
+    // Expired.
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    while p.poll(at(60), &mut out) {}
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Expired]);
+    p.on_message(D, &hb, at(60), &mut out);
+    assert!(!msgs(&out).contains(&&lost(&k)), "a write is in flight: {:?}", msgs(&out));
+    let mut out = PushSettled::default();
+    p.end_write(w, true, at(61), &mut out);
+    assert!(msgs(&out).contains(&&lost(&k)));
+}
