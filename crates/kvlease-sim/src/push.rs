@@ -180,7 +180,11 @@ pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<
 /// A run as a report: its violations, the replay command, and its trace.
 pub fn report(out: &Outcome) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
+    if out.violations.is_empty() {
+        let _ = writeln!(s, "seed {} kept every invariant:", out.seed);
+    } else {
+        let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
+    }
     for v in &out.violations {
         let _ = writeln!(s, "  {v}");
     }
@@ -1136,6 +1140,7 @@ impl World {
         }
         let Some(msg) = self.decode(bytes) else { return };
         let now = self.now;
+        self.note(format!("p{p} ← d{d}: {}", short(&msg)));
         match &msg {
             Message::PushHeartbeat { renewals, .. } => {
                 let e = self.cfg.extension;
