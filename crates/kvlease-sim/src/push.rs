@@ -163,7 +163,7 @@ impl Outcome {
 
 /// Runs seeds `from..from + count` with `planted`; returns the requests simulated, or the first
 /// run that broke an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<u64, Outcome> {
+pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<u64, Box<Outcome>> {
     let mut requests = 0;
     for seed in from..from.saturating_add(count) {
         let mut c = Push::from_seed(seed);
@@ -171,7 +171,7 @@ pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<
         let out = c.run();
         requests += out.requests as u64;
         if !out.violations.is_empty() {
-            return Err(out);
+            return Err(Box::new(out));
         }
     }
     Ok(requests)
@@ -722,8 +722,8 @@ impl World {
                     self.d_actions(d, acts, false);
                 }
             }
-            Ev::ToP { p, d, bytes } => self.to_p(p, d, &bytes),
-            Ev::ToD { d, p, bytes } => self.to_d(d, p, &bytes),
+            Ev::ToP { p, d, bytes } => self.deliver_to_p(p, d, &bytes),
+            Ev::ToD { d, p, bytes } => self.deliver_to_d(d, p, &bytes),
             Ev::AbortD { r } => self.abort_d(r),
             Ev::AbortP { r } => self.abort_p(r),
             Ev::Preempt { r } => self.preempt(r),
@@ -1109,7 +1109,7 @@ impl World {
                     hi.as_secs_f64()
                 ));
             }
-            if let Some(t) = q.aborted_at.filter(|&t| t < now && !(q.release_sent && !q.release_delivered)) {
+            if let Some(t) = q.aborted_at.filter(|&t| t < now && (q.release_delivered || !q.release_sent)) {
                 v.push(format!(
                     "U9: d{} aborted req {r} at {:.3} s, yet P's lease waited for expiry (no release was lost on the way)",
                     q.d,
@@ -1134,7 +1134,7 @@ impl World {
         }
     }
 
-    fn to_p(&mut self, p: usize, d: usize, bytes: &[u8]) {
+    fn deliver_to_p(&mut self, p: usize, d: usize, bytes: &[u8]) {
         if !self.ps[p].alive {
             return;
         }
@@ -1452,7 +1452,7 @@ impl World {
         self.push(t.max(self.now), Ev::DPoll { d, gen });
     }
 
-    fn to_d(&mut self, d: usize, p: usize, bytes: &[u8]) {
+    fn deliver_to_d(&mut self, d: usize, p: usize, bytes: &[u8]) {
         let Some(msg) = self.decode(bytes) else { return };
         let key = match &msg {
             Message::PushRegisterAck { key, .. } | Message::PushWriteDone { key, .. } => Some(key.clone()),

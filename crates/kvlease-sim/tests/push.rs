@@ -53,7 +53,7 @@ fn found(bug: PlantedPushBug, within: u64) -> kvlease_sim::push::Outcome {
     let clean = Push::from_seed(found.seed).run();
     assert!(clean.violations.is_empty(), "{}", report(&clean));
     println!("seed {} finds {bug:?}: {:?}", found.seed, found.violations);
-    found
+    *found
 }
 
 fn names(out: &kvlease_sim::push::Outcome, id: &str) -> bool {
