@@ -126,6 +126,14 @@ struct Tally {
     told_until: Nanos,
     /// D answered for this registration already (ready or failed).
     settled: bool,
+    /// The registration as sent, and whether P was heard on it: acknowledged it paired with its
+    /// lease, or reported a write of it. Until then it goes out again with every heartbeat
+    /// round (U3): a registration lost on the way is not waited out.
+    reg: PushRegistration,
+    heard: bool,
+    /// P acknowledged it at least once (a first acknowledgement is progress, a repeated one
+    /// before the grant is not: a P that only keeps it does not hold D forever, U10).
+    acked: bool,
 }
 
 impl Tally {
@@ -257,6 +265,19 @@ impl PushSink {
             lost: false,
             told_until: until,
             settled: false,
+            reg: PushRegistration {
+                key: s.key.clone(),
+                attempt,
+                incarnation,
+                granted_by,
+                digest,
+                dst_ranks,
+                stages,
+                block_ids: block_ids.clone(),
+                window_ns: 0,
+            },
+            heard: false,
+            acked: false,
         });
         let reg = PushRegistration {
             key: s.key.clone(),
@@ -277,8 +298,20 @@ impl PushSink {
     /// superseded registration's news only frees its blocks (U11).
     pub fn on_message(&mut self, engine_id: &str, msg: &Message, now: Nanos, out: &mut Vec<PushAction>) {
         match msg {
-            Message::PushRegisterAck { key, attempt, .. } => {
-                self.with(engine_id, key, now, out, |t| t.attempt == *attempt, |_| true);
+            Message::PushRegisterAck { key, attempt, granted } => {
+                self.with(
+                    engine_id,
+                    key,
+                    now,
+                    out,
+                    |t| t.attempt == *attempt,
+                    |t| {
+                        let first = !t.acked;
+                        t.acked = true;
+                        t.heard |= *granted;
+                        first || *granted
+                    },
+                );
             }
             Message::PushWriteDone { key, attempt, dst_rank, stage } => {
                 let (r, s) = (*dst_rank, *stage);
@@ -288,7 +321,10 @@ impl PushSink {
                     now,
                     out,
                     |t| t.attempt == *attempt,
-                    |t| r < t.dst_ranks && s < t.stages && t.done.insert((r, s)),
+                    |t| {
+                        t.heard = true;
+                        r < t.dst_ranks && s < t.stages && t.done.insert((r, s))
+                    },
                 );
             }
             Message::PushWriteFailed { key, attempt, done, failed, why } => {
@@ -299,6 +335,7 @@ impl PushSink {
                     out,
                     |t| t.attempt == *attempt,
                     |t| {
+                        t.heard = true;
                         t.p_done = t.p_done.max(*done);
                         t.p_failed = t.p_failed.max(*failed);
                         t.why.get_or_insert(*why);
@@ -385,6 +422,14 @@ impl PushSink {
             for t in self.requests.values_mut().filter(|s| s.engine_id == engine && !s.released && !s.done) {
                 if let (Some(u), Some(tally)) = (t.until, t.tallies.last_mut()) {
                     tally.told_until = tally.told_until.max(u);
+                    if !tally.heard {
+                        // U3: not heard on yet (lost, or forgotten by a P that kept it for E with
+                        // nobody renewing): again, with what is left of D's wait (U8). A
+                        // duplicate is acknowledged and changes nothing (U1).
+                        let window_ns = u64::try_from(u.since(now).as_nanos()).unwrap_or(u64::MAX);
+                        let reg = PushRegistration { window_ns, ..tally.reg.clone() };
+                        out.push(PushAction::Send { engine_id: engine.clone(), msg: Message::PushRegister(reg) });
+                    }
                 }
             }
             for chunk in chunks(renewals, self.cfg.max_notif_bytes) {

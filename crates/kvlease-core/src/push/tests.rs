@@ -525,3 +525,53 @@ fn u8_no_push_lost_while_a_write_of_the_ended_lease_is_in_flight() {
     p.end_write(w, true, at(61), &mut out);
     assert!(msgs(&out).contains(&&lost(&k)));
 }
+
+/// SPEC U3, U10 (found by `kvlease sim --push`, seed 4): a registration lost on the way is not
+/// waited out behind heartbeats that keep P's lease alive: until P acknowledges it paired (or
+/// reports a write of it) it goes out again with each heartbeat round, carrying what is left of
+/// D's wait (U8); P pairs the copy. Repeated acknowledgements that P only keeps it do not push
+/// D's deadline back.
+#[test]
+fn u3_a_lost_registration_goes_out_again_until_p_pairs_it() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let regs = |acts: &[PushAction]| -> Vec<PushRegistration> {
+        acts.iter()
+            .filter_map(|a| match a {
+                PushAction::Send { msg: Message::PushRegister(r), .. } => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let i = cfg.heartbeat_interval;
+    let mut acts = Vec::new();
+    d.poll(T0 + i, &mut acts);
+    let again = regs(&acts);
+    assert_eq!(again.len(), 1, "the registration again: {acts:?}");
+    assert_eq!((again[0].attempt, again[0].block_ids.clone()), (1, vec![4, 5]));
+    assert_eq!(again[0].window_ns, (cfg.push_registration_timeout - i).as_nanos() as u64, "what is left of the wait");
+    assert!(acts.iter().any(|a| matches!(a, PushAction::Send { msg: Message::PushHeartbeat { .. }, .. })));
+
+    // P kept the copy, not granted yet: acknowledged, not paired; a repeat is not progress.
+    let kept = Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: false };
+    d.on_message("p", &kept, T0 + i, &mut Vec::new());
+    d.on_message("p", &kept, T0 + i * 2, &mut Vec::new());
+    assert_eq!(d.poll_timeout().map(|t| t <= T0 + i + cfg.push_registration_timeout), Some(true), "one push back");
+    let mut acts = Vec::new();
+    d.poll(T0 + i * 2, &mut acts);
+    assert_eq!(regs(&acts).len(), 1, "not paired yet: again");
+
+    // P paired it: no more copies.
+    d.on_message("p", &Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: true }, T0 + i * 2, &mut Vec::new());
+    let mut acts = Vec::new();
+    d.poll(T0 + i * 3, &mut acts);
+    assert!(regs(&acts).is_empty(), "{acts:?}");
+
+    // P, having lost the first, pairs the copy.
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.grant(T0, Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    p.on_message(D, &Message::PushRegister(again[0].clone()), T0 + i, &mut out);
+    assert_eq!(out.ready.len(), 1);
+}
