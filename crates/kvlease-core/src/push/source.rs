@@ -94,6 +94,8 @@ struct Reg {
     failed: u32,
     /// Handed to the driver as a [`WriteJob`] already.
     announced: bool,
+    /// Why its writes failed, as first reported to D (told again to a duplicate, U6).
+    why: Option<PushFailure>,
 }
 
 impl Reg {
@@ -110,7 +112,13 @@ impl Reg {
         self.done + self.failed >= self.expected()
     }
 
-    fn failed_msg(&self, why: PushFailure) -> Message {
+    /// The failure report to D (U6), remembered to be told again.
+    fn failed_msg(&mut self, why: PushFailure) -> Message {
+        self.why.get_or_insert(why);
+        self.report(why)
+    }
+
+    fn report(&self, why: PushFailure) -> Message {
         Message::PushWriteFailed { key: self.reg.key.clone(), attempt: self.reg.attempt, done: self.done, failed: self.failed, why }
     }
 
@@ -597,12 +605,15 @@ impl<B: BlockGuard> PushSource<B> {
         let granted = t.lease.is_some();
         if let Some(last) = t.regs.last() {
             if reg.attempt <= last.reg.attempt {
-                // U1: a duplicate (or an older one) is acknowledged and changes nothing.
+                // U1: a duplicate (or an older one) is acknowledged and changes nothing; U6: if
+                // its writes failed, the acknowledgement is the failure, told again (the first
+                // report may have been lost, and D sends its registration until it hears).
                 if reg.attempt == last.reg.attempt {
-                    out.send.push(Outgoing {
-                        to: from.to_owned(),
-                        msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
-                    });
+                    let msg = match last.why.filter(|_| last.failed > 0) {
+                        Some(why) => last.report(why),
+                        None => Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
+                    };
+                    out.send.push(Outgoing { to: from.to_owned(), msg });
                 }
                 return;
             }
@@ -617,7 +628,7 @@ impl<B: BlockGuard> PushSource<B> {
             t.regs.retain(|r| r.in_flight());
         }
         let post_until = now + Duration::from_nanos(reg.window_ns);
-        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false });
+        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false, why: None });
         self.timers.insert((post_until - Self::write_margin(&self.cfg), reg.key.clone()));
         if granted {
             self.pair(&reg.key, now, out);

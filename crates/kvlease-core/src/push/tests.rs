@@ -575,3 +575,23 @@ fn u3_a_lost_registration_goes_out_again_until_p_pairs_it() {
     p.on_message(D, &Message::PushRegister(again[0].clone()), T0 + i, &mut out);
     assert_eq!(out.ready.len(), 1);
 }
+
+/// SPEC U6, U1 (found by `kvlease sim --push`, seed 3753): a duplicate of a registration whose
+/// writes P failed is answered with the failure again, not an acknowledgement that it is
+/// paired — the first report may have been lost, and D, still sending its registration until it
+/// hears, would take "paired" as progress and wait on.
+#[test]
+fn u6_a_duplicate_of_a_failed_registration_is_told_the_failure_again() {
+    let k = key("t");
+    let mut p = source();
+    let mut out = PushSettled::default();
+    let short = PushRegistration { window_ns: 2 * SEC, ..reg(&k, 1, 2, 1) };
+    p.on_message(D, &Message::PushRegister(short.clone()), T0, &mut out);
+    p.grant(at(2), Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    assert!(out.ready.is_empty(), "D's deadline passed while P prefilled");
+    assert_eq!(last_failure(&out), Some((0, 2, PushFailure::Deadline)));
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(short), at(3), &mut out);
+    assert_eq!(last_failure(&out), Some((0, 2, PushFailure::Deadline)), "told again");
+    assert!(!msgs(&out).iter().any(|m| matches!(m, Message::PushRegisterAck { .. })), "{:?}", msgs(&out));
+}
