@@ -37,6 +37,8 @@
 //!   the time every sibling write stopped, by a message that closes D's tally;
 //! * **U9**: after any abort on D, P's lease ends by the release, not by expiry, unless the
 //!   release itself was lost;
+//! * **U3**: D does not wait out, until its timeout, a registration P never paired while P
+//!   held the lease and D's renewals kept reaching it;
 //! * **U10/U6 liveness**: every request on a live D ends — ready, failed over, aborted — at the
 //!   latest `push_registration_timeout` after P's last progress, and the run comes to rest.
 //!
@@ -429,6 +431,11 @@ struct Req {
     aborted_at: Option<Nanos>,
     release_sent: bool,
     release_delivered: bool,
+    /// SPEC U3: when P granted, when a renewal meant for it last reached P, whether P paired a
+    /// registration with the lease (a write job).
+    granted_at: Option<Nanos>,
+    renewed_at: Option<Nanos>,
+    paired: bool,
 }
 
 struct Write {
@@ -609,6 +616,9 @@ impl World {
                 aborted_at: None,
                 release_sent: false,
                 release_delivered: false,
+                granted_at: None,
+                renewed_at: None,
+                paired: false,
             });
             // Both legs at once, each a router hop away.
             let hop = |r: &mut Rng| r.secs(0.0, 0.01);
@@ -827,6 +837,7 @@ impl World {
                 self.note(format!("p{p}: req {r} prefilled, lease {} granted under {}", g.lease_id, g.key));
                 let q = &mut self.reqs[r];
                 q.lease = Some(g.lease_id);
+                q.granted_at = Some(now);
                 q.dl_min = now + self.cfg.lease_duration;
                 q.dl_max = q.dl_min;
             }
@@ -1062,6 +1073,7 @@ impl World {
         if index(&job.to, 'd') != Some(self.reqs[r].d) {
             self.violation(format!("U1: p{p} paired req {r} with {}, not d{}", job.to, self.reqs[r].d));
         }
+        self.reqs[r].paired = true;
         self.note(format!(
             "p{p}: req {r} ready to write, attempt {} into {:?} ({}×{})",
             job.attempt, job.block_ids, job.dst_ranks, job.stages
@@ -1149,6 +1161,7 @@ impl World {
                     let r = self.by_key.get(&(p, rn.key.clone())).copied().or_else(|| self.alias.get(&rn.key).copied());
                     let Some(r) = r.filter(|&r| self.reqs[r].d == d && self.reqs[r].p_inc == Some(self.ps[p].inc)) else { continue };
                     let q = &mut self.reqs[r];
+                    q.renewed_at = Some(now);
                     if q.lease.is_some() && q.ended.is_empty() {
                         if now + MS < q.dl_min {
                             q.dl_min = q.dl_min.max(now + e);
@@ -1388,6 +1401,9 @@ impl World {
                         PushVerdict::Fail(l) => DEnd::Failed(l.kind()),
                     };
                     self.note(format!("d{d}: req {r} fails over: {how:?}, blocks reusable: {blocks_reusable}"));
+                    if matches!(how, DEnd::Recomputed("push_timed_out") | DEnd::Failed("push_timed_out")) {
+                        self.check_waited_out(r);
+                    }
                     self.end_d(r, how);
                 }
                 PushAction::BlocksFree { request_id, attempt } => {
@@ -1399,6 +1415,27 @@ impl World {
         }
         self.alloc_d(d);
         self.arm_d(d);
+    }
+
+    /// SPEC U3: D timed out although P held the lease, granted well before (not too late to
+    /// write, U8), D was not paused while it waited, and its renewals kept reaching P within E:
+    /// P never paired a registration D went on waiting for.
+    fn check_waited_out(&mut self, r: usize) {
+        let now = self.now;
+        let q = &self.reqs[r];
+        let p = q.p;
+        let live = self.ps[p].alive && q.p_inc == Some(self.ps[p].inc) && q.ended.is_empty();
+        let early = q.granted_at.is_some_and(|g| g + self.cfg.heartbeat_interval * 2 < now);
+        let heard = q.renewed_at.is_some_and(|h| h + self.cfg.extension > now);
+        let d = q.d;
+        // A D paused while it waited may rightly time out (its deadline ran on).
+        let since = q.registered_at.unwrap_or(now);
+        let paused = self.pauses.iter().any(|&(a, b, pd)| pd == d && a < now && b > since);
+        if live && early && heard && !paused && !q.paired {
+            self.violation(format!(
+                "U3: d{d} waited out req {r}'s registration until its timeout while p{p} held the lease and d{d}'s renewals kept reaching it; P never paired it"
+            ));
+        }
     }
 
     /// SPEC U7, U12 (D7): the blocks of the newest registration hold exactly this request's KV
