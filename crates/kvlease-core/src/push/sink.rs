@@ -4,6 +4,9 @@
 //! * **Renewal from admission** (U2, D1): heartbeats name the transfer's key from
 //!   [`PushSink::admit`] on, while the request waits for blocks and before P has granted; one
 //!   batched `PushHeartbeat` per P engine per interval I, split at `max_notif_bytes` (D2).
+//! * **Registration until heard** (U3): the newest registration goes out again with each
+//!   heartbeat round, carrying what is left of D's wait, until P acknowledges it paired with
+//!   its lease or reports a write of it: a registration lost on the way is not waited out.
 //! * **The tally** (U7): a registration expects one write per destination rank and pipeline
 //!   stage; the request is ready only when every one of them was reported done and none failed.
 //!   After a failure the policy is applied only once every sibling write stopped — P's running
