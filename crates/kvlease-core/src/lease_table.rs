@@ -965,7 +965,9 @@ impl<T> LeaseTable<T> {
         let k = (deadline / w.width).clamp(lo, w.cursor + ring - 1).max(lo);
         let r = (k % ring) as usize;
         let b = &mut w.buckets[r];
-        b.min = b.min.min(deadline);
+        // An empty bucket's `min` may be a stale bound from entries removed before the cursor
+        // reached it (the cursor skips ahead over an empty wheel): it starts afresh.
+        b.min = if b.head == NIL { deadline } else { b.min.min(deadline) };
         let head = b.head;
         b.head = s as u32;
         w.len += 1;
@@ -1458,5 +1460,31 @@ mod generation_tests {
         }
         assert_eq!(t.live(), live.len());
         assert!(t.live() * 32 <= t.capacity() * 31 && t.live() * 100 >= t.capacity() * 90, "{} of {}", t.live(), t.capacity());
+    }
+}
+
+#[cfg(test)]
+mod wheel_tests {
+    use super::*;
+
+    fn secs(s: f64) -> Nanos {
+        Nanos::from_secs_f64(s)
+    }
+
+    /// SPEC P4 (found by `kvlease sim --push`, seed 1834): a lease that ends before the cursor
+    /// reaches its bucket leaves no stale bound there once the wheel emptied and the cursor
+    /// skipped ahead: a later lease filed into that bucket wakes the reaper at its own deadline.
+    #[test]
+    fn p4_a_bucket_emptied_ahead_of_the_cursor_keeps_no_stale_bound() {
+        let cfg = LeaseConfig::with_lease_secs(6.0).unwrap();
+        let mut t: LeaseTable<()> = LeaseTable::new(&cfg);
+        let d = Holder(NonZeroU32::MIN);
+        let mut rel = Vec::new();
+        let a = t.grant(Nanos(0), 1, ());
+        t.release(d, &[a], secs(0.1), &mut Vec::new(), &mut rel);
+        // Empty: the cursor jumps to now without visiting the bucket `a` was filed in.
+        t.tick(secs(6.2), &mut rel);
+        let b = t.grant(secs(6.35), 1, ());
+        assert_eq!(t.next_expiry(), t.deadline(b), "the reaper wakes for the live lease, not the gone one");
     }
 }

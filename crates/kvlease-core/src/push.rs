@@ -36,10 +36,10 @@
 //! |---|---|---|
 //! | U1 | pairing by key, duplicate acknowledged, a key granted once | the key in every message |
 //! | U2 | renewal and registration kept before the grant, applied at it | heartbeats from admission |
-//! | U3 | `PushLost` at once for an ended or foreign key | a lost key fails over |
+//! | U3 | `PushLost` at once for an ended or foreign key (once no write is in flight) | a lost key fails over; the registration sent again until P pairs it |
 //! | U4 | the write gate; blocks held by writes in flight | |
 //! | U5 | `transferred` on the last write of every rank × stage | |
-//! | U6 | `PushWriteFailed` with totals, `PushLost` | the tally closes on them |
+//! | U6 | `PushWriteFailed` with totals (again to a duplicate registration), `PushLost` | the tally closes on them |
 //! | U7 | | ready only when all done and none failed; policy after all stopped |
 //! | U8 | no write posted within the margin of D's deadline | blocks reused only when safe |
 //! | U9 | a release ends the lease (after writes in flight) | `PushRelease` on any abort |

@@ -5,6 +5,9 @@
 //! * [`connector`]: the vLLM connector's protocol path — P's `IssuedLeases` and `Issuer`, D's
 //!   `Renewer` and `Pull`, wired as `python/kvlease/vllm.py` wires them — under seeded faults,
 //!   checked for P5/D6, P2, P3, P4, S5, held messages and liveness (`kvlease sim --connector`).
+//! * [`push`]: push mode's core machines (P's `PushSource`, D's `PushSink`) with block memory
+//!   modelled, under seeded faults; checked for U2–U10, U12, P3, P4, and vLLM's four push
+//!   bugs planted and found (`kvlease sim --push`).
 //! * [`simulate`]: the policies of SPEC §1 side by side on the same seeded workload, on the same
 //!   real engines: `fixed` — P holds blocks until the read or a single timeout (vLLM's old 480 s,
 //!   or a short one), D never renews and reads whenever it gets to the request, with reads that,
@@ -21,6 +24,7 @@
 pub mod cluster;
 pub mod connector;
 pub mod heartbeat;
+pub mod push;
 
 use cluster::{collect, collect_timed, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;

@@ -10,6 +10,9 @@
 //! `kvlease sim --connector`: the vLLM connector's protocol path (P's `IssuedLeases`, D's
 //! `Renewer` and `Pull`, wired as `python/kvlease/vllm.py` wires them) under deterministic
 //! simulation, the same way.
+//!
+//! `kvlease sim --push`: push mode's core machines (P's `PushSource`, D's `PushSink`) with
+//! block memory modelled, under deterministic simulation, the same way.
 
 use clap::Args;
 use kvlease_sim::{simulate, Policy, Report, Routing, Scenario};
@@ -77,6 +80,10 @@ pub struct SimArgs {
     /// Renewer and Pull, as python/kvlease/vllm.py wires them (seeds --seed.. --seed+--seeds).
     #[arg(long, conflicts_with = "heartbeat_scale")]
     connector: bool,
+    /// Run push mode's core machines under seeded faults instead: P's PushSource and D's
+    /// PushSink, block memory modelled (seeds --seed.. --seed+--seeds).
+    #[arg(long, conflicts_with_all = ["cluster", "connector", "heartbeat_scale"])]
+    push: bool,
     /// With --cluster or --connector: how many seeds, from --seed.
     #[arg(long, default_value_t = 1)]
     seeds: u64,
@@ -186,6 +193,44 @@ fn connector(a: &SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--push`: runs the seeds; the first that breaks an invariant is reported and fails.
+fn push(a: &SimArgs) -> anyhow::Result<()> {
+    use kvlease_sim::push::{report, Push};
+    let started = std::time::Instant::now();
+    let (mut requests, mut writes, mut simulated) = (0u64, 0u64, Duration::ZERO);
+    for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
+        let out = Push::from_seed(seed).run();
+        requests += out.requests as u64;
+        writes += out.writes as u64;
+        simulated += out.simulated;
+        if !out.violations.is_empty() {
+            eprint!("{}", report(&out));
+            anyhow::bail!("seed {seed} broke an invariant");
+        }
+        if a.trace {
+            print!("{}", report(&out));
+        }
+        println!(
+            "seed {seed}: {} requests, {} writes; on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted, {} lost with a killed decoder; {:.1} s simulated: ok",
+            out.requests,
+            out.writes,
+            out.used,
+            out.recomputed,
+            out.failed,
+            out.aborted,
+            out.lost_with_d,
+            out.simulated.as_secs_f64()
+        );
+    }
+    let wall = started.elapsed().as_secs_f64();
+    println!(
+        "{} seeds, {requests} simulated requests, {writes} writes ({:.0} s simulated) in {wall:.2} s of wall time",
+        a.seeds.max(1),
+        simulated.as_secs_f64()
+    );
+    Ok(())
+}
+
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
     // Each simulation runs its own single-threaded runtime under virtual time: not inside ours.
     if a.heartbeat_scale.is_some() {
@@ -193,6 +238,9 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     }
     if a.connector {
         return connector(&a);
+    }
+    if a.push {
+        return push(&a);
     }
     std::thread::scope(|s| s.spawn(|| if a.cluster { cluster(&a) } else { policies(&a) }).join())
         .unwrap_or_else(|_| anyhow::bail!("the simulator panicked"))

@@ -255,3 +255,16 @@ fn sim_sweep_shows_the_trade_off_and_recommends_a_lease() {
     assert!(dead(long) > 5.0 * dead(short), "a long lease pins a crashed decoder's blocks longer: {short} {long}");
     assert_eq!(pick["recommended_kv_lease_duration"], 30.0);
 }
+
+/// Issue 24: `kvlease sim --push` runs push mode's core machines over seeds and prints one line
+/// per seed and a total (the checks themselves are proved in kvlease-sim's tests/push.rs).
+#[test]
+fn sim_push_runs_the_seeds() {
+    let out = kvlease().args(["sim", "--push", "--seed", "1", "--seeds", "3"]).output().expect("kvlease sim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().filter(|l| l.starts_with("seed ") && l.ends_with(": ok")).count(), 3, "{text}");
+    assert!(text.contains("3 seeds,"), "{text}");
+    let both = kvlease().args(["sim", "--push", "--cluster"]).output().expect("kvlease sim");
+    assert!(!both.status.success(), "one simulation at a time");
+}

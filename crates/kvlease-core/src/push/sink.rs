@@ -4,6 +4,9 @@
 //! * **Renewal from admission** (U2, D1): heartbeats name the transfer's key from
 //!   [`PushSink::admit`] on, while the request waits for blocks and before P has granted; one
 //!   batched `PushHeartbeat` per P engine per interval I, split at `max_notif_bytes` (D2).
+//! * **Registration until heard** (U3): the newest registration goes out again with each
+//!   heartbeat round, carrying what is left of D's wait, until P acknowledges it paired with
+//!   its lease or reports a write of it: a registration lost on the way is not waited out.
 //! * **The tally** (U7): a registration expects one write per destination rank and pipeline
 //!   stage; the request is ready only when every one of them was reported done and none failed.
 //!   After a failure the policy is applied only once every sibling write stopped — P's running
@@ -126,6 +129,14 @@ struct Tally {
     told_until: Nanos,
     /// D answered for this registration already (ready or failed).
     settled: bool,
+    /// The registration as sent, and whether P was heard on it: acknowledged it paired with its
+    /// lease, or reported a write of it. Until then it goes out again with every heartbeat
+    /// round (U3): a registration lost on the way is not waited out.
+    reg: PushRegistration,
+    heard: bool,
+    /// P acknowledged it at least once (a first acknowledgement is progress, a repeated one
+    /// before the grant is not: a P that only keeps it does not hold D forever, U10).
+    acked: bool,
 }
 
 impl Tally {
@@ -161,6 +172,9 @@ struct Sink {
     released: bool,
     /// The request is ready or failed over; only block bookkeeping is left.
     done: bool,
+    /// The registration D scheduled the request over ([`PushAction::Ready`]): its blocks are
+    /// the decode's, not handed back. An aborted request whose writes all land later has none.
+    ready: Option<u32>,
 }
 
 /// D's push transfers (see the module's documentation).
@@ -197,7 +211,16 @@ impl PushSink {
         self.due.entry(engine_id.to_owned()).or_insert(now + self.cfg.heartbeat_interval);
         self.requests.insert(
             request_id.to_owned(),
-            Sink { engine_id: engine_id.to_owned(), key, until: None, tallies: Vec::new(), next_attempt: 1, released: false, done: false },
+            Sink {
+                engine_id: engine_id.to_owned(),
+                key,
+                until: None,
+                tallies: Vec::new(),
+                next_attempt: 1,
+                released: false,
+                done: false,
+                ready: None,
+            },
         );
     }
 
@@ -245,6 +268,19 @@ impl PushSink {
             lost: false,
             told_until: until,
             settled: false,
+            reg: PushRegistration {
+                key: s.key.clone(),
+                attempt,
+                incarnation,
+                granted_by,
+                digest,
+                dst_ranks,
+                stages,
+                block_ids: block_ids.clone(),
+                window_ns: 0,
+            },
+            heard: false,
+            acked: false,
         });
         let reg = PushRegistration {
             key: s.key.clone(),
@@ -265,8 +301,20 @@ impl PushSink {
     /// superseded registration's news only frees its blocks (U11).
     pub fn on_message(&mut self, engine_id: &str, msg: &Message, now: Nanos, out: &mut Vec<PushAction>) {
         match msg {
-            Message::PushRegisterAck { key, attempt, .. } => {
-                self.with(engine_id, key, now, out, |t| t.attempt == *attempt, |_| true);
+            Message::PushRegisterAck { key, attempt, granted } => {
+                self.with(
+                    engine_id,
+                    key,
+                    now,
+                    out,
+                    |t| t.attempt == *attempt,
+                    |t| {
+                        let first = !t.acked;
+                        t.acked = true;
+                        t.heard |= *granted;
+                        first || *granted
+                    },
+                );
             }
             Message::PushWriteDone { key, attempt, dst_rank, stage } => {
                 let (r, s) = (*dst_rank, *stage);
@@ -276,7 +324,10 @@ impl PushSink {
                     now,
                     out,
                     |t| t.attempt == *attempt,
-                    |t| r < t.dst_ranks && s < t.stages && t.done.insert((r, s)),
+                    |t| {
+                        t.heard = true;
+                        r < t.dst_ranks && s < t.stages && t.done.insert((r, s))
+                    },
                 );
             }
             Message::PushWriteFailed { key, attempt, done, failed, why } => {
@@ -287,6 +338,7 @@ impl PushSink {
                     out,
                     |t| t.attempt == *attempt,
                     |t| {
+                        t.heard = true;
                         t.p_done = t.p_done.max(*done);
                         t.p_failed = t.p_failed.max(*failed);
                         t.why.get_or_insert(*why);
@@ -373,6 +425,14 @@ impl PushSink {
             for t in self.requests.values_mut().filter(|s| s.engine_id == engine && !s.released && !s.done) {
                 if let (Some(u), Some(tally)) = (t.until, t.tallies.last_mut()) {
                     tally.told_until = tally.told_until.max(u);
+                    if !tally.heard {
+                        // U3: not heard on yet (lost, or forgotten by a P that kept it for E with
+                        // nobody renewing): again, with what is left of D's wait (U8). A
+                        // duplicate is acknowledged and changes nothing (U1).
+                        let window_ns = u64::try_from(u.since(now).as_nanos()).unwrap_or(u64::MAX);
+                        let reg = PushRegistration { window_ns, ..tally.reg.clone() };
+                        out.push(PushAction::Send { engine_id: engine.clone(), msg: Message::PushRegister(reg) });
+                    }
                 }
             }
             for chunk in chunks(renewals, self.cfg.max_notif_bytes) {
@@ -458,6 +518,7 @@ impl PushSink {
             if let Some(t) = s.tallies.last_mut().filter(|t| !t.settled) {
                 if t.complete() {
                     t.settled = true;
+                    s.ready = Some(t.attempt);
                     s.done = true;
                     s.released = true;
                     out.push(PushAction::Ready { request_id: req.to_owned() });
@@ -515,8 +576,9 @@ impl PushSink {
     fn free_blocks(&mut self, req: &str, now: Nanos, out: &mut Vec<PushAction>) {
         let Some(s) = self.requests.get(req) else { return };
         let free: Vec<u32> = s.tallies.iter().filter(|t| self.reusable(s, t, now)).map(|t| t.attempt).collect();
-        // A ready request's blocks hold its KV: they are the decode's now, not free.
-        let decoding = s.tallies.last().filter(|t| s.done && t.complete()).map(|t| t.attempt);
+        // A ready request's blocks hold its KV: they are the decode's now, not free. (Not every
+        // complete tally: a request aborted after registration may see its last write land.)
+        let decoding = s.ready;
         let Some(s) = self.requests.get_mut(req) else { return };
         for attempt in free {
             s.tallies.retain(|t| t.attempt != attempt);

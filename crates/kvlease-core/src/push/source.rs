@@ -94,6 +94,8 @@ struct Reg {
     failed: u32,
     /// Handed to the driver as a [`WriteJob`] already.
     announced: bool,
+    /// Why its writes failed, as first reported to D (told again to a duplicate, U6).
+    why: Option<PushFailure>,
 }
 
 impl Reg {
@@ -110,7 +112,13 @@ impl Reg {
         self.done + self.failed >= self.expected()
     }
 
-    fn failed_msg(&self, why: PushFailure) -> Message {
+    /// The failure report to D (U6), remembered to be told again.
+    fn failed_msg(&mut self, why: PushFailure) -> Message {
+        self.why.get_or_insert(why);
+        self.report(why)
+    }
+
+    fn report(&self, why: PushFailure) -> Message {
         Message::PushWriteFailed { key: self.reg.key.clone(), attempt: self.reg.attempt, done: self.done, failed: self.failed, why }
     }
 
@@ -351,7 +359,7 @@ impl<B: BlockGuard> PushSource<B> {
             Message::PushHeartbeat { renewals, .. } => {
                 let mut lost = Vec::new();
                 for r in renewals {
-                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) {
+                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) && !self.lost_later(holder, &r.key) {
                         lost.push(r.key.clone());
                     }
                 }
@@ -588,18 +596,24 @@ impl<B: BlockGuard> PushSource<B> {
             return lost(out);
         }
         if !self.admit(holder, from, &reg.key, now) {
+            if self.lost_later(holder, &reg.key) {
+                return;
+            }
             return lost(out);
         }
         let Some(t) = self.keys.get_mut(&reg.key) else { return lost(out) };
         let granted = t.lease.is_some();
         if let Some(last) = t.regs.last() {
             if reg.attempt <= last.reg.attempt {
-                // U1: a duplicate (or an older one) is acknowledged and changes nothing.
+                // U1: a duplicate (or an older one) is acknowledged and changes nothing; U6: if
+                // its writes failed, the acknowledgement is the failure, told again (the first
+                // report may have been lost, and D sends its registration until it hears).
                 if reg.attempt == last.reg.attempt {
-                    out.send.push(Outgoing {
-                        to: from.to_owned(),
-                        msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
-                    });
+                    let msg = match last.why.filter(|_| last.failed > 0) {
+                        Some(why) => last.report(why),
+                        None => Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
+                    };
+                    out.send.push(Outgoing { to: from.to_owned(), msg });
                 }
                 return;
             }
@@ -614,7 +628,7 @@ impl<B: BlockGuard> PushSource<B> {
             t.regs.retain(|r| r.in_flight());
         }
         let post_until = now + Duration::from_nanos(reg.window_ns);
-        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false });
+        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false, why: None });
         self.timers.insert((post_until - Self::write_margin(&self.cfg), reg.key.clone()));
         if granted {
             self.pair(&reg.key, now, out);
@@ -625,6 +639,13 @@ impl<B: BlockGuard> PushSource<B> {
             });
         }
         out.rearm = true;
+    }
+
+    /// SPEC U8: `key` is `holder`'s, ended, with writes still in flight: its `PushLost` goes out
+    /// when the last of them stops ([`PushSource::end_write`]), not now — D takes it as "nothing
+    /// more lands in your blocks" and reuses them.
+    fn lost_later(&self, holder: Holder, key: &PushKey) -> bool {
+        self.keys.get(key).is_some_and(|t| t.holder.as_ref().is_some_and(|(h, _)| *h == holder) && t.regs.iter().any(Reg::in_flight))
     }
 
     /// SPEC S5, U2, U3: whether `holder` may act on `key`: its lease (live, or on its way) is

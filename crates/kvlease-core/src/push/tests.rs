@@ -463,3 +463,135 @@ fn u11_digest_incarnation_and_superseded_registrations() {
     d.on_message("p", &done(&k, 2, 0, 0), at(2), &mut acts);
     assert!(acts.contains(&PushAction::Ready { request_id: "req".into() }));
 }
+
+/// SPEC U8, U9 (found by `kvlease sim --push`, seed 26): a request aborted after registration
+/// whose writes all land afterwards gets its blocks back once they stopped — its complete
+/// tally is not a decoding request's, whose blocks the decode keeps.
+#[test]
+fn u8_blocks_of_a_request_aborted_before_its_last_write_landed_come_back() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 2, 1);
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(1), &mut acts);
+    d.abort("req", at(1), &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })), "a write is in flight: {acts:?}");
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 1, 0), at(2), &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }], "every write stopped");
+    assert!(!acts.contains(&PushAction::Ready { request_id: "req".into() }));
+    assert!(!d.is_tracked("req"));
+
+    // A ready request's blocks stay the decode's.
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let mut acts = Vec::new();
+    d.on_message("p", &done(&k, 1, 0, 0), at(1), &mut acts);
+    d.finish("req", at(2), &mut acts);
+    assert_eq!(acts, vec![PushAction::Ready { request_id: "req".into() }]);
+}
+
+/// SPEC U8, U3 (found by `kvlease sim --push`, seed 1313): while a write of an ended lease is in
+/// flight — released by D, or expired — neither a duplicated registration nor a late heartbeat
+/// is answered `PushLost` (D would reuse its blocks under the landing write); the answer goes
+/// out when the write stops.
+#[test]
+fn u8_no_push_lost_while_a_write_of_the_ended_lease_is_in_flight() {
+    let k = key("t");
+    let hb = Message::PushHeartbeat { seq: 9, renewals: vec![PushRenewal { key: k.clone(), window_ns: 30 * SEC }] };
+    // Released by D.
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(1), &mut out);
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), at(1), &mut out);
+    p.on_message(D, &hb, at(1), &mut out);
+    assert!(!msgs(&out).contains(&&lost(&k)), "a write is in flight: {:?}", msgs(&out));
+    let mut out = PushSettled::default();
+    p.end_write(w, true, at(2), &mut out);
+    assert!(msgs(&out).contains(&&lost(&k)), "answered when the write stopped");
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), at(2), &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)], "and at once from then on");
+
+    // Expired.
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    while p.poll(at(60), &mut out) {}
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Expired]);
+    p.on_message(D, &hb, at(60), &mut out);
+    assert!(!msgs(&out).contains(&&lost(&k)), "a write is in flight: {:?}", msgs(&out));
+    let mut out = PushSettled::default();
+    p.end_write(w, true, at(61), &mut out);
+    assert!(msgs(&out).contains(&&lost(&k)));
+}
+
+/// SPEC U3, U10 (found by `kvlease sim --push`, seed 4): a registration lost on the way is not
+/// waited out behind heartbeats that keep P's lease alive: until P acknowledges it paired (or
+/// reports a write of it) it goes out again with each heartbeat round, carrying what is left of
+/// D's wait (U8); P pairs the copy. Repeated acknowledgements that P only keeps it do not push
+/// D's deadline back.
+#[test]
+fn u3_a_lost_registration_goes_out_again_until_p_pairs_it() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    let regs = |acts: &[PushAction]| -> Vec<PushRegistration> {
+        acts.iter()
+            .filter_map(|a| match a {
+                PushAction::Send { msg: Message::PushRegister(r), .. } => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let i = cfg.heartbeat_interval;
+    let mut acts = Vec::new();
+    d.poll(T0 + i, &mut acts);
+    let again = regs(&acts);
+    assert_eq!(again.len(), 1, "the registration again: {acts:?}");
+    assert_eq!((again[0].attempt, again[0].block_ids.clone()), (1, vec![4, 5]));
+    assert_eq!(again[0].window_ns, (cfg.push_registration_timeout - i).as_nanos() as u64, "what is left of the wait");
+    assert!(acts.iter().any(|a| matches!(a, PushAction::Send { msg: Message::PushHeartbeat { .. }, .. })));
+
+    // P kept the copy, not granted yet: acknowledged, not paired; a repeat is not progress.
+    let kept = Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: false };
+    d.on_message("p", &kept, T0 + i, &mut Vec::new());
+    d.on_message("p", &kept, T0 + i * 2, &mut Vec::new());
+    assert_eq!(d.poll_timeout().map(|t| t <= T0 + i + cfg.push_registration_timeout), Some(true), "one push back");
+    let mut acts = Vec::new();
+    d.poll(T0 + i * 2, &mut acts);
+    assert_eq!(regs(&acts).len(), 1, "not paired yet: again");
+
+    // P paired it: no more copies.
+    d.on_message("p", &Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: true }, T0 + i * 2, &mut Vec::new());
+    let mut acts = Vec::new();
+    d.poll(T0 + i * 3, &mut acts);
+    assert!(regs(&acts).is_empty(), "{acts:?}");
+
+    // P, having lost the first, pairs the copy.
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.grant(T0, Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    p.on_message(D, &Message::PushRegister(again[0].clone()), T0 + i, &mut out);
+    assert_eq!(out.ready.len(), 1);
+}
+
+/// SPEC U6, U1 (found by `kvlease sim --push`, seed 3753): a duplicate of a registration whose
+/// writes P failed is answered with the failure again, not an acknowledgement that it is
+/// paired — the first report may have been lost, and D, still sending its registration until it
+/// hears, would take "paired" as progress and wait on.
+#[test]
+fn u6_a_duplicate_of_a_failed_registration_is_told_the_failure_again() {
+    let k = key("t");
+    let mut p = source();
+    let mut out = PushSettled::default();
+    let short = PushRegistration { window_ns: 2 * SEC, ..reg(&k, 1, 2, 1) };
+    p.on_message(D, &Message::PushRegister(short.clone()), T0, &mut out);
+    p.grant(at(2), Some(k.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    assert!(out.ready.is_empty(), "D's deadline passed while P prefilled");
+    assert_eq!(last_failure(&out), Some((0, 2, PushFailure::Deadline)));
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(short), at(3), &mut out);
+    assert_eq!(last_failure(&out), Some((0, 2, PushFailure::Deadline)), "told again");
+    assert!(!msgs(&out).iter().any(|m| matches!(m, Message::PushRegisterAck { .. })), "{:?}", msgs(&out));
+}
