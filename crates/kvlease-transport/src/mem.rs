@@ -397,7 +397,10 @@ impl MemAgent {
             blocks.dedup();
             let gate = Arc::clone(&other.write_gate.read().unwrap_or_else(PoisonError::into_inner));
             let tag = &op.tag[..op.tag.len().min(256)];
-            Some(gate.begin_write(&self.name, &op.key, &blocks, tag).ok_or_else(|| TransportError::WriteRefused { peer: peer.to_owned() })?)
+            Some(
+                gate.begin_write(&self.name, &op.key, &blocks, tag)
+                    .ok_or_else(|| TransportError::WriteRefused { peer: peer.to_owned() })?,
+            )
         };
         if !fate.delay.is_zero() {
             tokio::time::sleep(fate.delay).await;

@@ -262,12 +262,15 @@ struct Conn {
     /// Our reads waiting for data, by request id; `None` once the connection is closed.
     reads: Mutex<Option<HashMap<u64, PendingRead>>>,
     /// Our writes waiting for the peer's answer, by request id; `None` once closed.
-    writes: Mutex<Option<HashMap<u64, oneshot::Sender<Result<(), TransportError>>>>>,
+    writes: Mutex<Option<HashMap<u64, WriteAnswer>>>,
     /// The peer's writes landing in our arena, by its request id; `None` once closed.
     incoming: Mutex<Option<HashMap<u64, IncomingWrite>>>,
     next_req: AtomicU64,
     stop: watch::Sender<bool>,
 }
+
+/// Where the peer's answer to one of our writes goes: the write future.
+type WriteAnswer = oneshot::Sender<Result<(), TransportError>>;
 
 struct PendingRead {
     lease_id: u64,

@@ -376,11 +376,14 @@ struct WriteGateShared {
     granted: AtomicUsize,
     refuse: Mutex<HashSet<Vec<u8>>>,
     /// `(peer, key, blocks, tag)` of each call, in order.
-    calls: Mutex<Vec<(String, Vec<u8>, Vec<u32>, Vec<u8>)>>,
+    calls: Mutex<Vec<WriteCall>>,
     snapshot_of: Mutex<Option<Arc<BlockArena>>>,
     /// D's arena when each permit dropped.
     at_release: Mutex<Vec<Vec<u8>>>,
 }
+
+/// What a write gate was shown: `(peer, key, blocks, tag)`.
+pub(crate) type WriteCall = (String, Vec<u8>, Vec<u32>, Vec<u8>);
 
 struct TestWritePermit(Arc<WriteGateShared>);
 
@@ -414,7 +417,7 @@ impl TestWriteGate {
         self.shared.granted.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn calls(&self) -> Vec<(String, Vec<u8>, Vec<u32>, Vec<u8>)> {
+    pub(crate) fn calls(&self) -> Vec<WriteCall> {
         self.shared.calls.lock().unwrap().clone()
     }
 
@@ -479,7 +482,8 @@ pub(crate) async fn scenario_u4_write_round_trip(mut pair: WritePair) {
     segments.extend((8..16).map(|b| seg(b, 0, 23 - b, 0, bb))); // bulk, reversed
     let expected = expected_after_write(&pair, &segments);
     pair.gate.snapshot_on_release(Arc::clone(&pair.d_arena));
-    let op = WriteOp { key: b"transfer-1/attempt-0".to_vec(), segments, notif: Some(b"write-done".to_vec()), tag: b"prompt-digest".to_vec() };
+    let op =
+        WriteOp { key: b"transfer-1/attempt-0".to_vec(), segments, notif: Some(b"write-done".to_vec()), tag: b"prompt-digest".to_vec() };
     let (p, peer) = (Arc::clone(&pair.p), pair.d.name().to_owned());
     let write = tokio::spawn(async move { p.write(&peer, op).await });
 
@@ -512,7 +516,12 @@ pub(crate) async fn scenario_u4_u8_refused_write_lands_nothing(mut pair: WritePa
         fill_block(pair.p.arena(), b, 40 + u64::from(b));
     }
     pair.gate.refuse(b"ended");
-    let op = WriteOp { key: b"ended".to_vec(), segments: vec![seg(0, 0, 0, 0, bb), seg(1, 0, 1, 0, bb)], notif: Some(b"nope".to_vec()), tag: Vec::new() };
+    let op = WriteOp {
+        key: b"ended".to_vec(),
+        segments: vec![seg(0, 0, 0, 0, bb), seg(1, 0, 1, 0, bb)],
+        notif: Some(b"nope".to_vec()),
+        tag: Vec::new(),
+    };
     let r = within("a refused write", pair.p.write(pair.d.name(), op)).await;
     assert_eq!(r, Err(TransportError::WriteRefused { peer: pair.d.name().to_owned() }));
     assert!(whole(pair.d.arena()).iter().all(|&b| b == 0), "no byte of a refused write lands");

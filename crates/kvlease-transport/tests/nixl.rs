@@ -635,7 +635,8 @@ async fn nixl_u4_write_lands_byte_exact_then_notifies_d_which_cannot_refuse_it()
         let mut want = image(d.agent.arena());
         for s in &segments {
             let (from, to) = (s.local_offset as usize, s.remote_offset as usize);
-            want[s.remote_block as usize][to..to + s.len as usize].copy_from_slice(&src[s.local_block as usize][from..from + s.len as usize]);
+            want[s.remote_block as usize][to..to + s.len as usize]
+                .copy_from_slice(&src[s.local_block as usize][from..from + s.len as usize]);
         }
         let notif = [1u8, round, 0xff];
         let (d_arena_of, pn) = (Arc::clone(&d.agent), p.agent.name().to_owned());

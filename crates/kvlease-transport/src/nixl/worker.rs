@@ -489,7 +489,13 @@ impl Worker {
         }
     }
 
-    fn create_xfer(&self, op: XferOp, peer: &str, descs: &[(usize, usize, usize)], notif: Option<&[u8]>) -> Result<XferRequest, TransportError> {
+    fn create_xfer(
+        &self,
+        op: XferOp,
+        peer: &str,
+        descs: &[(usize, usize, usize)],
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, TransportError> {
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| io("descriptor list", e))?;
         let mut remote = XferDescList::new(MemType::Dram).map_err(|e| io("descriptor list", e))?;
         for &(l, r, len) in descs {

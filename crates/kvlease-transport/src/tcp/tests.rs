@@ -882,7 +882,8 @@ async fn u6_write_fails_with_disconnected_when_the_connection_drops_mid_write() 
     }
     for half_way in [false, true] {
         let mut raw = raw_known_peer(&p, "raw").await;
-        let op = WriteOp { key: b"k".to_vec(), segments: (0..8).map(|b| seg(b, 0, b, 0, 64 * 1024)).collect(), notif: None, tag: Vec::new() };
+        let op =
+            WriteOp { key: b"k".to_vec(), segments: (0..8).map(|b| seg(b, 0, b, 0, 64 * 1024)).collect(), notif: None, tag: Vec::new() };
         let p2 = Arc::clone(&p);
         let write = tokio::spawn(async move { p2.write("raw", op).await });
         let (kind, _) = recv(&mut raw).await.expect("the write request");
@@ -906,7 +907,8 @@ async fn u6_write_fails_with_disconnected_when_the_connection_drops_mid_write() 
 async fn u4_dropped_write_future_cancels_the_write_at_the_peer() {
     let (p, _p_events) = agent("p", 16, 1024 * 1024, Arc::new(OpenGate), TcpOptions::default()).await;
     let mut raw = raw_known_peer(&p, "raw").await;
-    let op = WriteOp { key: b"k".to_vec(), segments: (0..16).map(|b| seg(b, 0, b, 0, 1024 * 1024)).collect(), notif: None, tag: Vec::new() };
+    let op =
+        WriteOp { key: b"k".to_vec(), segments: (0..16).map(|b| seg(b, 0, b, 0, 1024 * 1024)).collect(), notif: None, tag: Vec::new() };
     let p2 = Arc::clone(&p);
     let write = tokio::spawn(async move { p2.write("raw", op).await });
     let (kind, body) = recv(&mut raw).await.expect("the write request");

@@ -616,7 +616,10 @@ mod tests {
         assert_eq!(err.head()[4], WRITE_ERR);
         assert_eq!(decode_read_err(err.body()), Some((11, ERR_REFUSED, "registration ended".into())));
         let h = write_data_header(12, 100);
-        assert_eq!((u32::from_le_bytes([h[0], h[1], h[2], h[3]]), h[4], u64::from_le_bytes(h[5..].try_into().expect("8"))), (108, WRITE_DATA, 12));
+        assert_eq!(
+            (u32::from_le_bytes([h[0], h[1], h[2], h[3]]), h[4], u64::from_le_bytes(h[5..].try_into().expect("8"))),
+            (108, WRITE_DATA, 12)
+        );
         assert_eq!(read_data_header(12, 100)[4], READ_DATA, "the read path's frames are unchanged");
     }
 }
