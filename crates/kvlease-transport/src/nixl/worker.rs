@@ -3,8 +3,8 @@
 //! its notifications and transfer completions can only be polled; so this thread does all NIXL
 //! calls, takes the API's commands from a channel, and polls in between, sleeping briefly.
 //!
-//! It never unloads a peer's NIXL metadata while reads from that peer are in flight (their
-//! requests refer to its connection): removals and re-adds wait for those reads to end.
+//! It never unloads a peer's NIXL metadata while reads from (or writes to) that peer are in
+//! flight (their requests refer to its connection): removals and re-adds wait for them to end.
 //!
 //! It seals every notification it sends and opens every one it receives (SPEC S2; see the nixl
 //! module doc): it owns the counters and replay windows, so they need no lock.
