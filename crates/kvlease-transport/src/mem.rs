@@ -234,7 +234,7 @@ impl MemNetwork {
     }
 
     /// Cuts (`true`) or heals (`false`) the link between agents `a` and `b`. While cut, reads
-    /// fail with `Disconnected` and notifications are silently lost; cutting reports
+    /// and writes fail with `Disconnected` and notifications are silently lost; cutting reports
     /// `Disconnected` to each side that had added the other.
     pub fn partition(&self, a: &str, b: &str, cut: bool) {
         let newly_cut = {
