@@ -154,8 +154,12 @@ pub trait WriteGate: Send + Sync + 'static {
     /// refuse (the registration ended or was superseded, its deadline passed, the blocks are not
     /// its blocks in its order, or the tag does not match its prompt): then not a byte lands and
     /// the writer's future fails with [`TransportError::WriteRefused`]. The agent drops the
-    /// permit when the last byte has landed (or the write failed half-way): until then the
-    /// destination blocks are not reused.
+    /// permit when the last byte has landed (or the write failed half-way, or the writer
+    /// cancelled it): until then bytes may land, so the destination blocks must not be reused,
+    /// even past the registration's deadline (SPEC U8). What bounds a permit is the writer: P
+    /// posts no write near that deadline and drops a write future that outlives it (which
+    /// cancels the write here), and a writer that stops sending is cut off with its connection
+    /// (tcp: `TcpOptions::write_stall`).
     fn begin_write(&self, peer: &str, key: &[u8], blocks: &[u32], tag: &[u8]) -> Option<WritePermit>;
 }
 
