@@ -935,3 +935,40 @@ async fn u4_dropped_write_future_cancels_the_write_at_the_peer() {
     p.send_notif("raw", b"after".to_vec()).expect("queued");
     assert_eq!(recv(&mut raw).await, Some((wire::NOTIF, b"after".to_vec())));
 }
+
+/// Writes and reads share a connection's writer: a 16 MiB write P → D and a 16 MiB read by D of
+/// P's blocks, at once, both land intact, with their notifications after their data; a write
+/// whose request would exceed the frame limit is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_writes_and_reads_at_once_on_one_connection_both_land_intact() {
+    const MIB: usize = 1024 * 1024;
+    let mut pair = write_pair(32, MIB, quick()).await;
+    for b in 0..32 {
+        fill_block(pair.p.arena(), b, 3000 + u64::from(b));
+    }
+    let write = WriteOp {
+        key: b"k".to_vec(),
+        segments: (0..16).map(|b| seg(b, 0, b, 0, MIB as u32)).collect(),
+        notif: Some(b"written".to_vec()),
+        tag: Vec::new(),
+    };
+    let read = ReadOp {
+        lease_id: 1,
+        segments: (16..32).map(|b| seg(b, 0, b, 0, MIB as u32)).collect(),
+        notif: Some(b"read".to_vec()),
+        tag: Vec::new(),
+    };
+    let (w, r) =
+        within("a write and a read at once", async { tokio::join!(pair.p.write(pair.d.name(), write), pair.d.read(pair.p.name(), read)) })
+            .await;
+    assert_eq!((w, r), (Ok(()), Ok(())));
+    assert!((0..32).all(|b| block(pair.d.arena(), b) == block(pair.p.arena(), b)), "both transfers landed intact");
+    assert_eq!(next_notif(&mut pair.d_events).await.1, b"written");
+    assert_eq!(next_notif(&mut pair.p_events).await.1, b"read");
+
+    let too_big = WriteOp { key: b"k".to_vec(), segments: vec![seg(0, 0, 0, 0, 8)], notif: Some(vec![0; 2 * MIB]), tag: Vec::new() };
+    assert!(matches!(pair.p.write(pair.d.name(), too_big).await, Err(TransportError::Io(_))));
+    let too_long_key = WriteOp { key: vec![0; crate::MAX_WRITE_KEY + 1], segments: vec![], notif: None, tag: Vec::new() };
+    assert!(matches!(pair.p.write(pair.d.name(), too_long_key).await, Err(TransportError::Io(_))));
+    assert_eq!(pair.gate.granted(), 1, "refused before anything was sent");
+}
