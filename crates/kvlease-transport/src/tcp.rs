@@ -1149,19 +1149,17 @@ impl Inner {
         }
         let route = {
             let mut incoming = lock(&conn.incoming);
-            match incoming.as_mut().and_then(|m| m.get_mut(&req_id).map(|w| (w.remaining, Arc::clone(&w.sink))).map(|x| (m, x))) {
+            let map = incoming.as_mut();
+            match map.and_then(|m| m.get(&req_id).map(|w| (w.remaining, Arc::clone(&w.sink))).map(|r| (r, m))) {
                 // Refused, cancelled, or never asked: drain its bytes.
                 None => Route::Skip,
-                Some((m, (remaining, _))) if len as u64 > remaining => m.remove(&req_id).map_or(Route::Skip, Route::Excess),
-                Some((m, (remaining, sink))) => {
-                    if len as u64 == remaining {
-                        Route::Land(sink, m.remove(&req_id))
-                    } else {
-                        if let Some(w) = m.get_mut(&req_id) {
-                            w.remaining -= len as u64;
-                        }
-                        Route::Land(sink, None)
+                Some(((remaining, _), m)) if len as u64 > remaining => m.remove(&req_id).map_or(Route::Skip, Route::Excess),
+                Some(((remaining, sink), m)) if len as u64 == remaining => Route::Land(sink, m.remove(&req_id)),
+                Some(((_, sink), m)) => {
+                    if let Some(w) = m.get_mut(&req_id) {
+                        w.remaining -= len as u64;
                     }
+                    Route::Land(sink, None)
                 }
             }
         };
