@@ -6,12 +6,18 @@
 //! its own ([`Agent::read`]), and small opaque notifications both ways ([`Agent::send_notif`],
 //! [`AgentEvent::Notification`]). It knows nothing of leases beyond the `lease_id` a read names:
 //! the serving side decides through its [`ReadGate`] whether a read may be served (SPEC P5, S2).
+//! Push mode (SPEC §13) turns the transfer round: P writes its blocks into blocks D registered
+//! ([`Agent::write`]), named by the registration's key, never by addresses; the receiving side
+//! decides through its [`WriteGate`] whether a write may land (SPEC U4, U8, U11).
 //!
 //! Backends: `tcp` (tokio, the default), `mem` (in-process, for tests), `nixl` (feature `nixl`:
 //! NIXL over UCX, one OS thread per agent).
 //! A backend that cannot refuse reads (NIXL: the NIC reads P's memory without asking P) says so
 //! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
-//! alone (SPEC D6).
+//! alone (SPEC D6). Likewise a backend that cannot refuse writes (NIXL: the NIC writes D's
+//! registered memory without asking D) says so with [`Agent::can_refuse_writes`]; the fencing is
+//! then the core's deadline rules alone (SPEC U8: P posts no write past the registration's
+//! deadline, D reuses nothing before it).
 //! The networked backends take the cluster secret and accept a peer's name only with proof that
 //! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
 
@@ -85,6 +91,32 @@ pub struct ReadOp {
     pub tag: Vec<u8>,
 }
 
+/// A one-sided write of our blocks into a peer's registered blocks (push mode, SPEC §13),
+/// posted by P once [`kvlease_core::push::source::PushSource::begin_write`] said yes.
+///
+/// The peer's blocks are named as the peer registered them (the block ids of its registration)
+/// under `key`, never by address: the receiving agent shows `key`, the blocks and `tag` to its
+/// [`WriteGate`] before a byte lands (tcp, mem). In each [`Segment`], `local_*` is our source
+/// and `remote_*` the peer's destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteOp {
+    /// The registration the destination blocks belong to, as the two engines name it (the
+    /// engine encodes its push key and attempt here). At most [`MAX_WRITE_KEY`] bytes.
+    pub key: Vec<u8>,
+    pub segments: Vec<Segment>,
+    /// Delivered to the peer as a notification once every byte has landed there, and only then
+    /// (NIXL attaches it to the WRITE): the peer learns of the write and its data together. Not
+    /// delivered when the write fails or is refused.
+    pub notif: Option<Vec<u8>>,
+    /// Shown to the receiving side's [`WriteGate`] (tcp, mem; NIXL's WRITE carries nothing to D
+    /// before the bytes land): the engine puts the prompt's digest here, so D refuses a write
+    /// meant for another prompt (SPEC U11, S4). Empty: nothing to show. At most 256 bytes.
+    pub tag: Vec<u8>,
+}
+
+/// The longest [`WriteOp::key`] an agent sends.
+pub const MAX_WRITE_KEY: usize = 1024;
+
 /// What an agent reports, on the channel given at its start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AgentEvent {
@@ -113,12 +145,52 @@ pub trait ReadGate: Send + Sync + 'static {
 /// Held while a read is served; dropping it ends the read.
 pub type ReadPermit = Box<dyn Send>;
 
-/// A gate that serves every read of a known peer: for memory not under leases (tests).
+/// The receiving side's say over writes into its memory (push mode, SPEC U4, U8, U11): the
+/// mirror of [`ReadGate`], implemented by D's engine from its push sink.
+pub trait WriteGate: Send + Sync + 'static {
+    /// Peer `peer` asks to write `blocks` (in the order its segments name them, a block repeated
+    /// in consecutive segments once) of the registration named `key` ([`WriteOp::key`]),
+    /// showing `tag` ([`WriteOp::tag`]). Return a permit to let the bytes land, or `None` to
+    /// refuse (the registration ended or was superseded, its deadline passed, the blocks are not
+    /// its blocks in its order, or the tag does not match its prompt): then not a byte lands and
+    /// the writer's future fails with [`TransportError::WriteRefused`]. The agent drops the
+    /// permit when the last byte has landed (or the write failed half-way, or the writer
+    /// cancelled it): until then bytes may land, so the destination blocks must not be reused,
+    /// even past the registration's deadline (SPEC U8). What bounds a permit is the writer: P
+    /// posts no write near that deadline and drops a write future that outlives it (which
+    /// cancels the write here), and a writer that stops sending is cut off with its connection
+    /// (tcp: `TcpOptions::write_stall`).
+    fn begin_write(&self, peer: &str, key: &[u8], blocks: &[u32], tag: &[u8]) -> Option<WritePermit>;
+}
+
+/// Held while a write lands; dropping it ends the write on the receiving side.
+pub type WritePermit = Box<dyn Send>;
+
+/// The write gate of an engine that does not take pushed KV: every write is refused. The
+/// default of every agent, so nothing writes into memory that did not ask for it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RefuseWrites;
+
+impl WriteGate for RefuseWrites {
+    fn begin_write(&self, _peer: &str, _key: &[u8], _blocks: &[u32], _tag: &[u8]) -> Option<WritePermit> {
+        None
+    }
+}
+
+/// A gate that serves every read (and lets every write land) of a known peer: for memory not
+/// under leases (tests).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct OpenGate;
 
 impl ReadGate for OpenGate {
     fn begin_read(&self, _peer: &str, _lease_id: u64, _blocks: &[u32], _tag: &[u8]) -> Option<ReadPermit> {
+        Some(Box::new(()))
+    }
+}
+
+/// Lets every write of a known peer land: for memory not under registrations (tests).
+impl WriteGate for OpenGate {
+    fn begin_write(&self, _peer: &str, _key: &[u8], _blocks: &[u32], _tag: &[u8]) -> Option<WritePermit> {
         Some(Box::new(()))
     }
 }
@@ -129,6 +201,11 @@ pub enum TransportError {
     UnknownPeer(String),
     #[error("peer refused the read of lease {lease_id}: lease lost")]
     Refused { lease_id: u64 },
+    /// SPEC U4, U8: the receiving side's [`WriteGate`] refused the write (its registration
+    /// ended, was superseded, or does not own those blocks, or the tag did not match): not a
+    /// byte landed.
+    #[error("peer agent {peer:?} refused the write: its registration is not live for those blocks")]
+    WriteRefused { peer: String },
     #[error("peer agent {0:?} disconnected")]
     Disconnected(String),
     #[error("bad agent metadata: {0}")]
@@ -159,11 +236,23 @@ pub trait Agent: Send + Sync + 'static {
     /// op's notification was handed to the peer.
     fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>>;
 
+    /// Write our blocks into a peer's registered blocks (push mode); resolves when the data has
+    /// landed there and the op's notification was delivered after it, or with the error that
+    /// stopped it: [`TransportError::WriteRefused`] when the peer's [`WriteGate`] said no,
+    /// `Disconnected` when the link broke half-way (then some bytes may have landed: the peer
+    /// must not use the blocks, SPEC U7). The caller's source blocks must stay unchanged until
+    /// the future ends (P holds its `WriteTicket` until then); a dropped future stops sending.
+    fn write<'a>(&'a self, peer: &'a str, op: WriteOp) -> BoxFuture<'a, Result<(), TransportError>>;
+
     /// Send a notification; queued, never blocks. Fails at once for an unknown peer.
     fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError>;
 
     /// Whether the serving side's [`ReadGate`] sees (and may refuse) each read.
     fn can_refuse_reads(&self) -> bool;
+
+    /// Whether the receiving side's [`WriteGate`] sees (and may refuse) each write. Where it
+    /// does not (NIXL), only the core's deadline rules fence writes (SPEC U8).
+    fn can_refuse_writes(&self) -> bool;
 
     /// Waits until every notification sent so far has been handed to the network (at most
     /// `within`): a stopping engine's last releases go out before the process does. Backends

@@ -12,10 +12,16 @@
 //! ([`Faults`]): notifications lost, duplicated, delayed (so reordered), reads slowed, and
 //! handshakes refused or left hanging. With [`Faults::unfenced`] reads behave as NIXL's do:
 //! P is not asked, and a read, once posted, lands even if its caller gave up on it.
+//!
+//! Writes (push mode) mirror reads: a write asks the receiving agent's [`WriteGate`] (refusing
+//! every write until [`MemAgent::set_write_gate`]) and copies arena to arena, then delivers its
+//! notification. Their faults: [`Faults::write_delay`] (slow writes) and [`Faults::write_fail`]
+//! (a write that lands only its first half and fails, as a broken link leaves one); unfenced, the
+//! gate is not asked, as NIXL's WRITE does not ask D.
 
-use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, TransportError};
+use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, RefuseWrites, Segment, TransportError, WriteGate, WriteOp};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 use tokio::io::DuplexStream;
 use tokio::sync::{mpsc, Notify};
@@ -77,8 +83,13 @@ pub struct Faults {
     /// A handshake connection is accepted by nobody: it hangs until the dialer gives up.
     pub hang_handshake: f64,
     /// Reads as NIXL does them: the serving side is not asked, and a posted read lands even if
-    /// the caller stopped waiting for it.
+    /// the caller stopped waiting for it. Writes too: the receiving side's gate is not asked.
     pub unfenced: bool,
+    /// A write's delay before it touches memory (a slow write).
+    pub write_delay: (Duration, Duration),
+    /// A write fails after landing the first half of its segments (a link broken half-way):
+    /// the writer gets `Disconnected`, the receiver no notification.
+    pub write_fail: f64,
 }
 
 impl NetState {
@@ -159,7 +170,15 @@ impl MemNetwork {
         gate: Arc<dyn ReadGate>,
         events: mpsc::UnboundedSender<AgentEvent>,
     ) -> Arc<MemAgent> {
-        let agent = Arc::new(MemAgent { name: name.into(), arena, gate, events, net: Arc::clone(&self.net), peers: Mutex::default() });
+        let agent = Arc::new(MemAgent {
+            name: name.into(),
+            arena,
+            gate,
+            write_gate: RwLock::new(Arc::new(RefuseWrites)),
+            events,
+            net: Arc::clone(&self.net),
+            peers: Mutex::default(),
+        });
         lock(&self.net.state).agents.insert(agent.name.clone(), Arc::downgrade(&agent));
         self.net.changed.notify_waiters();
         agent
@@ -215,7 +234,7 @@ impl MemNetwork {
     }
 
     /// Cuts (`true`) or heals (`false`) the link between agents `a` and `b`. While cut, reads
-    /// fail with `Disconnected` and notifications are silently lost; cutting reports
+    /// and writes fail with `Disconnected` and notifications are silently lost; cutting reports
     /// `Disconnected` to each side that had added the other.
     pub fn partition(&self, a: &str, b: &str, cut: bool) {
         let newly_cut = {
@@ -255,6 +274,8 @@ pub struct MemAgent {
     name: String,
     arena: Arc<BlockArena>,
     gate: Arc<dyn ReadGate>,
+    /// Judges peers' writes into our arena; refuses every one until the engine sets its own.
+    write_gate: RwLock<Arc<dyn WriteGate>>,
     events: mpsc::UnboundedSender<AgentEvent>,
     net: Arc<Net>,
     peers: Mutex<BTreeSet<String>>,
@@ -277,6 +298,12 @@ enum LinkDown {
 }
 
 impl MemAgent {
+    /// The gate that judges peers' writes into our arena (push mode, SPEC U4, U8); until this
+    /// is called every write is refused ([`RefuseWrites`]).
+    pub fn set_write_gate(&self, gate: Arc<dyn WriteGate>) {
+        *self.write_gate.write().unwrap_or_else(PoisonError::into_inner) = gate;
+    }
+
     fn knows(&self, peer: &str) -> bool {
         lock(&self.peers).contains(peer)
     }
@@ -336,6 +363,75 @@ impl MemAgent {
             let _ = other.events.send(AgentEvent::Notification { from: self.name.clone(), bytes });
         }
         Ok(())
+    }
+}
+
+/// How a posted write goes, drawn from the network's faults when it is posted.
+struct WriteFate {
+    delay: Duration,
+    fail: bool,
+    unfenced: bool,
+}
+
+impl MemAgent {
+    /// A write: checked, judged by the receiver's gate (unless unfenced), delayed, landed (half
+    /// of it when it fails), then its notification.
+    async fn write_to(&self, peer: &str, op: WriteOp, fate: WriteFate) -> Result<(), TransportError> {
+        let down = |down| match down {
+            LinkDown::Unknown => TransportError::UnknownPeer(peer.to_owned()),
+            LinkDown::Gone | LinkDown::Cut => TransportError::Disconnected(peer.to_owned()),
+        };
+        let other = self.link(peer).map_err(down)?;
+        if op.key.len() > crate::MAX_WRITE_KEY {
+            return Err(TransportError::Io(format!("a write key of {} bytes exceeds the limit of {}", op.key.len(), crate::MAX_WRITE_KEY)));
+        }
+        for s in &op.segments {
+            self.arena.check(s.local_block, s.local_offset, s.len, "our")?;
+            other.arena.check(s.remote_block, s.remote_offset, s.len, peer)?;
+        }
+        let permit = if fate.unfenced {
+            None
+        } else {
+            // In the order the write names them, a block split over several segments once.
+            let mut blocks: Vec<u32> = op.segments.iter().map(|s| s.remote_block).collect();
+            blocks.dedup();
+            let gate = Arc::clone(&other.write_gate.read().unwrap_or_else(PoisonError::into_inner));
+            let tag = &op.tag[..op.tag.len().min(256)];
+            Some(
+                gate.begin_write(&self.name, &op.key, &blocks, tag)
+                    .ok_or_else(|| TransportError::WriteRefused { peer: peer.to_owned() })?,
+            )
+        };
+        if !fate.delay.is_zero() {
+            tokio::time::sleep(fate.delay).await;
+        }
+        // The link may have broken while the write was on its way.
+        let other = self.link(peer).map_err(down)?;
+        let landing = if fate.fail { &op.segments[..op.segments.len() / 2] } else { &op.segments[..] };
+        copy_to_peer(&self.arena, &other.arena, landing);
+        drop(permit);
+        if fate.fail {
+            return Err(TransportError::Disconnected(peer.to_owned()));
+        }
+        if let Some(bytes) = op.notif {
+            let _ = other.events.send(AgentEvent::Notification { from: self.name.clone(), bytes });
+        }
+        Ok(())
+    }
+}
+
+/// Copies each segment's `local_*` range of `ours` to its `remote_*` range of `theirs` (which
+/// may be the same arena), through a buffer.
+fn copy_to_peer(ours: &BlockArena, theirs: &BlockArena, segments: &[Segment]) {
+    for s in segments {
+        let mut tmp = vec![0; s.len as usize];
+        // SAFETY: both ranges were checked against their arenas; the writer owns its source
+        // blocks while its future lives, and the receiver's permit (or, unfenced, the core's
+        // deadline rules, SPEC U8) keeps the destination blocks from reuse.
+        unsafe {
+            ours.copy_out(s.local_block, s.local_offset as usize, &mut tmp);
+            theirs.copy_in(s.remote_block, s.remote_offset as usize, &tmp);
+        }
     }
 }
 
@@ -487,6 +583,15 @@ impl Agent for MemAgent {
         })
     }
 
+    fn write<'a>(&'a self, peer: &'a str, op: WriteOp) -> BoxFuture<'a, Result<(), TransportError>> {
+        let fate = {
+            let mut st = lock(&self.net.state);
+            let (range, p, unfenced) = (st.faults.write_delay, st.faults.write_fail, st.faults.unfenced);
+            WriteFate { delay: st.between(range), fail: st.chance(p), unfenced }
+        };
+        Box::pin(self.write_to(peer, op, fate))
+    }
+
     fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError> {
         match self.link(peer) {
             Ok(other) => {
@@ -501,6 +606,10 @@ impl Agent for MemAgent {
     }
 
     fn can_refuse_reads(&self) -> bool {
+        !lock(&self.net.state).faults.unfenced
+    }
+
+    fn can_refuse_writes(&self) -> bool {
         !lock(&self.net.state).faults.unfenced
     }
 

@@ -18,6 +18,9 @@
 //!   is `load_remote_md`, [`Agent::remove_peer`] is `invalidate_remote_md`;
 //! * [`Agent::read`] is one NIXL READ of all the op's segments, with the op's notification
 //!   attached, so the peer gets it after the data has landed here.
+//! * [`Agent::write`] (push mode, SPEC §13) is one NIXL WRITE of our blocks into the peer's
+//!   registered arena, at the blocks the op names, with its notification attached, so the peer
+//!   gets it after the data has landed there.
 //!
 //! **Reads cannot be refused** ([`Agent::can_refuse_reads`] is false): the NIC reads P's
 //! memory without asking P, so P's [`ReadGate`] is never consulted, and any agent that holds
@@ -26,6 +29,14 @@
 //! therefore never trust bytes it has not verified against a live lease: P acknowledges the
 //! READ's notification (`ReadDone`) with ok or lost (SPEC P5, D6), and P does not reuse a
 //! block a reader may still be reading.
+//!
+//! **Writes cannot be refused either** ([`Agent::can_refuse_writes`] is false): the NIC writes
+//! D's registered memory without asking D, so D's [`crate::WriteGate`] is never consulted and
+//! the op's key and tag travel nowhere. What fences a write over NIXL is the core's deadline
+//! rules (SPEC U8): P posts a write only while its lease is live and before the registration's
+//! write deadline (less a margin), and D reuses a destination block only after its writes
+//! finished or failed, P acknowledged a `Release`, or that deadline passed. Like a read, a
+//! dropped write future does not stop its WRITE (the source blocks stay P's until it ends).
 //!
 //! Who talks to us (SPEC S2, P7): NIXL delivers notifications from any agent that loaded our
 //! metadata, named by the name *that agent* gave itself, and a UCX connection carries no proof
@@ -70,7 +81,7 @@
 mod envelope;
 mod worker;
 
-use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, TransportError};
+use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, Segment, TransportError, WriteOp};
 use envelope::PeerMd;
 use std::collections::HashMap;
 use std::sync::{mpsc as std_mpsc, Arc, Mutex, MutexGuard, PoisonError};
@@ -294,11 +305,11 @@ impl NixlAgent {
 
     /// Checks `op` against our arena and the peer's, and turns it into address triples
     /// `(local, remote, len)`, empty segments left out.
-    fn descriptors(&self, peer: &PeerMd, op: &ReadOp) -> Result<Vec<(usize, usize, usize)>, TransportError> {
+    fn descriptors(&self, peer: &PeerMd, segments: &[Segment]) -> Result<Vec<(usize, usize, usize)>, TransportError> {
         let arena = &self.arena;
         let base = arena.as_ptr() as usize;
-        let mut descs = Vec::with_capacity(op.segments.len());
-        for s in &op.segments {
+        let mut descs = Vec::with_capacity(segments.len());
+        for s in segments {
             arena.check(s.local_block, s.local_offset, s.len, "our")?;
             let Some(remote) = peer.addr(s.remote_block, s.remote_offset, s.len).and_then(|a| usize::try_from(a).ok()) else {
                 return Err(crate::arena::OutOfRange {
@@ -364,15 +375,34 @@ impl Agent for NixlAgent {
     fn read<'a>(&'a self, peer: &'a str, op: ReadOp) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             let md = self.peer_state(peer)?;
-            let descs = self.descriptors(&md, &op)?;
+            let descs = self.descriptors(&md, &op.segments)?;
             if let Some(n) = &op.notif {
                 self.check_notif_size(n.len())?;
             }
             let (reply, done) = oneshot::channel();
-            let cmd = worker::Cmd::Read { peer: peer.to_owned(), descs, notif: op.notif, reply };
+            let cmd = worker::Cmd::Xfer { op: nixl_sys::XferOp::Read, peer: peer.to_owned(), descs, notif: op.notif, reply };
             self.cmds.send(cmd).map_err(|_| TransportError::Disconnected(peer.to_owned()))?;
             // If this future is dropped, the READ still runs to its end (NIXL cannot cancel
             // it): the caller must keep the local blocks until then (see the module doc).
+            done.await.unwrap_or_else(|_| Err(TransportError::Disconnected(peer.to_owned())))
+        })
+    }
+
+    /// A NIXL WRITE of our blocks into the peer's registered arena, at the addresses of the
+    /// blocks the segments name (checked against the geometry the peer's metadata announced);
+    /// `key` and `tag` travel nowhere: D cannot refuse a NIXL WRITE ([`Agent::can_refuse_writes`]).
+    fn write<'a>(&'a self, peer: &'a str, op: WriteOp) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let md = self.peer_state(peer)?;
+            let descs = self.descriptors(&md, &op.segments)?;
+            if let Some(n) = &op.notif {
+                self.check_notif_size(n.len())?;
+            }
+            let (reply, done) = oneshot::channel();
+            let cmd = worker::Cmd::Xfer { op: nixl_sys::XferOp::Write, peer: peer.to_owned(), descs, notif: op.notif, reply };
+            self.cmds.send(cmd).map_err(|_| TransportError::Disconnected(peer.to_owned()))?;
+            // If this future is dropped, the WRITE still runs to its end (NIXL cannot cancel
+            // it): the caller must keep its source blocks until then, as for a read.
             done.await.unwrap_or_else(|_| Err(TransportError::Disconnected(peer.to_owned())))
         })
     }
@@ -386,6 +416,14 @@ impl Agent for NixlAgent {
     /// False: NIXL's READ is one-sided, P's [`ReadGate`] never sees it. The engine relies on
     /// the `ReadDone` acknowledgement instead (SPEC D6).
     fn can_refuse_reads(&self) -> bool {
+        false
+    }
+
+    /// False: NIXL's WRITE is one-sided, D's [`crate::WriteGate`] never sees it. What fences a
+    /// write is the core's deadline rules (SPEC U8): P posts no write once the registration's
+    /// deadline is near, and D reuses its destination blocks only after every write finished or
+    /// failed, P acknowledged a release, or that deadline passed.
+    fn can_refuse_writes(&self) -> bool {
         false
     }
 

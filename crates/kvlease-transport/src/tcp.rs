@@ -69,19 +69,35 @@
 //! reads, each done under the read's lock; a read future that is dropped takes that lock to
 //! cancel, so once it is gone nothing writes its blocks any more. Neither side copies the bulk
 //! bytes itself: the kernel's two copies are all.
+//!
+//! Writes (push mode, SPEC §13) run the other way on the same connection: the writer (P) sends
+//! a `WriteReq` naming the receiver's registration key and blocks, then the data in chunks on
+//! its bulk queue, without waiting for an answer. The receiver (D) asks its [`WriteGate`] when
+//! the request arrives: refused, it answers `WriteErr` and skips the data (not a byte lands,
+//! SPEC U4, U8); allowed, it lands the data straight into its arena as a read's response lands,
+//! holding the gate's permit, delivers the request's notification once the last byte landed,
+//! and answers `WriteAck`, which resolves the writer's future. The writer copies each chunk out
+//! of its arena under a lock the write future takes to cancel (one copy more than a read): its
+//! source blocks are the future's only while the future lives, and a dropped future must stop
+//! the reading of them at once. It then sends `WriteCancel`, and the receiver drops the write.
+//! A connection that closes fails the writes in flight on both sides (`Disconnected` on the
+//! writer; the receiver drops their permits, after the last fill under way).
 
 mod wire;
 
 use crate::admission::{Admission, Unproven};
 use crate::auth;
-use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
+use crate::{
+    Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, RefuseWrites, Segment, TransportError, WriteGate, WriteOp,
+    WritePermit,
+};
 use kvlease_core::auth::{Answer, Challenge, ClusterKey, Nonces, Parties, Proven};
 use std::collections::HashMap;
 use std::future::Future;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -200,6 +216,9 @@ struct Inner {
     addr: SocketAddr,
     arena: Arc<BlockArena>,
     gate: Arc<dyn ReadGate>,
+    /// Asked before a peer's write lands in our arena ([`TcpAgent::set_write_gate`]); refuses
+    /// every write until the engine sets its own.
+    write_gate: RwLock<Arc<dyn WriteGate>>,
     events: mpsc::UnboundedSender<AgentEvent>,
     options: TcpOptions,
     /// The key of every handshake proof, from `options.secret`.
@@ -237,14 +256,21 @@ struct Conn {
     #[cfg_attr(not(test), allow(dead_code))]
     ends: Option<(SocketAddr, SocketAddr)>,
     ctrl: mpsc::UnboundedSender<Outgoing>,
-    bulk: mpsc::UnboundedSender<ServeJob>,
-    /// Bytes queued on `ctrl` and `bulk` and not yet written (see [`ServeJob::cost`]).
+    bulk: mpsc::UnboundedSender<BulkJob>,
+    /// Bytes queued on `ctrl` and `bulk` and not yet written (see [`BulkJob::cost`]).
     queued: AtomicUsize,
     /// Our reads waiting for data, by request id; `None` once the connection is closed.
     reads: Mutex<Option<HashMap<u64, PendingRead>>>,
+    /// Our writes waiting for the peer's answer, by request id; `None` once closed.
+    writes: Mutex<Option<HashMap<u64, WriteAnswer>>>,
+    /// The peer's writes landing in our arena, by its request id; `None` once closed.
+    incoming: Mutex<Option<HashMap<u64, IncomingWrite>>>,
     next_req: AtomicU64,
     stop: watch::Sender<bool>,
 }
+
+/// Where the peer's answer to one of our writes goes: the write future.
+type WriteAnswer = oneshot::Sender<Result<(), TransportError>>;
 
 struct PendingRead {
     lease_id: u64,
@@ -267,6 +293,56 @@ struct SinkCursor {
     cancelled: bool,
     next: usize,
     offset: usize,
+}
+
+/// A peer's write being landed in our arena: the gate's permit, held until the last byte landed.
+struct IncomingWrite {
+    remaining: u64,
+    /// Our blocks, as `local_*` of its segments.
+    sink: Arc<ReadSink>,
+    notif: Option<Vec<u8>>,
+    _permit: WritePermit,
+}
+
+impl Drop for IncomingWrite {
+    /// Nothing lands after the permit is gone: a fill under way finishes first (under the
+    /// cursor's lock), later ones skip their bytes.
+    fn drop(&mut self) {
+        lock(&self.sink.cursor).cancelled = true;
+    }
+}
+
+/// The source of one of our writes: our blocks, read only under `cancelled`'s lock and never
+/// once the write future (which owns them) has ended.
+struct WriteSource {
+    arena: Arc<BlockArena>,
+    segments: Vec<Segment>,
+    cancelled: Mutex<bool>,
+}
+
+/// A write we send: the writer copies its next chunk out of the source, frames it, sends it.
+struct WriteJob {
+    req_id: u64,
+    source: Arc<WriteSource>,
+    next: usize,
+    offset: usize,
+}
+
+/// What a connection's writer sends from an arena, one chunk at a time.
+enum BulkJob {
+    Serve(ServeJob),
+    Write(WriteJob),
+}
+
+impl BulkJob {
+    /// What a queued job costs against [`TcpOptions::max_queued_bytes`]: its own memory, not
+    /// the payload it will send from the arena.
+    fn cost(&self) -> usize {
+        match self {
+            BulkJob::Serve(j) => j.cost(),
+            BulkJob::Write(j) => std::mem::size_of::<WriteJob>() + j.source.segments.len() * std::mem::size_of::<Segment>(),
+        }
+    }
 }
 
 /// A read we serve: the writer sends its bytes straight from the arena, chunk by chunk, and
@@ -351,6 +427,7 @@ impl TcpAgent {
             addr,
             arena,
             gate,
+            write_gate: RwLock::new(Arc::new(RefuseWrites)),
             events,
             options,
             key,
@@ -361,6 +438,13 @@ impl TcpAgent {
         });
         tokio::spawn(Arc::clone(&inner).accept_loop(listener));
         Ok(Arc::new(TcpAgent { inner }))
+    }
+
+    /// The gate that judges peers' writes into our arena (push mode, SPEC U4, U8): until this
+    /// is called every write is refused ([`RefuseWrites`]). Applies to writes whose request
+    /// arrives from now on.
+    pub fn set_write_gate(&self, gate: Arc<dyn WriteGate>) {
+        *self.inner.write_gate.write().unwrap_or_else(PoisonError::into_inner) = gate;
     }
 
     /// Where peers reach this agent: where it listens, or its advertised address.
@@ -421,6 +505,10 @@ impl Agent for TcpAgent {
         Box::pin(self.inner.read(peer, op))
     }
 
+    fn write<'a>(&'a self, peer: &'a str, op: WriteOp) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.write(peer, op))
+    }
+
     fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), TransportError> {
         self.inner.check_notif_size(bytes.len())?;
         let conn = self.inner.conn_to(peer)?;
@@ -428,6 +516,10 @@ impl Agent for TcpAgent {
     }
 
     fn can_refuse_reads(&self) -> bool {
+        true
+    }
+
+    fn can_refuse_writes(&self) -> bool {
         true
     }
 
@@ -515,6 +607,12 @@ impl Inner {
         for p in pending.into_values() {
             let _ = p.done.send(Err(TransportError::Disconnected(conn.peer.clone())));
         }
+        for done in lock(&conn.writes).take().into_iter().flat_map(HashMap::into_values) {
+            let _ = done.send(Err(TransportError::Disconnected(conn.peer.clone())));
+        }
+        // The peer's writes end here: dropped outside the lock (each waits for a fill under way).
+        let incoming = lock(&conn.incoming).take();
+        drop(incoming);
         {
             let mut st = lock(&self.state);
             if let Some(p) = st.peers.get_mut(&conn.peer) {
@@ -888,6 +986,12 @@ impl Inner {
                 self.on_read_data(conn, u64::from_le_bytes(id), len - 8, rd).await?;
                 continue;
             }
+            if kind == wire::WRITE_DATA && len >= 8 {
+                let mut id = [0u8; 8];
+                rd.read_exact(&mut id).await?;
+                self.on_write_data(conn, u64::from_le_bytes(id), len - 8, rd).await?;
+                continue;
+            }
             if len > self.options.max_frame {
                 self.reject("oversized");
                 skip(rd, len).await?;
@@ -905,6 +1009,38 @@ impl Inner {
                 },
                 wire::READ_ERR => match wire::decode_read_err(&body) {
                     Some((req_id, code, message)) => conn.fail_read(req_id, code, message),
+                    None => self.reject("malformed"),
+                },
+                wire::WRITE_REQ => match wire::decode_write_req(&body) {
+                    Some(req) => self.accept_write(conn, req),
+                    None => {
+                        self.reject("malformed");
+                        // Answered when it names itself, so the writer does not wait forever.
+                        if let Some(req_id) = body.get(..8).and_then(wire::decode_req_id) {
+                            let _ = self.send_ctrl(conn, Outgoing::write_err(req_id, wire::ERR_MALFORMED, "malformed write request"));
+                        }
+                    }
+                },
+                wire::WRITE_ACK => match wire::decode_req_id(&body) {
+                    Some(req_id) => conn.end_write(req_id, Ok(())),
+                    None => self.reject("malformed"),
+                },
+                wire::WRITE_ERR => match wire::decode_read_err(&body) {
+                    Some((req_id, code, message)) => {
+                        let e = match code {
+                            wire::ERR_REFUSED => TransportError::WriteRefused { peer: conn.peer.clone() },
+                            wire::ERR_OUT_OF_RANGE => TransportError::OutOfRange(message),
+                            _ => TransportError::Io(format!("{} failed the write: {message}", conn.peer)),
+                        };
+                        conn.end_write(req_id, Err(e));
+                    }
+                    None => self.reject("malformed"),
+                },
+                wire::WRITE_CANCEL => match wire::decode_req_id(&body) {
+                    Some(req_id) => {
+                        let dropped = lock(&conn.incoming).as_mut().and_then(|m| m.remove(&req_id));
+                        drop(dropped);
+                    }
                     None => self.reject("malformed"),
                 },
                 _ => self.reject("malformed"),
@@ -954,6 +1090,97 @@ impl Inner {
         Ok(())
     }
 
+    /// A peer asks to write our blocks (push mode): check the ranges, ask the write gate
+    /// (SPEC U4, U8, U11), and make ready to land its data; refused, it learns at once and its
+    /// data is skipped (nothing is waiting for that request id).
+    fn accept_write(&self, conn: &Arc<Conn>, req: wire::WriteReq) {
+        let refuse = |code, message: &str| {
+            let _ = self.send_ctrl(conn, Outgoing::write_err(req.req_id, code, message));
+        };
+        if let Some(Err(e)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
+            return refuse(wire::ERR_OUT_OF_RANGE, &e.to_string());
+        }
+        if lock(&conn.incoming).as_ref().is_some_and(|m| m.contains_key(&req.req_id)) {
+            self.reject("malformed");
+            return refuse(wire::ERR_MALFORMED, "a write request id already in use");
+        }
+        // In the order the write names them (the gate checks it), a block split over several
+        // segments counted once.
+        let mut blocks: Vec<u32> = req.segments.iter().map(|s| s.block).collect();
+        blocks.dedup();
+        let gate = Arc::clone(&self.write_gate.read().unwrap_or_else(PoisonError::into_inner));
+        let Some(permit) = gate.begin_write(&conn.peer, &req.key, &blocks, &req.tag) else {
+            return refuse(wire::ERR_REFUSED, "registration not live");
+        };
+        let segments: Vec<Segment> = req
+            .segments
+            .iter()
+            .filter(|s| s.len > 0)
+            .map(|s| Segment { remote_block: 0, remote_offset: 0, local_block: s.block, local_offset: s.offset, len: s.len })
+            .collect();
+        let remaining = segments.iter().map(|s| u64::from(s.len)).sum();
+        let sink = Arc::new(ReadSink { arena: Arc::clone(&self.arena), segments, cursor: Mutex::default() });
+        let write = IncomingWrite { remaining, sink, notif: req.notif, _permit: permit };
+        if remaining == 0 {
+            return self.landed(conn, req.req_id, write);
+        }
+        if let Some(map) = lock(&conn.incoming).as_mut() {
+            map.insert(req.req_id, write);
+        }
+    }
+
+    /// Every byte of the peer's write `req_id` landed: its notification goes to the engine
+    /// (after the data, as NIXL's), the permit is dropped, and the writer learns.
+    fn landed(&self, conn: &Arc<Conn>, req_id: u64, mut write: IncomingWrite) {
+        if let Some(bytes) = write.notif.take() {
+            let _ = self.events.send(AgentEvent::Notification { from: conn.peer.clone(), bytes });
+        }
+        drop(write);
+        let _ = self.send_ctrl(conn, Outgoing::write_ack(req_id));
+    }
+
+    /// `len` bytes of the peer's write `req_id` follow on `rd`.
+    async fn on_write_data(&self, conn: &Arc<Conn>, req_id: u64, len: usize, rd: &mut BufReader<OwnedReadHalf>) -> Result<(), ConnEnd> {
+        enum Route {
+            /// Land the bytes; the write itself when they are its last.
+            Land(Arc<ReadSink>, Option<IncomingWrite>),
+            Excess(IncomingWrite),
+            Skip,
+        }
+        let route = {
+            let mut incoming = lock(&conn.incoming);
+            let map = incoming.as_mut();
+            match map.and_then(|m| m.get(&req_id).map(|w| (w.remaining, Arc::clone(&w.sink))).map(|r| (r, m))) {
+                // Refused, cancelled, or never asked: drain its bytes.
+                None => Route::Skip,
+                Some(((remaining, _), m)) if len as u64 > remaining => m.remove(&req_id).map_or(Route::Skip, Route::Excess),
+                Some(((remaining, sink), m)) if len as u64 == remaining => Route::Land(sink, m.remove(&req_id)),
+                Some(((_, sink), m)) => {
+                    if let Some(w) = m.get_mut(&req_id) {
+                        w.remaining -= len as u64;
+                    }
+                    Route::Land(sink, None)
+                }
+            }
+        };
+        match route {
+            Route::Land(sink, last) => {
+                land(rd, &sink, len).await?;
+                if let Some(write) = last {
+                    self.landed(conn, req_id, write);
+                }
+            }
+            Route::Excess(write) => {
+                drop(write);
+                self.reject("malformed");
+                let _ = self.send_ctrl(conn, Outgoing::write_err(req_id, wire::ERR_MALFORMED, "more bytes than the write request named"));
+                skip(rd, len).await?;
+            }
+            Route::Skip => skip(rd, len).await?,
+        }
+        Ok(())
+    }
+
     /// A peer asks to read our blocks: check the ranges, ask the gate, queue the response.
     fn serve_read(&self, conn: &Arc<Conn>, req: wire::ReadReq) {
         if let Some(Err(e)) = req.segments.iter().map(|s| self.arena.check(s.block, s.offset, s.len, &self.name)).find(Result::is_err) {
@@ -971,7 +1198,7 @@ impl Inner {
             Some(permit) => {
                 let mut segments = req.segments;
                 segments.retain(|s| s.len > 0);
-                let job = ServeJob { req_id: req.req_id, segments, next: 0, offset: 0, _permit: permit };
+                let job = BulkJob::Serve(ServeJob { req_id: req.req_id, segments, next: 0, offset: 0, _permit: permit });
                 // Refused (connection closed or over its cap): the job drops here, and its permit.
                 if self.admit(conn, job.cost()).is_ok() {
                     let _ = conn.bulk.send(job);
@@ -985,7 +1212,9 @@ impl Inner {
     async fn write_frames(&self, conn: &Conn, mut queues: ConnQueues, mut wr: OwnedWriteHalf) -> io::Result<()> {
         let stall = self.options.write_stall;
         let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
-        let mut job: Option<ServeJob> = None;
+        // A write's next chunk, copied out of our arena (see the module doc).
+        let mut chunk: Vec<u8> = Vec::new();
+        let mut job: Option<BulkJob> = None;
         loop {
             while batch.len() < MAX_BATCH {
                 match queues.ctrl.try_recv() {
@@ -1000,18 +1229,34 @@ impl Inner {
                 batch.clear();
                 continue;
             }
-            if let Some(j) = job.as_mut() {
-                let (head, pieces, done) = next_chunk(&self.arena, j);
-                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
-                slices.push(IoSlice::new(&head));
-                slices.extend(pieces.iter().map(|p| IoSlice::new(p)));
-                write_all_vectored(&mut wr, &mut slices, stall).await?;
-                if done {
-                    // The last byte has left the arena: end the read for the gate (SPEC P5).
-                    conn.queued.fetch_sub(j.cost(), Ordering::Relaxed);
-                    job = None;
+            match job.as_mut() {
+                Some(BulkJob::Serve(j)) => {
+                    let (head, pieces, done) = next_chunk(&self.arena, j);
+                    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
+                    slices.push(IoSlice::new(&head));
+                    slices.extend(pieces.iter().map(|p| IoSlice::new(p)));
+                    write_all_vectored(&mut wr, &mut slices, stall).await?;
+                    if done {
+                        // The last byte has left the arena: end the read for the gate (SPEC P5).
+                        conn.queued.fetch_sub(std::mem::take(&mut job).map_or(0, |j| j.cost()), Ordering::Relaxed);
+                    }
+                    continue;
                 }
-                continue;
+                Some(BulkJob::Write(j)) => {
+                    let done = match next_write_chunk(j, &mut chunk) {
+                        // The write future ended (cancelled, or refused by the peer): stop.
+                        None => true,
+                        Some((head, done)) => {
+                            write_all_vectored(&mut wr, &mut [IoSlice::new(&head), IoSlice::new(&chunk)], stall).await?;
+                            done
+                        }
+                    };
+                    if done {
+                        conn.queued.fetch_sub(std::mem::take(&mut job).map_or(0, |j| j.cost()), Ordering::Relaxed);
+                    }
+                    continue;
+                }
+                None => {}
             }
             if let Ok(j) = queues.bulk.try_recv() {
                 job = Some(j);
@@ -1062,6 +1307,75 @@ impl Inner {
         }
         Ok(())
     }
+
+    // ---- writing (push mode) ----
+
+    async fn write(&self, peer: &str, op: WriteOp) -> Result<(), TransportError> {
+        for s in &op.segments {
+            self.arena.check(s.local_block, s.local_offset, s.len, "our")?;
+        }
+        if op.key.len() > crate::MAX_WRITE_KEY {
+            return Err(TransportError::Io(format!("a write key of {} bytes exceeds the limit of {}", op.key.len(), crate::MAX_WRITE_KEY)));
+        }
+        let request = wire::WRITE_REQ_FIXED
+            + wire::READ_REQ_PER_SEGMENT.saturating_mul(op.segments.len())
+            + op.key.len()
+            + op.tag.len().min(wire::MAX_TAG)
+            + op.notif.as_ref().map_or(0, Vec::len);
+        if request > self.options.max_frame {
+            return Err(TransportError::Io(format!(
+                "a write request of {} segments and a {}-byte notification exceeds the frame limit of {}",
+                op.segments.len(),
+                op.notif.as_ref().map_or(0, Vec::len),
+                self.options.max_frame
+            )));
+        }
+        let conn = self.conn_to(peer)?;
+        let disconnected = || TransportError::Disconnected(peer.to_owned());
+        let req_id = conn.next_req.fetch_add(1, Ordering::Relaxed);
+        let (done, answered) = oneshot::channel();
+        match lock(&conn.writes).as_mut() {
+            Some(map) => map.insert(req_id, done),
+            None => return Err(disconnected()),
+        };
+        let segments: Vec<Segment> = op.segments.iter().copied().filter(|s| s.len > 0).collect();
+        let total: u64 = segments.iter().map(|s| u64::from(s.len)).sum();
+        let source = Arc::new(WriteSource { arena: Arc::clone(&self.arena), segments, cancelled: Mutex::new(false) });
+        let mut guard = WriteGuard { inner: self, conn: &conn, req_id, source: &source, answered: false };
+        // The request goes on the control queue before its data on the bulk queue, and the
+        // writer drains control frames first: the peer sees the request before any data.
+        self.send_ctrl(&conn, Outgoing::write_req(req_id, &op.segments, &op.key, &op.tag, op.notif.as_deref()))?;
+        if total > 0 {
+            let job = BulkJob::Write(WriteJob { req_id, source: Arc::clone(&source), next: 0, offset: 0 });
+            self.admit(&conn, job.cost())?;
+            conn.bulk.send(job).map_err(|_| disconnected())?;
+        }
+        let result = answered.await.unwrap_or_else(|_| Err(disconnected()));
+        guard.answered = true;
+        result
+    }
+}
+
+/// Ends one of our writes when its future ends, also when it is dropped half-way: after this
+/// the writer reads none of its source blocks, and a write the peer has not answered is
+/// cancelled there.
+struct WriteGuard<'a> {
+    inner: &'a Inner,
+    conn: &'a Arc<Conn>,
+    req_id: u64,
+    source: &'a WriteSource,
+    answered: bool,
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        // Waits for a chunk being copied out (at most CHUNK bytes) to finish.
+        *lock(&self.source.cancelled) = true;
+        let pending = lock(&self.conn.writes).as_mut().and_then(|m| m.remove(&self.req_id));
+        if pending.is_some() && !self.answered {
+            let _ = self.inner.send_ctrl(self.conn, Outgoing::write_cancel(self.req_id));
+        }
+    }
 }
 
 /// How a dial ended, short of an error.
@@ -1078,7 +1392,7 @@ enum Dialed {
 /// The queues a connection's writer drains.
 struct ConnQueues {
     ctrl: mpsc::UnboundedReceiver<Outgoing>,
-    bulk: mpsc::UnboundedReceiver<ServeJob>,
+    bulk: mpsc::UnboundedReceiver<BulkJob>,
 }
 
 impl Conn {
@@ -1093,10 +1407,19 @@ impl Conn {
             bulk,
             queued: AtomicUsize::new(0),
             reads: Mutex::new(Some(HashMap::new())),
+            writes: Mutex::new(Some(HashMap::new())),
+            incoming: Mutex::new(Some(HashMap::new())),
             next_req: AtomicU64::new(1),
             stop: watch::Sender::new(false),
         };
         (Arc::new(conn), ConnQueues { ctrl: ctrl_rx, bulk: bulk_rx })
+    }
+
+    /// The peer answered our write `req_id`.
+    fn end_write(&self, req_id: u64, result: Result<(), TransportError>) {
+        if let Some(done) = lock(&self.writes).as_mut().and_then(|m| m.remove(&req_id)) {
+            let _ = done.send(result);
+        }
     }
 
     /// The peer answered our read `req_id` with an error.
@@ -1266,6 +1589,35 @@ fn next_chunk<'a>(arena: &'a BlockArena, job: &mut ServeJob) -> ([u8; wire::HEAD
         }
     }
     (wire::read_data_header(job.req_id, payload), pieces, job.next >= job.segments.len())
+}
+
+/// The next `WriteData` frame of one of our writes: copies its payload into `buf` and returns
+/// the header and whether it is the last; `None` once the write future ended (see
+/// [`WriteGuard`]).
+fn next_write_chunk(job: &mut WriteJob, buf: &mut Vec<u8>) -> Option<([u8; wire::HEADER_LEN + 8], bool)> {
+    let cancelled = lock(&job.source.cancelled);
+    if *cancelled {
+        return None;
+    }
+    buf.clear();
+    let src = &job.source;
+    while buf.len() < CHUNK {
+        let Some(s) = src.segments.get(job.next) else { break };
+        let take = (s.len as usize - job.offset).min(CHUNK - buf.len());
+        let start = buf.len();
+        buf.resize(start + take, 0);
+        // SAFETY: every local segment passed `contains` before the write was queued; the write
+        // future owns its source blocks while it lives, and it sets `cancelled` (under this lock)
+        // before it ends, so they are unchanged and in use now.
+        unsafe { src.arena.copy_out(s.local_block, s.local_offset as usize + job.offset, &mut buf[start..]) };
+        job.offset += take;
+        if job.offset == s.len as usize {
+            job.next += 1;
+            job.offset = 0;
+        }
+    }
+    drop(cancelled);
+    Some((wire::write_data_header(job.req_id, buf.len()), job.next >= src.segments.len()))
 }
 
 /// Writes all of `slices`, failing with `TimedOut` once a single write makes no progress for

@@ -1,7 +1,7 @@
 //! Test support shared by the backends: a gate that counts, refuses and scribbles, arena
 //! patterns, deadline-bounded waits, and the scenarios every backend must pass.
 
-use crate::{Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment, TransportError};
+use crate::{Agent, AgentEvent, BlockArena, ReadGate, ReadOp, ReadPermit, Segment, TransportError, WriteGate, WriteOp, WritePermit};
 use std::collections::HashSet;
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -358,4 +358,209 @@ async fn check_one_direction(x: &dyn Agent, x_events: &mut Events, y: &dyn Agent
     assert_eq!(next_notif(y_events).await, (x.name().to_owned(), b"done".to_vec()));
     y.send_notif(x.name(), b"hi".to_vec()).expect("notify back");
     assert_eq!(next_notif(x_events).await, (y.name().to_owned(), b"hi".to_vec()));
+}
+
+// ---- writes (push mode, SPEC §13) ----
+
+/// D's side of push-mode tests: lets writes land except under refused keys, records every call,
+/// counts permits, and snapshots D's arena when a permit drops, so a backend that drops the
+/// permit before the last byte landed shows it.
+#[derive(Clone, Default)]
+pub(crate) struct TestWriteGate {
+    shared: Arc<WriteGateShared>,
+}
+
+#[derive(Default)]
+struct WriteGateShared {
+    live: AtomicUsize,
+    granted: AtomicUsize,
+    refuse: Mutex<HashSet<Vec<u8>>>,
+    /// `(peer, key, blocks, tag)` of each call, in order.
+    calls: Mutex<Vec<WriteCall>>,
+    snapshot_of: Mutex<Option<Arc<BlockArena>>>,
+    /// D's arena when each permit dropped.
+    at_release: Mutex<Vec<Vec<u8>>>,
+}
+
+/// What a write gate was shown: `(peer, key, blocks, tag)`.
+pub(crate) type WriteCall = (String, Vec<u8>, Vec<u32>, Vec<u8>);
+
+struct TestWritePermit(Arc<WriteGateShared>);
+
+impl Drop for TestWritePermit {
+    fn drop(&mut self) {
+        if let Some(arena) = &*self.0.snapshot_of.lock().unwrap() {
+            self.0.at_release.lock().unwrap().push(whole(arena));
+        }
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl TestWriteGate {
+    pub(crate) fn new() -> TestWriteGate {
+        TestWriteGate::default()
+    }
+
+    pub(crate) fn refuse(&self, key: &[u8]) {
+        self.shared.refuse.lock().unwrap().insert(key.to_vec());
+    }
+
+    pub(crate) fn snapshot_on_release(&self, arena: Arc<BlockArena>) {
+        *self.shared.snapshot_of.lock().unwrap() = Some(arena);
+    }
+
+    pub(crate) fn live(&self) -> usize {
+        self.shared.live.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn granted(&self) -> usize {
+        self.shared.granted.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn calls(&self) -> Vec<WriteCall> {
+        self.shared.calls.lock().unwrap().clone()
+    }
+
+    pub(crate) fn at_release(&self) -> Vec<Vec<u8>> {
+        self.shared.at_release.lock().unwrap().clone()
+    }
+}
+
+impl WriteGate for TestWriteGate {
+    fn begin_write(&self, peer: &str, key: &[u8], blocks: &[u32], tag: &[u8]) -> Option<WritePermit> {
+        let s = &self.shared;
+        s.calls.lock().unwrap().push((peer.to_owned(), key.to_vec(), blocks.to_vec(), tag.to_vec()));
+        if s.refuse.lock().unwrap().contains(key) {
+            return None;
+        }
+        s.granted.fetch_add(1, Ordering::SeqCst);
+        s.live.fetch_add(1, Ordering::SeqCst);
+        Some(Box::new(TestWritePermit(Arc::clone(s))))
+    }
+}
+
+/// Two connected agents: `p` writes into `d`, whose write gate is `gate`.
+pub(crate) struct WritePair {
+    pub p: Arc<dyn Agent>,
+    pub p_events: Events,
+    pub d: Arc<dyn Agent>,
+    pub d_events: Events,
+    pub gate: TestWriteGate,
+    /// D's arena (as `d.arena()`), for the gate's snapshots.
+    pub d_arena: Arc<BlockArena>,
+}
+
+/// P's blocks `0..16` filled, and D's arena as it must be after `segments` landed in a zeroed one.
+fn expected_after_write(pair: &WritePair, segments: &[Segment]) -> Vec<u8> {
+    let bb = pair.p.arena().block_bytes();
+    let mut expected = vec![0u8; pair.d.arena().len()];
+    for s in segments {
+        let (from, to) = (s.local_offset as usize, s.remote_block as usize * bb + s.remote_offset as usize);
+        expected[to..to + s.len as usize].copy_from_slice(&block(pair.p.arena(), s.local_block)[from..from + s.len as usize]);
+    }
+    expected
+}
+
+/// SPEC U4, §13: P's blocks written into D's registered blocks arrive byte-identical (whole
+/// blocks, slices at offsets, odd sizes, empty segments, several MiB in reversed order); D's
+/// gate saw the key, the blocks in order (each once) and the tag; D gets the write's
+/// notification only after every byte landed, and the gate's permit was held until then. An
+/// empty write notifies too. Needs 16 blocks of ≥ 4 KiB on both sides.
+pub(crate) async fn scenario_u4_write_round_trip(mut pair: WritePair) {
+    let bb = pair.p.arena().block_bytes() as u32;
+    assert!(bb >= 4096 && pair.p.arena().num_blocks() >= 16 && pair.d.arena().num_blocks() >= 16);
+    for b in 0..16 {
+        fill_block(pair.p.arena(), b, 500 + u64::from(b));
+    }
+    let mut segments = vec![
+        seg(3, 0, 0, 0, bb),            // a whole block
+        seg(5, 2048, 1, 1024, 1024),    // a slice, landing at another offset
+        seg(5, 0, 2, bb - 96, 96),      // the same destination block again: named once
+        seg(6, 0, 4, 0, 0),             // empty
+        seg(6, 4000 - 333, 7, 17, 333), // odd sizes and offsets
+    ];
+    segments.extend((8..16).map(|b| seg(b, 0, 23 - b, 0, bb))); // bulk, reversed
+    let expected = expected_after_write(&pair, &segments);
+    pair.gate.snapshot_on_release(Arc::clone(&pair.d_arena));
+    let op =
+        WriteOp { key: b"transfer-1/attempt-0".to_vec(), segments, notif: Some(b"write-done".to_vec()), tag: b"prompt-digest".to_vec() };
+    let (p, peer) = (Arc::clone(&pair.p), pair.d.name().to_owned());
+    let write = tokio::spawn(async move { p.write(&peer, op).await });
+
+    let (from, bytes) = next_notif(&mut pair.d_events).await;
+    assert_eq!((from.as_str(), bytes.as_slice()), (pair.p.name(), &b"write-done"[..]));
+    assert!(whole(pair.d.arena()) == expected, "every byte landed at D before D got the notification");
+    within("the write", write).await.expect("write task").expect("write ok");
+    assert!(whole(pair.d.arena()) == expected, "D's arena holds exactly the written bytes, nothing else");
+    let blocks: Vec<u32> = [3, 5, 6].into_iter().chain(8..16).collect();
+    assert_eq!(
+        pair.gate.calls(),
+        vec![(pair.p.name().to_owned(), b"transfer-1/attempt-0".to_vec(), blocks, b"prompt-digest".to_vec())],
+        "the gate saw the key, the destination blocks in order and the tag"
+    );
+    assert_eq!((pair.gate.granted(), pair.gate.live()), (1, 0), "the permit was dropped once the write ended");
+    assert!(pair.gate.at_release() == vec![expected], "the permit was held until the last byte landed");
+
+    // An empty write completes too, and still notifies.
+    let op = WriteOp { key: b"k2".to_vec(), segments: vec![], notif: Some(b"empty".to_vec()), tag: Vec::new() };
+    within("an empty write", pair.p.write(pair.d.name(), op)).await.expect("empty write ok");
+    assert_eq!(next_notif(&mut pair.d_events).await.1, b"empty");
+    assert!(pair.p_events.try_recv().is_err(), "the writer gets no notification of its own write");
+}
+
+/// SPEC U4, U8: a write the receiver's gate refuses (its registration ended) fails on P with
+/// `WriteRefused`, lands not a byte, and delivers no notification; the link keeps working.
+pub(crate) async fn scenario_u4_u8_refused_write_lands_nothing(mut pair: WritePair) {
+    let bb = pair.p.arena().block_bytes() as u32;
+    for b in 0..4 {
+        fill_block(pair.p.arena(), b, 40 + u64::from(b));
+    }
+    pair.gate.refuse(b"ended");
+    let op = WriteOp {
+        key: b"ended".to_vec(),
+        segments: vec![seg(0, 0, 0, 0, bb), seg(1, 0, 1, 0, bb)],
+        notif: Some(b"nope".to_vec()),
+        tag: Vec::new(),
+    };
+    let r = within("a refused write", pair.p.write(pair.d.name(), op)).await;
+    assert_eq!(r, Err(TransportError::WriteRefused { peer: pair.d.name().to_owned() }));
+    assert!(whole(pair.d.arena()).iter().all(|&b| b == 0), "no byte of a refused write lands");
+    assert_eq!((pair.gate.granted(), pair.gate.live()), (0, 0));
+    // The refused write's notification was never delivered: the next one D sees is this one.
+    let op = WriteOp { key: b"live".to_vec(), segments: vec![seg(2, 0, 2, 0, bb)], notif: Some(b"ok".to_vec()), tag: Vec::new() };
+    within("an accepted write", pair.p.write(pair.d.name(), op)).await.expect("a live registration is written");
+    assert_eq!(next_notif(&mut pair.d_events).await.1, b"ok");
+    assert!(block(pair.d.arena(), 2) == block(pair.p.arena(), 2));
+    assert!(block(pair.d.arena(), 0).iter().all(|&b| b == 0));
+}
+
+/// SPEC U8, S2: a write naming blocks outside either arena fails with `OutOfRange` before the
+/// receiver's gate is asked, lands nothing, and the link keeps working; so does one naming an
+/// unknown peer (`UnknownPeer`).
+pub(crate) async fn scenario_u8_out_of_range_write(pair: WritePair) {
+    let bb = pair.p.arena().block_bytes() as u32;
+    let (pn, dn) = (pair.p.arena().num_blocks(), pair.d.arena().num_blocks());
+    let bad = [
+        seg(dn, 0, 0, 0, 16),             // no such destination block
+        seg(0, bb - 8, 0, 0, 16),         // past the destination block's end
+        seg(0, u32::MAX, 0, 0, u32::MAX), // offset + len overflow
+        seg(u32::MAX, 0, 0, 0, 1),
+        seg(0, 0, pn, 0, 16),    // no such source block
+        seg(0, 0, 0, bb - 1, 2), // past the source block's end
+    ];
+    fill_block(pair.p.arena(), 1, 9);
+    for s in bad {
+        let op = WriteOp { key: b"k".to_vec(), segments: vec![seg(1, 0, 1, 0, 8), s], notif: Some(b"x".to_vec()), tag: Vec::new() };
+        match within("an out-of-range write", pair.p.write(pair.d.name(), op)).await {
+            Err(TransportError::OutOfRange(msg)) => assert!(!msg.is_empty()),
+            other => panic!("{s:?}: expected OutOfRange, got {other:?}"),
+        }
+    }
+    assert!(pair.gate.calls().is_empty(), "out-of-range writes never reach the gate");
+    assert!(whole(pair.d.arena()).iter().all(|&b| b == 0), "nothing of them landed");
+    let op = WriteOp { key: b"k".to_vec(), segments: vec![seg(1, 0, 1, 0, bb)], notif: None, tag: Vec::new() };
+    within("a good write", pair.p.write(pair.d.name(), op.clone())).await.expect("still writing");
+    assert!(block(pair.d.arena(), 1) == block(pair.p.arena(), 1));
+    assert_eq!(pair.p.write("nobody", op).await, Err(TransportError::UnknownPeer("nobody".into())));
+    assert!(pair.p.can_refuse_writes() && pair.d.can_refuse_writes());
 }

@@ -1,6 +1,7 @@
 //! Tests of the nixl backend against the real NIXL library (UCX over TCP on loopback), so the
 //! backend's promises are checked where they can break: addressing, binary payloads, the order
-//! of a READ's data and its notification, S2 filtering and authentication, dead peers.
+//! of a READ's (and a WRITE's) data and its notification, S2 filtering and authentication, dead
+//! peers.
 //!
 //! Run them one at a time (several NIXL agents start and stop in this process; NIXL is only
 //! used one agent pair at a time in nixl-sys's own tests):
@@ -18,7 +19,7 @@
 
 use hmac::{Hmac, Mac};
 use kvlease_transport::nixl::{self, NixlAgent, NixlOptions};
-use kvlease_transport::{Agent, AgentEvent, BlockArena, OpenGate, ReadOp, Segment, TransportError};
+use kvlease_transport::{Agent, AgentEvent, BlockArena, OpenGate, ReadOp, Segment, TransportError, WriteOp};
 use sha2::Sha256;
 use std::io::Write;
 use std::sync::Arc;
@@ -604,4 +605,92 @@ async fn nixl_replayed_notifications_are_dropped_and_reordered_ones_taken_once_s
     p.agent.remove_peer(&rn);
     drop(p);
     drop(raw);
+}
+
+fn write_op(segments: Vec<Segment>, notif: Option<&[u8]>) -> WriteOp {
+    WriteOp { key: b"transfer-1/attempt-0".to_vec(), segments, notif: notif.map(<[u8]>::to_vec), tag: b"digest".to_vec() }
+}
+
+/// Push mode (SPEC §13, U4): a NIXL WRITE of P's blocks lands byte-exact in D's blocks at the
+/// addresses D's metadata announced (different geometries, partial segments), and D gets the
+/// WRITE's notification only after the data landed. D cannot refuse it (SPEC U8 is the fence
+/// over NIXL): D set no write gate, and the write lands anyway.
+#[tokio::test]
+async fn nixl_u4_write_lands_byte_exact_then_notifies_d_which_cannot_refuse_it() {
+    if !nixl_ready("u4_write_lands_byte_exact_then_notifies_d_which_cannot_refuse_it") {
+        return;
+    }
+    const BLOCK: usize = 1024 * 1024;
+    let p = node("wr-p", 16, BLOCK).await;
+    let mut d = node("wr-d", 18, BLOCK / 2).await;
+    introduce(&p, &d).await;
+    assert!(!p.agent.can_refuse_writes() && !d.agent.can_refuse_writes());
+    // remote = D's block (of BLOCK / 2 bytes), local = P's block (of BLOCK bytes).
+    let mut segments: Vec<Segment> = (0..16).map(|b| seg(17 - b, 0, b, (b % 2) * (BLOCK as u32 / 2), BLOCK as u32 / 2)).collect();
+    segments.push(seg(0, 100, 3, 7, 1000)); // a slice, at offsets on both sides
+    segments.push(seg(1, 0, 0, 0, 0)); // nothing
+    for round in 0..2u8 {
+        fill(p.agent.arena(), round.wrapping_mul(29).wrapping_add(3));
+        let src = image(p.agent.arena());
+        let mut want = image(d.agent.arena());
+        for s in &segments {
+            let (from, to) = (s.local_offset as usize, s.remote_offset as usize);
+            want[s.remote_block as usize][to..to + s.len as usize]
+                .copy_from_slice(&src[s.local_block as usize][from..from + s.len as usize]);
+        }
+        let notif = [1u8, round, 0xff];
+        let (d_arena_of, pn) = (Arc::clone(&d.agent), p.agent.name().to_owned());
+        let watcher = async {
+            let got = recv_notif(&mut d.events, &pn, "the write's notification").await;
+            assert_eq!(got, notif);
+            assert!(image(d_arena_of.arena()) == want, "round {round}: the data landed before D got the notification");
+        };
+        let (written, ()) = tokio::join!(p.agent.write(d.agent.name(), write_op(segments.clone(), Some(&notif))), watcher);
+        written.expect("write");
+        assert!(image(d.agent.arena()) == want, "D's arena holds exactly the bytes written, nothing else");
+    }
+    p.agent.write(d.agent.name(), write_op(vec![], Some(b"empty write"))).await.expect("empty write");
+    assert_eq!(recv_notif(&mut d.events, p.agent.name(), "the empty write's notification").await, b"empty write");
+    quiet(&mut d.events, Duration::from_millis(100)).await;
+}
+
+/// SPEC U8, S2 over NIXL: a write naming blocks outside either arena, or an unknown peer, is
+/// refused before anything is posted; a write to a peer that died fails with `Disconnected`
+/// (SPEC U6: P's driver reports it).
+#[tokio::test]
+async fn nixl_u6_u8_out_of_range_and_dead_peer_writes_fail() {
+    if !nixl_ready("u6_u8_out_of_range_and_dead_peer_writes_fail") {
+        return;
+    }
+    let p = node("wf-p", 4, 4096).await;
+    let mut d = node("wf-d", 8, 1024).await;
+    introduce(&p, &d).await;
+    let dn = d.agent.name().to_owned();
+    let out_of_range = [
+        seg(8, 0, 0, 0, 1),        // D's block 8 of 8
+        seg(7, 1000, 0, 0, 25),    // past the end of D's block
+        seg(0, 0, 4, 0, 1),        // our block 4 of 4
+        seg(0, 0, 3, 4000, 100),   // past the end of our block
+        seg(0, u32::MAX, 0, 0, 2), // offsets that overflow
+    ];
+    for s in out_of_range {
+        let r = p.agent.write(&dn, write_op(vec![seg(0, 0, 0, 0, 16), s], Some(b"x"))).await;
+        assert!(matches!(r, Err(TransportError::OutOfRange(_))), "{s:?}: {r:?}");
+    }
+    assert_eq!(p.agent.write("nobody", write_op(vec![seg(0, 0, 0, 0, 1)], None)).await, Err(TransportError::UnknownPeer("nobody".into())));
+    quiet(&mut d.events, Duration::from_millis(100)).await;
+    assert!(image(d.agent.arena()).iter().all(|b| b.iter().all(|&x| x == 0)), "nothing of them landed");
+
+    fill(p.agent.arena(), 9);
+    p.agent.write(&dn, write_op(vec![seg(7, 1023, 3, 4095, 1)], None)).await.expect("a good write after refusals");
+    assert_eq!(image(d.agent.arena())[7][1023], pattern(9, 3, 4095));
+
+    d.agent.shutdown();
+    tokio::time::timeout(Duration::from_secs(10), d.agent.closed()).await.expect("D's thread exits");
+    drop(d);
+    let mut p = p;
+    let r = tokio::time::timeout(Duration::from_secs(10), p.agent.write(&dn, write_op(vec![seg(0, 0, 0, 0, 1024)], Some(b"x")))).await;
+    assert_eq!(r.expect("fails promptly"), Err(TransportError::Disconnected(dn.clone())));
+    assert_eq!(recv(&mut p.events, "disconnect event").await, AgentEvent::Disconnected { peer: dn.clone() });
+    assert_eq!(p.agent.write(&dn, write_op(vec![seg(0, 0, 0, 0, 1)], None)).await, Err(TransportError::Disconnected(dn)));
 }

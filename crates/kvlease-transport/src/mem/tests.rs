@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::testing::*;
-use crate::{OpenGate, ReadOp};
+use crate::{OpenGate, ReadOp, WriteOp};
 
 fn agent(net: &MemNetwork, name: &str, blocks: u32, block_bytes: usize, gate: Arc<dyn ReadGate>) -> (Arc<MemAgent>, Events) {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -152,4 +152,118 @@ async fn networks_are_isolated_from_each_other() {
     let (a, _a_events) = agent(&n1, "a", 1, 64, Arc::new(OpenGate));
     let (_b, _b_events) = agent(&n2, "b", 1, 64, Arc::new(OpenGate));
     assert!(matches!(a.add_peer(b"b").await, Err(TransportError::Io(_))));
+}
+
+// ---- writes (push mode, SPEC §13) ----
+
+fn write_pair_on(net: &MemNetwork, blocks: u32, block_bytes: usize) -> (Arc<MemAgent>, Events, Arc<MemAgent>, Events, TestWriteGate) {
+    let gate = TestWriteGate::new();
+    let (p, p_events) = agent(net, "p", blocks, block_bytes, Arc::new(OpenGate));
+    let (d, d_events) = agent(net, "d", blocks, block_bytes, Arc::new(OpenGate));
+    d.set_write_gate(Arc::new(gate.clone()));
+    (p, p_events, d, d_events, gate)
+}
+
+async fn write_pair(blocks: u32, block_bytes: usize) -> WritePair {
+    let net = MemNetwork::new();
+    let (p, p_events, d, d_events, gate) = write_pair_on(&net, blocks, block_bytes);
+    connect(&p, &d).await;
+    let d_arena = Arc::clone(&d.arena);
+    WritePair { p, p_events, d, d_events, gate, d_arena }
+}
+
+fn whole_blocks(n: u32, bb: u32) -> WriteOp {
+    WriteOp { key: b"k".to_vec(), segments: (0..n).map(|b| seg(b, 0, b, 0, bb)).collect(), notif: Some(b"done".to_vec()), tag: Vec::new() }
+}
+
+#[tokio::test]
+async fn u4_write_lands_byte_identical_then_notifies_d() {
+    scenario_u4_write_round_trip(write_pair(16, 64 * 1024).await).await;
+}
+
+#[tokio::test]
+async fn u4_u8_refused_write_fails_with_write_refused_and_lands_nothing() {
+    scenario_u4_u8_refused_write_lands_nothing(write_pair(8, 4096).await).await;
+}
+
+#[tokio::test]
+async fn u8_out_of_range_write_fails_without_reaching_the_gate() {
+    scenario_u8_out_of_range_write(write_pair(8, 4096).await).await;
+}
+
+/// SPEC U4: an agent whose engine never set a write gate refuses every write.
+#[tokio::test]
+async fn u4_an_agent_without_a_write_gate_refuses_every_write() {
+    let net = MemNetwork::new();
+    let (p, _p_events) = agent(&net, "p", 4, 4096, Arc::new(OpenGate));
+    let (d, mut d_events) = agent(&net, "d", 4, 4096, Arc::new(OpenGate));
+    connect(&p, &d).await;
+    fill_block(&p.arena, 0, 1);
+    assert_eq!(p.write("d", whole_blocks(1, 4096)).await, Err(TransportError::WriteRefused { peer: "d".into() }));
+    assert!(whole(&d.arena).iter().all(|&b| b == 0));
+    assert!(d_events.try_recv().is_err());
+}
+
+/// The simulator's faults apply to writes (SPEC U6, U7): a slow write lands only after its
+/// delay; a failed one lands its first half, fails with `Disconnected`, notifies nothing and
+/// drops its permit; a link cut while a write is on its way fails it without landing it.
+#[tokio::test(start_paused = true)]
+async fn u6_u7_write_faults_slow_writes_land_late_failed_ones_land_half_and_fail() {
+    let net = MemNetwork::new();
+    let (p, _p_events, d, mut d_events, gate) = write_pair_on(&net, 4, 4096);
+    connect(&p, &d).await;
+    for b in 0..4 {
+        fill_block(&p.arena, b, 70 + u64::from(b));
+    }
+
+    net.set_faults(Faults { write_delay: (Duration::from_secs(2), Duration::from_secs(2)), ..Faults::default() });
+    let started = tokio::time::Instant::now();
+    let p2 = Arc::clone(&p);
+    let write = tokio::spawn(async move { p2.write("d", whole_blocks(4, 4096)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(whole(&d.arena).iter().all(|&b| b == 0), "a slow write has not landed before its delay");
+    assert_eq!(gate.live(), 1, "but it holds its permit: the blocks are not reused under it");
+    assert_eq!(write.await.expect("write task"), Ok(()));
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    assert!((0..4).all(|b| block(&d.arena, b) == block(&p.arena, b)));
+    assert_eq!(next_notif(&mut d_events).await.1, b"done");
+
+    // Cut while on its way: fails, lands nothing.
+    for b in 0..4 {
+        fill_block(&p.arena, b, 90 + u64::from(b));
+    }
+    let before = whole(&d.arena);
+    let p2 = Arc::clone(&p);
+    let write = tokio::spawn(async move { p2.write("d", whole_blocks(4, 4096)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    net.partition("p", "d", true);
+    assert_eq!(write.await.expect("write task"), Err(TransportError::Disconnected("d".into())));
+    assert!(whole(&d.arena) == before, "nothing of a write whose link broke on the way landed");
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Disconnected { peer: "p".into() });
+    net.partition("p", "d", false);
+
+    net.set_faults(Faults { write_fail: 1.0, ..Faults::default() });
+    let r = p.write("d", whole_blocks(4, 4096)).await;
+    assert_eq!(r, Err(TransportError::Disconnected("d".into())));
+    assert!((0..2).all(|b| block(&d.arena, b) == block(&p.arena, b)), "the first half landed");
+    assert!((2..4).all(|b| block(&d.arena, b) == before[b as usize * 4096..(b as usize + 1) * 4096]), "the rest did not");
+    assert_eq!(gate.live(), 0, "the failed write's permit was dropped");
+    assert!(d_events.try_recv().is_err(), "a failed write delivers no notification");
+}
+
+/// Unfenced (as NIXL): D cannot refuse writes, its gate is not asked, and the write lands; the
+/// fencing is the core's deadline rules (SPEC U8).
+#[tokio::test]
+async fn u8_unfenced_writes_are_not_shown_to_the_gate_as_over_nixl() {
+    let net = MemNetwork::new();
+    let (p, _p_events, d, mut d_events, gate) = write_pair_on(&net, 2, 4096);
+    connect(&p, &d).await;
+    net.set_faults(Faults { unfenced: true, ..Faults::default() });
+    assert!(!p.can_refuse_writes() && !d.can_refuse_writes());
+    gate.refuse(b"k");
+    fill_block(&p.arena, 0, 5);
+    assert_eq!(p.write("d", whole_blocks(1, 4096)).await, Ok(()));
+    assert!(block(&d.arena, 0) == block(&p.arena, 0));
+    assert!(gate.calls().is_empty(), "the gate never saw the write");
+    assert_eq!(next_notif(&mut d_events).await.1, b"done");
 }

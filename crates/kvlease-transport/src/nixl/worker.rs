@@ -3,8 +3,8 @@
 //! its notifications and transfer completions can only be polled; so this thread does all NIXL
 //! calls, takes the API's commands from a channel, and polls in between, sleeping briefly.
 //!
-//! It never unloads a peer's NIXL metadata while reads from that peer are in flight (their
-//! requests refer to its connection): removals and re-adds wait for those reads to end.
+//! It never unloads a peer's NIXL metadata while reads from (or writes to) that peer are in
+//! flight (their requests refer to its connection): removals and re-adds wait for them to end.
 //!
 //! It seals every notification it sends and opens every one it receives (SPEC S2; see the nixl
 //! module doc): it owns the counters and replay windows, so they need no lock.
@@ -41,8 +41,10 @@ pub(super) enum Cmd {
         peer: String,
         bytes: Vec<u8>,
     },
-    /// A READ of `(local address, remote address, len)` descriptors, checked by the API.
-    Read {
+    /// A READ (pull) or WRITE (push) of `(local address, remote address, len)` descriptors,
+    /// checked by the API: the same NIXL transfer, the other way round.
+    Xfer {
+        op: XferOp,
         peer: String,
         descs: Vec<(usize, usize, usize)>,
         notif: Option<Vec<u8>>,
@@ -303,7 +305,7 @@ impl Worker {
                     }
                 }
             }
-            Cmd::Read { peer, descs, notif, reply } => self.start_read(peer, &descs, notif, reply),
+            Cmd::Xfer { op, peer, descs, notif, reply } => self.start_xfer(op, peer, &descs, notif, reply),
             Cmd::Shutdown => return false,
         }
         true
@@ -432,10 +434,13 @@ impl Worker {
         }
     }
 
-    // ---- reads ----
+    // ---- reads and writes ----
 
-    fn start_read(
+    /// Posts a READ or a WRITE; a WRITE is tracked as a read is (its peer's metadata stays
+    /// loaded until it ends).
+    fn start_xfer(
         &mut self,
+        op: XferOp,
         peer: String,
         descs: &[(usize, usize, usize)],
         notif: Option<Vec<u8>>,
@@ -445,7 +450,8 @@ impl Worker {
             let _ = reply.send(Err(e));
             return;
         }
-        // Sealed now, sent by NIXL when the data has landed: later notifications may overtake it.
+        // Sealed now, sent by NIXL when the data has landed (here for a READ, at the peer for a
+        // WRITE): later notifications may overtake it.
         let notif = notif.map(|n| self.seal(&peer, n));
         if descs.is_empty() {
             // Nothing to move (NIXL refuses empty transfers): the notification goes alone.
@@ -461,7 +467,7 @@ impl Worker {
             return;
         }
         let notifies = notif.is_some();
-        let req = match self.create_read(&peer, descs, notif.as_deref()) {
+        let req = match self.create_xfer(op, &peer, descs, notif.as_deref()) {
             Ok(req) => req,
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -483,7 +489,13 @@ impl Worker {
         }
     }
 
-    fn create_read(&self, peer: &str, descs: &[(usize, usize, usize)], notif: Option<&[u8]>) -> Result<XferRequest, TransportError> {
+    fn create_xfer(
+        &self,
+        op: XferOp,
+        peer: &str,
+        descs: &[(usize, usize, usize)],
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, TransportError> {
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| io("descriptor list", e))?;
         let mut remote = XferDescList::new(MemType::Dram).map_err(|e| io("descriptor list", e))?;
         for &(l, r, len) in descs {
@@ -492,13 +504,15 @@ impl Worker {
         }
         let mut args = OptArgs::new().map_err(|e| io("transfer arguments", e))?;
         if let Some(n) = notif {
-            // Sent by NIXL once the READ's data has landed here.
+            // Sent by NIXL once the data has landed (here for a READ, at the peer for a WRITE).
             args.set_has_notification(true).map_err(|e| io("transfer arguments", e))?;
             args.set_notification_message(n).map_err(|e| io("transfer arguments", e))?;
         }
-        self.agent
-            .create_xfer_req(XferOp::Read, &local, &remote, peer, Some(&args))
-            .map_err(|e| io(&format!("cannot create a READ from {peer}"), e))
+        let what = match op {
+            XferOp::Read => format!("cannot create a READ from {peer}"),
+            XferOp::Write => format!("cannot create a WRITE to {peer}"),
+        };
+        self.agent.create_xfer_req(op, &local, &remote, peer, Some(&args)).map_err(|e| io(&what, e))
     }
 
     fn poll_xfers(&mut self) {

@@ -4,7 +4,7 @@
 use super::wire::{self, Outgoing};
 use super::*;
 use crate::testing::*;
-use crate::OpenGate;
+use crate::{OpenGate, WriteOp};
 use kvlease_core::auth::{Nonce, NONCE_LEN, TAG_LEN};
 use std::collections::BTreeMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -756,4 +756,219 @@ async fn proven_connections_waiting_for_add_peer_are_capped_apart_s2() {
     assert_eq!(recv(&mut over).await, None, "closed at once, unanswered");
     assert_eq!(next_event(&mut p_events).await, AgentEvent::Rejected { reason: "overloaded" });
     assert_eq!(p.inner.handshakes.load(Ordering::Relaxed), 1);
+}
+
+// ---- writes (push mode, SPEC §13) ----
+
+async fn write_pair(blocks: u32, block_bytes: usize, options: TcpOptions) -> WritePair {
+    let gate = TestWriteGate::new();
+    let (p, p_events) = agent("p", blocks, block_bytes, Arc::new(OpenGate), options.clone()).await;
+    let (d, d_events) = agent("d", blocks, block_bytes, Arc::new(OpenGate), options).await;
+    d.set_write_gate(Arc::new(gate.clone()));
+    connect(&p, &d).await;
+    let d_arena = Arc::clone(&d.inner.arena);
+    WritePair { p, p_events, d, d_events, gate, d_arena }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_write_lands_byte_identical_then_notifies_d() {
+    scenario_u4_write_round_trip(write_pair(16, 1024 * 1024, TcpOptions::default()).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_u8_refused_write_fails_with_write_refused_and_lands_nothing() {
+    scenario_u4_u8_refused_write_lands_nothing(write_pair(8, 4096, quick()).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u8_out_of_range_write_fails_without_reaching_the_gate() {
+    scenario_u8_out_of_range_write(write_pair(8, 4096, quick()).await).await;
+}
+
+/// SPEC U4: an engine that does not take pushed KV never set a write gate: every write into it
+/// is refused, and not a byte lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_an_agent_without_a_write_gate_refuses_every_write() {
+    let (p, _p_events) = agent("p", 4, 4096, Arc::new(OpenGate), quick()).await;
+    let (d, mut d_events) = agent("d", 4, 4096, Arc::new(OpenGate), quick()).await;
+    connect(&p, &d).await;
+    fill_block(p.arena(), 0, 3);
+    let op = WriteOp { key: b"k".to_vec(), segments: vec![seg(0, 0, 0, 0, 4096)], notif: Some(b"n".to_vec()), tag: Vec::new() };
+    assert_eq!(within("a write", p.write("d", op)).await, Err(TransportError::WriteRefused { peer: "d".into() }));
+    assert!(whole(d.arena()).iter().all(|&b| b == 0));
+    assert!(d_events.try_recv().is_err(), "no notification of a refused write");
+}
+
+/// SPEC P7, U4, U8: malformed write frames from a known peer are dropped and counted, never
+/// panic, and the stream stays in step; a write naming blocks outside D's arena or under a
+/// refused key lands nothing (its data is skipped); more data than a write named is refused; a
+/// cancelled write drops its permit without a notification. A well-formed write lands, is
+/// notified, then acknowledged: this pins the wire format.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_u8_malformed_out_of_range_and_cancelled_writes_from_a_peer_land_nothing_p7() {
+    let gate = TestWriteGate::new();
+    let (d, mut d_events) = agent("d", 8, 4096, Arc::new(OpenGate), quick()).await;
+    d.set_write_gate(Arc::new(gate.clone()));
+    let mut raw = raw_known_peer(&d, "raw").await;
+    let req_id_of = |body: &[u8]| u64::from_le_bytes(body[..8].try_into().expect("a request id"));
+
+    send(&mut raw, &Outgoing::raw(wire::WRITE_REQ, vec![1, 2, 3])).await; // shorter than its id: unanswerable
+    send(&mut raw, &Outgoing::raw(wire::WRITE_REQ, [&5u64.to_le_bytes()[..], &[0xff; 6]].concat())).await; // names itself
+    send(&mut raw, &Outgoing::raw(wire::WRITE_ACK, vec![0; 3])).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_ERR, vec![0; 3])).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_CANCEL, vec![0; 9])).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, vec![0; 5])).await; // data shorter than its id
+    send(&mut raw, &Outgoing::write_ack(12345)).await; // an answer to no write of ours: ignored
+    let (tally, others) = rejections(&mut d_events, 6).await;
+    assert_eq!(tally, BTreeMap::from([("malformed", 6)]));
+    assert!(others.is_empty(), "{others:?}");
+    let (kind, body) = recv(&mut raw).await.expect("an answer to the request that named itself");
+    assert_eq!((kind, wire::decode_read_err(&body).map(|e| (e.0, e.1))), (wire::WRITE_ERR, Some((5, wire::ERR_MALFORMED))));
+
+    // Outside the arena: refused before the gate, its data skipped.
+    send(&mut raw, &Outgoing::write_req(6, &[seg(8, 0, 0, 0, 16)], b"k", b"", Some(b"x"))).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&6u64.to_le_bytes()[..], &[1u8; 16]].concat())).await;
+    let (kind, body) = recv(&mut raw).await.expect("the refusal");
+    assert_eq!((kind, wire::decode_read_err(&body).map(|e| (e.0, e.1))), (wire::WRITE_ERR, Some((6, wire::ERR_OUT_OF_RANGE))));
+    assert!(gate.calls().is_empty());
+
+    // Under a refused key: refused by the gate, its data skipped.
+    gate.refuse(b"ended");
+    send(&mut raw, &Outgoing::write_req(7, &[seg(1, 0, 0, 0, 16)], b"ended", b"", Some(b"x"))).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&7u64.to_le_bytes()[..], &[1u8; 16]].concat())).await;
+    let (kind, body) = recv(&mut raw).await.expect("the refusal");
+    assert_eq!((kind, wire::decode_read_err(&body).map(|e| (e.0, e.1))), (wire::WRITE_ERR, Some((7, wire::ERR_REFUSED))));
+
+    // More data than the write named: refused, and its permit dropped.
+    send(&mut raw, &Outgoing::write_req(8, &[seg(2, 0, 0, 0, 16)], b"k", b"", Some(b"x"))).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&8u64.to_le_bytes()[..], &[1u8; 17]].concat())).await;
+    let (kind, body) = recv(&mut raw).await.expect("the refusal");
+    assert_eq!((kind, wire::decode_read_err(&body).map(|e| (e.0, e.1))), (wire::WRITE_ERR, Some((8, wire::ERR_MALFORMED))));
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Rejected { reason: "malformed" });
+
+    // Cancelled half-way: the permit goes, no notification, no answer, later data skipped.
+    send(&mut raw, &Outgoing::write_req(9, &[seg(3, 0, 0, 0, 64)], b"k", b"", Some(b"x"))).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&9u64.to_le_bytes()[..], &[2u8; 32]].concat())).await;
+    let g = gate.clone();
+    eventually("the cancelled write's permit to be taken", move || g.granted() == 2).await;
+    send(&mut raw, &Outgoing::write_cancel(9)).await;
+    let g = gate.clone();
+    eventually("the cancelled write's permit to be dropped", move || g.live() == 0).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&9u64.to_le_bytes()[..], &[3u8; 32]].concat())).await;
+    assert!(block(d.arena(), 3)[32..64].iter().all(|&b| b == 0), "nothing lands after the cancel");
+
+    // A well-formed write: request, data in two frames, then the notification and the ack.
+    send(&mut raw, &Outgoing::write_req(10, &[seg(4, 100, 0, 0, 16), seg(5, 0, 0, 0, 8)], b"key", b"tag", Some(b"done"))).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&10u64.to_le_bytes()[..], &[7u8; 10]].concat())).await;
+    send(&mut raw, &Outgoing::raw(wire::WRITE_DATA, [&10u64.to_le_bytes()[..], &[8u8; 14]].concat())).await;
+    assert_eq!(next_event(&mut d_events).await, AgentEvent::Notification { from: "raw".into(), bytes: b"done".to_vec() });
+    let (kind, body) = recv(&mut raw).await.expect("the ack");
+    assert_eq!((kind, req_id_of(&body), body.len()), (wire::WRITE_ACK, 10, 8));
+    assert_eq!(block(d.arena(), 4)[100..116], [[7u8; 10].as_slice(), &[8u8; 6]].concat()[..]);
+    assert_eq!(block(d.arena(), 5)[..8], [8u8; 8]);
+    assert!(block(d.arena(), 1).iter().chain(block(d.arena(), 0).iter()).all(|&b| b == 0), "refused writes landed nothing");
+    assert_eq!(gate.calls().last(), Some(&("raw".to_owned(), b"key".to_vec(), vec![4, 5], b"tag".to_vec())));
+    assert_eq!(gate.live(), 0);
+    assert!(d_events.try_recv().is_err(), "no other notification: not of refused, cancelled or malformed writes");
+}
+
+/// A write whose connection drops half-way fails with `Disconnected` (the driver then reports
+/// the failure, SPEC U6), as does one still waiting for its answer; the peer's death is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u6_write_fails_with_disconnected_when_the_connection_drops_mid_write() {
+    let (p, mut p_events) = agent("p", 8, 64 * 1024, Arc::new(OpenGate), quick()).await;
+    for b in 0..8 {
+        fill_block(p.arena(), b, u64::from(b));
+    }
+    for half_way in [false, true] {
+        let mut raw = raw_known_peer(&p, "raw").await;
+        let op =
+            WriteOp { key: b"k".to_vec(), segments: (0..8).map(|b| seg(b, 0, b, 0, 64 * 1024)).collect(), notif: None, tag: Vec::new() };
+        let p2 = Arc::clone(&p);
+        let write = tokio::spawn(async move { p2.write("raw", op).await });
+        let (kind, _) = recv(&mut raw).await.expect("the write request");
+        assert_eq!(kind, wire::WRITE_REQ, "the request comes before its data");
+        if half_way {
+            let (kind, body) = recv(&mut raw).await.expect("data");
+            assert_eq!(kind, wire::WRITE_DATA);
+            let source: Vec<u8> = (0..8).flat_map(|b| block(p.arena(), b)).collect();
+            assert!(body[8..] == source[..body.len() - 8], "the data is P's blocks, in order");
+        }
+        drop(raw);
+        assert_eq!(within("the write", write).await.expect("write task"), Err(TransportError::Disconnected("raw".into())));
+        assert_eq!(next_event(&mut p_events).await, AgentEvent::Disconnected { peer: "raw".into() });
+        p.remove_peer("raw");
+    }
+}
+
+/// A write future dropped before its answer cancels the write at the peer: `WriteCancel` is
+/// sent, and no data of it follows the cancel (P stops reading its source blocks at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_dropped_write_future_cancels_the_write_at_the_peer() {
+    // More than loopback's socket buffers hold, so the writer is still sending when it is dropped.
+    const BLOCKS: u32 = 48;
+    let (p, _p_events) = agent("p", BLOCKS, 1024 * 1024, Arc::new(OpenGate), TcpOptions::default()).await;
+    let mut raw = raw_known_peer(&p, "raw").await;
+    let segments = (0..BLOCKS).map(|b| seg(b, 0, b, 0, 1024 * 1024)).collect();
+    let op = WriteOp { key: b"k".to_vec(), segments, notif: None, tag: Vec::new() };
+    let p2 = Arc::clone(&p);
+    let write = tokio::spawn(async move { p2.write("raw", op).await });
+    let (kind, body) = recv(&mut raw).await.expect("the write request");
+    assert_eq!(kind, wire::WRITE_REQ);
+    let req_id = u64::from_le_bytes(body[..8].try_into().expect("an id"));
+    write.abort();
+    let _ = write.await;
+    let mut data = 0usize;
+    loop {
+        let (kind, body) = recv(&mut raw).await.expect("frames until the cancel");
+        match kind {
+            wire::WRITE_DATA => data += body.len() - 8,
+            wire::WRITE_CANCEL => {
+                assert_eq!(wire::decode_req_id(&body), Some(req_id));
+                break;
+            }
+            other => panic!("unexpected frame kind {other}"),
+        }
+    }
+    assert!(data < BLOCKS as usize * 1024 * 1024, "the cancel came before all the data");
+    // Nothing of the write follows its cancel: the next frame is the notification sent now.
+    p.send_notif("raw", b"after".to_vec()).expect("queued");
+    assert_eq!(recv(&mut raw).await, Some((wire::NOTIF, b"after".to_vec())));
+}
+
+/// Writes and reads share a connection's writer: a 16 MiB write P → D and a 16 MiB read by D of
+/// P's blocks, at once, both land intact, with their notifications after their data; a write
+/// whose request would exceed the frame limit is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_writes_and_reads_at_once_on_one_connection_both_land_intact() {
+    const MIB: usize = 1024 * 1024;
+    let mut pair = write_pair(32, MIB, quick()).await;
+    for b in 0..32 {
+        fill_block(pair.p.arena(), b, 3000 + u64::from(b));
+    }
+    let write = WriteOp {
+        key: b"k".to_vec(),
+        segments: (0..16).map(|b| seg(b, 0, b, 0, MIB as u32)).collect(),
+        notif: Some(b"written".to_vec()),
+        tag: Vec::new(),
+    };
+    let read = ReadOp {
+        lease_id: 1,
+        segments: (16..32).map(|b| seg(b, 0, b, 0, MIB as u32)).collect(),
+        notif: Some(b"read".to_vec()),
+        tag: Vec::new(),
+    };
+    let (w, r) =
+        within("a write and a read at once", async { tokio::join!(pair.p.write(pair.d.name(), write), pair.d.read(pair.p.name(), read)) })
+            .await;
+    assert_eq!((w, r), (Ok(()), Ok(())));
+    assert!((0..32).all(|b| block(pair.d.arena(), b) == block(pair.p.arena(), b)), "both transfers landed intact");
+    assert_eq!(next_notif(&mut pair.d_events).await.1, b"written");
+    assert_eq!(next_notif(&mut pair.p_events).await.1, b"read");
+
+    let too_big = WriteOp { key: b"k".to_vec(), segments: vec![seg(0, 0, 0, 0, 8)], notif: Some(vec![0; 2 * MIB]), tag: Vec::new() };
+    assert!(matches!(pair.p.write(pair.d.name(), too_big).await, Err(TransportError::Io(_))));
+    let too_long_key = WriteOp { key: vec![0; crate::MAX_WRITE_KEY + 1], segments: vec![], notif: None, tag: Vec::new() };
+    assert!(matches!(pair.p.write(pair.d.name(), too_long_key).await, Err(TransportError::Io(_))));
+    assert_eq!(pair.gate.granted(), 1, "refused before anything was sent");
 }

@@ -19,6 +19,17 @@
 //! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) · tag (u16 + bytes, for the gate) |
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |
 //! | ReadErr | req_id u64 · code u8 (1 refused, 2 out of range) · UTF-8 message |
+//! | WriteReq | req_id u64 · count u32 · count × (block u32, offset u32, len u32) · key (u16 + bytes) · tag (u16 + bytes) · notif flag u8 (0 none, 1 some) · the notification (the rest) |
+//! | WriteData | req_id u64 · the next bytes of the segments, in order; none for a write of 0 bytes |
+//! | WriteAck | req_id u64: every byte landed, and the notification was delivered |
+//! | WriteErr | req_id u64 · code u8 (1 refused, 2 out of range, 3 malformed) · UTF-8 message: nothing more lands |
+//! | WriteCancel | req_id u64: the writer gave up; no more data follows, and the receiver drops the write |
+//!
+//! A write (push mode, SPEC §13) is sent without waiting for an answer: the request, then its
+//! data. The receiver asks its write gate when the request arrives and answers `WriteErr` at
+//! once on a refusal, skipping the data that follows: a refused write costs its bytes on the
+//! wire, not a round trip for every write that is not refused. The segments name the
+//! receiver's blocks, as its registration `key` does, never addresses.
 
 use crate::{Segment, TransportError};
 use kvlease_core::auth::{Nonce, Tag, NONCE_LEN, TAG_LEN};
@@ -45,6 +56,9 @@ pub(super) const MAX_HELLO: usize = 4 + 1 + 2 + MAX_NAME + 2 + MAX_NAME + NONCE_
 /// counted in the fixed part).
 pub(super) const READ_REQ_FIXED: usize = 8 + 8 + 4 + 2;
 pub(super) const READ_REQ_PER_SEGMENT: usize = 12;
+/// Bytes of a `WriteReq` body besides the segments (12 each), the key, the tag and the
+/// notification: req_id, count, the two length prefixes and the notification flag.
+pub(super) const WRITE_REQ_FIXED: usize = 8 + 4 + 2 + 2 + 1;
 
 pub(super) const HELLO: u8 = 1;
 pub(super) const HELLO_ACK: u8 = 2;
@@ -56,9 +70,15 @@ pub(super) const READ_ERR: u8 = 7;
 pub(super) const HELLO_CHALLENGE: u8 = 8;
 pub(super) const HELLO_PROOF: u8 = 9;
 pub(super) const HELLO_REFUSED: u8 = 10;
+pub(super) const WRITE_REQ: u8 = 11;
+pub(super) const WRITE_DATA: u8 = 12;
+pub(super) const WRITE_ACK: u8 = 13;
+pub(super) const WRITE_ERR: u8 = 14;
+pub(super) const WRITE_CANCEL: u8 = 15;
 
 pub(super) const ERR_REFUSED: u8 = 1;
 pub(super) const ERR_OUT_OF_RANGE: u8 = 2;
+pub(super) const ERR_MALFORMED: u8 = 3;
 
 /// A cursor over untrusted bytes; every accessor is bounds-checked.
 struct Bytes<'a>(&'a [u8]);
@@ -219,7 +239,54 @@ pub(super) fn decode_read_req(body: &[u8]) -> Option<ReadReq> {
     Some(ReadReq { req_id, lease_id, segments, tag: b.0.to_vec() })
 }
 
-/// `(req_id, code, message)`.
+/// A peer asks to write into our blocks (push mode).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct WriteReq {
+    pub req_id: u64,
+    /// Our blocks, as our registration named them.
+    pub segments: Vec<RemoteSegment>,
+    pub key: Vec<u8>,
+    pub tag: Vec<u8>,
+    pub notif: Option<Vec<u8>>,
+}
+
+pub(super) fn decode_write_req(body: &[u8]) -> Option<WriteReq> {
+    let mut b = Bytes(body);
+    let req_id = b.u64()?;
+    let count = b.u32()? as usize;
+    // Checked before allocating, so a lying count cannot make us reserve memory.
+    let seg_bytes = count.checked_mul(READ_REQ_PER_SEGMENT)?;
+    if b.0.len() < seg_bytes.checked_add(WRITE_REQ_FIXED - 12)? {
+        return None;
+    }
+    let mut segments = Vec::with_capacity(count);
+    for _ in 0..count {
+        segments.push(RemoteSegment { block: b.u32()?, offset: b.u32()?, len: b.u32()? });
+    }
+    let key_len = b.u16()? as usize;
+    if key_len > crate::MAX_WRITE_KEY {
+        return None;
+    }
+    let key = b.take(key_len)?.to_vec();
+    let tag_len = b.u16()? as usize;
+    if tag_len > MAX_TAG {
+        return None;
+    }
+    let tag = b.take(tag_len)?.to_vec();
+    let notif = match b.u8()? {
+        0 if b.is_empty() => None,
+        1 => Some(b.rest().to_vec()),
+        _ => return None,
+    };
+    Some(WriteReq { req_id, segments, key, tag, notif })
+}
+
+/// The request id of a `WriteAck` or `WriteCancel`.
+pub(super) fn decode_req_id(body: &[u8]) -> Option<u64> {
+    body.try_into().ok().map(u64::from_le_bytes)
+}
+
+/// `(req_id, code, message)` of a `ReadErr` or a `WriteErr`.
 pub(super) fn decode_read_err(body: &[u8]) -> Option<(u64, u8, String)> {
     let mut b = Bytes(body);
     let req_id = b.u64()?;
@@ -229,10 +296,19 @@ pub(super) fn decode_read_err(body: &[u8]) -> Option<(u64, u8, String)> {
 
 /// The header of a `ReadData` frame carrying `payload` bytes.
 pub(super) fn read_data_header(req_id: u64, payload: usize) -> [u8; HEADER_LEN + 8] {
+    data_header(READ_DATA, req_id, payload)
+}
+
+/// The header of a `WriteData` frame carrying `payload` bytes.
+pub(super) fn write_data_header(req_id: u64, payload: usize) -> [u8; HEADER_LEN + 8] {
+    data_header(WRITE_DATA, req_id, payload)
+}
+
+fn data_header(kind: u8, req_id: u64, payload: usize) -> [u8; HEADER_LEN + 8] {
     let mut h = [0u8; HEADER_LEN + 8];
     // A data frame carries at most one chunk, far below 4 GiB.
     h[..4].copy_from_slice(&((payload + 8) as u32).to_le_bytes());
-    h[4] = READ_DATA;
+    h[4] = kind;
     h[5..].copy_from_slice(&req_id.to_le_bytes());
     h
 }
@@ -331,6 +407,48 @@ impl Outgoing {
         Outgoing::new(READ_ERR, body)
     }
 
+    /// A write request; the caller keeps the key within [`crate::MAX_WRITE_KEY`] (checked by
+    /// the agent); a longer tag is cut at [`MAX_TAG`], as a read's is.
+    pub fn write_req(req_id: u64, segments: &[Segment], key: &[u8], tag: &[u8], notif: Option<&[u8]>) -> Outgoing {
+        let key = &key[..key.len().min(crate::MAX_WRITE_KEY)];
+        let tag = &tag[..tag.len().min(MAX_TAG)];
+        let extra = key.len() + tag.len() + notif.map_or(0, <[u8]>::len);
+        let mut body = Vec::with_capacity(WRITE_REQ_FIXED + READ_REQ_PER_SEGMENT * segments.len() + extra);
+        body.extend_from_slice(&req_id.to_le_bytes());
+        body.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+        for s in segments {
+            body.extend_from_slice(&s.remote_block.to_le_bytes());
+            body.extend_from_slice(&s.remote_offset.to_le_bytes());
+            body.extend_from_slice(&s.len.to_le_bytes());
+        }
+        body.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        body.extend_from_slice(key);
+        body.extend_from_slice(&(tag.len() as u16).to_le_bytes());
+        body.extend_from_slice(tag);
+        match notif {
+            None => body.push(0),
+            Some(n) => {
+                body.push(1);
+                body.extend_from_slice(n);
+            }
+        }
+        Outgoing::new(WRITE_REQ, body)
+    }
+
+    pub fn write_ack(req_id: u64) -> Outgoing {
+        Outgoing::new(WRITE_ACK, req_id.to_le_bytes().to_vec())
+    }
+
+    pub fn write_err(req_id: u64, code: u8, message: &str) -> Outgoing {
+        let mut f = Outgoing::read_err(req_id, code, message);
+        f.head[4] = WRITE_ERR;
+        f
+    }
+
+    pub fn write_cancel(req_id: u64) -> Outgoing {
+        Outgoing::new(WRITE_CANCEL, req_id.to_le_bytes().to_vec())
+    }
+
     /// Any kind and body, for tests that speak the protocol badly on purpose.
     #[cfg(test)]
     pub fn raw(kind: u8, body: Vec<u8>) -> Outgoing {
@@ -423,5 +541,85 @@ mod tests {
         assert_eq!(decode_read_req(&[1, 2, 3]), None);
         assert_eq!(decode_read_err(Outgoing::read_err(4, ERR_REFUSED, "no").body()), Some((4, ERR_REFUSED, "no".into())));
         assert_eq!(decode_read_err(&[0; 8]), None);
+    }
+
+    /// Push mode's frames (SPEC U4, U8): a write request round-trips with and without its tag
+    /// and notification, and every truncation, extension, flip and lie decodes to a request or
+    /// `None`, never a panic.
+    #[test]
+    fn u4_write_frames_round_trip_and_malformed_ones_are_refused_without_panics() {
+        let segs = [
+            Segment { remote_block: 3, remote_offset: 16, local_block: 9, local_offset: 0, len: 100 },
+            Segment { remote_block: 4, remote_offset: 0, local_block: 1, local_offset: 8, len: 7 },
+        ];
+        let w = Outgoing::write_req(5, &segs, b"key-1", b"digest", Some(b"done"));
+        assert_eq!(w.head()[4], WRITE_REQ);
+        let expected = WriteReq {
+            req_id: 5,
+            segments: vec![RemoteSegment { block: 3, offset: 16, len: 100 }, RemoteSegment { block: 4, offset: 0, len: 7 }],
+            key: b"key-1".to_vec(),
+            tag: b"digest".to_vec(),
+            notif: Some(b"done".to_vec()),
+        };
+        assert_eq!(decode_write_req(w.body()), Some(expected));
+        let bare = Outgoing::write_req(6, &[], &[], &[], None);
+        assert_eq!(decode_write_req(bare.body()), Some(WriteReq { req_id: 6, segments: vec![], key: vec![], tag: vec![], notif: None }));
+        assert_eq!(bare.body().len(), WRITE_REQ_FIXED);
+        let empty_notif = Outgoing::write_req(7, &segs[..1], b"k", b"", Some(b""));
+        assert_eq!(decode_write_req(empty_notif.body()).and_then(|r| r.notif), Some(Vec::new()), "an empty notification is still one");
+        // Cut anywhere before the notification, the request is refused.
+        let fixed_end = w.body().len() - 4;
+        for n in 0..fixed_end {
+            assert_eq!(decode_write_req(&w.body()[..n]), None, "truncated to {n}");
+        }
+        assert_eq!(decode_write_req(&[bare.body(), &[0]].concat()), None, "bytes after 'no notification' are refused");
+        let mut flag = bare.body().to_vec();
+        *flag.last_mut().expect("flag") = 2;
+        assert_eq!(decode_write_req(&flag), None, "an unknown notification flag is refused");
+        let mut lying = w.body().to_vec();
+        lying[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_write_req(&lying), None, "a count that does not match the body is refused");
+        let mut long_key = bare.body().to_vec();
+        long_key[12..14].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(decode_write_req(&long_key), None, "a key longer than MAX_WRITE_KEY is refused");
+        let cut = Outgoing::write_req(1, &[], &vec![7; crate::MAX_WRITE_KEY + 5], &vec![8; MAX_TAG + 5], None);
+        let cut = decode_write_req(cut.body()).expect("cut to the limits");
+        assert_eq!((cut.key.len(), cut.tag.len()), (crate::MAX_WRITE_KEY, MAX_TAG));
+        for i in 0..w.body().len() {
+            for v in [0u8, 1, 0x7f, 0x80, 0xff] {
+                let mut m = w.body().to_vec();
+                m[i] = v;
+                let _ = decode_write_req(&m);
+            }
+        }
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for len in 0..256 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            let _ = decode_write_req(&junk);
+            let _ = decode_req_id(&junk);
+            let _ = decode_read_err(&junk);
+        }
+        let ack = Outgoing::write_ack(9);
+        assert_eq!((ack.head()[4], decode_req_id(ack.body())), (WRITE_ACK, Some(9)));
+        let cancel = Outgoing::write_cancel(10);
+        assert_eq!((cancel.head()[4], decode_req_id(cancel.body())), (WRITE_CANCEL, Some(10)));
+        assert_eq!(decode_req_id(&[0; 7]), None);
+        assert_eq!(decode_req_id(&[0; 9]), None);
+        let err = Outgoing::write_err(11, ERR_REFUSED, "registration ended");
+        assert_eq!(err.head()[4], WRITE_ERR);
+        assert_eq!(decode_read_err(err.body()), Some((11, ERR_REFUSED, "registration ended".into())));
+        let h = write_data_header(12, 100);
+        assert_eq!(
+            (u32::from_le_bytes([h[0], h[1], h[2], h[3]]), h[4], u64::from_le_bytes(h[5..].try_into().expect("8"))),
+            (108, WRITE_DATA, 12)
+        );
+        assert_eq!(read_data_header(12, 100)[4], READ_DATA, "the read path's frames are unchanged");
     }
 }
