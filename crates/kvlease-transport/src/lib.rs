@@ -24,6 +24,7 @@ pub mod nixl;
 pub mod tcp;
 #[cfg(test)]
 mod testing;
+pub mod tls;
 
 pub use arena::{ArenaError, BlockArena, OutOfRange};
 
