@@ -116,10 +116,26 @@ async fn prefill(p: &Proc, prompt: &str) -> Value {
 /// (D pulled over mutual TLS on the tcp agents) and D recomputed nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s6_p_d_over_mutual_tls_answer_as_local() {
-    let pki = Pki::new("pd");
+    p_d_over_mutual_tls("tcp").await;
+}
+
+/// SPEC S6 (1) over NIXL: the side channel (Hello, releases) runs mutual TLS as over tcp; NIXL's
+/// own notifications and reads are not under TLS (they keep the secret's per-notification
+/// proof), so this proves the certificates do not stop a NIXL pair, not that its data plane is
+/// encrypted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_nixl_p_d_with_certificates_answer_as_local() {
+    if nixl_or_skip() {
+        p_d_over_mutual_tls("nixl").await;
+    }
+}
+
+async fn p_d_over_mutual_tls(transport: &str) {
+    let pki = Pki::new(&format!("pd-{transport}"));
     let cfg = lease_config(30.0);
-    let p = Proc::serve("s6-p", &refs(&with(&pki.flags("s6-p", false), &["--kv-transfer-config", &cfg])));
-    let d = Proc::serve("s6-d", &refs(&with(&pki.flags("s6-d", false), &["--kv-transfer-config", &cfg])));
+    let more = ["--kv-transfer-config", &cfg, "--transport", transport];
+    let p = Proc::serve("s6-p", &refs(&with(&pki.flags("s6-p", false), &more)));
+    let d = Proc::serve("s6-d", &refs(&with(&pki.flags("s6-d", false), &more)));
     let local = Proc::serve("s6-local", &[]);
     let proxy = Proc::proxy(&[&p], &[&d]);
     let long = "many blocks of prompt ".repeat(40);
@@ -140,13 +156,25 @@ async fn s6_p_d_over_mutual_tls_answer_as_local() {
 /// its deadline, as `expired`, never `released` by a stranger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s6_a_decoder_of_another_ca_transfers_nothing() {
-    let pki = Pki::new("ca");
+    decoder_of_another_ca("tcp").await;
+}
+
+/// SPEC S6 (2) over NIXL: the refused side channel introduces no NIXL agent, so nothing is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_nixl_a_decoder_of_another_ca_transfers_nothing() {
+    if nixl_or_skip() {
+        decoder_of_another_ca("nixl").await;
+    }
+}
+
+async fn decoder_of_another_ca(transport: &str) {
+    let pki = Pki::new(&format!("ca-{transport}"));
     let cfg = lease_config(2.0);
-    let p = Proc::serve("s6ca-p", &refs(&with(&pki.flags("s6ca-p", false), &["--kv-transfer-config", &cfg])));
+    let p = Proc::serve("s6ca-p", &refs(&with(&pki.flags("s6ca-p", false), &["--kv-transfer-config", &cfg, "--transport", transport])));
     let log = pki.dir.join("d.log");
     let d = Proc::serve_logging_to(
         "s6ca-d",
-        &refs(&with(&pki.flags("s6ca-d", true), &["--kv-transfer-config", &cfg, "--log-level", "warn"])),
+        &refs(&with(&pki.flags("s6ca-d", true), &["--kv-transfer-config", &cfg, "--log-level", "warn", "--transport", transport])),
         std::fs::File::create(&log).expect("log file").into(),
     );
     let local = Proc::serve("s6ca-local", &[]);
