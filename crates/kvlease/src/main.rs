@@ -65,7 +65,7 @@ enum LogFormat {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run one engine behind the OpenAI API (P, D or both, per request's kv_transfer_params).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Route requests through a prefill engine then a decode engine (vLLM toy-proxy flags).
     Proxy(ProxyArgs),
     /// Send closed-loop load to /v1/completions and print requests/s and latency percentiles.
@@ -439,7 +439,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await,
+            Command::Serve(args) => serve(*args).await,
             Command::Proxy(args) => proxy(args).await,
             Command::Load(args) => load::run(args).await,
             Command::Sim(args) => sim::run(args),
