@@ -201,7 +201,9 @@ async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: Box<dyn Stream>, m
                 r = tokio::time::timeout(side_channel::PROOF_TIMEOUT, tls.accept(stream)) => r,
             };
             match accepted {
+                // Silent past the deadline, or closed without a word: a probe, nothing to count.
                 Err(_) => return,
+                Ok(Err(e)) if e.is_silent_close() => return,
                 Ok(Err(e)) => {
                     tracing::warn!("handshake refused: {e}");
                     inner.metrics.rejected("unauthenticated");

@@ -596,6 +596,7 @@ impl Inner {
                 match accepted {
                     None => return,
                     Some(Err(_)) => return self.reject("unknown_agent"),
+                    Some(Ok(Err(e))) if e.is_silent_close() => return,
                     Some(Ok(Err(e))) => {
                         let from = ends.map_or_else(|| "?".to_string(), |(_, p)| p.to_string());
                         tracing::warn!("tcp agent {}: refusing a connection from {from}: {e}", self.name);

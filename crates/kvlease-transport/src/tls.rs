@@ -74,6 +74,14 @@ pub enum PeerError {
     Mismatch { cert: String, claimed: String },
 }
 
+impl PeerError {
+    /// The peer closed before the handshake was done, without an alert: a port probe (a health
+    /// check, a scan) or a peer giving up; not worth a warning nor a count.
+    pub fn is_silent_close(&self) -> bool {
+        matches!(self, PeerError::Handshake(e) if e.kind() == std::io::ErrorKind::UnexpectedEof)
+    }
+}
+
 /// This engine's certificate, key and cluster CA, ready to accept and dial; cheap to clone, and
 /// replaced in place by a refresh.
 #[derive(Clone)]
