@@ -403,3 +403,55 @@ async fn s6_a_certificate_of_another_engine_is_refused_naming_both() {
     let e = x.connect(tcp, "s6n-q").await.expect_err("refused").to_string();
     assert_eq!(e, "its certificate is engine \"s6n-p\"'s but it claims to be engine \"s6n-q\"");
 }
+
+/// Replaces `to` by `from`'s content in one rename, as a rotation tool does.
+fn replace(from: &std::path::Path, to: &std::path::Path) {
+    let tmp = to.with_extension("new");
+    std::fs::copy(from, &tmp).expect("copy");
+    std::fs::rename(&tmp, to).expect("rename");
+}
+
+/// SPEC S6: certificates rotate without a restart. The cluster moves to a new CA; P already has
+/// its certificate of the new CA, D still the old one, so D cannot handshake with P and
+/// recomputes. D's three files are then replaced in place (key, certificate, CA, one after the
+/// other, so D sees broken sets on the way and keeps its old one meanwhile); D's next handshake
+/// uses the new set and pulls from P.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_rotated_certificates_are_used_for_new_connections_without_a_restart() {
+    let (old, new) = (Pki::new("rotate-old"), Pki::new("rotate-new"));
+    let cfg = lease_config(30.0);
+    let p = Proc::serve("s6r-p", &refs(&with(&new.flags("s6r-p", false), &["--kv-transfer-config", &cfg])));
+    let d = Proc::serve("s6r-d", &refs(&with(&old.flags("s6r-d", false), &["--kv-transfer-config", &cfg])));
+    let local = Proc::serve("s6r-local", &[]);
+    let run = |i: usize| {
+        let (p, d, local) = (p.url.clone(), d.url.clone(), local.url.clone());
+        async move {
+            let prompt = format!("rotation {i}");
+            let want = text(&local, &completion(&prompt, 4, None)).await;
+            let (status, body) =
+                post(&format!("{p}/v1/completions"), &completion(&prompt, 1, Some(&json!({"do_remote_decode": true})))).await;
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(text(&d, &completion(&prompt, 4, Some(&body["kv_transfer_params"]))).await, want);
+        }
+    };
+    run(0).await;
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0, "the old CA cannot reach P");
+
+    let fresh = new.files("s6r-d", false);
+    let (cert, key, ca) = (old.dir.join("s6r-d.pem"), old.dir.join("s6r-d.key"), old.dir.join("ca.pem"));
+    replace(&fresh.key, &key);
+    replace(&fresh.cert, &cert);
+    replace(&fresh.ca, &ca);
+    let transferred = "kvlease_leases_released_total{reason=\"transferred\"}";
+    let mut i = 1;
+    until("D pulls from P with its rotated certificate", DEADLINE, || {
+        i += 1;
+        let go = run(i);
+        let p = p.url.clone();
+        async move {
+            go.await;
+            metric(&p, transferred).await >= 1.0
+        }
+    })
+    .await;
+}
