@@ -13,7 +13,9 @@
 //! with [`Agent::can_refuse_reads`]; the engine then relies on the `ReadDone` acknowledgement
 //! alone (SPEC D6).
 //! The networked backends take the cluster secret and accept a peer's name only with proof that
-//! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
+//! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2). With per-engine
+//! certificates ([`tls`], SPEC S6) `tcp` also runs mutual TLS and accepts a peer's name only if
+//! its certificate is that engine's; the engine's side channel uses the same [`tls`].
 
 pub mod admission;
 mod arena;
