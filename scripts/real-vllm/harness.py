@@ -849,6 +849,10 @@ def main() -> int:
     if rep.reported_errors:
         print(f"real-vllm: {rep.reported_errors} request(s) ended in an error, none with a wrong answer (reported, not judged: --errors report)")
     print(f"real-vllm: {passed} passed, {len(rep.failed)} failed")
+    # Again last, so that a log's tail (CI keeps only that) names what failed.
+    for l in rep.lines:
+        if " FAIL " in l:
+            print(l[:2000])
     return 1 if rep.failed else 0
 
 

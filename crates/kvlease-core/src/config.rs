@@ -202,7 +202,7 @@ impl Default for LeaseConfig {
 /// The whole `--kv-transfer-config`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvTransferConfig {
-    /// `NixlConnector` or `KvLeaseConnector`, as given.
+    /// `NixlConnector`, `NixlPullConnector` or `KvLeaseConnector`, as given.
     pub kv_connector: String,
     pub kv_role: KvRole,
     /// `engine_id` if the config names one.
@@ -221,6 +221,15 @@ impl KvTransferConfig {
         let kv_connector = match top.get("kv_connector") {
             None => "NixlConnector".to_string(),
             Some(Value::String(s)) if CONNECTORS.contains(&s.as_str()) => s.clone(),
+            Some(Value::String(s)) if s == "NixlPushConnector" => {
+                return Err(ConfigError::Invalid {
+                    key: "kv_connector",
+                    why: format!(
+                        "\"NixlPushConnector\" (push mode, SPEC §13) is not served by kvlease's engines yet (issue 24); \
+                         use pull mode, one of {CONNECTORS:?}"
+                    ),
+                })
+            }
             Some(v) => {
                 return Err(ConfigError::Invalid { key: "kv_connector", why: format!("{v} is not supported; use one of {CONNECTORS:?}") })
             }
@@ -271,7 +280,9 @@ impl Default for KvTransferConfig {
     }
 }
 
-const CONNECTORS: [&str; 2] = ["NixlConnector", "KvLeaseConnector"];
+/// Pull mode under vLLM's names (`NixlPullConnector` is `NixlConnector`'s name beside push mode)
+/// and kvlease's own.
+const CONNECTORS: [&str; 3] = ["NixlConnector", "NixlPullConnector", "KvLeaseConnector"];
 
 /// vLLM's `KVTransferConfig` fields: accepted silently, used where they mean something here.
 const KNOWN_TOP_KEYS: [&str; 13] = [
@@ -434,6 +445,16 @@ mod tests {
         }
         assert!(matches!(KvTransferConfig::parse("{not json"), Err(ConfigError::Json(_))));
         assert!(matches!(KvTransferConfig::parse("[]"), Err(ConfigError::Json(_))));
+    }
+
+    /// vLLM's names for the two modes: pull is served under either name; push is refused,
+    /// naming the mode and what to use instead, until kvlease's engines push (issue 24).
+    #[test]
+    fn kv_connector_takes_vllms_pull_name_and_refuses_push_by_name() {
+        let (c, _) = KvTransferConfig::parse(r#"{"kv_connector":"NixlPullConnector"}"#).unwrap();
+        assert_eq!(c.kv_connector, "NixlPullConnector");
+        let err = KvTransferConfig::parse(r#"{"kv_connector":"NixlPushConnector"}"#).unwrap_err().to_string();
+        assert!(err.contains("kv_connector") && err.contains("push mode") && err.contains("NixlPullConnector"), "{err}");
     }
 
     #[test]

@@ -21,6 +21,7 @@
 
 use crate::config::LeaseConfig;
 use crate::lease_table::{Answer, Holder, LeaseTable, ReleaseReason, Released};
+use crate::pull::PlantedBug;
 use crate::wire::Message;
 use crate::{LeaseId, Nanos};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -109,6 +110,10 @@ pub struct IssuedLeases<T> {
     /// on holds (D reads while an acknowledged renewal covers it, D6).
     early_renewed: HashMap<u64, Holder>,
     stats: IssuedStats,
+    /// A bug the connector's simulator must find ([`PlantedBug::EarlyRenewalDropped`],
+    /// [`PlantedBug::ConfirmExpiredRead`]). Never set outside the simulator's own tests.
+    #[doc(hidden)]
+    pub planted: Option<PlantedBug>,
 }
 
 impl<T> IssuedLeases<T> {
@@ -124,6 +129,7 @@ impl<T> IssuedLeases<T> {
             early_n: 0,
             early_renewed: HashMap::new(),
             stats: IssuedStats::default(),
+            planted: None,
         }
     }
 
@@ -157,7 +163,7 @@ impl<T> IssuedLeases<T> {
     /// lease runs at least E from now and is that engine's (SPEC P2, S5).
     pub fn name(&mut self, id: LeaseId, issued: u64, now: Nanos, released: &mut Vec<Released<T>>) -> bool {
         self.highest = self.highest.max(issued);
-        let renewed = self.early_renewed.remove(&issued);
+        let renewed = self.early_renewed.remove(&issued).filter(|_| self.planted != Some(PlantedBug::EarlyRenewalDropped));
         if !self.early_renewed.is_empty() {
             // Ids below the highest named can no longer come: their renewals renewed nothing.
             let highest = self.highest;
@@ -407,6 +413,9 @@ impl<T> IssuedLeases<T> {
         for r in released {
             if let Some(issued) = self.issued_of.remove(&r.lease_id) {
                 self.by_issued.remove(&issued);
+                if r.reason == ReleaseReason::Expired && self.planted == Some(PlantedBug::ConfirmExpiredRead) {
+                    self.remember_read(issued, None);
+                }
             }
         }
     }

@@ -180,7 +180,8 @@ pub struct Pull {
 }
 
 /// Bugs the deterministic simulator must be able to find: each skips one of the core's checks
-/// (the pull's, or the router's: [`crate::route`]). Never set outside the simulator's own tests.
+/// (the pull's, the router's: [`crate::route`], or a vLLM P's: [`crate::issued`]). Never set outside the
+/// simulators' own tests.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlantedBug {
@@ -203,6 +204,13 @@ pub enum PlantedBug {
     /// answer reached the client (SPEC O2 allows it only before): the client gets the first
     /// decoder's tokens and then the second's whole answer.
     RetryAfterFirstByte,
+    /// vLLM's P before 6ee67ac ([`crate::issued::IssuedLeases`]): a renewal of a lease not
+    /// granted yet is answered "not lost" but dropped, not applied at the grant, so the
+    /// acknowledgement D reads on does not hold (vLLM's grant may come with less than E left).
+    EarlyRenewalDropped,
+    /// [`crate::issued::IssuedLeases`] answers a `ReadDone` of a lease that expired as if the
+    /// lease had ended by its read: confirmed, though its blocks may have been reused (P5).
+    ConfirmExpiredRead,
 }
 
 impl PlantedBug {

@@ -71,6 +71,18 @@ pub struct SideChannelRelease {
     pub why: NotRead,
 }
 
+impl SideChannelRelease {
+    /// How many of these leases P's answer released: none when an incarnation other than the
+    /// one that granted them answered (it holds none of them), else every one it did not name
+    /// lost.
+    pub fn released_by(&self, answered_by: u64, lost: &[LeaseId]) -> usize {
+        if self.granted_by != 0 && self.granted_by != answered_by {
+            return 0;
+        }
+        self.lease_ids.len().saturating_sub(lost.len())
+    }
+}
+
 /// Why D releases leases over the side channel instead of reading them (SPEC O4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NotRead {

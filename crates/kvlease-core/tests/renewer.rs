@@ -450,6 +450,11 @@ fn o4_releases_without_a_link_go_over_the_side_channel() {
     };
     assert_eq!(side_releases(&acts), vec![want.clone()], "{acts:?}");
     assert!(sent(&acts, "P").is_empty(), "nothing over the agents: there is no link");
+    // What P's answer released: all but what it named lost, and nothing when another
+    // incarnation than the granting one answered.
+    assert_eq!(want.released_by(11, &[2]), 1);
+    assert_eq!(want.released_by(12, &[]), 0, "another incarnation holds none of them");
+    assert_eq!(SideChannelRelease { granted_by: 0, ..want.clone() }.released_by(12, &[]), 2, "granting incarnation unknown");
     assert!(side_releases(&poll(&mut r, at(3))).is_empty(), "one delivery at a time");
     // Unreachable too: retried after a back-off.
     r.side_release_done(&want, Err(()), at(4));

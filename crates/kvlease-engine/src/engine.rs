@@ -6,7 +6,7 @@ use crate::metrics::Metrics;
 use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
 use crate::scheduler::{self, SchedMsg, Seq};
-use crate::state::{lock, Inner, Tasks, Woken};
+use crate::state::{Inner, Tasks, Woken};
 use crate::{agents, lease_holder, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
 use kvlease_core::holder::LeaseHolder;
@@ -91,8 +91,7 @@ impl EngineHandle {
             pool,
             ranks: OnceLock::new(),
             kv_addr: OnceLock::new(),
-            holder: Mutex::new(holder),
-            reaper_wake: Notify::new(),
+            holder: Woken::new(holder),
             renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),
             read_acks: Mutex::new(BTreeMap::new()),
@@ -109,7 +108,7 @@ impl EngineHandle {
         // From here on, a failed start stops whatever was started (the owner's drop).
         let ranks = agents::start(&inner).await?;
         let fenced = crate::pull::reads_are_fenced(&ranks);
-        lock(&inner.holder).set_fenced_reads(fenced);
+        inner.holder.lock().set_fenced_reads(fenced);
         inner.renewer.lock().set_fenced_reads(fenced);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
@@ -323,7 +322,7 @@ impl EngineHandle {
 
     /// Whether P still holds lease `lease_id` (the simulator's reclaim check).
     pub fn holds_lease(&self, lease_id: u64) -> bool {
-        lock(&self.inner.holder).is_live(lease_id)
+        self.inner.holder.lock().is_live(lease_id)
     }
 
     /// Live leases on this engine's blocks.

@@ -461,7 +461,7 @@ pub(crate) async fn release_over_side_channel(inner: Arc<Inner>, batch: SideChan
     let n = batch.lease_ids.len();
     let outcome = match result.and_then(|r| r) {
         Ok((incarnation, lost)) => {
-            let released = if batch.granted_by == 0 || batch.granted_by == incarnation { n - lost.len().min(n) } else { 0 };
+            let released = batch.released_by(incarnation, &lost);
             inner.metrics.side_channel_releases.inc_by(released as u64);
             tracing::info!(engine = %batch.engine_id, "released {released} of {n} leases over the side channel at {addr}: {why}");
             Ok(incarnation)

@@ -6,7 +6,7 @@
 //! call, carry out (free blocks, metrics, logs, wake the reaper).
 
 use crate::pool::Blocks;
-use crate::state::{lock, Inner};
+use crate::state::Inner;
 use crate::{FinishReason, GenerateEvent};
 use kvlease_core::holder::{Granted, LeaseHolder, Settled};
 use kvlease_core::lease_table::{Evicted, ReadTicket, ReleaseReason};
@@ -33,7 +33,7 @@ pub(crate) struct PrefillDone {
 pub(crate) fn with_holder<R>(inner: &Inner, f: impl FnOnce(&mut LeaseHolder<Blocks>, Nanos, &mut Settled<Blocks>) -> R) -> R {
     let mut out = Settled::default();
     let r = {
-        let mut holder = lock(&inner.holder);
+        let mut holder = inner.holder.lock();
         let r = f(&mut holder, inner.now(), &mut out);
         if out.changed {
             inner.metrics.leases_active.set(holder.live() as i64);
@@ -61,7 +61,7 @@ fn carry_out(inner: &Inner, out: Settled<Blocks>) {
     }
     drop(out.freed);
     if out.rearm {
-        inner.reaper_wake.notify_one();
+        inner.holder.wake();
     }
 }
 
@@ -212,7 +212,7 @@ pub(crate) async fn reaper(inner: Arc<Inner>) {
             continue;
         }
         // Registered before sleeping: a grant between the poll and here is not missed.
-        let woken = inner.reaper_wake.notified();
+        let woken = inner.holder.woken();
         match next {
             Some(t) => {
                 let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
@@ -252,7 +252,7 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let (Some(inner), Some(ticket)) = (self.inner.upgrade(), self.ticket.take()) else { return };
         // A lease released under this reader hands its blocks back only now.
-        let blocks = lock(&inner.holder).end_read(ticket);
+        let blocks = inner.holder.lock().end_read(ticket);
         drop(blocks);
     }
 }
@@ -278,7 +278,7 @@ pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) 
 
 /// Live leases (for the simulator's reclaim check and diagnostics).
 pub(crate) fn live_leases(inner: &Inner) -> usize {
-    lock(&inner.holder).live()
+    inner.holder.lock().live()
 }
 
 #[cfg(test)]

@@ -92,10 +92,9 @@ pub(crate) struct Inner {
     pub pool: Arc<BlockPool>,
     pub ranks: OnceLock<Vec<Rank>>,
     pub kv_addr: OnceLock<SocketAddr>,
-    /// P: leases on our blocks, and blocks an unfenced READ may still target (SPEC P5, D6).
-    pub holder: Mutex<LeaseHolder<Blocks>>,
-    /// Wakes the reaper when the holder's next wake-up may have moved earlier.
-    pub reaper_wake: Notify,
+    /// P: leases on our blocks, and blocks an unfenced READ may still target (SPEC P5, D6); the
+    /// reaper is woken when the holder's next wake-up may have moved earlier.
+    pub holder: Woken<LeaseHolder<Blocks>>,
     /// D: renewals of leases on remote blocks, and the registry of remote engines.
     pub renewer: Woken<Renewer>,
     /// Signalled on every acknowledgement or lost lease, for pulls waiting to read. A `Notify`,

@@ -139,16 +139,16 @@ impl ProxyConfig {
 
     /// Pairs `--*-hosts` with `--*-ports` as the toy proxy does; one host may serve many ports.
     /// A host may be written `https://host` (SPEC S6: the engine speaks HTTPS) or `http://host`.
-    pub fn pair(what: &str, hosts: &[String], ports: &[u16]) -> Result<Vec<Upstream>, String> {
+    pub fn pair(what: &str, hosts: &[String], ports: &[u16]) -> Result<Vec<Upstream>, ProxyError> {
         if hosts.is_empty() || ports.is_empty() {
-            return Err(format!("--{what}-hosts and --{what}-ports need at least one value each"));
+            return Err(ProxyError(format!("--{what}-hosts and --{what}-ports need at least one value each")));
         }
         if hosts.len() != ports.len() && hosts.len() != 1 {
-            return Err(format!(
+            return Err(ProxyError(format!(
                 "--{what}-hosts has {} values but --{what}-ports has {}: give one port per host (or a single host)",
                 hosts.len(),
                 ports.len()
-            ));
+            )));
         }
         let hosts = hosts
             .iter()
@@ -161,9 +161,9 @@ impl ProxyConfig {
                 let host = host.strip_suffix('/').unwrap_or(host);
                 let port_in_it = host.contains(':') && host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::Ipv6Addr>().is_err();
                 if host.is_empty() || host.contains(['/', '?', '#', '@']) || port_in_it {
-                    return Err(format!(
+                    return Err(ProxyError(format!(
                         "--{what}-hosts {h:?} is not a host: give a name or address, optionally as https://host (the port goes in --{what}-ports)"
-                    ));
+                    )));
                 }
                 Ok((https, host.to_string()))
             })
@@ -1265,7 +1265,7 @@ mod tests {
         assert_eq!(two[1], Upstream::http("b", 2));
         let one_host = ProxyConfig::pair("decoder", &h(&["a"]), &[1, 2]).unwrap();
         assert_eq!(one_host[1].host, "a");
-        assert!(ProxyConfig::pair("decoder", &h(&["a", "b"]), &[1, 2, 3]).unwrap_err().contains("--decoder-hosts"));
+        assert!(ProxyConfig::pair("decoder", &h(&["a", "b"]), &[1, 2, 3]).unwrap_err().0.contains("--decoder-hosts"));
         assert_eq!(Upstream::http("::1", 8).url("/x"), "http://[::1]:8/x");
         // SPEC S6: https://host is an HTTPS upstream, on the port given beside it.
         let tls = ProxyConfig::pair("prefiller", &h(&["https://a", "http://b/", "https://[::1]"]), &[1, 2, 3]).unwrap();
@@ -1274,7 +1274,7 @@ mod tests {
         assert_eq!(tls[0].url("/health"), "https://a:1/health");
         for bad in ["https://", "https://a:1/x", "ftp://a", "https://a:1"] {
             let e = ProxyConfig::pair("prefiller", &h(&[bad]), &[1]).unwrap_err();
-            assert!(e.starts_with("--prefiller-hosts"), "{bad}: {e}");
+            assert!(e.0.starts_with("--prefiller-hosts"), "{bad}: {e}");
         }
     }
 }

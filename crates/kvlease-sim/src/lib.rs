@@ -2,6 +2,9 @@
 //!
 //! * [`cluster`]: several P and D engines — the real schedulers, lease holders, renewers, pulls
 //!   and handshakes — with seeded faults, every invariant checked (`kvlease sim --cluster`).
+//! * [`connector`]: the vLLM connector's protocol path — P's `IssuedLeases` and `Issuer`, D's
+//!   `Renewer` and `Pull`, wired as `python/kvlease/vllm.py` wires them — under seeded faults,
+//!   checked for P5/D6, P2, P3, P4, S5, held messages and liveness (`kvlease sim --connector`).
 //! * [`simulate`]: the policies of SPEC §1 side by side on the same seeded workload, on the same
 //!   real engines: `fixed` — P holds blocks until the read or a single timeout (vLLM's old 480 s,
 //!   or a short one), D never renews and reads whenever it gets to the request, with reads that,
@@ -16,6 +19,7 @@
 //! test that can be replayed forever.
 
 pub mod cluster;
+pub mod connector;
 pub mod heartbeat;
 
 use cluster::{collect, collect_timed, request, Answer, Req};

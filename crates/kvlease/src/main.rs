@@ -888,8 +888,8 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
         }
         None => (
             (
-                ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(InvalidConfig)?,
-                ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(InvalidConfig)?,
+                ProxyConfig::pair("prefiller", &args.prefiller_hosts, &args.prefiller_ports).map_err(|e| InvalidConfig(e.0))?,
+                ProxyConfig::pair("decoder", &args.decoder_hosts, &args.decoder_ports).map_err(|e| InvalidConfig(e.0))?,
             ),
             None,
         ),

@@ -6,6 +6,10 @@
 //! `kvlease sim --cluster`: the real engines of several P and D under deterministic simulation,
 //! faults drawn from each seed, every invariant checked; a failing seed prints its trace and the
 //! command that replays it.
+//!
+//! `kvlease sim --connector`: the vLLM connector's protocol path (P's `IssuedLeases`, D's
+//! `Renewer` and `Pull`, wired as `python/kvlease/vllm.py` wires them) under deterministic
+//! simulation, the same way.
 
 use clap::Args;
 use kvlease_sim::{simulate, Policy, Report, Routing, Scenario};
@@ -67,12 +71,16 @@ pub struct SimArgs {
     #[arg(long)]
     json: bool,
     /// Run the real engines of a seeded cluster under faults instead (seeds --seed.. --seed+--seeds).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["connector", "heartbeat_scale"])]
     cluster: bool,
-    /// With --cluster: how many seeds, from --seed.
+    /// Run the vLLM connector's protocol path under seeded faults instead: P's IssuedLeases, D's
+    /// Renewer and Pull, as python/kvlease/vllm.py wires them (seeds --seed.. --seed+--seeds).
+    #[arg(long, conflicts_with = "heartbeat_scale")]
+    connector: bool,
+    /// With --cluster or --connector: how many seeds, from --seed.
     #[arg(long, default_value_t = 1)]
     seeds: u64,
-    /// With --cluster: print each seed's trace, not only a failing one's.
+    /// With --cluster or --connector: print each seed's trace, not only a failing one's.
     #[arg(long)]
     trace: bool,
     /// Measure lease-renewal traffic at scale instead, at these live leases per P
@@ -142,10 +150,49 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--connector`: runs the seeds; the first that breaks an invariant is reported and fails.
+fn connector(a: &SimArgs) -> anyhow::Result<()> {
+    use kvlease_sim::connector::{report, Connector};
+    let started = std::time::Instant::now();
+    let (mut requests, mut simulated) = (0u64, Duration::ZERO);
+    for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
+        let out = Connector::from_seed(seed).run();
+        requests += out.requests as u64;
+        simulated += out.simulated;
+        if !out.violations.is_empty() {
+            eprint!("{}", report(&out));
+            anyhow::bail!("seed {seed} broke an invariant");
+        }
+        if a.trace {
+            print!("{}", report(&out));
+        }
+        println!(
+            "seed {seed}: {} requests ({} handed to two decoders); on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted; {:.1} s simulated: ok",
+            out.requests,
+            out.strays,
+            out.used,
+            out.recomputed,
+            out.failed,
+            out.aborted,
+            out.simulated.as_secs_f64()
+        );
+    }
+    let wall = started.elapsed().as_secs_f64();
+    println!(
+        "{} seeds, {requests} simulated requests ({:.0} s simulated) in {wall:.2} s of wall time",
+        a.seeds.max(1),
+        simulated.as_secs_f64()
+    );
+    Ok(())
+}
+
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
     // Each simulation runs its own single-threaded runtime under virtual time: not inside ours.
     if a.heartbeat_scale.is_some() {
         return heartbeat_scale(&a);
+    }
+    if a.connector {
+        return connector(&a);
     }
     std::thread::scope(|s| s.spawn(|| if a.cluster { cluster(&a) } else { policies(&a) }).join())
         .unwrap_or_else(|_| anyhow::bail!("the simulator panicked"))
