@@ -24,8 +24,12 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
         let gate: Arc<dyn ReadGate> = Arc::new(lease_holder::Gate { inner: Arc::downgrade(inner) });
         let agent: Arc<dyn Agent> = match &cfg.transport {
             TransportKind::Tcp => {
-                let options =
-                    kvlease_transport::tcp::TcpOptions { advertise: cfg.advertise_host, secret: cfg.secret.clone(), ..Default::default() };
+                let options = kvlease_transport::tcp::TcpOptions {
+                    advertise: cfg.advertise_host,
+                    secret: cfg.secret.clone(),
+                    tls: cfg.transfer_tls.clone(),
+                    ..Default::default()
+                };
                 TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
             }
             TransportKind::Mem(net) => net.agent(name, arena.clone(), gate, tx),

@@ -60,6 +60,15 @@ impl EngineHandle {
         if cfg.max_num_seqs == 0 {
             return Err(StartError::Config("--max-num-seqs must be at least 1".into()));
         }
+        if let Some(tls) = &cfg.transfer_tls {
+            // SPEC S6: peers know this engine by its certificate, so that is its id.
+            let cert = tls.engine_id();
+            if cfg.engine_id.is_empty() {
+                cfg.engine_id = cert;
+            } else if cfg.engine_id != cert {
+                return Err(StartError::Config(crate::ConfigError::EngineIdNotCert { engine_id: cfg.engine_id, cert }));
+            }
+        }
         if cfg.engine_id.is_empty() {
             cfg.engine_id = crate::ids::random_uuid_hex();
         }

@@ -8,6 +8,12 @@
 //! must say to be accepted — the echo, the engine id, the geometry, agents named for their engine
 //! (S5) — is decided in `kvlease_core::peers`, and what a new incarnation, a failed handshake or
 //! a duplicate engine id means for leases in the renewer. This module moves bytes and agents.
+//!
+//! With per-engine certificates (SPEC S6, [`kvlease_transport::tls`]) every side-channel
+//! connection runs mutual TLS first, and the peer is the engine its certificate names: a dialer
+//! checks that the engine it meant answers, and we refuse a Hello or a release that claims
+//! another engine than the dialer's certificate, naming both. The secret's proofs still run
+//! inside (under the empty key without a secret).
 
 use crate::lease_holder::with_holder;
 use crate::side_channel::{self, write_frame, DialError, Request};
@@ -92,6 +98,22 @@ async fn connect(transport: &TransportKind, addr: &str) -> std::io::Result<Box<d
     }
 }
 
+/// A side-channel connection to the engine `engine_id` at `addr`: with certificates (SPEC S6),
+/// inside mutual TLS with that engine's certificate.
+async fn connect_to(inner: &Inner, addr: &str, engine_id: &str) -> Result<Box<dyn Stream>, HandshakeFailed> {
+    let stream = connect(&inner.cfg.transport, addr).await.map_err(|e| HandshakeFailed::Connect(addr.to_string(), e))?;
+    match &inner.cfg.transfer_tls {
+        None => Ok(stream),
+        Some(tls) => match tls.connect(stream, engine_id).await {
+            Ok(s) => Ok(Box::new(s)),
+            Err(e) => {
+                inner.metrics.handshake_refused("certificate");
+                Err(HandshakeFailed::Certificate(addr.to_string(), e))
+            }
+        },
+    }
+}
+
 /// Why a handshake did not complete.
 #[derive(Debug, Error)]
 pub(crate) enum HandshakeFailed {
@@ -105,6 +127,9 @@ pub(crate) enum HandshakeFailed {
     Refused(#[from] Refused),
     #[error("cannot reach the peer's transfer agents: {0}")]
     Agents(String),
+    /// SPEC S6.
+    #[error("refusing the engine at {0}: {1}")]
+    Certificate(String, kvlease_transport::tls::PeerError),
 }
 
 /// Our engine's geometry, as handshakes compare it (SPEC T1).
@@ -148,7 +173,7 @@ pub(crate) async fn serve(inner: Arc<Inner>, mut listener: Listener) {
     let proven = Arc::new(Semaphore::new(side_channel::MAX_PROVEN));
     let key = Arc::new(cluster_key(&inner));
     loop {
-        let (mut stream, source) = match listener.accept().await {
+        let (stream, source) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -162,11 +187,34 @@ pub(crate) async fn serve(inner: Arc<Inner>, mut listener: Listener) {
             inner.metrics.rejected("overloaded");
         }
         let (inner2, key, proven) = (inner.clone(), key.clone(), proven.clone());
-        inner.tasks.spawn(async move { answer(&inner2, &key, &mut stream, place, &proven).await });
+        inner.tasks.spawn(async move { answer(&inner2, &key, stream, place, &proven).await });
     }
 }
 
-async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Stream>, mut place: Unproven, proven: &Arc<Semaphore>) {
+async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: Box<dyn Stream>, mut place: Unproven, proven: &Arc<Semaphore>) {
+    // SPEC S6: mutual TLS first; the dialer is then the engine its certificate names.
+    let (mut stream, cert) = match &inner.cfg.transfer_tls {
+        None => (stream, None),
+        Some(tls) => {
+            let accepted = tokio::select! {
+                _ = place.evicted() => return,
+                r = tokio::time::timeout(side_channel::PROOF_TIMEOUT, tls.accept(stream)) => r,
+            };
+            match accepted {
+                // Silent past the deadline, or closed without a word: a probe, nothing to count.
+                Err(_) => return,
+                Ok(Err(e)) if e.is_silent_close() => return,
+                Ok(Err(e)) => {
+                    tracing::warn!("handshake refused: {e}");
+                    inner.metrics.rejected("unauthenticated");
+                    inner.metrics.handshake_refused("certificate");
+                    return;
+                }
+                Ok(Ok((s, id))) => (Box::new(s) as Box<dyn Stream>, Some(id)),
+            }
+        }
+    };
+    let stream = &mut stream;
     let proof = tokio::select! {
         // A newcomer took its place (counted then).
         _ = place.evicted() => return,
@@ -187,6 +235,19 @@ async fn answer(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Strea
         Ok(Ok(r)) => r,
     };
     let t_recv = inner.now().0;
+    let claimed = match &request {
+        Request::Hello(h) => &h.engine_id,
+        Request::Release(r) => &r.engine_id,
+    };
+    if let Some(Err(e)) = cert.as_deref().map(|id| kvlease_transport::tls::check_claim(id, claimed)) {
+        // SPEC S6, S5 against insiders: a certificate speaks for its own engine only.
+        let reason = format!("engine {:?} refuses the peer: {e}", inner.cfg.engine_id);
+        tracing::warn!(peer = %claimed, "handshake refused: {reason}");
+        inner.metrics.rejected("unauthenticated");
+        inner.metrics.handshake_refused("certificate");
+        let _ = write_frame(stream, &Message::Refused { what: "certificate".into(), reason }).await;
+        return;
+    }
     match request {
         Request::Hello(hello) => answer_hello(inner, key, stream, hello, &dialer.nonces, t_recv).await,
         Request::Release(release) => {
@@ -312,7 +373,7 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
     let key = cluster_key(&inner);
     let result = async {
         let run = async {
-            let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| HandshakeFailed::Connect(addr.clone(), e))?;
+            let stream = connect_to(&inner, &addr, &engine_id).await?;
             Ok::<_, HandshakeFailed>(side_channel::exchange(stream, &addr, &key, ours.clone()).await?)
         };
         let theirs =
@@ -342,7 +403,11 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
                     format!("refused: {}", r.between(&inner.cfg.engine_id, &engine_id))
                 }
                 HandshakeFailed::Channel(DialError::Refused { what, .. }) => {
-                    inner.metrics.handshake_refused(if what == "geometry" { "geometry" } else { "other" });
+                    inner.metrics.handshake_refused(match what.as_str() {
+                        "geometry" => "geometry",
+                        "certificate" => "certificate",
+                        _ => "other",
+                    });
                     e.to_string()
                 }
                 e => e.to_string(),
@@ -388,7 +453,7 @@ pub(crate) async fn release_over_side_channel(inner: Arc<Inner>, batch: SideChan
     };
     let key = cluster_key(&inner);
     let run = async {
-        let stream = connect(&inner.cfg.transport, &addr).await.map_err(|e| HandshakeFailed::Connect(addr.clone(), e))?;
+        let stream = connect_to(&inner, &addr, &batch.engine_id).await?;
         Ok::<_, HandshakeFailed>(side_channel::release(stream, &addr, &key, release).await?)
     };
     let result = tokio::time::timeout(side_channel::HANDSHAKE_TIMEOUT, run).await.map_err(|_| HandshakeFailed::TimedOut(addr.clone()));

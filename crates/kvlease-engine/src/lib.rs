@@ -25,7 +25,9 @@ mod pull;
 mod release;
 mod renewal;
 mod scheduler;
-mod side_channel;
+/// Public for tests that play a hostile engine on the side channel (SPEC S2, S6).
+#[doc(hidden)]
+pub mod side_channel;
 mod state;
 
 pub use engine::{EngineHandle, RequestStream};
@@ -74,6 +76,11 @@ pub struct EngineConfig {
     pub transport: TransportKind,
     /// SPEC S1: the cluster's shared secret for signing `kv_transfer_params`.
     pub secret: Option<Vec<u8>>,
+    /// SPEC S6 (`--kv-transfer-tls-*`): this engine's certificate, its key and the cluster CA.
+    /// The side channel and the tcp agents then run mutual TLS, and a peer is the engine its
+    /// certificate names. The engine id is the certificate's (`engine_id` may be empty, or must
+    /// equal it).
+    pub transfer_tls: Option<kvlease_transport::tls::TransferTls>,
     /// Test hook: D waits this long between finding its lease safe to read and reading, so
     /// tests can make a lease end under a read. Never set in production.
     pub debug_read_delay: Option<std::time::Duration>,
@@ -102,6 +109,7 @@ impl Default for EngineConfig {
             model: ModelConfig::default(),
             transport: TransportKind::Tcp,
             secret: None,
+            transfer_tls: None,
             debug_read_delay: None,
             incarnation: None,
             debug_clock_skew: None,

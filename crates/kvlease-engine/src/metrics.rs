@@ -44,8 +44,9 @@ pub const REJECT_REASONS: [&str; 5] = ["malformed", "unknown_agent", "oversized"
 
 /// The `reason` labels of `kvlease_handshakes_refused_total`: an operator's mistake between two
 /// engines, named in both logs (SPEC O4): a model geometry that differs (`--num-layers`, ...),
-/// two live engines with one `--engine-id`, or another refusal of a peer that holds the secret.
-pub const REFUSED_REASONS: [&str; 3] = ["geometry", "duplicate_engine_id", "other"];
+/// two live engines with one `--engine-id`, a certificate (SPEC S6: of another CA, or of
+/// another engine than the one claimed), or another refusal of a peer that holds the secret.
+pub const REFUSED_REASONS: [&str; 4] = ["geometry", "duplicate_engine_id", "certificate", "other"];
 
 /// A histogram with fixed buckets, and the largest observation (which tests bound).
 #[derive(Debug)]

@@ -135,6 +135,11 @@ pub enum ConfigError {
     Arena { blocks: u32, why: kvlease_transport::ArenaError },
     #[error("this kvlease was built without NIXL support: build it with `--features nixl`")]
     NoNixl,
+    /// SPEC S6: the engine id is its certificate's.
+    #[error(
+        "--engine-id {engine_id:?} is not the engine --kv-transfer-tls-cert names ({cert:?}): give --engine-id {cert:?}, or leave it out"
+    )]
+    EngineIdNotCert { engine_id: String, cert: String },
     /// Another flag, as its fixed message says.
     #[error("{0}")]
     Flag(&'static str),

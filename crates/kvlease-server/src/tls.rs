@@ -23,7 +23,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio_rustls::rustls;
 
 /// The `--ssl-*` flags as given.
@@ -80,38 +80,23 @@ impl ServerTls {
     /// accepts new connections with them. Runs until the task is dropped with the runtime.
     pub fn refresh_on_change(&self, flags: TlsFlags, every: Duration) -> tokio::task::JoinHandle<()> {
         let tls = self.clone();
-        tokio::spawn(async move {
-            let mut loaded = stamp(&flags);
-            let mut tried = loaded.clone();
-            loop {
-                tokio::time::sleep(every).await;
-                let now = stamp(&flags);
-                if now == loaded || now == tried {
-                    continue;
-                }
-                tried = now.clone();
-                match Tls::load(&flags) {
-                    Ok(Tls { server: Some(fresh), .. }) => {
-                        *tls.0.write().unwrap_or_else(PoisonError::into_inner) = fresh.acceptor();
-                        loaded = now;
-                        tracing::info!("--enable-ssl-refresh: the certificate files changed; new connections use them");
-                    }
-                    Ok(Tls { server: None, .. }) => tracing::error!("--enable-ssl-refresh: the flags name no certificate any more"),
-                    Err(e) => tracing::error!("--enable-ssl-refresh: {e}; still serving the certificate loaded before"),
-                }
+        let files = [&flags.certfile, &flags.keyfile, &flags.ca_certs].into_iter().flatten().cloned().collect();
+        kvlease_transport::tls::watch_files(files, every, move || match Tls::load(&flags) {
+            Ok(Tls { server: Some(fresh), .. }) => {
+                *tls.0.write().unwrap_or_else(PoisonError::into_inner) = fresh.acceptor();
+                tracing::info!("--enable-ssl-refresh: the certificate files changed; new connections use them");
+                true
+            }
+            Ok(Tls { server: None, .. }) => {
+                tracing::error!("--enable-ssl-refresh: the flags name no certificate any more");
+                false
+            }
+            Err(e) => {
+                tracing::error!("--enable-ssl-refresh: {e}; still serving the certificate loaded before");
+                false
             }
         })
     }
-}
-
-/// What identifies each file's current content without reading it: modification time, length
-/// and inode (a file replaced by a rename has a new one).
-fn stamp(flags: &TlsFlags) -> Vec<Option<(Option<SystemTime>, u64, u64)>> {
-    use std::os::unix::fs::MetadataExt;
-    [&flags.certfile, &flags.keyfile, &flags.ca_certs]
-        .into_iter()
-        .map(|p| p.as_ref().and_then(|p| std::fs::metadata(p).ok()).map(|m| (m.modified().ok(), m.len(), m.ino())))
-        .collect()
 }
 
 impl std::fmt::Debug for ServerTls {

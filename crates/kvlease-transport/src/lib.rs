@@ -19,7 +19,9 @@
 //! then the core's deadline rules alone (SPEC U8: P posts no write past the registration's
 //! deadline, D reuses nothing before it).
 //! The networked backends take the cluster secret and accept a peer's name only with proof that
-//! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2).
+//! it holds the secret: `tcp` per connection, `nixl` per notification (SPEC S2). With per-engine
+//! certificates ([`tls`], SPEC S6) `tcp` also runs mutual TLS and accepts a peer's name only if
+//! its certificate is that engine's; the engine's side channel uses the same [`tls`].
 
 pub mod admission;
 mod arena;
@@ -30,6 +32,7 @@ pub mod nixl;
 pub mod tcp;
 #[cfg(test)]
 mod testing;
+pub mod tls;
 
 pub use arena::{ArenaError, BlockArena, OutOfRange};
 

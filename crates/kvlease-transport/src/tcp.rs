@@ -34,10 +34,20 @@
 //! claimed to be. Notifications and reads travel only on adopted connections, so they are
 //! authenticated by construction.
 //!
-//! What it does not do: authenticate each frame. An attacker on the path, who can inject into or
-//! take over an established TCP connection, is out of scope (that needs TLS or IPsec). Without a
-//! secret the exchange runs under the empty key and proves nothing: the agents must then listen
-//! on loopback only (SPEC S3; the binary enforces it).
+//! What it does not do by itself: authenticate each frame. An attacker on the path, who can
+//! inject into or take over an established TCP connection, is out of scope unless the engines
+//! hold certificates. Without a secret the exchange runs under the empty key and proves nothing:
+//! the agents must then listen on loopback only (SPEC S3; the binary enforces it).
+//!
+//! With per-engine certificates ([`TcpOptions::tls`], SPEC S6) every connection first runs
+//! mutual TLS ([`crate::tls`]) and everything above travels inside it, so each frame is
+//! authenticated and encrypted. The dialer refuses an acceptor whose certificate is not the
+//! engine of the agent it dialed; the acceptor refuses (`HelloRefused`, counted
+//! `unauthenticated`, logged naming both) a `Hello` from an agent that is not its certificate's
+//! engine's, before its challenge. So a connection's agent name — under which the engine keeps
+//! leases (S5) and serves reads — is the certificate's engine, not a claim: an insider with the
+//! cluster secret and a certificate for X cannot connect as Y. The plain reader's zero-copy path
+//! becomes a copy out of the TLS buffer.
 //!
 //! What a stranger can cost us, and why it cannot keep a peer out (issue 22): a handshake
 //! frame's length is checked (at most `MAX_HELLO`, about 2 KiB) before its body is read, and the
@@ -83,10 +93,12 @@
 //! A connection that closes fails the writes in flight on both sides (`Disconnected` on the
 //! writer; the receiver drops their permits, after the last fill under way).
 
+mod stream;
 mod wire;
 
 use crate::admission::{Admission, Unproven};
 use crate::auth;
+use crate::tls;
 use crate::{
     Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, ReadPermit, RefuseWrites, Segment, TransportError, WriteGate, WriteOp,
     WritePermit,
@@ -99,8 +111,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
+use stream::{Rd, Wr};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::Instant;
@@ -161,6 +173,10 @@ pub struct TcpOptions {
     /// The address peers are told to dial (in [`Agent::metadata`]), when it is not the one the
     /// agent listens on: a wildcard bind (`0.0.0.0`) behind an address other machines reach.
     pub advertise: Option<std::net::IpAddr>,
+    /// Per-engine certificates (SPEC S6, `--kv-transfer-tls-*`): every connection runs mutual
+    /// TLS first, and a peer whose certificate is not its agent name's engine is refused, naming
+    /// both. `None`: plain TCP, as before.
+    pub tls: Option<tls::TransferTls>,
 }
 
 impl std::fmt::Debug for TcpOptions {
@@ -177,6 +193,7 @@ impl std::fmt::Debug for TcpOptions {
             .field("write_stall", &self.write_stall)
             .field("max_queued_bytes", &self.max_queued_bytes)
             .field("advertise", &self.advertise)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -195,6 +212,7 @@ impl Default for TcpOptions {
             write_stall: Duration::from_secs(10),
             max_queued_bytes: 64 * 1024 * 1024,
             advertise: None,
+            tls: None,
         }
     }
 }
@@ -661,11 +679,32 @@ impl Inner {
 
     /// Handshake of a connection someone dialed to us: the dialer proves who it is, waits for
     /// `add_peer` if need be, and is adopted (or told to wait for our own dial), with our proof.
-    async fn accept_inbound(self: Arc<Self>, stream: TcpStream, place: Unproven) {
+    async fn accept_inbound(self: Arc<Self>, stream: TcpStream, mut place: Unproven) {
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
-        let (mut rd, mut wr) = stream.into_split();
-        let Some((from, Proven { proof: ours, .. })) = self.prove_inbound(&mut rd, &mut wr, place).await else { return };
+        let (cert, (mut rd, mut wr)) = match &self.options.tls {
+            None => (None, stream::split_plain(stream)),
+            Some(tls) => {
+                // SPEC S6: mutual TLS first, within the same time a dialer has for its proof.
+                let deadline = Instant::now() + self.options.proof_timeout;
+                let accepted = tokio::select! {
+                    _ = place.evicted() => return,
+                    r = self.bounded(deadline, tls.accept(stream)) => r,
+                };
+                match accepted {
+                    None => return,
+                    Some(Err(_)) => return self.reject("unknown_agent"),
+                    Some(Ok(Err(e))) if e.is_silent_close() => return,
+                    Some(Ok(Err(e))) => {
+                        let from = ends.map_or_else(|| "?".to_string(), |(_, p)| p.to_string());
+                        tracing::warn!("tcp agent {}: refusing a connection from {from}: {e}", self.name);
+                        return self.reject("unauthenticated");
+                    }
+                    Some(Ok(Ok((s, id)))) => (Some(id), stream::split_tls(s.into())),
+                }
+            }
+        };
+        let Some((from, Proven { proof: ours, .. })) = self.prove_inbound(&mut rd, &mut wr, place, cert.as_deref()).await else { return };
         // Proven: one of the few places for a holder of the secret (never a stranger's).
         let Some(slot) = HandshakeSlot::take(&self) else { return self.reject("overloaded") };
 
@@ -731,7 +770,7 @@ impl Inner {
             Verdict::Closed => {}
             Verdict::Unknown => self.reject("unknown_agent"),
             Verdict::Nack => {
-                let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(&Outgoing::hello_nack(&ours).to_bytes())).await;
+                let _ = tokio::time::timeout(Duration::from_secs(1), send(&mut wr, &Outgoing::hello_nack(&ours).to_bytes())).await;
             }
             Verdict::Adopt(conn, queues, old) => {
                 let rd = BufReader::with_capacity(READ_BUFFER, rd);
@@ -749,7 +788,9 @@ impl Inner {
     /// a newcomer evicts it first: the dialer's `Hello`, our challenge, its proof (SPEC S2; see
     /// the module doc). Nothing we send depends on the secret. Returns the proven dialer's name
     /// and our proof for it; otherwise the refusal is counted and the connection is to be closed.
-    async fn prove_inbound(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, mut place: Unproven) -> Option<(String, Proven)> {
+    /// With certificates (SPEC S6), `cert` is the engine the dialer's certificate names, and a
+    /// dialer whose agent is another engine's is refused.
+    async fn prove_inbound(&self, rd: &mut Rd, wr: &mut Wr, mut place: Unproven, cert: Option<&str>) -> Option<(String, Proven)> {
         let deadline = Instant::now() + self.options.proof_timeout;
         let said_hello = std::sync::atomic::AtomicBool::new(false);
         let exchange = async {
@@ -763,8 +804,13 @@ impl Inner {
             if hello.to != self.name || hello.from == self.name {
                 return Err(Some("unknown_agent"));
             }
+            if let Some(Err(e)) = cert.map(|id| tls::check_claim(id, tls::agent_engine(&hello.from))) {
+                tracing::warn!("tcp agent {}: refusing agent {:?}: {e}", self.name, hello.from);
+                let _ = send(wr, &Outgoing::hello_refused().to_bytes()).await;
+                return Err(Some("unauthenticated"));
+            }
             let challenge = Challenge::new(auth::nonce().map_err(|_| None)?);
-            wr.write_all(&Outgoing::hello_challenge(challenge.nonce()).to_bytes()).await.map_err(|_| Some("unauthenticated"))?;
+            send(wr, &Outgoing::hello_challenge(challenge.nonce()).to_bytes()).await.map_err(|_| Some("unauthenticated"))?;
             // Anything but a valid proof (a wrong one, another frame, a close) is a failed proof.
             let proof = match read_handshake_frame(rd).await {
                 Ok((wire::HELLO_PROOF, proof)) => proof,
@@ -775,7 +821,7 @@ impl Inner {
                 Err(_) => {
                     // Says nothing of the secret, and spares a peer configured with another one
                     // its retries: it learns at once (best effort; we close anyway).
-                    let _ = wr.write_all(&Outgoing::hello_refused().to_bytes()).await;
+                    let _ = send(wr, &Outgoing::hello_refused().to_bytes()).await;
                     Err(Some("unauthenticated"))
                 }
             }
@@ -862,7 +908,7 @@ impl Inner {
                 // It does not know us (yet), or it still sees an old connection of ours.
                 Ok(Dialed::Closed) => {
                     last_error = Some(TransportError::Io(format!(
-                        "{peer} at {addr} closed the handshake: it has not added us, refused our proof (another cluster secret?), or takes no more handshakes now"
+                        "{peer} at {addr} closed the handshake: it has not added us, refused our proof (another cluster secret?) or our certificate (another --kv-transfer-tls-ca?), or takes no more handshakes now"
                     )));
                     redial_at = Some(Instant::now() + NACK_RETRY);
                 }
@@ -880,26 +926,47 @@ impl Inner {
         let stream = TcpStream::connect(addr).await.map_err(|e| io_err("cannot connect to", &e))?;
         let _ = stream.set_nodelay(true);
         let ends = stream.local_addr().ok().zip(stream.peer_addr().ok());
-        let (mut rd, mut wr) = stream.into_split();
+        let (mut rd, mut wr) = match &self.options.tls {
+            None => stream::split_plain(stream),
+            // SPEC S6: the peer's certificate must be its agent name's engine's.
+            Some(tls) => match tls.connect(stream, tls::agent_engine(peer)).await {
+                Ok(s) => stream::split_tls(s.into()),
+                Err(e) => {
+                    self.reject("unauthenticated");
+                    tracing::warn!("tcp agent {}: refusing {peer} at {addr}: {e}", self.name);
+                    return Err(io_err("refusing", &e));
+                }
+            },
+        };
         let nonce = auth::nonce()?;
-        wr.write_all(&Outgoing::hello(&self.name, peer, &nonce).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
+        send(&mut wr, &Outgoing::hello(&self.name, peer, &nonce).to_bytes()).await.map_err(|e| io_err("hello failed to", &e))?;
         let challenge = match read_handshake_frame(&mut rd).await {
             Ok((wire::HELLO_CHALLENGE, body)) => wire::decode_challenge(&body).ok_or_else(bad_reply)?,
+            // SPEC S6: our certificate is not the engine our agent is named for.
+            Ok((wire::HELLO_REFUSED, _)) if self.options.tls.is_some() => {
+                self.reject("unauthenticated");
+                return Err(io_err(
+                    "handshake refused by",
+                    &"our certificate is not the engine our agent is named for (its log names both)",
+                ));
+            }
             Ok(_) => return Err(bad_reply()),
             // Refused before any proof: not the agent we mean, or too many handshakes there.
             Err(_) => return Ok(Dialed::Closed),
         };
         // We prove first (see the module doc); the acceptor's proof comes with its verdict.
         let answer = Answer::new(&self.key, Parties::agents(&self.name, peer), Nonces { dialer: nonce, acceptor: challenge });
-        wr.write_all(&Outgoing::hello_proof(&answer.proof).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
+        send(&mut wr, &Outgoing::hello_proof(&answer.proof).to_bytes()).await.map_err(|e| io_err("handshake failed with", &e))?;
         let (verdict, theirs) = match read_handshake_frame(&mut rd).await {
             Ok((kind @ (wire::HELLO_ACK | wire::HELLO_NACK), body)) => (kind, wire::decode_proof(&body).ok_or_else(bad_reply)?),
             Ok((wire::HELLO_REFUSED, _)) => {
                 self.reject("unauthenticated");
-                return Err(io_err(
-                    "handshake refused by",
-                    &"it refused our proof of the cluster secret: it holds another one (check --kv-transfer-secret-file on both engines)",
-                ));
+                let why = if self.options.tls.is_some() {
+                    "it refused our proof of the cluster secret (check --kv-transfer-secret-file on both engines), or our certificate is not the engine our agent is named for (its log names both)"
+                } else {
+                    "it refused our proof of the cluster secret: it holds another one (check --kv-transfer-secret-file on both engines)"
+                };
+                return Err(io_err("handshake refused by", &why));
             }
             Ok(_) => return Err(bad_reply()),
             // It refused our proof (another secret?), did not add us in time, or is full.
@@ -934,7 +1001,7 @@ impl Inner {
         Ok(Dialed::Adopted)
     }
 
-    fn spawn_conn(self: Arc<Self>, conn: Arc<Conn>, queues: ConnQueues, rd: BufReader<OwnedReadHalf>, wr: OwnedWriteHalf) {
+    fn spawn_conn(self: Arc<Self>, conn: Arc<Conn>, queues: ConnQueues, rd: BufReader<Rd>, wr: Wr) {
         let (inner, c) = (Arc::clone(&self), Arc::clone(&conn));
         tokio::spawn(async move {
             let end = tokio::select! {
@@ -959,14 +1026,14 @@ impl Inner {
 
     // ---- the two halves of a connection ----
 
-    async fn read_frames(&self, conn: &Arc<Conn>, mut rd: BufReader<OwnedReadHalf>) -> ConnEnd {
+    async fn read_frames(&self, conn: &Arc<Conn>, mut rd: BufReader<Rd>) -> ConnEnd {
         match self.read_frames_inner(conn, &mut rd).await {
             Ok(never) => match never {},
             Err(end) => end,
         }
     }
 
-    async fn read_frames_inner(&self, conn: &Arc<Conn>, rd: &mut BufReader<OwnedReadHalf>) -> Result<std::convert::Infallible, ConnEnd> {
+    async fn read_frames_inner(&self, conn: &Arc<Conn>, rd: &mut BufReader<Rd>) -> Result<std::convert::Infallible, ConnEnd> {
         loop {
             if *conn.stop.borrow() {
                 // Closed meanwhile (say, as stalled while serving a request): frames still
@@ -1049,7 +1116,7 @@ impl Inner {
     }
 
     /// `len` bytes of the response to our read `req_id` follow on `rd`.
-    async fn on_read_data(&self, conn: &Conn, req_id: u64, len: usize, rd: &mut BufReader<OwnedReadHalf>) -> Result<(), ConnEnd> {
+    async fn on_read_data(&self, conn: &Conn, req_id: u64, len: usize, rd: &mut BufReader<Rd>) -> Result<(), ConnEnd> {
         enum Route {
             /// Land the bytes; the sender when they are the read's last.
             Land(Arc<ReadSink>, Option<oneshot::Sender<Result<(), TransportError>>>),
@@ -1140,7 +1207,7 @@ impl Inner {
     }
 
     /// `len` bytes of the peer's write `req_id` follow on `rd`.
-    async fn on_write_data(&self, conn: &Arc<Conn>, req_id: u64, len: usize, rd: &mut BufReader<OwnedReadHalf>) -> Result<(), ConnEnd> {
+    async fn on_write_data(&self, conn: &Arc<Conn>, req_id: u64, len: usize, rd: &mut BufReader<Rd>) -> Result<(), ConnEnd> {
         enum Route {
             /// Land the bytes; the write itself when they are its last.
             Land(Arc<ReadSink>, Option<IncomingWrite>),
@@ -1209,7 +1276,7 @@ impl Inner {
 
     /// Drains `conn`'s queues into the socket. Returns an error if the socket broke or a write
     /// stalled; the queued jobs, and the job in flight, drop with the future (and their permits).
-    async fn write_frames(&self, conn: &Conn, mut queues: ConnQueues, mut wr: OwnedWriteHalf) -> io::Result<()> {
+    async fn write_frames(&self, conn: &Conn, mut queues: ConnQueues, mut wr: Wr) -> io::Result<()> {
         let stall = self.options.write_stall;
         let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
         // A write's next chunk, copied out of our arena (see the module doc).
@@ -1536,7 +1603,8 @@ impl ReadSink {
 
 /// Moves `len` bytes of a read's response from `rd` into its sink: what the reader buffered is
 /// copied, the rest read from the socket straight into the arena; dropped if cancelled.
-async fn land(rd: &mut BufReader<OwnedReadHalf>, sink: &ReadSink, mut len: usize) -> io::Result<()> {
+async fn land(rd: &mut BufReader<Rd>, sink: &ReadSink, mut len: usize) -> io::Result<()> {
+    let mut plain: Option<Vec<u8>> = None;
     while len > 0 {
         let buffered = rd.buffer();
         if !buffered.is_empty() {
@@ -1555,17 +1623,58 @@ async fn land(rd: &mut BufReader<OwnedReadHalf>, sink: &ReadSink, mut len: usize
             len -= k;
             continue;
         }
-        let socket = rd.get_mut();
-        socket.readable().await?;
-        match sink.fill(len, |slices| socket.try_read_vectored(slices)) {
-            None => return skip(rd, len).await,
-            Some(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Some(Ok(n)) => len -= n,
-            Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Some(Err(e)) => return Err(e),
+        match rd.get_mut() {
+            Rd::Plain(socket) => {
+                socket.readable().await?;
+                match sink.fill(len, |slices| socket.try_read_vectored(slices)) {
+                    None => return skip(rd, len).await,
+                    Some(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Some(Ok(n)) => len -= n,
+                    Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Some(Err(e)) => return Err(e),
+                }
+            }
+            // Decrypted into a buffer, then copied (SPEC S6).
+            Rd::Tls(tls) => {
+                let buf = plain.get_or_insert_with(|| vec![0u8; READ_BUFFER * 4]);
+                let want = len.min(buf.len());
+                let n = tls.read(&mut buf[..want]).await?;
+                if n == 0 {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                len -= n;
+                if !copy_into(sink, &buf[..n]) {
+                    return skip(rd, len).await;
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// Copies `data` into the read's next bytes; `false` once the read was cancelled.
+fn copy_into(sink: &ReadSink, data: &[u8]) -> bool {
+    let mut at = 0;
+    while at < data.len() {
+        let filled = sink.fill(data.len() - at, |slices| {
+            let start = at;
+            let mut end = at;
+            for s in slices.iter_mut() {
+                let n = s.len();
+                s.copy_from_slice(&data[end..end + n]);
+                end += n;
+            }
+            Ok(end - start)
+        });
+        match filled {
+            None => return false,
+            // Nothing left to fill: the frame carried more than the read's segments (checked
+            // against `remaining` before landing, so not reached).
+            Some(Ok(0)) | Some(Err(_)) => return true,
+            Some(Ok(n)) => at += n,
+        }
+    }
+    true
 }
 
 /// The next `ReadData` frame of a served read: its header, the arena slices to send, and
@@ -1622,7 +1731,7 @@ fn next_write_chunk(job: &mut WriteJob, buf: &mut Vec<u8>) -> Option<([u8; wire:
 
 /// Writes all of `slices`, failing with `TimedOut` once a single write makes no progress for
 /// `stall`: the peer stopped reading.
-async fn write_all_vectored(wr: &mut OwnedWriteHalf, mut slices: &mut [IoSlice<'_>], stall: Duration) -> io::Result<()> {
+async fn write_all_vectored(wr: &mut Wr, mut slices: &mut [IoSlice<'_>], stall: Duration) -> io::Result<()> {
     IoSlice::advance_slices(&mut slices, 0);
     while !slices.is_empty() {
         let n = tokio::time::timeout(stall, wr.write_vectored(slices))
@@ -1633,10 +1742,19 @@ async fn write_all_vectored(wr: &mut OwnedWriteHalf, mut slices: &mut [IoSlice<'
         }
         IoSlice::advance_slices(&mut slices, n);
     }
-    Ok(())
+    // TLS holds what it encrypted until flushed; a plain socket has nothing to flush.
+    tokio::time::timeout(stall, wr.flush())
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, format!("the peer read nothing for {stall:?}")))?
 }
 
-async fn skip(rd: &mut BufReader<OwnedReadHalf>, len: usize) -> io::Result<()> {
+/// Writes one handshake frame, flushed.
+async fn send(wr: &mut Wr, bytes: &[u8]) -> io::Result<()> {
+    wr.write_all(bytes).await?;
+    wr.flush().await
+}
+
+async fn skip(rd: &mut BufReader<Rd>, len: usize) -> io::Result<()> {
     let copied = tokio::io::copy(&mut (&mut *rd).take(len as u64), &mut tokio::io::sink()).await?;
     if copied < len as u64 {
         return Err(io::ErrorKind::UnexpectedEof.into());
@@ -1653,7 +1771,7 @@ enum HandshakeError {
 
 /// One small frame of the handshake: `(kind, body)`. Reads exactly the frame (nothing is
 /// buffered past it), and refuses a length over `MAX_HELLO` before allocating anything.
-async fn read_handshake_frame(rd: &mut OwnedReadHalf) -> Result<(u8, Vec<u8>), HandshakeError> {
+async fn read_handshake_frame(rd: &mut Rd) -> Result<(u8, Vec<u8>), HandshakeError> {
     let mut head = [0u8; wire::HEADER_LEN];
     match rd.read(&mut head).await {
         Ok(0) => return Err(HandshakeError::Closed),

@@ -65,7 +65,7 @@ enum LogFormat {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run one engine behind the OpenAI API (P, D or both, per request's kv_transfer_params).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Route requests through a prefill engine then a decode engine (vLLM toy-proxy flags).
     Proxy(ProxyArgs),
     /// Send closed-loop load to /v1/completions and print requests/s and latency percentiles.
@@ -144,6 +144,21 @@ struct ServeArgs {
     /// engine can then craft kv_transfer_params and handshakes. Warns at start-up; /health says so.
     #[arg(long)]
     insecure: bool,
+    /// SPEC S6: this engine's certificate (PEM chain, leaf first), signed by --kv-transfer-tls-ca
+    /// and naming the engine by the URI subject alternative name kvlease://engine/<engine id>.
+    /// With --kv-transfer-tls-key and --kv-transfer-tls-ca the side channel and the tcp agents
+    /// run mutual TLS, and a peer is the engine its certificate names, not the name it claims.
+    /// --engine-id defaults to the certificate's (and must equal it). The three files are read
+    /// again when one changes (checked every second); new connections use them.
+    #[arg(long, value_name = "PATH", requires_all = ["kv_transfer_tls_key", "kv_transfer_tls_ca"])]
+    kv_transfer_tls_cert: Option<PathBuf>,
+    /// SPEC S6: the PEM private key of --kv-transfer-tls-cert.
+    #[arg(long, value_name = "PATH", requires_all = ["kv_transfer_tls_cert", "kv_transfer_tls_ca"])]
+    kv_transfer_tls_key: Option<PathBuf>,
+    /// SPEC S6: the cluster CA (PEM) that signs every engine's --kv-transfer-tls-cert; a peer
+    /// whose certificate it did not sign gets no connection.
+    #[arg(long, value_name = "PATH", requires_all = ["kv_transfer_tls_cert", "kv_transfer_tls_key"])]
+    kv_transfer_tls_ca: Option<PathBuf>,
     /// SPEC O1: seconds the requests in flight get to finish after SIGTERM (new ones get 503);
     /// then, or at a second SIGTERM, what is left is cut. Leases are released either way.
     #[arg(long, default_value_t = 30.0)]
@@ -424,7 +439,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await,
+            Command::Serve(args) => serve(*args).await,
             Command::Proxy(args) => proxy(args).await,
             Command::Load(args) => load::run(args).await,
             Command::Sim(args) => sim::run(args),
@@ -536,6 +551,29 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
             cfg
         }
     };
+    let transfer_tls = match (&args.kv_transfer_tls_cert, &args.kv_transfer_tls_key, &args.kv_transfer_tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => {
+            let flags = kvlease_transport::tls::TransferTlsFlags { cert: cert.clone(), key: key.clone(), ca: ca.clone() };
+            let tls = kvlease_transport::tls::TransferTls::load(&flags).map_err(|e| InvalidConfig(e.to_string()))?;
+            if let Some(id) = args.engine_id.as_ref().filter(|id| **id != tls.engine_id()) {
+                return Err(InvalidConfig(format!(
+                    "--engine-id {id:?} is not the engine --kv-transfer-tls-cert {} names ({:?}): give --engine-id {:?}, or leave it out",
+                    cert.display(),
+                    tls.engine_id(),
+                    tls.engine_id()
+                ))
+                .into());
+            }
+            if args.transport == Transport::Nixl {
+                tracing::warn!(
+                    "--kv-transfer-tls-*: with --transport nixl only the side channel runs mutual TLS; NIXL's notifications and reads are authenticated by the cluster secret alone (SPEC S6)"
+                );
+            }
+            Some(tls)
+        }
+        // clap requires all three together.
+        _ => None,
+    };
     let secret = transfer_secret(args.kv_transfer_secret_file.as_ref())?;
     if secret.is_none() {
         tracing::warn!(
@@ -543,7 +581,12 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         );
     }
     Ok(EngineConfig {
-        engine_id: args.engine_id.clone().unwrap_or_else(kvlease_server::ids::random_uuid),
+        engine_id: match (&args.engine_id, &transfer_tls) {
+            (Some(id), _) => id.clone(),
+            // SPEC S6: peers know it by its certificate.
+            (None, Some(tls)) => tls.engine_id(),
+            (None, None) => kvlease_server::ids::random_uuid(),
+        },
         host: args.host.clone(),
         kv_port: side_channel_port(args.kv_port)?,
         advertise_host: side_channel_host(args.advertise_host)?,
@@ -554,6 +597,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         model,
         transport: args.transport.into(),
         secret,
+        transfer_tls,
         debug_read_delay: args.debug_read_delay_ms.map(Duration::from_millis),
         ..EngineConfig::default()
     })
@@ -691,6 +735,10 @@ fn check_exposure(host: &str, bound: std::net::IpAddr, has_secret: bool, insecur
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = engine_config(&args)?;
+    if let Some(tls) = &cfg.transfer_tls {
+        // Lives as long as the runtime: new transfer connections use the files as they are now.
+        tls.refresh_on_change(SSL_REFRESH_EVERY);
+    }
     let limits = args.http.limits()?;
     let max_buffered_stream_bytes = args.max_buffered_stream_bytes()?;
     let tls = args.tls.load()?.server;

@@ -972,3 +972,76 @@ async fn u4_writes_and_reads_at_once_on_one_connection_both_land_intact() {
     assert!(matches!(pair.p.write(pair.d.name(), too_long_key).await, Err(TransportError::Io(_))));
     assert_eq!(pair.gate.granted(), 1, "refused before anything was sent");
 }
+
+// ---- SPEC S6: per-engine certificates ----
+
+/// [`quick`], with the certificate of engine `id` (signed by `pki`'s cluster CA).
+fn certified(pki: &crate::tls::tests::Pki, id: &str) -> TcpOptions {
+    TcpOptions { tls: Some(pki.engine(id)), ..quick() }
+}
+
+async fn pair_tls(pki: &crate::tls::tests::Pki, blocks: u32, block_bytes: usize) -> Pair {
+    let gate = TestGate::new();
+    let (p, p_events) = agent("p", blocks, block_bytes, Arc::new(gate.clone()), certified(pki, "p")).await;
+    let (d, d_events) = agent("d", blocks, block_bytes, Arc::new(OpenGate), certified(pki, "d")).await;
+    connect(&p, &d).await;
+    let p_arena = Arc::clone(&p.inner.arena);
+    Pair { p, p_events, d, d_events, gate, p_arena }
+}
+
+/// SPEC S6: over mutual TLS, reads land byte-identical (small, and 64 MiB in 1 MiB segments),
+/// a refused read copies nothing (P5), and notifications keep their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_reads_and_notifications_over_mutual_tls() {
+    let pki = crate::tls::tests::Pki::new("tcp-reads");
+    scenario_read_round_trip(pair_tls(&pki, 16, 1024 * 1024).await).await;
+    scenario_large_read(pair_tls(&pki, 64, 1024 * 1024).await).await;
+    scenario_refused_read_copies_nothing(pair_tls(&pki, 8, 4096).await).await;
+    scenario_notifications_in_order(pair_tls(&pki, 8, 4096).await).await;
+}
+
+/// SPEC S6, S5 against insiders: an agent holding the cluster's certificate for engine `x`
+/// cannot connect as engine `y`'s agent, dialing or dialed: both sides refuse, naming both
+/// engines, and no connection carries `y`'s name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_an_agent_cannot_use_another_engines_name() {
+    let pki = crate::tls::tests::Pki::new("tcp-impostor");
+    let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), certified(&pki, "p")).await;
+    let (liar, _liar_events) = agent("y/1/0", 4, 4096, Arc::new(OpenGate), certified(&pki, "x")).await;
+    // It dials p: p's check of its certificate refuses it.
+    let md = p.metadata();
+    let e = within("the liar's dial", liar.add_peer(&md)).await.expect_err("refused").to_string();
+    assert!(e.contains("our certificate is not the engine our agent is named for"), "{e}");
+    let (tally, _) = rejections(&mut p_events, 1).await;
+    assert_eq!(tally.get("unauthenticated"), Some(&1), "{tally:?}");
+    assert!(p.conn_ends("y/1/0").is_none(), "no connection under y's name");
+
+    // p dials an agent that says it is y but whose certificate is x's: p refuses, naming both.
+    let (p2, _p2_events) = agent("p2", 4, 4096, Arc::new(OpenGate), certified(&pki, "p2")).await;
+    let (liar2, _) = agent("y/1/1", 4, 4096, Arc::new(OpenGate), certified(&pki, "x")).await;
+    let md = liar2.metadata();
+    let e = within("p2's dial", p2.add_peer(&md)).await.expect_err("refused").to_string();
+    assert!(e.contains("its certificate is engine \"x\"'s but it claims to be engine \"y\""), "{e}");
+    assert!(p2.conn_ends("y/1/1").is_none());
+}
+
+/// SPEC S6: an agent whose certificate another CA signed gets no connection, and one without
+/// certificates (plain TCP) none either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_another_ca_or_no_certificate_gets_no_connection() {
+    let pki = crate::tls::tests::Pki::new("tcp-ca");
+    let (p, mut p_events) = agent("p", 4, 4096, Arc::new(OpenGate), certified(&pki, "p")).await;
+    let flags = pki.leaf("s", &["kvlease://engine/s"], true);
+    let other = crate::tls::TransferTls::load(&crate::tls::TransferTlsFlags { ca: pki.dir.join("s-ca.pem"), ..flags }).unwrap();
+    let (s, _) = agent("s", 4, 4096, Arc::new(OpenGate), TcpOptions { tls: Some(other), ..quick() }).await;
+    let md = p.metadata();
+    let e = within("the foreign dial", s.add_peer(&md)).await.expect_err("refused").to_string();
+    assert!(e.contains("mutual TLS handshake failed"), "{e}");
+    let (tally, _) = rejections(&mut p_events, 1).await;
+    assert_eq!(tally.get("unauthenticated"), Some(&1), "{tally:?}");
+
+    let (plain, _) = agent("q", 4, 4096, Arc::new(OpenGate), quick()).await;
+    let md = p.metadata();
+    assert!(within("the plain dial", plain.add_peer(&md)).await.is_err());
+    assert!(p.conn_ends("q").is_none() && p.conn_ends("s").is_none());
+}

@@ -14,7 +14,7 @@
 //! | HelloProof | the dialer's proof (32): the first proof of the connection |
 //! | HelloAck | the acceptor's proof (32): the connection is adopted |
 //! | HelloNack | the acceptor's proof (32): it keeps the connection it dialed itself (simultaneous dials) |
-//! | HelloRefused | empty: the dialer's proof is wrong (another secret); the acceptor closes |
+//! | HelloRefused | empty: the dialer's proof is wrong (another secret), or (SPEC S6, in place of the challenge) its certificate is not its agent name's engine; the acceptor closes |
 //! | Notif | the payload |
 //! | ReadReq | req_id u64 · lease_id u64 · count u32 · count × (block u32, offset u32, len u32) · tag (u16 + bytes, for the gate) |
 //! | ReadData | req_id u64 · the next bytes of the segments, in order; at least one frame per read |

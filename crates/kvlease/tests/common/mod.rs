@@ -86,6 +86,12 @@ impl Proc {
         Proc::start_logging_to("proxy", &args, "kvlease proxy listening on ", Some(SECRET), logs)
     }
 
+    /// `kvlease` with exactly these arguments (`serve ...`) and the cluster secret [`SECRET`];
+    /// waits for its start-up line.
+    pub fn start(name: &str, args: &[&str]) -> Proc {
+        Proc::start_with_secret(name, args, "kvlease serve listening on ", Some(SECRET))
+    }
+
     fn start_with_secret(name: &str, args: &[&str], banner: &str, secret: Option<&str>) -> Proc {
         Proc::start_logging_to(name, args, banner, secret, Stdio::inherit())
     }
