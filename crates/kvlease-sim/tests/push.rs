@@ -11,7 +11,7 @@ fn seeds() -> u64 {
     std::env::var("KVLEASE_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(500)
 }
 
-/// SPEC U7, U12, U4, U5, P3, U8, U2, P2, P4, U6, U9, U10: no seed of push mode breaks an
+/// SPEC U7, U4, U5, P3, U8, U2, P2, P4, U6, U9, U10: no seed of push mode breaks an
 /// invariant, leaves a block out of its pool or a request unended.
 #[test]
 fn u7_u4_u5_u8_u9_u10_every_push_seed_keeps_every_invariant() {
@@ -86,7 +86,7 @@ fn u9_push_aborts_not_sent_are_found() {
 
 /// SPEC U4 (vLLM #55470): planted, P posts a write its gate refused (the lease ended) and the
 /// transport reports it done; some seed shows a write posted after its lease ended, landing in
-/// blocks D reused (U8) or scheduled over (U7/U12).
+/// blocks D reused (U8) or scheduled over (U7).
 #[test]
 fn u4_push_writes_posted_without_the_gate_are_found() {
     let out = found(PlantedPushBug::WriteWithoutGate, 200);
