@@ -54,7 +54,7 @@ pub fn hello(data: &[u8]) {
 /// The engine's handshake checks of a peer's Hello, which live in core: its geometry (`info`)
 /// and its agents' names, and that a reply answers our request.
 fn geometry(hello: &Hello) {
-    let ours = Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 };
+    let ours = Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16, push: false };
     if let Err(refused) = ours.check_peer(hello) {
         let _ = refused.between("us", &hello.engine_id);
     }

@@ -202,7 +202,7 @@ impl Default for LeaseConfig {
 /// The whole `--kv-transfer-config`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvTransferConfig {
-    /// `NixlConnector`, `NixlPullConnector` or `KvLeaseConnector`, as given.
+    /// `NixlConnector`, `NixlPullConnector`, `KvLeaseConnector` or `NixlPushConnector`, as given.
     pub kv_connector: String,
     pub kv_role: KvRole,
     /// `engine_id` if the config names one.
@@ -221,15 +221,6 @@ impl KvTransferConfig {
         let kv_connector = match top.get("kv_connector") {
             None => "NixlConnector".to_string(),
             Some(Value::String(s)) if CONNECTORS.contains(&s.as_str()) => s.clone(),
-            Some(Value::String(s)) if s == "NixlPushConnector" => {
-                return Err(ConfigError::Invalid {
-                    key: "kv_connector",
-                    why: format!(
-                        "\"NixlPushConnector\" (push mode, SPEC §13) is not served by kvlease's engines yet (issue 24); \
-                         use pull mode, one of {CONNECTORS:?}"
-                    ),
-                })
-            }
             Some(v) => {
                 return Err(ConfigError::Invalid { key: "kv_connector", why: format!("{v} is not supported; use one of {CONNECTORS:?}") })
             }
@@ -270,7 +261,29 @@ impl KvTransferConfig {
                 warnings.push(format!("kv-transfer-config: unknown key {key:?} ignored"));
             }
         }
+        if kv_connector == PUSH_CONNECTOR && lease.bidirectional {
+            return Err(ConfigError::Invalid {
+                key: "kv_connector",
+                why: format!(
+                    "{PUSH_CONNECTOR:?} (push mode) with bidirectional_kv_xfer is not supported; cached turns are read in pull mode"
+                ),
+            });
+        }
         Ok((KvTransferConfig { kv_connector, kv_role, engine_id, lease }, warnings))
+    }
+
+    /// SPEC §13: whether this engine runs push mode (P writes into D's registered blocks).
+    pub fn push_mode(&self) -> bool {
+        self.kv_connector == PUSH_CONNECTOR
+    }
+
+    /// The transfer mode's name, as handshakes and errors say it.
+    pub fn mode_name(&self) -> &'static str {
+        if self.push_mode() {
+            "push"
+        } else {
+            "pull"
+        }
     }
 }
 
@@ -281,8 +294,11 @@ impl Default for KvTransferConfig {
 }
 
 /// Pull mode under vLLM's names (`NixlPullConnector` is `NixlConnector`'s name beside push mode)
-/// and kvlease's own.
-const CONNECTORS: [&str; 3] = ["NixlConnector", "NixlPullConnector", "KvLeaseConnector"];
+/// and kvlease's own, and push mode under vLLM's name (SPEC §13).
+const CONNECTORS: [&str; 4] = ["NixlConnector", "NixlPullConnector", "KvLeaseConnector", PUSH_CONNECTOR];
+
+/// vLLM's name for push mode (SPEC §13): P writes the KV into blocks D registered.
+pub const PUSH_CONNECTOR: &str = "NixlPushConnector";
 
 /// vLLM's `KVTransferConfig` fields: accepted silently, used where they mean something here.
 const KNOWN_TOP_KEYS: [&str; 13] = [
@@ -447,14 +463,21 @@ mod tests {
         assert!(matches!(KvTransferConfig::parse("[]"), Err(ConfigError::Json(_))));
     }
 
-    /// vLLM's names for the two modes: pull is served under either name; push is refused,
-    /// naming the mode and what to use instead, until kvlease's engines push (issue 24).
+    /// vLLM's names for the two modes: pull under either pull name, push under vLLM's push
+    /// name; push with cached turns is refused, naming both.
     #[test]
-    fn kv_connector_takes_vllms_pull_name_and_refuses_push_by_name() {
+    fn kv_connector_takes_vllms_names_for_both_modes() {
         let (c, _) = KvTransferConfig::parse(r#"{"kv_connector":"NixlPullConnector"}"#).unwrap();
         assert_eq!(c.kv_connector, "NixlPullConnector");
-        let err = KvTransferConfig::parse(r#"{"kv_connector":"NixlPushConnector"}"#).unwrap_err().to_string();
-        assert!(err.contains("kv_connector") && err.contains("push mode") && err.contains("NixlPullConnector"), "{err}");
+        assert!(!c.push_mode());
+        let (c, _) = KvTransferConfig::parse(r#"{"kv_connector":"NixlPushConnector"}"#).unwrap();
+        assert!(c.push_mode());
+        assert_eq!(c.mode_name(), "push");
+        let err =
+            KvTransferConfig::parse(r#"{"kv_connector":"NixlPushConnector","kv_connector_extra_config":{"bidirectional_kv_xfer":true}}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("kv_connector") && err.contains("push mode") && err.contains("bidirectional_kv_xfer"), "{err}");
     }
 
     #[test]

@@ -32,6 +32,73 @@ pub enum KvRole {
     PrefillForRemote(Option<Box<TurnKv>>),
     /// `do_remote_prefill`: the prompt's KV is on a remote engine; pull it, then decode here.
     DecodeRemote(RemoteKv),
+    /// `do_remote_prefill` in push mode (SPEC §13): P will write the prompt's KV into blocks
+    /// this engine allocates and registers with it; then decode here.
+    DecodePush(PushRemote),
+}
+
+/// Push mode, D's side (SPEC §13, U1): the P engine that writes the prompt's KV and the key
+/// both legs name the transfer by. Parsed from vLLM's push router's params (P's coordinates, a
+/// `remote_request_id`, no blocks) and from P's own push answer forwarded by a sequential router
+/// (`transfer_mode: "push"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushRemote {
+    pub engine_id: String,
+    pub host: String,
+    pub port: u16,
+    pub tp_size: u32,
+    /// P's pipeline stages: one write per destination rank and stage (SPEC U5, U7).
+    pub pp_size: u32,
+    pub key: crate::wire::PushKey,
+    /// `remote_incarnation` when P answered already (a sequential router); 0 when the router
+    /// sent both legs at once (SPEC U11: then any incarnation of P may pair).
+    pub incarnation: u64,
+}
+
+impl PushRemote {
+    /// Where P is, for D's renewer (its handshake, D5).
+    pub fn remote(&self) -> Remote {
+        Remote { engine_id: self.engine_id.clone(), host: self.host.clone(), port: self.port, incarnation: self.incarnation }
+    }
+}
+
+/// What P answers a push-mode prefill with (SPEC §13): its coordinates and the transfer's key,
+/// as vLLM's push connector names them, and no blocks — D registers its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushAnswer<'a> {
+    pub engine_id: &'a str,
+    pub host: &'a str,
+    pub port: u16,
+    pub tp_size: u32,
+    pub num_tokens: u32,
+    pub incarnation: u64,
+    pub key: &'a crate::wire::PushKey,
+}
+
+impl PushAnswer<'_> {
+    pub fn to_json(&self) -> Value {
+        use crate::wire::PushKey;
+        let mut v = json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "transfer_mode": "push",
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "pp_size": 1,
+            "remote_num_tokens": self.num_tokens,
+            "remote_incarnation": self.incarnation.to_string(),
+        });
+        if let Value::Object(o) = &mut v {
+            match self.key {
+                PushKey::Transfer(t) => o.insert("transfer_id".into(), json!(t)),
+                PushKey::Request(r) => o.insert("remote_request_id".into(), json!(r)),
+                PushKey::Lease(id) => o.insert("remote_lease_id".into(), json!(id)),
+            };
+        }
+        v
+    }
 }
 
 /// Where a prompt's KV waits, as P described it.
@@ -91,9 +158,85 @@ impl KvRole {
                     ttl_remaining: seconds(obj, "remote_blocks_ttl_remaining")?,
                 })))),
             },
+            (false, true) if is_push(obj)? => Ok(KvRole::DecodePush(push_remote(obj)?)),
             (false, true) => Ok(KvRole::DecodeRemote(remote(obj, "do_remote_prefill")?)),
         }
     }
+
+    /// `transfer_id` of a `do_remote_decode` request (SPEC U1): the key P pairs its push lease
+    /// by, when the router names one.
+    pub fn transfer_id(params: Option<&Value>) -> Result<Option<String>, ParamError> {
+        match params.and_then(|p| p.get("transfer_id")) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_TRANSFER_ID => Ok(Some(s.clone())),
+            Some(v) => Err(ParamError(format!("transfer_id must be a string of 1 to {MAX_TRANSFER_ID} bytes, not {v}"))),
+        }
+    }
+}
+
+/// The longest `transfer_id` (or `remote_request_id` a push transfer is keyed by) accepted.
+pub const MAX_TRANSFER_ID: usize = 256;
+
+/// SPEC §13: whether `do_remote_prefill` params are push mode's: `transfer_mode: "push"`, or
+/// P's coordinates with no blocks and no lease (vLLM's push router sends neither). Pull params
+/// whose block list a router emptied still name their lease: they stay pull params (and are
+/// refused as such, S4), so their lease is not stranded.
+fn is_push(obj: &Map<String, Value>) -> Result<bool, ParamError> {
+    match obj.get("transfer_mode") {
+        Some(Value::String(m)) if m == "push" => Ok(true),
+        Some(Value::String(m)) if m == "pull" => Ok(false),
+        None | Some(Value::Null) => Ok(obj.get("remote_lease_id").is_none_or(Value::is_null)
+            && match obj.get("remote_block_ids") {
+                None | Some(Value::Null) => true,
+                Some(Value::Array(a)) => a.is_empty(),
+                Some(_) => false,
+            }),
+        Some(v) => Err(ParamError(format!("transfer_mode must be \"pull\" or \"push\", not {v}"))),
+    }
+}
+
+/// Push-mode `do_remote_prefill` params (SPEC §13, U1).
+fn push_remote(obj: &Map<String, Value>) -> Result<PushRemote, ParamError> {
+    let with = "do_remote_prefill in push mode";
+    let port = uint(obj, "remote_port", with)?;
+    let small = |key: &str| -> Result<u32, ParamError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(1),
+            Some(_) => {
+                u32::try_from(uint(obj, key, with)?).ok().filter(|t| *t >= 1).ok_or_else(|| ParamError(format!("{key} must be ≥ 1")))
+            }
+        }
+    };
+    let text = |key: &str| -> Result<Option<String>, ParamError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s.len() <= MAX_TRANSFER_ID => Ok(Some(s.clone())),
+            Some(v) => Err(ParamError(format!("{key} must be a string of at most {MAX_TRANSFER_ID} bytes, not {v}"))),
+        }
+    };
+    let lease_id = match obj.get("remote_lease_id") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(uint(obj, "remote_lease_id", with)?),
+    };
+    let key = crate::wire::PushKey::choose(text("transfer_id")?.as_deref(), text("remote_request_id")?.as_deref(), lease_id)
+        .ok_or_else(|| ParamError("push mode needs transfer_id or remote_request_id to pair the two legs by (SPEC U1)".into()))?;
+    let pp_size = small("pp_size")?;
+    if pp_size > 64 {
+        return Err(ParamError(format!("pp_size {pp_size} is more than 64 pipeline stages")));
+    }
+    Ok(PushRemote {
+        engine_id: string(obj, "remote_engine_id", with)?,
+        host: string(obj, "remote_host", with)?,
+        port: u16::try_from(port).ok().filter(|p| *p != 0).ok_or_else(|| ParamError(format!("remote_port {port} is not a port")))?,
+        tp_size: small("tp_size")?,
+        pp_size,
+        key,
+        incarnation: match obj.get("remote_incarnation") {
+            None | Some(Value::Null) => 0,
+            Some(Value::String(s)) => s.parse().map_err(|_| ParamError("remote_incarnation must be a number".into()))?,
+            Some(_) => uint(obj, "remote_incarnation", with)?,
+        },
+    })
 }
 
 /// The `remote_*` fields of params: where a prompt's KV waits. `with` names the flag they came
@@ -662,6 +805,34 @@ mod tests {
         let err = Admission { incarnation: 3, ..p }.names_our_lease(&ours).unwrap_err();
         assert!(err.0.contains("not to this one"), "{err}");
         assert!(p.names_our_lease(&RemoteKv { signature: None, ..ours }).is_err());
+    }
+
+    /// SPEC §13, U1: vLLM's push router's params (P's coordinates, a request id, no blocks) and
+    /// P's own push answer both read as push; the key is the transfer id, else the request id.
+    #[test]
+    fn push_params_from_vllms_router_and_from_p() {
+        use crate::wire::PushKey;
+        let router = json!({"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": "p0",
+            "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2, "pp_size": 1, "remote_request_id": "abc"});
+        let KvRole::DecodePush(r) = KvRole::parse(Some(&router)).unwrap() else { panic!() };
+        assert_eq!((r.engine_id.as_str(), r.port, r.tp_size, r.pp_size, r.incarnation), ("p0", 5600, 2, 1, 0));
+        assert_eq!(r.key, PushKey::Request("abc".into()));
+        let key = PushKey::Transfer("t-1".into());
+        let answer = PushAnswer { engine_id: "p0", host: "h", port: 7, tp_size: 1, num_tokens: 3, incarnation: u64::MAX, key: &key };
+        let KvRole::DecodePush(r) = KvRole::parse(Some(&answer.to_json())).unwrap() else { panic!() };
+        assert_eq!((r.key, r.incarnation), (key.clone(), u64::MAX));
+        let mut no_key = router.clone();
+        no_key.as_object_mut().unwrap().remove("remote_request_id");
+        assert!(KvRole::parse(Some(&no_key)).unwrap_err().0.contains("U1"));
+        let mut mode = router.clone();
+        mode["transfer_mode"] = json!("sideways");
+        assert!(KvRole::parse(Some(&mode)).unwrap_err().0.contains("transfer_mode"));
+        // Pull params whose blocks a router emptied are still pull params, refused as such.
+        let mut emptied = remote().to_json(None);
+        emptied["remote_block_ids"] = json!([]);
+        assert!(KvRole::parse(Some(&emptied)).unwrap_err().0.contains("remote_block_ids"));
+        assert_eq!(KvRole::transfer_id(Some(&json!({"transfer_id": "t"}))), Ok(Some("t".into())));
+        assert!(KvRole::transfer_id(Some(&json!({"transfer_id": 5}))).is_err());
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct Geometry {
     pub head_dim: u32,
     pub dtype_bytes: u32,
     pub block_size: u32,
+    /// SPEC §13: the engine runs push mode (P writes into D's blocks) rather than pull.
+    pub push: bool,
 }
 
 /// Why a handshake's answer is not accepted.
@@ -44,6 +46,8 @@ pub enum Refused {
     TpSize { tp: u64, agents: usize, heads: u32 },
     /// An engine introduced an agent named for another engine (SPEC S5).
     AgentName { engine_id: String, rank: usize, name: String, want: String },
+    /// SPEC §13: one engine runs push mode, the other pull.
+    Mode { ours: &'static str, theirs: String },
 }
 
 impl fmt::Display for Refused {
@@ -64,6 +68,7 @@ impl fmt::Display for Refused {
             Refused::AgentName { engine_id, rank, name, want } => {
                 write!(f, "{engine_id:?} introduced an agent named {name:?} as its rank {rank}; its agents must be named {want}/<rank>")
             }
+            Refused::Mode { ours, theirs } => write!(f, "transfer mode {ours} here, {theirs} there"),
         }
     }
 }
@@ -85,6 +90,10 @@ impl Refused {
             Refused::TpSize { tp, agents, heads } => format!(
                 "engine {peer:?} says tp_size {tp} with {agents} agents, which does not fit the {heads} KV heads (--num-kv-heads) of engine {us:?}"
             ),
+            Refused::Mode { ours, theirs } => format!(
+                "engine {us:?} runs {ours} mode and engine {peer:?} runs {theirs} mode; P and D must use the same kv_connector \
+                 (NixlPushConnector for push, NixlConnector for pull)"
+            ),
             other => format!("engine {us:?} refused engine {peer:?}: {other}"),
         }
     }
@@ -93,6 +102,7 @@ impl Refused {
     pub fn label(&self) -> &'static str {
         match self {
             Refused::Geometry { .. } | Refused::TpSize { .. } => "geometry",
+            Refused::Mode { .. } => "mode",
             _ => "other",
         }
     }
@@ -113,11 +123,20 @@ pub fn geometry_flag(key: &str) -> &'static str {
 }
 
 impl Geometry {
+    fn mode(&self) -> &'static str {
+        if self.push {
+            "push"
+        } else {
+            "pull"
+        }
+    }
+
     /// The `info` of our Hello.
     pub fn to_info(&self) -> Vec<u8> {
         json!({
             "tp_size": self.tp_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "dtype_bytes": self.dtype_bytes, "block_size": self.block_size,
+            "transfer_mode": self.mode(),
         })
         .to_string()
         .into_bytes()
@@ -137,6 +156,11 @@ impl Geometry {
             if theirs != Some(u64::from(ours)) {
                 return Err(Refused::Geometry { key, ours, theirs });
             }
+        }
+        // An engine that says no mode is a pull engine (every kvlease before push mode).
+        let theirs = info.get("transfer_mode").and_then(|v| v.as_str()).unwrap_or("pull");
+        if theirs != self.mode() {
+            return Err(Refused::Mode { ours: self.mode(), theirs: theirs.chars().take(16).collect() });
         }
         let tp = info.get("tp_size").and_then(|v| v.as_u64()).unwrap_or(0);
         let fits = tp != 0 && tp as usize == hello.agents.len() && u64::from(self.num_kv_heads) % tp == 0;
@@ -275,7 +299,7 @@ mod tests {
     use super::*;
 
     fn geometry() -> Geometry {
-        Geometry { tp_size: 2, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 }
+        Geometry { tp_size: 2, num_layers: 2, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16, push: false }
     }
 
     fn hello(engine_id: &str, incarnation: u64, info: Vec<u8>, agents: usize) -> Hello {
@@ -289,6 +313,23 @@ mod tests {
         assert_eq!(check_reply("p", 9, &h), Ok(()));
         assert_eq!(check_reply("p", 8, &h), Err(Refused::NotOurRequest));
         assert!(matches!(check_reply("q", 9, &h), Err(Refused::WrongEngine { .. })));
+    }
+
+    /// SPEC §13: a push engine and a pull engine refuse each other, naming both modes; an
+    /// engine that says no mode is a pull engine.
+    #[test]
+    fn push_and_pull_engines_refuse_each_other_naming_both_modes() {
+        let pull = geometry();
+        let push = Geometry { push: true, ..pull };
+        let err = push.check_peer(&hello("d", 1, pull.to_info(), 2)).unwrap_err();
+        assert_eq!(err, Refused::Mode { ours: "push", theirs: "pull".into() });
+        let said = err.between("p0", "d0");
+        assert!(said.contains("push mode") && said.contains("pull mode") && said.contains("NixlPushConnector"), "{said}");
+        assert_eq!(err.label(), "mode");
+        assert!(pull.check_peer(&hello("p", 1, push.to_info(), 2)).is_err());
+        assert_eq!(push.check_peer(&hello("d", 1, push.to_info(), 2)), Ok(2));
+        let old = br#"{"tp_size":2,"num_layers":2,"num_kv_heads":8,"head_dim":16,"dtype_bytes":2,"block_size":16}"#.to_vec();
+        assert_eq!(pull.check_peer(&hello("p", 1, old, 2)), Ok(2));
     }
 
     /// SPEC T1: the geometry must match; TP may differ but must fit the heads and the agents.

@@ -442,6 +442,9 @@ struct RemoteEngine {
     /// The smoothed round trip of a heartbeat and its acknowledgement (TCP's SRTT: 7/8 of the
     /// last estimate and 1/8 of the new sample), once one has been measured.
     srtt: Option<Duration>,
+    /// Push transfers (SPEC §13) that need the link to this engine: P writes into our blocks
+    /// over it, and the push sink's messages travel on it.
+    pushes: u32,
 }
 
 /// How many incarnations' addresses an engine remembers.
@@ -600,6 +603,7 @@ impl Renewer {
             seen: Vec::new(),
             duplicates: BTreeSet::new(),
             srtt: None,
+            pushes: 0,
         };
         let i = match self.engines.iter().position(Option::is_none) {
             Some(i) => {
@@ -721,6 +725,26 @@ impl Renewer {
         }
         self.track(request_id, remote, lease_id, now);
         true
+    }
+
+    /// SPEC D5, §13: a push transfer with P engine `remote` starts: the link to it is made in
+    /// the background, as for a tracked lease, and kept while any push transfer needs it. Its
+    /// leases are the push sink's to renew, not the renewer's.
+    pub fn push_link(&mut self, remote: &Remote, now: Nanos) {
+        let e = self.engine_index(remote, now);
+        if let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) {
+            engine.saw(remote);
+            engine.pushes += 1;
+        }
+    }
+
+    /// A push transfer with `engine_id` ended (see [`Renewer::push_link`]).
+    pub fn push_unlink(&mut self, engine_id: &str) {
+        if let Some(&e) = self.by_name.get(engine_id) {
+            if let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) {
+                engine.pushes = engine.pushes.saturating_sub(1);
+            }
+        }
     }
 
     /// Stops tracking entry `handle` everywhere; returns what it was.
@@ -1050,7 +1074,7 @@ impl Renewer {
                 queue_side(&mut self.side, (engine_id.clone(), to.host, to.port, by), id, queued, why);
             }
             // Leases to renew, or releases to deliver, need a connection.
-            let wanted = !engine.leases.is_empty() || !engine.to_release.is_empty();
+            let wanted = !engine.leases.is_empty() || !engine.to_release.is_empty() || engine.pushes > 0;
             match engine.link {
                 Link::Unknown if wanted => {
                     engine.link = Link::Pending;
@@ -1096,7 +1120,7 @@ impl Renewer {
                 }
                 _ => {}
             }
-            let idle = engine.leases.is_empty() && engine.to_release.is_empty() && engine.link != Link::Pending;
+            let idle = engine.leases.is_empty() && engine.to_release.is_empty() && engine.pushes == 0 && engine.link != Link::Pending;
             engine.idle_since = if idle { engine.idle_since.or(Some(now)) } else { None };
         }
         // SPEC O4: releases over side channels, each batch one at a time, with back-off.
@@ -1148,10 +1172,10 @@ impl Renewer {
             .iter()
             .flatten()
             .filter_map(|e| match e.link {
-                Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() => Some(Nanos::ZERO),
+                Link::Unknown if !e.leases.is_empty() || !e.to_release.is_empty() || e.pushes > 0 => Some(Nanos::ZERO),
                 // Releases to hand over to the side channel (SPEC O4).
                 Link::Failed { .. } if !e.to_release.is_empty() => Some(Nanos::ZERO),
-                Link::Failed { retry_at, .. } if !e.leases.is_empty() => Some(retry_at),
+                Link::Failed { retry_at, .. } if !e.leases.is_empty() || e.pushes > 0 => Some(retry_at),
                 Link::Ready if !e.to_release.is_empty() || !e.renew_for_read.is_empty() => Some(Nanos::ZERO),
                 Link::Ready if !e.leases.is_empty() => Some(e.next_due.min(e.next_probe)),
                 // An idle engine is forgotten after a while.

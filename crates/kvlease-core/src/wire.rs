@@ -105,6 +105,23 @@ impl PushKey {
             .or_else(|| given(remote_request_id).map(PushKey::Request))
             .or(lease_id.map(PushKey::Lease))
     }
+
+    /// The name a one-sided write of registration `attempt` carries to D's write gate
+    /// (`WriteOp::key` of the transports): the key as messages encode it, then the attempt.
+    pub fn write_key(&self, attempt: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_key(&mut out, self);
+        put_varint(&mut out, u64::from(attempt));
+        out
+    }
+
+    /// The key and attempt a write names ([`PushKey::write_key`]); `None` for anything else.
+    pub fn from_write_key(bytes: &[u8]) -> Option<(PushKey, u32)> {
+        let mut r = Reader { buf: bytes };
+        let key = r.key().ok()?;
+        let attempt = u32::try_from(r.varint().ok()?).ok()?;
+        r.buf.is_empty().then_some((key, attempt))
+    }
 }
 
 impl std::fmt::Display for PushKey {
@@ -826,6 +843,13 @@ mod tests {
     #[test]
     fn u1_push_keys_are_chosen_by_precedence() {
         assert_eq!(PushKey::choose(Some("t"), Some("r"), Some(5)), Some(PushKey::Transfer("t".into())));
+        for k in [PushKey::Transfer("t/1".into()), PushKey::Request("r".into()), PushKey::Lease(u64::MAX)] {
+            assert_eq!(PushKey::from_write_key(&k.write_key(7)), Some((k.clone(), 7)));
+            let mut longer = k.write_key(7);
+            longer.push(0);
+            assert_eq!(PushKey::from_write_key(&longer), None, "trailing bytes name nothing");
+        }
+        assert_eq!(PushKey::from_write_key(&[9, 1]), None);
         assert_eq!(PushKey::choose(Some(""), Some("r"), Some(5)), Some(PushKey::Request("r".into())));
         assert_eq!(PushKey::choose(None, None, Some(5)), Some(PushKey::Lease(5)));
         assert_eq!(PushKey::choose(None, Some(""), None), None);

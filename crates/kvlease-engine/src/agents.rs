@@ -4,7 +4,7 @@
 //! broken connections.
 
 use crate::state::{Inner, Rank};
-use crate::{handshake, lease_holder, pull, renewal, ConfigError, StartError, TransportKind};
+use crate::{handshake, lease_holder, pull, push, renewal, ConfigError, StartError, TransportKind};
 use kvlease_core::wire::Message;
 use kvlease_transport::{tcp::TcpAgent, Agent, AgentEvent, BlockArena, ReadGate};
 use std::sync::Arc;
@@ -22,6 +22,9 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let name = kvlease_core::peers::agent_name(&cfg.engine_id, inner.incarnation, r as usize);
         let gate: Arc<dyn ReadGate> = Arc::new(lease_holder::Gate { inner: Arc::downgrade(inner) });
+        // SPEC U4: every agent refuses writes into its memory unless this engine takes pushed KV.
+        let push = cfg.transfer.push_mode();
+        let write_gate: Arc<dyn kvlease_transport::WriteGate> = Arc::new(push::Gate { inner: Arc::downgrade(inner) });
         let agent: Arc<dyn Agent> = match &cfg.transport {
             TransportKind::Tcp => {
                 let options = kvlease_transport::tcp::TcpOptions {
@@ -30,9 +33,19 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
                     tls: cfg.transfer_tls.clone(),
                     ..Default::default()
                 };
-                TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?
+                let agent = TcpAgent::start_with(name, &cfg.host, arena.clone(), gate, tx, options).await?;
+                if push {
+                    agent.set_write_gate(write_gate);
+                }
+                agent
             }
-            TransportKind::Mem(net) => net.agent(name, arena.clone(), gate, tx),
+            TransportKind::Mem(net) => {
+                let agent = net.agent(name, arena.clone(), gate, tx);
+                if push {
+                    agent.set_write_gate(write_gate);
+                }
+                agent
+            }
             #[cfg(feature = "nixl")]
             TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx, cfg.secret.clone()).await?,
             #[cfg(not(feature = "nixl"))]
@@ -56,7 +69,7 @@ async fn events(inner: Arc<Inner>, rank: usize, mut rx: mpsc::UnboundedReceiver<
     }
 }
 
-fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
+fn on_notification(inner: &Arc<Inner>, rank: usize, from: &str, bytes: &[u8]) {
     let msg = match Message::decode(bytes) {
         Ok(m) => m,
         Err(e) => {
@@ -72,18 +85,14 @@ fn on_notification(inner: &Inner, rank: usize, from: &str, bytes: &[u8]) {
         Message::Hello(_) | Message::Refused { .. } | Message::SideRelease(_) | Message::SideReleaseAck { .. } => {
             inner.metrics.rejected("malformed")
         }
-        // Push mode (SPEC §13) is not served by this engine yet (kvlease_core::push has the
-        // machines; issue 24): a peer speaking it is counted and logged, never acted on.
+        // Push mode (SPEC §13), either way: the engine's push machines.
         Message::PushRegister(_)
         | Message::PushRegisterAck { .. }
         | Message::PushHeartbeat { .. }
         | Message::PushRelease { .. }
         | Message::PushLost { .. }
         | Message::PushWriteDone { .. }
-        | Message::PushWriteFailed { .. } => {
-            tracing::debug!(from, "push-mode message on a pull engine, dropped");
-            inner.metrics.rejected("malformed")
-        }
+        | Message::PushWriteFailed { .. } => push::on_message(inner, from, &msg),
         // For P, from a D engine.
         Message::Heartbeat { .. } | Message::Release { .. } | Message::ReadDone { .. } | Message::ClockPing { .. } => {
             lease_holder::on_message(inner, rank, from, &msg)

@@ -7,13 +7,16 @@ use crate::model::{self, VOCAB_SIZE};
 use crate::pool::BlockPool;
 use crate::scheduler::{self, SchedMsg, Seq};
 use crate::state::{Inner, Tasks, Woken};
-use crate::{agents, lease_holder, renewal};
+use crate::{agents, lease_holder, push, renewal};
 use crate::{EngineConfig, GenerateEvent, GenerateRequest, Prompt, RequestError, StartError};
 use kvlease_core::holder::LeaseHolder;
 use kvlease_core::params::{Admit, KvRole, NotRead, RemoteKv, TurnKv, Whose};
 use kvlease_core::pull::PlantedBug;
+use kvlease_core::push::sink::PushSink;
+use kvlease_core::push::source::PushSource;
 use kvlease_core::renewer::{Renewer, Untrack};
 use kvlease_core::turn::{self, CachedTurn, TurnPlan};
+use kvlease_core::wire::PushKey;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -95,9 +98,16 @@ impl EngineHandle {
             renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),
             read_acks: Mutex::new(BTreeMap::new()),
+            push_source: Woken::new(PushSource::new(&lease_cfg, incarnation)),
+            push_sink: Woken::new(PushSink::new(&lease_cfg)),
+            push_actions: OnceLock::new(),
+            push_parked: Mutex::new(BTreeMap::new()),
+            push_linked: Mutex::new(BTreeMap::new()),
             tasks: Tasks::default(),
             cfg,
         });
+        let (push_tx, push_rx) = mpsc::unbounded_channel();
+        let _ = inner.push_actions.set(push_tx);
         let owner = Arc::new(Owner {
             inner: inner.clone(),
             sched: sched_tx.clone(),
@@ -119,7 +129,11 @@ impl EngineHandle {
         inner.tasks.spawn(handshake::serve(inner.clone(), listener));
         inner.tasks.spawn(lease_holder::reaper(inner.clone()));
         inner.tasks.spawn(renewal::run(inner.clone()));
-        inner.tasks.spawn(scheduler::run(inner.clone(), sched_rx, sched_tx, owner.stopped.clone()));
+        if cfg.transfer.push_mode() {
+            inner.tasks.spawn(push::source_reaper(inner.clone()));
+            inner.tasks.spawn(push::sink_driver(inner.clone()));
+        }
+        inner.tasks.spawn(scheduler::run(inner.clone(), sched_rx, sched_tx, push_rx, owner.stopped.clone()));
         Ok(EngineHandle { inner, owner })
     }
 
@@ -170,6 +184,52 @@ impl EngineHandle {
         }
         let id = self.owner.next_seq.fetch_add(1, Ordering::Relaxed);
         let internal = format!("{}#{id}", req.request_id);
+        // SPEC §13: push and pull engines do not mix; each side says which it is.
+        let push_mode = inner.cfg.transfer.push_mode();
+        let connector = &inner.cfg.transfer.kv_connector;
+        match (&role, push_mode) {
+            (KvRole::DecodePush(_), false) => {
+                return Err(RequestError::bad_request(
+                    Some("kv_transfer_params"),
+                    format!(
+                        "push-mode params (transfer_mode \"push\", or no remote_block_ids) but this engine runs pull mode \
+                         (kv_connector {connector:?}); run P and D with NixlPushConnector for push"
+                    ),
+                ))
+            }
+            (KvRole::DecodeRemote(_), true) => {
+                return Err(RequestError::bad_request(
+                    Some("kv_transfer_params"),
+                    "pull-mode params (remote_block_ids of a lease) but this engine runs push mode (kv_connector \"NixlPushConnector\"); \
+                     run P and D with the same kv_connector",
+                ))
+            }
+            (KvRole::DecodePush(pr), true) if pr.pp_size != 1 => {
+                return Err(RequestError::bad_request(
+                    Some("kv_transfer_params"),
+                    format!("pp_size {} names pipeline stages kvlease's engines do not run (pp_size must be 1)", pr.pp_size),
+                ))
+            }
+            (KvRole::DecodePush(pr), true) => {
+                if push::admit(inner, &internal, pr) {
+                    tracing::debug!(request = %req.request_id, engine = %pr.engine_id, key = %pr.key, "waiting for the prefill engine's writes");
+                } else {
+                    tracing::warn!(request = %req.request_id, key = %pr.key, "another request here already waits for this transfer (SPEC U1); computing this prompt locally");
+                    inner.metrics.recomputed_requests.inc();
+                    role = KvRole::Local;
+                }
+            }
+            _ => {}
+        }
+        // SPEC U1: the key P pairs a push lease by: the router's transfer id, else the request's id.
+        let push_key = match (&role, push_mode) {
+            (KvRole::PrefillForRemote(_), true) => {
+                let transfer_id = KvRole::transfer_id(req.kv_transfer_params.as_ref())
+                    .map_err(|e| RequestError::bad_request(Some("kv_transfer_params"), e.to_string()))?;
+                PushKey::choose(transfer_id.as_deref(), Some(&req.request_id), None)
+            }
+            _ => None,
+        };
         // SPEC S1, S4, O4: whether this request reads P's KV, its own engine's, or computes the
         // prompt itself — decided by the core's admission; here only what it asks done.
         let mut own_kv = None;
@@ -220,8 +280,15 @@ impl EngineHandle {
         if let Some(blocks) = own_kv {
             seq = seq.own_kv(blocks);
         }
+        if let Some(key) = push_key {
+            seq = seq.push_key(key);
+        }
+        let pushed = matches!(seq.role(), KvRole::DecodePush(_));
         if self.owner.sched.send(SchedMsg::Submit(Box::new(seq))).is_err() {
             inner.renewer.lock().untrack(&internal, Untrack::Abandoned);
+            if pushed {
+                push::abort_sink(inner, &internal);
+            }
             return Err(RequestError::unavailable("the engine has stopped"));
         }
         let abort = Abort { inner: Arc::downgrade(&self.inner), sched: self.owner.sched.clone(), id, internal };

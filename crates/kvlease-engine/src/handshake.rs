@@ -142,6 +142,7 @@ pub(crate) fn geometry(inner: &Inner) -> Geometry {
         head_dim: m.head_dim,
         dtype_bytes: m.dtype_bytes,
         block_size: m.block_size,
+        push: inner.cfg.transfer.push_mode(),
     }
 }
 
@@ -284,6 +285,8 @@ async fn answer_hello(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn
             Ok(names) => {
                 let old = inner2.renewer.with(|r| r.introduced(&hello2.engine_id, hello2.incarnation, names));
                 drop_agents(&inner2, &old);
+                // Push mode: P's writes wait for D's agents to be known here.
+                inner2.bump_news();
             }
             Err(e) => tracing::warn!(peer = %hello2.engine_id, "{e}"),
         }
@@ -395,6 +398,9 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
                 taken
             });
             drop_agents(&inner, &taken.drop_agents);
+            if taken.taken {
+                crate::push::link_ready(&inner, &engine_id);
+            }
         }
         Err(e) => {
             let why = match &e {
@@ -406,6 +412,7 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
                     inner.metrics.handshake_refused(match what.as_str() {
                         "geometry" => "geometry",
                         "certificate" => "certificate",
+                        "mode" => "mode",
                         _ => "other",
                     });
                     e.to_string()

@@ -276,9 +276,9 @@ pub(crate) fn on_message(inner: &Inner, rank: usize, from: &str, msg: &Message) 
     }
 }
 
-/// Live leases (for the simulator's reclaim check and diagnostics).
+/// Live leases, pull and push (for the simulator's reclaim check and diagnostics).
 pub(crate) fn live_leases(inner: &Inner) -> usize {
-    inner.holder.lock().live()
+    inner.holder.lock().live() + inner.push_source.lock().live()
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod model;
 mod pool;
 mod pull;
+mod push;
 mod release;
 mod renewal;
 mod scheduler;

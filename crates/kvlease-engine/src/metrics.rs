@@ -46,7 +46,8 @@ pub const REJECT_REASONS: [&str; 5] = ["malformed", "unknown_agent", "oversized"
 /// engines, named in both logs (SPEC O4): a model geometry that differs (`--num-layers`, ...),
 /// two live engines with one `--engine-id`, a certificate (SPEC S6: of another CA, or of
 /// another engine than the one claimed), or another refusal of a peer that holds the secret.
-pub const REFUSED_REASONS: [&str; 4] = ["geometry", "duplicate_engine_id", "certificate", "other"];
+/// `mode`: a push engine and a pull engine (SPEC §13).
+pub const REFUSED_REASONS: [&str; 5] = ["geometry", "duplicate_engine_id", "certificate", "mode", "other"];
 
 /// A histogram with fixed buckets, and the largest observation (which tests bound).
 #[derive(Debug)]
@@ -110,6 +111,9 @@ pub struct Metrics {
     pub recomputed_requests: Counter,
     /// P: reads the transfer agent refused because the lease was not live (SPEC P5).
     pub reads_refused: Counter,
+    /// D (push mode): writes the transfer agent refused: no live registration of those blocks
+    /// for that prompt from that engine (SPEC U4, U8, U11).
+    pub writes_refused: Counter,
     /// D (multi-turn): finished turns kept under a cached-turn lease (SPEC B1).
     pub turns_kept: Counter,
     /// D (multi-turn): cached turns ended early because new requests needed their blocks.
@@ -154,6 +158,7 @@ impl Default for Metrics {
             requests_running: Gauge::default(),
             recomputed_requests: Counter::default(),
             reads_refused: Counter::default(),
+            writes_refused: Counter::default(),
             turns_kept: Counter::default(),
             turns_evicted: Counter::default(),
             turn_tokens_read: Counter::default(),
@@ -221,6 +226,11 @@ impl Metrics {
             "kvlease_reads_refused",
             "Reads the transfer agent refused: the lease was not live, not the reader's, or not of those blocks (P)",
             self.reads_refused.clone(),
+        );
+        r.register(
+            "kvlease_writes_refused",
+            "Push mode: writes the transfer agent refused: no live registration of those blocks for that prompt from that engine (D)",
+            self.writes_refused.clone(),
         );
         r.register(
             "kvlease_turns_kept",

@@ -11,12 +11,15 @@ use crate::lease_holder::{self, PrefillDone};
 use crate::model::{self, EOS};
 use crate::pool::Blocks;
 use crate::pull::pull;
+use crate::push;
 use crate::state::{Inner, Rank};
 use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
 use kvlease_core::params::{KvRole, RemoteKv};
 use kvlease_core::pull::{PullLost, ReadFailure, Verdict};
+use kvlease_core::push::sink::{PushAction, PushVerdict};
 use kvlease_core::renewer::Untrack;
+use kvlease_core::wire::PushKey;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
@@ -67,6 +70,10 @@ pub(crate) struct Seq {
     reused: usize,
     /// The tokens generated so far (a decoder's cached turn keeps their KV, SPEC B1).
     output: Vec<u32>,
+    /// P, push mode (SPEC U1): the key D's registration pairs this prefill's lease by.
+    push_key: Option<PushKey>,
+    /// D, push mode: the sink is done with this request (ready, or failed over).
+    push_done: bool,
 }
 
 impl Seq {
@@ -103,6 +110,26 @@ impl Seq {
             own_kv: None,
             reused: 0,
             output: Vec::new(),
+            push_key: None,
+            push_done: false,
+        }
+    }
+
+    /// SPEC U1: P in push mode grants this prefill's lease under `key`.
+    pub fn push_key(mut self, key: PushKey) -> Seq {
+        self.push_key = Some(key);
+        self
+    }
+
+    pub fn role(&self) -> &KvRole {
+        &self.role
+    }
+
+    /// D, push mode: the P engine writing this request's KV, while it waits for it.
+    fn push_from(&self) -> Option<&str> {
+        match &self.role {
+            KvRole::DecodePush(pr) if !self.recompute && !self.push_done => Some(&pr.engine_id),
+            _ => None,
         }
     }
 
@@ -139,14 +166,20 @@ pub(crate) async fn run(
     inner: Arc<Inner>,
     mut rx: mpsc::UnboundedReceiver<SchedMsg>,
     tx: mpsc::UnboundedSender<SchedMsg>,
+    mut push_rx: mpsc::UnboundedReceiver<PushAction>,
     stopped: watch::Sender<bool>,
 ) {
     let mut waiting: VecDeque<Seq> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
     let mut loading: BTreeMap<u64, Seq> = BTreeMap::new();
     let mut aborted_loads: BTreeSet<u64> = BTreeSet::new();
+    let mut pushed = Pushed::default();
     let mut pace = Pace { due: None, yielded: Instant::now() };
     loop {
+        // D, push mode: what the sink decided (SPEC U7, U8, U10).
+        while let Ok(action) = push_rx.try_recv() {
+            pushed.on_action(&inner, action, &mut loading, &mut running, &mut waiting);
+        }
         // Take every message that is already here.
         loop {
             let msg = match rx.try_recv() {
@@ -157,10 +190,22 @@ pub(crate) async fn run(
             match msg {
                 SchedMsg::Submit(seq) => waiting.push_back(*seq),
                 SchedMsg::Abort(id) => {
-                    waiting.retain(|s| s.id != id);
-                    running.retain(|s| s.id != id);
-                    if loading.remove(&id).is_some() {
-                        aborted_loads.insert(id);
+                    let mut gone: Vec<Seq> = Vec::new();
+                    if let Some(i) = waiting.iter().position(|s| s.id == id) {
+                        gone.extend(waiting.remove(i));
+                    }
+                    if let Some(i) = running.iter().position(|s| s.id == id) {
+                        gone.push(running.remove(i));
+                    }
+                    if let Some(seq) = loading.remove(&id) {
+                        if seq.push_from().is_some() {
+                            gone.push(seq);
+                        } else {
+                            aborted_loads.insert(id);
+                        }
+                    }
+                    for seq in gone {
+                        pushed.abort(&inner, seq);
                     }
                 }
                 SchedMsg::Loaded { id, blocks, verdict } => {
@@ -183,6 +228,7 @@ pub(crate) async fn run(
                             inner.renewer.lock().untrack(&seq.internal, Untrack::Abandoned);
                         }
                         seq.fail(err.clone());
+                        pushed.abort(&inner, seq);
                     }
                     inner.renewer.wake();
                     stopped.send_replace(true);
@@ -190,7 +236,7 @@ pub(crate) async fn run(
                 }
             }
         }
-        admit(&inner, &tx, &mut waiting, &mut running, &mut loading);
+        admit(&inner, &tx, &mut waiting, &mut running, &mut loading, &mut pushed);
         inner.metrics.requests_waiting.set(waiting.len() as i64);
         inner.metrics.requests_running.set((running.len() + loading.len()) as i64);
         if running.is_empty() {
@@ -208,6 +254,9 @@ pub(crate) async fn run(
                     None => return,
                 },
                 _ = inner.pool.freed.notified(), if !waiting.is_empty() => {}
+                action = push_rx.recv() => if let Some(action) = action {
+                    pushed.on_action(&inner, action, &mut loading, &mut running, &mut waiting);
+                },
             }
             pace.yielded = Instant::now();
             continue;
@@ -222,11 +271,14 @@ fn admit(
     waiting: &mut VecDeque<Seq>,
     running: &mut Vec<Seq>,
     loading: &mut BTreeMap<u64, Seq>,
+    pushed: &mut Pushed,
 ) {
     let bs = inner.cfg.model.block_size;
     while let Some(front) = waiting.front() {
         if front.tx.is_closed() {
-            waiting.pop_front();
+            if let Some(seq) = waiting.pop_front() {
+                pushed.abort(inner, seq);
+            }
             continue;
         }
         if running.len() + loading.len() >= inner.cfg.max_num_seqs {
@@ -243,6 +295,26 @@ fn admit(
             None => return,
         };
         let Some(mut seq) = waiting.pop_front() else { return };
+        if let (KvRole::DecodePush(pr), false) = (&seq.role, seq.recompute) {
+            // SPEC U1, U8: register the prompt's blocks with P, and wait for its writes.
+            let n = seq.prompt.len().div_ceil(bs as usize).min(blocks.ids().len());
+            match push::register(inner, &seq.internal, pr, &seq.prompt, blocks.ids()[..n].to_vec()) {
+                Some(attempt) => {
+                    pushed.waiting.insert(seq.internal.clone(), (seq.id, attempt));
+                    seq.blocks = Some(blocks);
+                    loading.insert(seq.id, seq);
+                }
+                None => {
+                    push::abort_sink(inner, &seq.internal);
+                    inner.metrics.recomputed_requests.inc();
+                    seq.recompute = true;
+                    seq.blocks = Some(blocks);
+                    seq.state = State::Prefill;
+                    running.push(seq);
+                }
+            }
+            continue;
+        }
         // D: the prompt's KV from P; P (multi-turn): the conversation so far from a decoder.
         let source = match &seq.role {
             KvRole::DecodeRemote(rk) => Some(rk.clone()),
@@ -269,6 +341,103 @@ fn admit(
                 seq.state = State::Prefill;
                 running.push(seq);
             }
+        }
+    }
+}
+
+/// D, push mode (SPEC §13): requests waiting for P's writes, and destination blocks P may still
+/// write into.
+#[derive(Default)]
+struct Pushed {
+    /// Internal request id → (its id here, its registration's attempt), while it waits in
+    /// `loading`.
+    waiting: BTreeMap<String, (u64, u32)>,
+    /// SPEC U8: destination blocks of requests that gave up, kept out of the pool until the sink
+    /// says no write can land in them any more.
+    held: BTreeMap<(String, u32), Blocks>,
+}
+
+impl Pushed {
+    /// The request is given up (its client left, the engine stops): P is told at once (U9, U6),
+    /// and blocks it registered wait until no write can land in them (U8).
+    fn abort(&mut self, inner: &Arc<Inner>, mut seq: Seq) {
+        if let Some(key) = seq.push_key.take() {
+            push::abort_source(inner, &key);
+        }
+        if seq.push_from().is_none() {
+            return;
+        }
+        if let (Some((_, attempt)), Some(blocks)) = (self.waiting.remove(&seq.internal), seq.blocks.take()) {
+            self.held.insert((seq.internal.clone(), attempt), blocks);
+        }
+        push::abort_sink(inner, &seq.internal);
+    }
+
+    /// What the sink decided: decode from the pushed KV (U7), fail over (U7, U10), or give
+    /// destination blocks back (U8).
+    fn on_action(
+        &mut self,
+        inner: &Arc<Inner>,
+        action: PushAction,
+        loading: &mut BTreeMap<u64, Seq>,
+        running: &mut Vec<Seq>,
+        waiting: &mut VecDeque<Seq>,
+    ) {
+        match action {
+            PushAction::Ready { request_id } => {
+                let Some((id, _)) = self.waiting.remove(&request_id) else { return };
+                let Some(mut seq) = loading.remove(&id) else { return };
+                push::finish_sink(inner, &seq.internal);
+                seq.push_done = true;
+                prompt_ready(inner, &mut seq);
+                match finish_reason(&seq) {
+                    Some(reason) => complete(inner, seq, reason),
+                    None => running.push(seq),
+                }
+            }
+            PushAction::Failed { request_id, verdict, blocks_reusable } => {
+                let Some((id, attempt)) = self.waiting.remove(&request_id) else { return };
+                let Some(mut seq) = loading.remove(&id) else { return };
+                seq.push_done = true;
+                inner.metrics.lease_lost.inc();
+                let mut blocks = seq.blocks.take();
+                if !blocks_reusable {
+                    // SPEC U8: a write may still land in them: they wait for the sink's word.
+                    if let Some(b) = blocks.take() {
+                        self.held.insert((request_id, attempt), b);
+                    }
+                }
+                match verdict {
+                    PushVerdict::Recompute(why) => {
+                        tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); recomputing the prompt locally");
+                        inner.metrics.recomputed_requests.inc();
+                        seq.recompute = true;
+                        match blocks {
+                            Some(b) => {
+                                seq.blocks = Some(b);
+                                seq.state = State::Prefill;
+                                running.push(seq);
+                            }
+                            None => waiting.push_front(seq),
+                        }
+                    }
+                    PushVerdict::Fail(why) => {
+                        tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+                        drop(blocks);
+                        seq.fail(RequestError::new(
+                            503,
+                            "kv_load_failed",
+                            None,
+                            format!("the prompt's KV cache was not written by the prefill engine: {why}"),
+                        ));
+                    }
+                }
+            }
+            PushAction::BlocksFree { request_id, attempt } => {
+                self.held.remove(&(request_id, attempt));
+            }
+            // Carried out by the push driver.
+            PushAction::Send { .. } => {}
         }
     }
 }
@@ -381,7 +550,9 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
             }
             let mut seq = running.swap_remove(i);
             prompt_ready(inner, &mut seq);
-            if matches!(seq.role, KvRole::PrefillForRemote(_)) {
+            if let (KvRole::PrefillForRemote(_), Some(key)) = (&seq.role, seq.push_key.take()) {
+                push::grant_and_finish(inner, PrefillDone::from(seq), key);
+            } else if matches!(seq.role, KvRole::PrefillForRemote(_)) {
                 lease_holder::grant_and_finish(inner, PrefillDone::from(seq));
             } else {
                 match finish_reason(&seq) {

@@ -5,6 +5,7 @@
 //! * `renewer` (D): the renewer and, inside it, the registry of remote engines, owned by
 //!   [`crate::renewal`] and [`crate::handshake`];
 //! * `read_acks` (D): pulls waiting for `ReadDoneAck`s, owned by [`crate::pull`];
+//! * `push_source` (P) and `push_sink` (D), push mode's machines, owned by [`crate::push`];
 //! * `tasks`: every task the engine runs, and the one signal that stops them all.
 //!
 //! No logic lives here beyond accessors: this module imports no other module of the engine but
@@ -15,7 +16,10 @@ use crate::pool::{BlockPool, Blocks};
 use crate::EngineConfig;
 use kvlease_core::holder::LeaseHolder;
 use kvlease_core::params::Admission;
+use kvlease_core::push::sink::{PushAction, PushSink};
+use kvlease_core::push::source::PushSource;
 use kvlease_core::renewer::Renewer;
+use kvlease_core::wire::Message;
 use kvlease_core::Nanos;
 use kvlease_transport::{Agent, BlockArena};
 use std::collections::BTreeMap;
@@ -97,12 +101,24 @@ pub(crate) struct Inner {
     pub holder: Woken<LeaseHolder<Blocks>>,
     /// D: renewals of leases on remote blocks, and the registry of remote engines.
     pub renewer: Woken<Renewer>,
-    /// Signalled on every acknowledgement or lost lease, for pulls waiting to read. A `Notify`,
-    /// not a `watch`: a watch wakes its waiters in a random order, and the simulator needs the
-    /// same order every run.
+    /// Signalled on every acknowledgement, lost lease or peer introduced, for pulls waiting to
+    /// read and pushes waiting to write. A `Notify`, not a `watch`: a watch wakes its waiters in
+    /// a random order, and the simulator needs the same order every run.
     pub news: Notify,
     /// D: pulls waiting for `ReadDoneAck`s.
     pub read_acks: Mutex<BTreeMap<AckKey, oneshot::Sender<bool>>>,
+    /// P, push mode (SPEC §13): leases over source blocks P writes from, driven by
+    /// [`crate::push`]; its reaper is woken when its next wake-up may have moved earlier.
+    pub push_source: Woken<PushSource<Blocks>>,
+    /// D, push mode: requests waiting for P's writes, driven by [`crate::push`].
+    pub push_sink: Woken<PushSink>,
+    /// D, push mode: what the sink decided for the scheduler (ready, failed, blocks free).
+    pub push_actions: OnceLock<tokio::sync::mpsc::UnboundedSender<PushAction>>,
+    /// D, push mode: messages for P engines whose handshake is still under way, sent when it
+    /// completes (bounded per engine; the sink's deadline covers what is dropped).
+    pub push_parked: Mutex<BTreeMap<String, Vec<Message>>>,
+    /// D, push mode: requests the sink tracks, with the P engine whose link each keeps up.
+    pub push_linked: Mutex<BTreeMap<String, String>>,
     pub tasks: Tasks,
 }
 

@@ -202,7 +202,7 @@ async fn decoder_of_another_ca(transport: &str) {
 
 /// The default engine geometry (`kvlease serve` without model flags), as a Hello carries it.
 fn geometry() -> Geometry {
-    Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 4, head_dim: 16, dtype_bytes: 2, block_size: 16 }
+    Geometry { tp_size: 1, num_layers: 2, num_kv_heads: 4, head_dim: 16, dtype_bytes: 2, block_size: 16, push: false }
 }
 
 fn hello(engine_id: &str, incarnation: u64, agents: Vec<Vec<u8>>) -> Hello {

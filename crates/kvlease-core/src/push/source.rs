@@ -167,6 +167,10 @@ pub struct WriteJob {
     pub stages: u32,
     /// D's destination blocks, in order.
     pub block_ids: Vec<u32>,
+    /// P's source blocks, in order (the lease's): block `i` is written into `block_ids[i]`.
+    pub src_blocks: Vec<u32>,
+    /// The prompt's digest, shown to D's write gate with every write (SPEC S4, U11).
+    pub digest: PromptDigest,
     pub request: String,
 }
 
@@ -781,7 +785,7 @@ impl<B: BlockGuard> PushSource<B> {
         let Some(t) = self.keys.get_mut(key) else { return };
         let (Some(id), Some((_, to))) = (t.lease, t.holder.clone()) else { return };
         let Some(source) = self.table.get(id) else { return };
-        let (digest, request) = (source.digest, source.request.clone());
+        let (digest, request, src_blocks) = (source.digest, source.request.clone(), source.blocks.ids().to_vec());
         let Some(reg) = t.regs.last_mut().filter(|r| !r.announced && !r.closed()) else { return };
         if reg.reg.digest != digest {
             // U11, S4: D registered for another prompt: nothing is written into its blocks.
@@ -809,6 +813,8 @@ impl<B: BlockGuard> PushSource<B> {
             dst_ranks: reg.reg.dst_ranks,
             stages: reg.reg.stages,
             block_ids: reg.reg.block_ids.clone(),
+            src_blocks,
+            digest,
             request,
         });
     }

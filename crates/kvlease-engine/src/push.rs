@@ -1,0 +1,478 @@
+//! Push mode (SPEC §13): P writes a request's KV into blocks D allocated and registered. The
+//! rules are kvlease-core's [`PushSource`] (P) and [`PushSink`] (D); this is glue: lock, call,
+//! carry out (send, write, free, tell the scheduler), and the two timers.
+//!
+//! * P: [`grant_and_finish`] when a `do_remote_decode` prefill ends (P1, U1, U2), the
+//!   messages from D ([`on_message`]), one task per transfer ready to write ([`write`]: each
+//!   write asks the source's gate right before it is posted, U4, U8, U11), and the reaper
+//!   ([`source_reaper`], P4).
+//! * D: [`admit`] as the request arrives (D1, U2: renewed from then on), [`register`] once its
+//!   blocks are allocated (U1), the messages from P ([`on_message`]), the sink's timer
+//!   ([`sink_driver`], D3: not the forward loop), and the write gate ([`Gate`]: not a byte lands
+//!   outside the newest live registration of those blocks, for that prompt, from that engine).
+//!   The sink's verdicts go to the scheduler ([`crate::state::Inner::push_actions`]).
+//!
+//! Messages travel as transfer-agent notifications between the engines' rank-0 agents (one
+//! source and one sink per engine); the writes go from every P rank to the D ranks whose heads
+//! overlap its own (T1), each a one-sided write of the transport.
+
+use crate::lease_holder::PrefillDone;
+use crate::pool::Blocks;
+use crate::state::{lock, Inner};
+use crate::{FinishReason, GenerateEvent, RequestError};
+use kvlease_core::digest::PromptDigest;
+use kvlease_core::params::{PushAnswer, PushRemote};
+use kvlease_core::peers::agent_holder;
+use kvlease_core::push::sink::{PushAction, PushSink};
+use kvlease_core::push::source::{PushGrantError, PushSettled, PushSource, WriteJob};
+use kvlease_core::push::PushFailure;
+use kvlease_core::wire::{Message, PushKey};
+use kvlease_core::Nanos;
+use kvlease_transport::{Segment, WriteGate, WriteOp, WritePermit};
+use std::sync::{Arc, Weak};
+
+/// Messages kept per P engine while its handshake is under way.
+const PARKED_PER_ENGINE: usize = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// P: the source.
+
+/// Calls `f` on the engine's [`PushSource`] under its lock, at the engine's time, and carries
+/// out what it settled: messages to D, leases that ended, blocks back, writes to post.
+pub(crate) fn with_source<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut PushSource<Blocks>, Nanos, &mut PushSettled<Blocks>) -> R) -> R {
+    let mut out = PushSettled::default();
+    let r = {
+        let mut source = inner.push_source.lock();
+        let r = f(&mut source, inner.now(), &mut out);
+        inner.metrics.leases_active.set(source.live() as i64);
+        r
+    };
+    carry_out_source(inner, out);
+    r
+}
+
+fn carry_out_source(inner: &Arc<Inner>, out: PushSettled<Blocks>) {
+    for o in out.send {
+        send_to_holder(inner, &o.to, &o.msg);
+    }
+    for e in &out.ended {
+        inner.metrics.released(e.reason).inc();
+        inner.metrics.lease_hold.observe(e.held.as_secs_f64());
+        tracing::debug!(request = %e.request, lease_id = e.lease_id, reason = e.reason.as_str(), "push lease ended");
+    }
+    drop(out.freed);
+    for job in out.ready {
+        let inner2 = inner.clone();
+        inner.tasks.spawn(async move { write(inner2, job).await });
+    }
+    if out.rearm {
+        inner.push_source.wake();
+    }
+}
+
+/// A message for the engine whose holder name (as the transport authenticated it) is `holder`:
+/// from our rank 0 to its rank 0.
+fn send_to_holder(inner: &Inner, holder: &str, msg: &Message) {
+    let Some(rank0) = inner.ranks().first() else { return };
+    let to = format!("{holder}/0");
+    if let Err(e) = rank0.agent.send_notif(&to, msg.encode()) {
+        tracing::debug!("cannot send a push message to {to}: {e}");
+    }
+}
+
+/// SPEC P1, U1, U2: a `do_remote_decode` prefill of a push engine finished: grant the lease
+/// under the transfer's key and answer with P's coordinates and the key (no blocks: D
+/// registers its own). A registration D sent before is paired now and the writes start.
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone, key: PushKey) {
+    let Some(blocks) = done.blocks else { return };
+    if done.tx.is_closed() {
+        drop(blocks);
+        with_source(inner, |s, now, out| s.abort(&key, now, out));
+        return;
+    }
+    let granted = with_source(inner, |s, now, out| s.grant(now, Some(key.clone()), &done.client_id, blocks, &done.prompt, out));
+    let expiry = match granted {
+        Ok(g) => {
+            inner.metrics.leases_granted.inc();
+            tracing::debug!(request = %done.client_id, lease_id = g.lease_id, %key, "push lease granted");
+            Some(g.expiry)
+        }
+        // D gave the transfer up before the prefill ended: nobody will take the KV; the
+        // answer still names the key, and a decoder that registers later hears it is lost.
+        Err(PushGrantError::Released(_)) => None,
+        Err(PushGrantError::KeyTaken(k)) => {
+            let _ = done.tx.send(GenerateEvent::Failed(RequestError::new(
+                409,
+                "transfer_key_in_use",
+                Some("kv_transfer_params"),
+                format!("another request on this prefill engine is already paired by {k} (SPEC U1); give each request its own X-Request-Id or transfer_id"),
+            )));
+            return;
+        }
+        Err(PushGrantError::Grant(e)) => {
+            let _ = done.tx.send(GenerateEvent::Failed(RequestError::unavailable(format!("no lease granted: {e}"))));
+            return;
+        }
+    };
+    let kv = inner.kv_addr.get().copied();
+    let host = match (inner.cfg.advertise_host, kv) {
+        (Some(ip), _) => ip.to_string(),
+        (None, Some(a)) => a.ip().to_string(),
+        (None, None) => inner.cfg.host.clone(),
+    };
+    let answer = PushAnswer {
+        engine_id: &inner.cfg.engine_id,
+        host: &host,
+        port: kv.map_or(0, |a| a.port()),
+        tp_size: inner.cfg.tp_size,
+        num_tokens: done.prompt.len() as u32,
+        incarnation: inner.incarnation,
+        key: &key,
+    };
+    let mut params = answer.to_json();
+    if let (Some(at), serde_json::Value::Object(o)) = (expiry, &mut params) {
+        o.insert("remote_blocks_expiry_time".into(), serde_json::json!(at.0 as f64 / 1e9));
+    }
+    let first = done.first_token;
+    if first != crate::model::EOS {
+        let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });
+    }
+    let sent = done.tx.send(GenerateEvent::Done {
+        finish_reason: FinishReason::Length,
+        prompt_tokens: done.prompt.len() as u32,
+        completion_tokens: 1,
+        kv_transfer_params: Some(params),
+    });
+    if sent.is_err() {
+        with_source(inner, |s, now, out| s.abort(&key, now, out));
+    }
+}
+
+/// SPEC U4, U5, U6, U8, T1: the writes of one transfer, one per destination rank and
+/// pipeline stage, each from every P rank whose heads overlap that D rank's. Each asks the
+/// source's gate right before it is posted; a write that outlives the read timeout is dropped
+/// (which cancels it on a fenced transport) and counted failed.
+async fn write(inner: Arc<Inner>, job: WriteJob) {
+    let m = &inner.cfg.model;
+    let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else {
+        with_source(&inner, |s, now, out| s.fail_writes(&job.key, PushFailure::NotPosted, now, out));
+        return;
+    };
+    let hbb = m.head_block_bytes() as u32;
+    let key = job.key.write_key(job.attempt);
+    let timeout = inner.cfg.transfer.lease.read_timeout();
+    // D's agents reach ours by the handshake D made; ours may still be adding them (it answers
+    // the handshake and adds them alongside): wait for that, within the write's own time.
+    let until = tokio::time::Instant::now() + timeout;
+    for dst_rank in 0..job.dst_ranks {
+        if !introduced(&inner, &format!("{}/{dst_rank}", job.to), until).await {
+            tracing::info!(request = %job.request, "D's agents were never introduced here; its writes are not posted");
+            with_source(&inner, |s, now, out| s.fail_writes(&job.key, PushFailure::NotPosted, now, out));
+            return;
+        }
+    }
+    for dst_rank in 0..job.dst_ranks {
+        for stage in 0..job.stages {
+            let Ok(ticket) = with_source(&inner, |s, now, out| s.begin_write(&job.key, job.attempt, dst_rank, stage, now, out)) else {
+                continue;
+            };
+            let to = format!("{}/{dst_rank}", job.to);
+            let mut writes = Vec::new();
+            for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
+                let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
+                let segments = job
+                    .src_blocks
+                    .iter()
+                    .zip(&job.block_ids)
+                    .map(|(&src, &dst)| Segment {
+                        remote_block: dst,
+                        remote_offset: pair.d_head_offset * hbb,
+                        local_block: src,
+                        local_offset: pair.p_head_offset * hbb,
+                        len: (pair.heads.end - pair.heads.start) * hbb,
+                    })
+                    .collect();
+                let op = WriteOp { key: key.clone(), segments, notif: None, tag: job.digest.0.to_vec() };
+                let (agent, to) = (rank.agent.clone(), to.clone());
+                writes.push(async move { agent.write(&to, op).await });
+            }
+            let ok = !writes.is_empty()
+                && match tokio::time::timeout(timeout, futures_util::future::join_all(writes)).await {
+                    Ok(results) => match results.iter().find_map(|r| r.as_ref().err()) {
+                        Some(e) => {
+                            tracing::info!(request = %job.request, "a push write to {to} failed: {e}");
+                            false
+                        }
+                        None => true,
+                    },
+                    Err(_) => {
+                        tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; cancelled");
+                        false
+                    }
+                };
+            with_source(&inner, |s, now, out| s.end_write(ticket, ok, now, out));
+        }
+    }
+}
+
+/// Whether agent `agent` is (or becomes, before `until`) one our agents know.
+async fn introduced(inner: &Inner, agent: &str, until: tokio::time::Instant) -> bool {
+    loop {
+        // Registered before the check, so an introduction between the two is not missed.
+        let news = inner.news.notified();
+        tokio::pin!(news);
+        news.as_mut().enable();
+        if inner.renewer.lock().peers().engine_of(agent).is_some() {
+            return true;
+        }
+        if tokio::time::timeout_at(until, news).await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// SPEC P4: the push source's reaper, as [`crate::lease_holder::reaper`] is the pull holder's.
+pub(crate) async fn source_reaper(inner: Arc<Inner>) {
+    loop {
+        let (more, next) = with_source(&inner, |s, now, out| {
+            let more = s.poll(now, out);
+            (more, s.poll_timeout(now))
+        });
+        if more {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let woken = inner.push_source.woken();
+        match next {
+            Some(t) => {
+                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
+            }
+            None => woken.await,
+        }
+    }
+}
+
+/// P: a client that left, or a request aborted before its prefill ended: D is told (U6).
+pub(crate) fn abort_source(inner: &Arc<Inner>, key: &PushKey) {
+    with_source(inner, |s, now, out| s.abort(key, now, out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// D: the sink.
+
+/// Calls `f` on the engine's [`PushSink`] under its lock and carries out what it decided:
+/// messages to P now (or once the handshake is done), verdicts to the scheduler.
+/// `subject`: the request the call is about (it may be forgotten without an action).
+pub(crate) fn with_sink<R>(inner: &Inner, subject: &str, f: impl FnOnce(&mut PushSink, Nanos, &mut Vec<PushAction>) -> R) -> R {
+    let mut out = Vec::new();
+    let r = {
+        let mut sink = inner.push_sink.lock();
+        f(&mut sink, inner.now(), &mut out)
+    };
+    carry_out_sink(inner, out, Some(subject));
+    inner.push_sink.wake();
+    r
+}
+
+/// Carries out the sink's actions; then a request the sink forgot (the actions', or
+/// `subject`) no longer keeps the link to its P engine up.
+fn carry_out_sink(inner: &Inner, actions: Vec<PushAction>, subject: Option<&str>) {
+    let mut seen: Vec<String> = subject.map(str::to_owned).into_iter().collect();
+    for a in &actions {
+        match a {
+            PushAction::Ready { request_id } | PushAction::Failed { request_id, .. } | PushAction::BlocksFree { request_id, .. } => {
+                seen.push(request_id.clone())
+            }
+            PushAction::Send { .. } => {}
+        }
+    }
+    for a in actions {
+        match a {
+            PushAction::Send { engine_id, msg } => send_to_engine(inner, &engine_id, msg),
+            other => {
+                if let Some(tx) = inner.push_actions.get() {
+                    let _ = tx.send(other);
+                }
+            }
+        }
+    }
+    let gone: Vec<String> = {
+        let sink = inner.push_sink.lock();
+        seen.into_iter().filter(|id| !sink.is_tracked(id)).collect()
+    };
+    let engines: Vec<String> = {
+        let mut linked = lock(&inner.push_linked);
+        gone.iter().filter_map(|id| linked.remove(id)).collect()
+    };
+    if !engines.is_empty() {
+        inner.renewer.with(|r| engines.iter().for_each(|e| r.push_unlink(e)));
+    }
+}
+
+/// A message for P engine `engine_id`, to its rank 0 from ours; parked while the handshake
+/// with it is under way (SPEC D5). The link is looked up under the parking lot's lock, so a
+/// handshake completing meanwhile ([`link_ready`]) finds the message parked, or it finds the
+/// link.
+fn send_to_engine(inner: &Inner, engine_id: &str, msg: Message) {
+    let agent = {
+        let mut parked = lock(&inner.push_parked);
+        let agent = inner.renewer.lock().peer(engine_id).and_then(|p| p.agents.first().cloned());
+        if agent.is_none() {
+            let queue = parked.entry(engine_id.to_owned()).or_default();
+            if queue.len() < PARKED_PER_ENGINE {
+                queue.push(msg);
+            }
+            return;
+        }
+        agent
+    };
+    if let Some(agent) = agent {
+        send_to_agent(inner, engine_id, &agent, &msg);
+    }
+}
+
+fn send_to_agent(inner: &Inner, engine_id: &str, agent: &str, msg: &Message) {
+    let Some(rank0) = inner.ranks().first() else { return };
+    if matches!(msg, Message::PushHeartbeat { .. }) {
+        inner.metrics.heartbeats_sent.inc();
+    }
+    if let Err(e) = rank0.agent.send_notif(agent, msg.encode()) {
+        tracing::debug!(engine = %engine_id, "cannot send a push message: {e}");
+    }
+}
+
+/// The handshake with P engine `engine_id` completed: what waited for it goes out.
+pub(crate) fn link_ready(inner: &Inner, engine_id: &str) {
+    let parked = lock(&inner.push_parked).remove(engine_id).unwrap_or_default();
+    let agent = inner.renewer.lock().peer(engine_id).and_then(|p| p.agents.first().cloned());
+    if let Some(agent) = agent {
+        for msg in &parked {
+            send_to_agent(inner, engine_id, &agent, msg);
+        }
+    }
+}
+
+/// SPEC D1, U2: a push request arrived: renewed from now on, and the link to P made in the
+/// background. `false` if another request here already waits under the same key (U1): this
+/// one must not take the transfer over, and computes its prompt itself.
+pub(crate) fn admit(inner: &Inner, internal: &str, pr: &PushRemote) -> bool {
+    let taken = {
+        let mut sink = inner.push_sink.lock();
+        let taken = sink.key_taken(&pr.engine_id, &pr.key);
+        if !taken {
+            sink.admit(internal, &pr.engine_id, pr.key.clone(), inner.now());
+        }
+        taken
+    };
+    if !taken {
+        inner.push_sink.wake();
+        lock(&inner.push_linked).insert(internal.to_owned(), pr.engine_id.clone());
+        inner.renewer.with(|r| r.push_link(&pr.remote(), inner.now()));
+    }
+    !taken
+}
+
+/// SPEC U1, U8: the request's destination blocks are allocated: register them with P (the
+/// prompt's blocks only, the ones P writes). Returns the registration's attempt.
+pub(crate) fn register(inner: &Inner, internal: &str, pr: &PushRemote, prompt: &[u32], block_ids: Vec<u32>) -> Option<u32> {
+    let (incarnation, tp) = (inner.incarnation, inner.cfg.tp_size);
+    let digest = PromptDigest::of(prompt);
+    with_sink(inner, internal, |s, now, out| {
+        match s.register(internal, incarnation, pr.incarnation, digest, tp, pr.pp_size, block_ids, now) {
+            Ok(action) => {
+                let attempt = match &action {
+                    PushAction::Send { msg: Message::PushRegister(reg), .. } => Some(reg.attempt),
+                    _ => None,
+                };
+                out.push(action);
+                attempt
+            }
+            Err(e) => {
+                tracing::warn!(request = %internal, "push registration not made: {e}");
+                None
+            }
+        }
+    })
+}
+
+/// SPEC U9: D gives the request up (aborted, refused, shut down): P is told at once.
+pub(crate) fn abort_sink(inner: &Inner, internal: &str) {
+    with_sink(inner, internal, |s, now, out| s.abort(internal, now, out));
+}
+
+/// The request is decoding from the pushed KV: nothing of the transfer is left to track.
+pub(crate) fn finish_sink(inner: &Inner, internal: &str) {
+    with_sink(inner, internal, |s, now, out| s.finish(internal, now, out));
+}
+
+/// SPEC D2, D3, U2, U10: the sink's timer: heartbeats, D's write deadlines, block reuse. Runs
+/// on its own, never on the forward loop.
+pub(crate) async fn sink_driver(inner: Arc<Inner>) {
+    loop {
+        let woken = inner.push_sink.woken();
+        let mut out = Vec::new();
+        let next = {
+            let mut sink = inner.push_sink.lock();
+            sink.poll(inner.now(), &mut out);
+            sink.poll_timeout()
+        };
+        carry_out_sink(&inner, out, None);
+        match next {
+            Some(t) => {
+                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
+            }
+            None => woken.await,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Both: messages, and D's write gate.
+
+/// A push message from agent `from`: for P's source (from a D engine) or D's sink (from a P
+/// engine whose handshake we made). A message for the other side's machine is dropped.
+pub(crate) fn on_message(inner: &Arc<Inner>, from: &str, msg: &Message) {
+    if !inner.cfg.transfer.push_mode() {
+        tracing::debug!(from, "push-mode message on a pull engine, dropped");
+        inner.metrics.rejected("malformed");
+        return;
+    }
+    match msg {
+        Message::PushRegister(_) | Message::PushHeartbeat { .. } | Message::PushRelease { .. } => {
+            if matches!(msg, Message::PushHeartbeat { .. }) {
+                inner.metrics.heartbeats_received.inc();
+            }
+            with_source(inner, |s, now, out| s.on_message(agent_holder(from), msg, now, out));
+        }
+        _ => {
+            let engine = inner.renewer.lock().peers().engine_of(from).map(str::to_owned);
+            match engine {
+                Some(engine) => with_sink(inner, "", |s, now, out| s.on_message(&engine, msg, now, out)),
+                None => inner.metrics.rejected("unknown_agent"),
+            }
+        }
+    }
+}
+
+/// SPEC U4, U8, U11, S4: D's say over P's writes into its blocks: only into the newest live
+/// registration of exactly those blocks, for that prompt, from the engine it was registered
+/// with, before the deadline P was told.
+pub(crate) struct Gate {
+    pub inner: Weak<Inner>,
+}
+
+impl WriteGate for Gate {
+    fn begin_write(&self, peer: &str, key: &[u8], blocks: &[u32], tag: &[u8]) -> Option<WritePermit> {
+        let inner = self.inner.upgrade()?;
+        let allowed = PushKey::from_write_key(key).is_some_and(|(key, attempt)| {
+            let engine = inner.renewer.lock().peers().engine_of(peer).map(str::to_owned);
+            engine.is_some_and(|e| inner.push_sink.lock().may_write(&e, &key, attempt, blocks, tag, inner.now()))
+        });
+        if allowed {
+            Some(Box::new(()))
+        } else {
+            inner.metrics.writes_refused.inc();
+            None
+        }
+    }
+}

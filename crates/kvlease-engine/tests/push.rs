@@ -1,0 +1,198 @@
+//! Push mode through real engines on loopback (SPEC §13): P writes the prompt's KV into blocks
+//! D allocated and registered, over the tcp agent's one-sided writes, under the same leases.
+//! Each test names the SPEC ids it proves.
+
+mod common;
+
+use common::*;
+use kvlease_core::lease_table::ReleaseReason;
+use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt, RequestError};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// A push engine (`kv_connector: NixlPushConnector`) with lease L and D's write wait.
+fn push_config(lease_secs: f64, tp: u32, wait_secs: f64) -> EngineConfig {
+    let mut cfg = config(lease_secs, tp);
+    cfg.transfer.kv_connector = kvlease_core::config::PUSH_CONNECTOR.into();
+    cfg.transfer.lease.push_registration_timeout = Duration::from_secs_f64(wait_secs);
+    cfg
+}
+
+/// Runs request `id` to its end: (text, kv_transfer_params) or the error.
+async fn run_id(e: &EngineHandle, id: &str, max_tokens: u32, params: Option<Value>) -> Result<(String, Option<Value>), RequestError> {
+    let req = GenerateRequest {
+        request_id: id.into(),
+        prompt: Prompt::Text(PROMPT.into()),
+        max_tokens,
+        ignore_eos: true,
+        kv_transfer_params: params,
+        sampling: Default::default(),
+    };
+    let mut s = e.submit(req)?;
+    let mut text = String::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), s.next()).await.expect("request finishes in time") {
+            Some(GenerateEvent::Token { text: t, .. }) => text.push_str(&t),
+            Some(GenerateEvent::Done { kv_transfer_params, .. }) => return Ok((text, kv_transfer_params)),
+            Some(GenerateEvent::Failed(e)) => return Err(e),
+            Some(GenerateEvent::Logprobs { .. }) => {}
+            None => panic!("stream ended without Done"),
+        }
+    }
+}
+
+/// What vLLM's push router hands D before P has answered: P's coordinates and the shared
+/// request id, no blocks.
+fn router_params(p: &EngineHandle, request_id: &str) -> Value {
+    json!({"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": p.engine_id(),
+        "remote_host": "127.0.0.1", "remote_port": p.kv_addr().port(), "tp_size": 1, "pp_size": 1,
+        "remote_request_id": request_id})
+}
+
+async fn local_answer(max_tokens: u32) -> String {
+    let local = engine(config(30.0, 1)).await;
+    run(&local, PROMPT, max_tokens, None).await.expect("local run").0
+}
+
+/// SPEC U1, U5, P1, P3, D7: a sequential router forwards P's push answer to D: D registers its
+/// blocks, P writes into them and ends the lease as `transferred` on the last write; the answer
+/// equals a local run, nothing is recomputed, and every block is back on P.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u1_u5_push_through_a_sequential_router_equals_local() {
+    let want = local_answer(24).await;
+    let (p, d) = (engine(push_config(30.0, 1, 30.0)).await, engine(push_config(30.0, 1, 30.0)).await);
+    for i in 0..3 {
+        let id = format!("seq-{i}");
+        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
+        let params = params.expect("P answers with params");
+        assert_eq!(params["transfer_mode"], "push", "{params}");
+        assert_eq!(params["remote_request_id"], id.as_str(), "{params}");
+        assert!(params.get("remote_block_ids").is_none(), "P names no blocks in push mode: {params}");
+        let (got, _) = run_id(&d, &format!("d-{i}"), 24, Some(params)).await.expect("decode");
+        assert_eq!(got, want, "request {i}");
+        until("P ends the lease", Duration::from_secs(5), || p.live_leases() == 0).await;
+    }
+    assert_eq!(p.metrics().released(ReleaseReason::Transferred).get(), 3, "every transfer counted as transferred");
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
+    assert_eq!(p.metrics().kv_blocks_free.get(), 256, "every block back on P");
+    assert_eq!(d.metrics().writes_refused.get(), 0);
+}
+
+/// SPEC U1, U2: vLLM's push router sends both legs at once: D admits the request and registers
+/// before P has even started its prefill; P pairs the registration with the lease it grants at
+/// the end of its prefill, by the router's request id, and writes. The answer equals local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u2_both_legs_at_once_pair_by_the_routers_id() {
+    let want = local_answer(16).await;
+    let mut pcfg = push_config(30.0, 1, 30.0);
+    // A prefill that takes a while, so D's registration certainly comes first.
+    pcfg.model.prefill_ms_per_token = 5.0;
+    let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
+    for i in 0..3 {
+        let id = format!("both-{i}");
+        let decode = {
+            let (d, params) = (d.clone(), router_params(&p, &id));
+            tokio::spawn(async move { run_id(&d, "decode-leg", 16, Some(params)).await })
+        };
+        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
+        assert_eq!(params.expect("params")["transfer_mode"], "push");
+        let (got, _) = decode.await.expect("joins").expect("decode");
+        assert_eq!(got, want, "request {i}");
+    }
+    until("P ends the leases", Duration::from_secs(5), || p.live_leases() == 0).await;
+    assert_eq!(p.metrics().released(ReleaseReason::Transferred).get(), 3);
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
+}
+
+/// SPEC T1 with push: P and D of different TP sizes; each D rank is written by every P rank
+/// whose heads overlap its own, and the answer equals local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t1_push_across_tp_sizes_equals_local() {
+    let want = local_answer(12).await;
+    for (p_tp, d_tp) in [(2, 1), (1, 2), (2, 4)] {
+        let (p, d) = (engine(push_config(30.0, p_tp, 30.0)).await, engine(push_config(30.0, d_tp, 30.0)).await);
+        let id = format!("tp-{p_tp}-{d_tp}");
+        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
+        let (got, _) = run_id(&d, "d", 12, params).await.expect("decode");
+        assert_eq!(got, want, "P tp {p_tp}, D tp {d_tp}");
+        assert_eq!(
+            d.metrics().recomputed_requests.get(),
+            0,
+            "P tp {p_tp}, D tp {d_tp}: written, not recomputed (D refused {} writes; P ended {} leases as released)",
+            d.metrics().writes_refused.get(),
+            p.metrics().released(ReleaseReason::Released).get()
+        );
+        until("P ends the lease", Duration::from_secs(5), || p.live_leases() == 0).await;
+        assert_eq!(p.metrics().released(ReleaseReason::Transferred).get(), 1);
+    }
+}
+
+/// SPEC U9, D4: D gives a request up while P holds its lease (the client went away): P is
+/// told at once and frees its blocks long before the lease would expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u9_an_abort_on_d_frees_p_at_once() {
+    let p = engine(push_config(30.0, 1, 30.0)).await;
+    let (_, params) = run_id(&p, "abort-me", 1, prefill_params()).await.expect("prefill");
+    assert_eq!(p.live_leases(), 1);
+    // D's own queue is full, so the request waits unregistered; then its client leaves.
+    let mut dcfg = push_config(30.0, 1, 30.0);
+    dcfg.max_num_seqs = 1;
+    let busy = engine(dcfg).await;
+    let hog = {
+        let busy = busy.clone();
+        tokio::spawn(async move { run(&busy, PROMPT, 2000, None).await })
+    };
+    until("the hog runs", Duration::from_secs(5), || busy.metrics().requests_running.get() == 1).await;
+    let req = GenerateRequest {
+        request_id: "waiting".into(),
+        prompt: Prompt::Text(PROMPT.into()),
+        max_tokens: 4,
+        ignore_eos: true,
+        kv_transfer_params: params,
+        sampling: Default::default(),
+    };
+    let stream = busy.submit(req).expect("admitted");
+    // Given up before its blocks were allocated, before D's link to P is even up: the release
+    // waits for the link, then goes.
+    drop(stream);
+    until("P frees the lease at D's release", Duration::from_secs(3), || p.live_leases() == 0).await;
+    assert_eq!(p.metrics().released(ReleaseReason::Released).get(), 1);
+    assert_eq!(p.metrics().kv_blocks_free.get(), 256);
+    hog.abort();
+}
+
+/// SPEC U10, D7: P never writes (the router's prefill leg went nowhere): D waits no longer than
+/// `push_registration_timeout`, then computes the prompt itself (the default policy) — or fails
+/// the request with a clear error under `kv_load_failure_policy=fail`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u10_d_stops_waiting_for_writes_that_never_come() {
+    let want = local_answer(8).await;
+    let p = engine(push_config(30.0, 1, 30.0)).await;
+    let d = engine(push_config(30.0, 1, 1.0)).await;
+    let t0 = std::time::Instant::now();
+    let (got, _) = run_id(&d, "never", 8, Some(router_params(&p, "never-prefilled"))).await.expect("recomputed");
+    assert_eq!(got, want);
+    assert!(t0.elapsed() < Duration::from_secs(10), "waited {:?}", t0.elapsed());
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    let mut fcfg = push_config(30.0, 1, 1.0);
+    fcfg.transfer.lease.load_failure_policy = kvlease_core::config::LoadFailurePolicy::Fail;
+    let f = engine(fcfg).await;
+    let err = run_id(&f, "never", 8, Some(router_params(&p, "never-2"))).await.expect_err("fails");
+    assert_eq!(err.status, 503, "{err:?}");
+    assert!(err.message.contains("not written"), "{}", err.message);
+}
+
+/// SPEC §13: push and pull do not mix: each engine refuses the other mode's params with a 400
+/// naming both modes (and their handshakes refuse each other, peers.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_and_pull_params_are_refused_by_the_other_mode() {
+    let (pull_p, pull_d) = (engine(config(30.0, 1)).await, engine(config(30.0, 1)).await);
+    let push_d = engine(push_config(30.0, 1, 30.0)).await;
+    let (_, pull_params) = run(&pull_p, PROMPT, 1, prefill_params()).await.expect("prefill");
+    let err = run_id(&push_d, "x", 4, pull_params).await.expect_err("refused");
+    assert_eq!(err.status, 400);
+    assert!(err.message.contains("push mode") && err.message.contains("pull-mode"), "{}", err.message);
+    let err = run_id(&pull_d, "x", 4, Some(router_params(&pull_p, "x"))).await.expect_err("refused");
+    assert_eq!(err.status, 400);
+    assert!(err.message.contains("pull mode") && err.message.contains("NixlPushConnector"), "{}", err.message);
+}
