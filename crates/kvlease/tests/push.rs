@@ -1,0 +1,128 @@
+//! Push mode (SPEC §13) over real processes: P and D are `kvlease serve` processes started with
+//! vLLM's `"kv_connector":"NixlPushConnector"`, P writes the KV into D's registered blocks with
+//! one-sided writes of the tcp agent, and a real HTTP client drives them.
+
+mod common;
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+/// A push engine's `--kv-transfer-config`: lease L, D's write wait `wait` (s).
+fn push_config(lease: f64, wait: f64) -> String {
+    format!(
+        r#"{{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{lease},"push_registration_timeout":{wait}}}}}"#
+    )
+}
+
+/// SPEC U12, U1, U5, P3: push engines behind `kvlease proxy`, which forwards P's push answer to
+/// D: every answer — plain and chat, streamed and not — equals a local run; P counts every
+/// transfer as `transferred`, nothing is recomputed, and no lease or block is left on P.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u12_push_through_kvlease_proxy_equals_local() {
+    let cfg = push_config(30.0, 30.0);
+    let p = Proc::serve("push-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("push-d", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("push-local", &[]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "write"];
+    let n = 24usize;
+    let mut jobs = Vec::new();
+    for i in 0..n {
+        let chat = i % 4 == 3;
+        let stream = i % 3 == 0;
+        let prompt: String = (0..(3 + i % 19)).map(|j| words[(i * 5 + j * 3) % words.len()]).collect::<Vec<_>>().join(" ");
+        let max_tokens = 4 + (i % 11) as u64;
+        let (path, body) = if chat {
+            (
+                "/v1/chat/completions",
+                json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "ignore_eos": true}),
+            )
+        } else {
+            ("/v1/completions", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true}))
+        };
+        let (proxy_url, local_url) = (format!("{}{path}", proxy.url), format!("{}{path}", local.url));
+        jobs.push(tokio::spawn(async move {
+            let (status, want) = post(&local_url, &body).await;
+            assert_eq!(status, 200, "{want}");
+            let want = text_of(&want, chat);
+            let got = if stream {
+                let mut b = body.clone();
+                b["stream"] = json!(true);
+                post_stream(&proxy_url, &b, chat).await
+            } else {
+                let (status, got) = post(&proxy_url, &body).await;
+                assert_eq!(status, 200, "{got}");
+                text_of(&got, chat)
+            };
+            assert!(!want.is_empty());
+            assert_eq!(got, want, "request {i} (chat {chat}, stream {stream})");
+        }));
+        if jobs.len() == 6 {
+            for j in jobs.drain(..) {
+                j.await.expect("request task");
+            }
+        }
+    }
+    for j in jobs {
+        j.await.expect("request task");
+    }
+    until("P holds no lease", Duration::from_secs(10), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    assert_eq!(metric(&p.url, "kvlease_leases_granted_total").await, n as f64);
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, n as f64);
+    assert_eq!(metric(&p.url, "kvlease_kv_blocks_free").await, metric(&p.url, "kvlease_kv_blocks_total").await);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 0.0);
+    assert_eq!(metric(&d.url, "kvlease_writes_refused_total").await, 0.0);
+}
+
+/// SPEC P4, U3, U10: P holds push leases nobody registers (their decoder was killed with
+/// `SIGKILL`): nothing renews them, and P reclaims every one within L, every block back. And a
+/// decoder handed vLLM's push router's params for a prefill that never happens computes the
+/// prompt itself within `push_registration_timeout`, with the local answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u10_p_reclaims_leases_of_a_killed_decoder_and_d_stops_waiting() {
+    let lease = 3.0;
+    let cfg = push_config(lease, 2.0);
+    let p = Proc::serve("push-kill-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("push-kill-d", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("push-kill-local", &[]);
+    // Four prefills whose decode legs never come.
+    let mut kv_port = 0;
+    for i in 0..4 {
+        let leg = json!({"model": "kvlease-synthetic", "prompt": format!("stranded prompt {i}"), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+        let (status, body) = post(&format!("{}/v1/completions", p.url), &leg).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["kv_transfer_params"]["transfer_mode"], "push", "{body}");
+        kv_port = body["kv_transfer_params"]["remote_port"].as_u64().expect("P's side-channel port");
+    }
+    assert_eq!(metric(&p.url, "kvlease_leases_active").await, 4.0);
+    let t0 = std::time::Instant::now();
+    d.signal("KILL");
+    until("P reclaims every lease", Duration::from_secs_f64(lease * 2.0), || async {
+        metric(&p.url, "kvlease_leases_active").await == 0.0
+    })
+    .await;
+    assert!(t0.elapsed() < Duration::from_secs_f64(lease + 2.0), "reclaimed after {:?}", t0.elapsed());
+    assert_eq!(metric(&p.url, "kvlease_kv_blocks_free").await, metric(&p.url, "kvlease_kv_blocks_total").await);
+    // A decoder waiting for a prefill that never comes computes the prompt itself, in time.
+    let d2 = Proc::serve("push-kill-d2", &["--kv-transfer-config", &cfg]);
+    let prompt = "a decode leg whose prefill went nowhere";
+    let (status, want) = post(
+        &format!("{}/v1/completions", local.url),
+        &json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 6, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{want}");
+    let params = json!({"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": "push-kill-p",
+        "remote_host": "127.0.0.1", "remote_port": kv_port, "tp_size": 1, "pp_size": 1, "remote_request_id": "nobody-prefilled-this"});
+    let t1 = std::time::Instant::now();
+    let (status, got) = post(
+        &format!("{}/v1/completions", d2.url),
+        &json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 6, "ignore_eos": true, "kv_transfer_params": params}),
+    )
+    .await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), text_of(&want, false));
+    assert!(t1.elapsed() < Duration::from_secs(10), "waited {:?}", t1.elapsed());
+    assert_eq!(metric(&d2.url, "kvlease_recomputed_requests_total").await, 1.0);
+}
