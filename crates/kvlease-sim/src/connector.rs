@@ -47,6 +47,7 @@
 //! The same seed gives the same trace: `kvlease sim --connector --seed N` replays a run.
 
 use crate::cluster::Rng;
+use crate::seeded::EventQueue;
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::{IssuedLeases, Issuer};
@@ -55,8 +56,7 @@ use kvlease_core::pull::{AfterReads, PlantedBug, Pull, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::Message;
 use kvlease_core::{LeaseId, Nanos};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -299,30 +299,6 @@ enum Ev {
     },
 }
 
-struct Queued {
-    t: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        (self.t, self.seq) == (o.t, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Earliest first (a max-heap of reversed order), in order of scheduling at a tie.
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
-}
-
 /// One request, P's side of it and what the checks need.
 struct Request {
     at: Duration,
@@ -454,8 +430,7 @@ struct World {
     c: Connector,
     cfg: LeaseConfig,
     rng: Rng,
-    queue: BinaryHeap<Queued>,
-    seq: u64,
+    queue: EventQueue<Ev>,
     now: Nanos,
     ps: Vec<PEngine>,
     ds: Vec<DEngine>,
@@ -540,8 +515,7 @@ impl World {
             c: c.clone(),
             cfg,
             rng: Rng(c.seed ^ 0x0123_4567_89ab),
-            queue: BinaryHeap::new(),
-            seq: 0,
+            queue: EventQueue::new(),
             now: Nanos::ZERO,
             ps,
             ds,
@@ -591,8 +565,7 @@ impl World {
     }
 
     fn push(&mut self, t: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.push(Queued { t, seq: self.seq, ev });
+        self.queue.push(t, ev);
     }
 
     fn note(&mut self, what: String) {
@@ -636,29 +609,29 @@ impl World {
         // A liveness bound, generous: every request may queue behind every other.
         let per_request = self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) + c.decode.1 + c.long_step.1;
         let horizon = Nanos::ZERO + last + pauses + self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) * 20 + per_request * c.requests as u32;
-        while let Some(q) = self.queue.pop() {
-            if q.t > horizon {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > horizon {
                 self.violation(format!(
                     "liveness: events still due at {:.3} s, past the horizon {:.3} s",
-                    q.t.as_secs_f64(),
+                    t.as_secs_f64(),
                     horizon.as_secs_f64()
                 ));
                 break;
             }
-            self.now = q.t;
-            if let Some(d) = self.on_d(&q.ev) {
+            self.now = t;
+            if let Some(d) = self.on_d(&ev) {
                 if !self.ds[d].alive {
-                    if let Ev::Params { c } = q.ev {
+                    if let Ev::Params { c } = ev {
                         self.end(c, End::Failed("d_down"));
                     }
                     continue;
                 }
-                if let Some(until) = self.paused_until(d, q.t) {
-                    self.push(until, q.ev);
+                if let Some(until) = self.paused_until(d, t) {
+                    self.push(until, ev);
                     continue;
                 }
             }
-            self.dispatch(q.ev);
+            self.dispatch(ev);
         }
         self.final_checks();
     }
@@ -1537,21 +1510,5 @@ impl World {
             trace: self.trace,
             simulated: self.now.since(Nanos::ZERO),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The event queue runs earliest first, in scheduling order at a tie.
-    #[test]
-    fn events_run_in_time_then_scheduling_order() {
-        let mut q = BinaryHeap::new();
-        for (t, seq) in [(5, 1), (3, 2), (5, 0), (3, 3)] {
-            q.push(Queued { t: Nanos(t), seq, ev: Ev::Free { d: 0 } });
-        }
-        let order: Vec<(u64, u64)> = std::iter::from_fn(|| q.pop().map(|x| (x.t.0, x.seq))).collect();
-        assert_eq!(order, vec![(3, 2), (3, 3), (5, 0), (5, 1)]);
     }
 }

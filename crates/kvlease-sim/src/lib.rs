@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod connector;
 pub mod heartbeat;
 pub mod push;
+pub mod seeded;
 
 use cluster::{collect, collect_timed, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;

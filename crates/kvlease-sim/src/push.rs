@@ -46,6 +46,7 @@
 //! seed finds it. The same seed gives the same trace: `kvlease sim --push --seed N` replays it.
 
 use crate::cluster::Rng;
+use crate::seeded::EventQueue;
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::holder::BlockGuard;
@@ -54,8 +55,7 @@ use kvlease_core::push::sink::{PushAction, PushSink, PushVerdict};
 use kvlease_core::push::source::{PushSettled, PushSource, WriteJob, WriteRefused, WriteTicket};
 use kvlease_core::wire::{Message, PushKey};
 use kvlease_core::{LeaseId, Nanos};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -347,30 +347,6 @@ enum Ev {
     },
 }
 
-struct Queued {
-    t: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        (self.t, self.seq) == (o.t, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Earliest first (a max-heap of reversed order), in order of scheduling at a tie.
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
-}
-
 /// Whose KV a part of a destination block holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kv {
@@ -491,8 +467,7 @@ struct World {
     c: Push,
     cfg: LeaseConfig,
     rng: Rng,
-    queue: BinaryHeap<Queued>,
-    seq: u64,
+    queue: EventQueue<Ev>,
     now: Nanos,
     ps: Vec<PEngine>,
     ds: Vec<DEngine>,
@@ -549,8 +524,7 @@ impl World {
             c: c.clone(),
             cfg,
             rng: Rng(c.seed ^ 0x0070_5115_ea5e),
-            queue: BinaryHeap::new(),
-            seq: 0,
+            queue: EventQueue::new(),
             now: Nanos::ZERO,
             ps,
             ds,
@@ -643,8 +617,7 @@ impl World {
     }
 
     fn push(&mut self, t: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.push(Queued { t, seq: self.seq, ev });
+        self.queue.push(t, ev);
     }
 
     fn note(&mut self, what: String) {
@@ -687,26 +660,26 @@ impl World {
         let pauses: f64 = c.d_pauses.iter().map(|p| p.1.as_secs_f64()).sum();
         let horizon =
             at(Duration::from_secs_f64(last * 4.0 + 10.0 + pauses + (c.timeout_secs + c.lease_secs * 2.0) * (8.0 + c.requests as f64)));
-        while let Some(q) = self.queue.pop() {
-            if q.t > horizon {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > horizon {
                 self.violation(format!(
                     "U6/U10 liveness: events still due at {:.3} s, past the horizon {:.3} s",
-                    q.t.as_secs_f64(),
+                    t.as_secs_f64(),
                     horizon.as_secs_f64()
                 ));
                 break;
             }
-            self.now = q.t;
-            if let Some(d) = self.on_d(&q.ev) {
+            self.now = t;
+            if let Some(d) = self.on_d(&ev) {
                 if !self.ds[d].alive {
                     continue;
                 }
-                if let Some(until) = self.paused_until(d, q.t) {
-                    self.push(until, q.ev);
+                if let Some(until) = self.paused_until(d, t) {
+                    self.push(until, ev);
                     continue;
                 }
             }
-            self.dispatch(q.ev);
+            self.dispatch(ev);
         }
         self.final_checks();
     }
