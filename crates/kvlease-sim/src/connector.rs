@@ -47,7 +47,7 @@
 //! The same seed gives the same trace: `kvlease sim --connector --seed N` replays a run.
 
 use crate::cluster::Rng;
-use crate::seeded::EventQueue;
+use crate::seeded::{Counts, EventQueue, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::{IssuedLeases, Issuer};
@@ -57,7 +57,6 @@ use kvlease_core::renewer::{Action, Handshook, Remote, Renewer, SendKind, Untrac
 use kvlease_core::wire::Message;
 use kvlease_core::{LeaseId, Nanos};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::fmt::Write as _;
 use std::time::Duration;
 
 /// How often the connector asks about a held-back read again without news (`RECHECK_NS`).
@@ -117,11 +116,9 @@ pub struct Connector {
     pub planted: Option<PlantedBug>,
 }
 
-/// What one run found.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub seed: u64,
-    pub requests: usize,
+/// A connector run's own counts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConnectorCounts {
     /// Requests the router handed to two D engines.
     pub strays: usize,
     /// Decoded from the pulled KV.
@@ -131,19 +128,21 @@ pub struct Outcome {
     /// Failed cleanly (`kv_load_failure_policy: fail`, a crashed D, no D left).
     pub failed: usize,
     pub aborted: usize,
-    pub violations: Vec<String>,
-    /// What happened, in simulated time.
-    pub trace: Vec<String>,
-    /// Simulated time until the run came to rest.
-    pub simulated: Duration,
 }
 
-impl Outcome {
-    /// The command that replays this run.
-    pub fn replay(&self) -> String {
-        format!("cargo run -p kvlease -- sim --connector --seed {}", self.seed)
+impl Counts for ConnectorCounts {
+    const FLAG: &'static str = "--connector";
+    fn add(&mut self, o: &Self) {
+        self.strays += o.strays;
+        self.used += o.used;
+        self.recomputed += o.recomputed;
+        self.failed += o.failed;
+        self.aborted += o.aborted;
     }
 }
+
+/// What one run found (`simulated`: until the run came to rest).
+pub type Outcome = crate::seeded::Outcome<ConnectorCounts>;
 
 impl Connector {
     /// A run drawn from `seed`.
@@ -206,35 +205,18 @@ impl Connector {
     }
 }
 
-/// Runs seeds `from..from + count`; returns the requests simulated, or the first run that
-/// broke an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedBug>) -> Result<u64, Outcome> {
-    let mut requests = 0;
-    for seed in from..from.saturating_add(count) {
-        let mut c = Connector::from_seed(seed);
-        c.planted = planted;
-        let out = c.run();
-        requests += out.requests as u64;
-        if !out.violations.is_empty() {
-            return Err(out);
-        }
+impl Seeded for Connector {
+    type Planted = PlantedBug;
+    type Counts = ConnectorCounts;
+    fn from_seed(seed: u64) -> Connector {
+        Connector::from_seed(seed)
     }
-    Ok(requests)
-}
-
-/// A run as a report: its violations, the replay command, and its trace.
-pub fn report(out: &Outcome) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
-    for v in &out.violations {
-        let _ = writeln!(s, "  {v}");
+    fn plant(&mut self, bug: Option<PlantedBug>) {
+        self.planted = bug;
     }
-    let _ = writeln!(s, "replay: {}", out.replay());
-    let _ = writeln!(s, "trace:");
-    for line in &out.trace {
-        let _ = writeln!(s, "  {line}");
+    fn run(&self) -> Outcome {
+        Connector::run(self)
     }
-    s
 }
 
 #[derive(Debug, Clone)]
@@ -1501,11 +1483,13 @@ impl World {
         Outcome {
             seed: self.c.seed,
             requests: self.reqs.len(),
-            strays: self.reqs.iter().filter(|r| r.copies.len() > 1).count(),
-            used: count(|e| *e == End::Used),
-            recomputed: count(|e| matches!(e, End::Recomputed(_))),
-            failed: count(|e| matches!(e, End::Failed(_))) + self.reqs.iter().filter(|r| r.unrouted).count(),
-            aborted: count(|e| *e == End::Aborted),
+            counts: ConnectorCounts {
+                strays: self.reqs.iter().filter(|r| r.copies.len() > 1).count(),
+                used: count(|e| *e == End::Used),
+                recomputed: count(|e| matches!(e, End::Recomputed(_))),
+                failed: count(|e| matches!(e, End::Failed(_))) + self.reqs.iter().filter(|r| r.unrouted).count(),
+                aborted: count(|e| *e == End::Aborted),
+            },
             violations: self.violations,
             trace: self.trace,
             simulated: self.now.since(Nanos::ZERO),

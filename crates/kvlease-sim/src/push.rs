@@ -46,7 +46,7 @@
 //! seed finds it. The same seed gives the same trace: `kvlease sim --push --seed N` replays it.
 
 use crate::cluster::Rng;
-use crate::seeded::EventQueue;
+use crate::seeded::{Counts, EventQueue, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::holder::BlockGuard;
@@ -56,7 +56,6 @@ use kvlease_core::push::source::{PushSettled, PushSource, WriteJob, WriteRefused
 use kvlease_core::wire::{Message, PushKey};
 use kvlease_core::{LeaseId, Nanos};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::fmt::Write as _;
 use std::time::Duration;
 
 /// vLLM's push bugs, planted on purpose in the simulator's drivers (its own tests only).
@@ -136,11 +135,9 @@ pub struct Push {
     pub planted: Option<PlantedPushBug>,
 }
 
-/// What one run found.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub seed: u64,
-    pub requests: usize,
+/// A push run's own counts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PushCounts {
     /// Decoded from the pushed KV.
     pub used: usize,
     pub recomputed: usize,
@@ -150,53 +147,22 @@ pub struct Outcome {
     /// Ended with their D killed.
     pub lost_with_d: usize,
     pub writes: usize,
-    pub violations: Vec<String>,
-    /// What happened, in simulated time.
-    pub trace: Vec<String>,
-    pub simulated: Duration,
 }
 
-impl Outcome {
-    /// The command that replays this run.
-    pub fn replay(&self) -> String {
-        format!("cargo run -p kvlease -- sim --push --seed {}", self.seed)
+impl Counts for PushCounts {
+    const FLAG: &'static str = "--push";
+    fn add(&mut self, o: &Self) {
+        self.used += o.used;
+        self.recomputed += o.recomputed;
+        self.failed += o.failed;
+        self.aborted += o.aborted;
+        self.lost_with_d += o.lost_with_d;
+        self.writes += o.writes;
     }
 }
 
-/// Runs seeds `from..from + count` with `planted`; returns the requests simulated, or the first
-/// run that broke an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<u64, Box<Outcome>> {
-    let mut requests = 0;
-    for seed in from..from.saturating_add(count) {
-        let mut c = Push::from_seed(seed);
-        c.planted = planted;
-        let out = c.run();
-        requests += out.requests as u64;
-        if !out.violations.is_empty() {
-            return Err(Box::new(out));
-        }
-    }
-    Ok(requests)
-}
-
-/// A run as a report: its violations, the replay command, and its trace.
-pub fn report(out: &Outcome) -> String {
-    let mut s = String::new();
-    if out.violations.is_empty() {
-        let _ = writeln!(s, "seed {} kept every invariant:", out.seed);
-    } else {
-        let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
-    }
-    for v in &out.violations {
-        let _ = writeln!(s, "  {v}");
-    }
-    let _ = writeln!(s, "replay: {}", out.replay());
-    let _ = writeln!(s, "trace:");
-    for line in &out.trace {
-        let _ = writeln!(s, "  {line}");
-    }
-    s
-}
+/// What one run found.
+pub type Outcome = crate::seeded::Outcome<PushCounts>;
 
 impl Push {
     /// A run drawn from `seed`.
@@ -268,6 +234,20 @@ impl Push {
         let mut w = World::new(self);
         w.run();
         w.finish()
+    }
+}
+
+impl Seeded for Push {
+    type Planted = PlantedPushBug;
+    type Counts = PushCounts;
+    fn from_seed(seed: u64) -> Push {
+        Push::from_seed(seed)
+    }
+    fn plant(&mut self, bug: Option<PlantedPushBug>) {
+        self.planted = bug;
+    }
+    fn run(&self) -> Outcome {
+        Push::run(self)
     }
 }
 
@@ -1539,14 +1519,16 @@ impl World {
     }
 
     fn finish(self) -> Outcome {
-        let mut out = Outcome { seed: self.c.seed, requests: self.reqs.len(), writes: self.writes.len(), ..Outcome::default() };
+        let mut out = Outcome { seed: self.c.seed, requests: self.reqs.len(), ..Outcome::default() };
+        let n = &mut out.counts;
+        n.writes = self.writes.len();
         for q in &self.reqs {
             match q.end {
-                Some((_, DEnd::Used)) => out.used += 1,
-                Some((_, DEnd::Recomputed(_))) => out.recomputed += 1,
-                Some((_, DEnd::Failed(_))) => out.failed += 1,
-                Some((_, DEnd::Aborted)) => out.aborted += 1,
-                Some((_, DEnd::DKilled)) => out.lost_with_d += 1,
+                Some((_, DEnd::Used)) => n.used += 1,
+                Some((_, DEnd::Recomputed(_))) => n.recomputed += 1,
+                Some((_, DEnd::Failed(_))) => n.failed += 1,
+                Some((_, DEnd::Aborted)) => n.aborted += 1,
+                Some((_, DEnd::DKilled)) => n.lost_with_d += 1,
                 None => {}
             }
         }

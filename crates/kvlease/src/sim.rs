@@ -122,13 +122,14 @@ enum RoutingArg {
 
 /// `--cluster`: runs the seeds; the first that breaks an invariant is reported and fails.
 fn cluster(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::cluster::{report, Cluster};
+    use kvlease_sim::cluster::Cluster;
+    use kvlease_sim::seeded::report;
     let started = std::time::Instant::now();
     let (mut requests, mut turns, mut simulated) = (0u64, 0u64, Duration::ZERO);
     for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
         let out = Cluster::from_seed(seed).run();
         requests += out.requests as u64;
-        turns += out.turns as u64;
+        turns += out.counts.turns as u64;
         simulated += out.simulated;
         if !out.violations.is_empty() {
             eprint!("{}", report(&out));
@@ -140,10 +141,10 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
         println!(
             "seed {seed}: {} conversations, {} turns, {} answered, {} failed cleanly, {} recomputed, {:.1} s simulated: ok",
             out.requests,
-            out.turns,
-            out.answered,
-            out.failed,
-            out.recomputed,
+            out.counts.turns,
+            out.counts.answered,
+            out.counts.failed,
+            out.counts.recomputed,
             out.simulated.as_secs_f64()
         );
     }
@@ -159,7 +160,8 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
 
 /// `--connector`: runs the seeds; the first that breaks an invariant is reported and fails.
 fn connector(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::connector::{report, Connector};
+    use kvlease_sim::connector::Connector;
+    use kvlease_sim::seeded::report;
     let started = std::time::Instant::now();
     let (mut requests, mut simulated) = (0u64, Duration::ZERO);
     for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
@@ -176,11 +178,11 @@ fn connector(a: &SimArgs) -> anyhow::Result<()> {
         println!(
             "seed {seed}: {} requests ({} handed to two decoders); on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted; {:.1} s simulated: ok",
             out.requests,
-            out.strays,
-            out.used,
-            out.recomputed,
-            out.failed,
-            out.aborted,
+            out.counts.strays,
+            out.counts.used,
+            out.counts.recomputed,
+            out.counts.failed,
+            out.counts.aborted,
             out.simulated.as_secs_f64()
         );
     }
@@ -195,13 +197,14 @@ fn connector(a: &SimArgs) -> anyhow::Result<()> {
 
 /// `--push`: runs the seeds; the first that breaks an invariant is reported and fails.
 fn push(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::push::{report, Push};
+    use kvlease_sim::push::Push;
+    use kvlease_sim::seeded::report;
     let started = std::time::Instant::now();
     let (mut requests, mut writes, mut simulated) = (0u64, 0u64, Duration::ZERO);
     for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
         let out = Push::from_seed(seed).run();
         requests += out.requests as u64;
-        writes += out.writes as u64;
+        writes += out.counts.writes as u64;
         simulated += out.simulated;
         if !out.violations.is_empty() {
             eprint!("{}", report(&out));
@@ -213,12 +216,12 @@ fn push(a: &SimArgs) -> anyhow::Result<()> {
         println!(
             "seed {seed}: {} requests, {} writes; on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted, {} lost with a killed decoder; {:.1} s simulated: ok",
             out.requests,
-            out.writes,
-            out.used,
-            out.recomputed,
-            out.failed,
-            out.aborted,
-            out.lost_with_d,
+            out.counts.writes,
+            out.counts.used,
+            out.counts.recomputed,
+            out.counts.failed,
+            out.counts.aborted,
+            out.counts.lost_with_d,
             out.simulated.as_secs_f64()
         );
     }
