@@ -113,9 +113,12 @@ impl Rng {
     }
 }
 
-impl Cluster {
+impl Seeded for Cluster {
+    type Planted = PlantedBug;
+    type Counts = ClusterCounts;
+
     /// A cluster, workload and fault plan drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Cluster {
+    fn from_seed(seed: u64) -> Cluster {
         let mut r = Rng(seed ^ 0x5eed_cafe);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let p_engines = 1 + r.below(3);
@@ -168,27 +171,17 @@ impl Cluster {
         }
     }
 
+    fn plant(&mut self, bug: Option<PlantedBug>) {
+        self.planted = bug;
+    }
+
     /// Runs the cluster to the end of its workload and checks every invariant.
-    pub fn run(&self) -> Outcome {
+    fn run(&self) -> Outcome {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build() {
             Ok(rt) => rt,
             Err(e) => return Outcome { seed: self.seed, violations: vec![format!("no runtime: {e}")], ..Outcome::default() },
         };
         rt.block_on(run(self.clone()))
-    }
-}
-
-impl Seeded for Cluster {
-    type Planted = PlantedBug;
-    type Counts = ClusterCounts;
-    fn from_seed(seed: u64) -> Cluster {
-        Cluster::from_seed(seed)
-    }
-    fn plant(&mut self, bug: Option<PlantedBug>) {
-        self.planted = bug;
-    }
-    fn run(&self) -> Outcome {
-        Cluster::run(self)
     }
 }
 

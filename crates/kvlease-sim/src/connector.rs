@@ -144,9 +144,12 @@ impl Counts for ConnectorCounts {
 /// What one run found (`simulated`: until the run came to rest).
 pub type Outcome = crate::seeded::Outcome<ConnectorCounts>;
 
-impl Connector {
+impl Seeded for Connector {
+    type Planted = PlantedBug;
+    type Counts = ConnectorCounts;
+
     /// A run drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Connector {
+    fn from_seed(seed: u64) -> Connector {
         let mut r = Rng(seed ^ 0xc0ec_7012_5eed);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let p_engines = 1 + r.below(2);
@@ -191,31 +194,23 @@ impl Connector {
         }
     }
 
-    fn lease(&self) -> LeaseConfig {
-        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
-        l.load_failure_policy = self.policy;
-        l
+    fn plant(&mut self, bug: Option<PlantedBug>) {
+        self.planted = bug;
     }
 
     /// Runs the workload until the run comes to rest, checking every invariant.
-    pub fn run(&self) -> Outcome {
+    fn run(&self) -> Outcome {
         let mut w = World::new(self);
         w.run();
         w.finish()
     }
 }
 
-impl Seeded for Connector {
-    type Planted = PlantedBug;
-    type Counts = ConnectorCounts;
-    fn from_seed(seed: u64) -> Connector {
-        Connector::from_seed(seed)
-    }
-    fn plant(&mut self, bug: Option<PlantedBug>) {
-        self.planted = bug;
-    }
-    fn run(&self) -> Outcome {
-        Connector::run(self)
+impl Connector {
+    fn lease(&self) -> LeaseConfig {
+        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
+        l.load_failure_policy = self.policy;
+        l
     }
 }
 

@@ -164,9 +164,12 @@ impl Counts for PushCounts {
 /// What one run found.
 pub type Outcome = crate::seeded::Outcome<PushCounts>;
 
-impl Push {
+impl Seeded for Push {
+    type Planted = PlantedPushBug;
+    type Counts = PushCounts;
+
     /// A run drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Push {
+    fn from_seed(seed: u64) -> Push {
         let mut r = Rng(seed ^ 0x9005_5eed_b10c);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let e = lease_secs * 2.0 / 3.0;
@@ -222,32 +225,24 @@ impl Push {
         }
     }
 
-    fn lease(&self) -> LeaseConfig {
-        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
-        l.load_failure_policy = self.policy;
-        l.push_registration_timeout = Duration::from_secs_f64(self.timeout_secs);
-        l
+    fn plant(&mut self, bug: Option<PlantedPushBug>) {
+        self.planted = bug;
     }
 
     /// Runs the workload until the run comes to rest, checking every invariant.
-    pub fn run(&self) -> Outcome {
+    fn run(&self) -> Outcome {
         let mut w = World::new(self);
         w.run();
         w.finish()
     }
 }
 
-impl Seeded for Push {
-    type Planted = PlantedPushBug;
-    type Counts = PushCounts;
-    fn from_seed(seed: u64) -> Push {
-        Push::from_seed(seed)
-    }
-    fn plant(&mut self, bug: Option<PlantedPushBug>) {
-        self.planted = bug;
-    }
-    fn run(&self) -> Outcome {
-        Push::run(self)
+impl Push {
+    fn lease(&self) -> LeaseConfig {
+        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
+        l.load_failure_policy = self.policy;
+        l.push_registration_timeout = Duration::from_secs_f64(self.timeout_secs);
+        l
     }
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use kvlease_core::pull::PlantedBug;
 use kvlease_sim::cluster::Cluster;
-use kvlease_sim::seeded::report;
+use kvlease_sim::seeded::{report, Seeded};
 use std::time::{Duration, Instant};
 
 /// SPEC D7, P3, P4, P5, D6: no seed of the cluster breaks an invariant.
