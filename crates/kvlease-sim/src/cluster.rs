@@ -18,6 +18,7 @@
 //! The same seed gives the same trace, so a failing seed is a test kept forever:
 //! `kvlease sim --cluster --seed N` replays it and prints what happened.
 
+use crate::seeded::{Counts, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::route::{Action, Answer as RouteAnswer, Candidate, Event, Pool, Pools, PrefillAnswer, Route, TurnCache};
@@ -29,7 +30,6 @@ use kvlease_engine::{
 use kvlease_transport::mem::{Faults, MemNetwork};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -62,11 +62,9 @@ pub struct Cluster {
     pub turn_ttl: Duration,
 }
 
-/// What one run found.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub seed: u64,
-    pub requests: usize,
+/// A cluster run's own counts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterCounts {
     /// Answered by D (from pulled KV or recomputed).
     pub answered: usize,
     /// Failed cleanly (an engine crashed under it, or `kv_load_failure_policy: fail`).
@@ -74,19 +72,20 @@ pub struct Outcome {
     pub recomputed: u64,
     /// Turns of conversations started (a single-turn request is one).
     pub turns: usize,
-    pub violations: Vec<String>,
-    /// What happened, in simulated time.
-    pub trace: Vec<String>,
-    /// Simulated time the run covered.
-    pub simulated: Duration,
 }
 
-impl Outcome {
-    /// The command that replays this run.
-    pub fn replay(&self) -> String {
-        format!("cargo run -p kvlease -- sim --cluster --seed {}", self.seed)
+impl Counts for ClusterCounts {
+    const FLAG: &'static str = "--cluster";
+    fn add(&mut self, o: &Self) {
+        self.answered += o.answered;
+        self.failed += o.failed;
+        self.recomputed += o.recomputed;
+        self.turns += o.turns;
     }
 }
+
+/// What one run found (`requests`: the conversations).
+pub type Outcome = crate::seeded::Outcome<ClusterCounts>;
 
 /// splitmix64: the simulator's one source of randomness.
 #[derive(Debug, Clone)]
@@ -114,9 +113,12 @@ impl Rng {
     }
 }
 
-impl Cluster {
+impl Seeded for Cluster {
+    type Planted = PlantedBug;
+    type Counts = ClusterCounts;
+
     /// A cluster, workload and fault plan drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Cluster {
+    fn from_seed(seed: u64) -> Cluster {
         let mut r = Rng(seed ^ 0x5eed_cafe);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let p_engines = 1 + r.below(3);
@@ -169,8 +171,12 @@ impl Cluster {
         }
     }
 
+    fn plant(&mut self, bug: Option<PlantedBug>) {
+        self.planted = bug;
+    }
+
     /// Runs the cluster to the end of its workload and checks every invariant.
-    pub fn run(&self) -> Outcome {
+    fn run(&self) -> Outcome {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build() {
             Ok(rt) => rt,
             Err(e) => return Outcome { seed: self.seed, violations: vec![format!("no runtime: {e}")], ..Outcome::default() },
@@ -784,43 +790,10 @@ fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
         Outcome {
             seed: c.seed,
             requests: c.requests,
-            answered: w.answered,
-            failed: w.failed,
-            turns: w.turns,
-            recomputed,
+            counts: ClusterCounts { answered: w.answered, failed: w.failed, recomputed, turns: w.turns },
             violations: std::mem::take(&mut w.violations),
             trace: std::mem::take(&mut w.trace),
             simulated: Duration::from_nanos(simulated),
         }
     })
-}
-
-/// Runs seeds `from..from + count`; returns the first that breaks an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedBug>) -> Result<u64, Outcome> {
-    let mut requests = 0;
-    for seed in from..from + count {
-        let mut c = Cluster::from_seed(seed);
-        c.planted = planted;
-        let out = c.run();
-        requests += out.requests as u64;
-        if !out.violations.is_empty() {
-            return Err(out);
-        }
-    }
-    Ok(requests)
-}
-
-/// A failing run, as a report: its violations, the replay command, and its trace.
-pub fn report(out: &Outcome) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
-    for v in &out.violations {
-        let _ = writeln!(s, "  {v}");
-    }
-    let _ = writeln!(s, "replay: {}", out.replay());
-    let _ = writeln!(s, "trace:");
-    for line in &out.trace {
-        let _ = writeln!(s, "  {line}");
-    }
-    s
 }

@@ -47,6 +47,7 @@
 //! The same seed gives the same trace: `kvlease sim --connector --seed N` replays a run.
 
 use crate::cluster::Rng;
+use crate::seeded::{Counts, EventQueue, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::{IssuedLeases, Issuer};
@@ -55,9 +56,7 @@ use kvlease_core::pull::{AfterReads, PlantedBug, Pull, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::Message;
 use kvlease_core::{LeaseId, Nanos};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
-use std::fmt::Write as _;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// How often the connector asks about a held-back read again without news (`RECHECK_NS`).
@@ -117,11 +116,9 @@ pub struct Connector {
     pub planted: Option<PlantedBug>,
 }
 
-/// What one run found.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub seed: u64,
-    pub requests: usize,
+/// A connector run's own counts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConnectorCounts {
     /// Requests the router handed to two D engines.
     pub strays: usize,
     /// Decoded from the pulled KV.
@@ -131,23 +128,28 @@ pub struct Outcome {
     /// Failed cleanly (`kv_load_failure_policy: fail`, a crashed D, no D left).
     pub failed: usize,
     pub aborted: usize,
-    pub violations: Vec<String>,
-    /// What happened, in simulated time.
-    pub trace: Vec<String>,
-    /// Simulated time until the run came to rest.
-    pub simulated: Duration,
 }
 
-impl Outcome {
-    /// The command that replays this run.
-    pub fn replay(&self) -> String {
-        format!("cargo run -p kvlease -- sim --connector --seed {}", self.seed)
+impl Counts for ConnectorCounts {
+    const FLAG: &'static str = "--connector";
+    fn add(&mut self, o: &Self) {
+        self.strays += o.strays;
+        self.used += o.used;
+        self.recomputed += o.recomputed;
+        self.failed += o.failed;
+        self.aborted += o.aborted;
     }
 }
 
-impl Connector {
+/// What one run found (`simulated`: until the run came to rest).
+pub type Outcome = crate::seeded::Outcome<ConnectorCounts>;
+
+impl Seeded for Connector {
+    type Planted = PlantedBug;
+    type Counts = ConnectorCounts;
+
     /// A run drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Connector {
+    fn from_seed(seed: u64) -> Connector {
         let mut r = Rng(seed ^ 0xc0ec_7012_5eed);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let p_engines = 1 + r.below(2);
@@ -192,49 +194,24 @@ impl Connector {
         }
     }
 
-    fn lease(&self) -> LeaseConfig {
-        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
-        l.load_failure_policy = self.policy;
-        l
+    fn plant(&mut self, bug: Option<PlantedBug>) {
+        self.planted = bug;
     }
 
     /// Runs the workload until the run comes to rest, checking every invariant.
-    pub fn run(&self) -> Outcome {
+    fn run(&self) -> Outcome {
         let mut w = World::new(self);
         w.run();
         w.finish()
     }
 }
 
-/// Runs seeds `from..from + count`; returns the requests simulated, or the first run that
-/// broke an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedBug>) -> Result<u64, Outcome> {
-    let mut requests = 0;
-    for seed in from..from.saturating_add(count) {
-        let mut c = Connector::from_seed(seed);
-        c.planted = planted;
-        let out = c.run();
-        requests += out.requests as u64;
-        if !out.violations.is_empty() {
-            return Err(out);
-        }
+impl Connector {
+    fn lease(&self) -> LeaseConfig {
+        let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
+        l.load_failure_policy = self.policy;
+        l
     }
-    Ok(requests)
-}
-
-/// A run as a report: its violations, the replay command, and its trace.
-pub fn report(out: &Outcome) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
-    for v in &out.violations {
-        let _ = writeln!(s, "  {v}");
-    }
-    let _ = writeln!(s, "replay: {}", out.replay());
-    let _ = writeln!(s, "trace:");
-    for line in &out.trace {
-        let _ = writeln!(s, "  {line}");
-    }
-    s
 }
 
 #[derive(Debug, Clone)]
@@ -297,30 +274,6 @@ enum Ev {
     Crash {
         d: usize,
     },
-}
-
-struct Queued {
-    t: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        (self.t, self.seq) == (o.t, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Earliest first (a max-heap of reversed order), in order of scheduling at a tie.
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
 }
 
 /// One request, P's side of it and what the checks need.
@@ -454,8 +407,7 @@ struct World {
     c: Connector,
     cfg: LeaseConfig,
     rng: Rng,
-    queue: BinaryHeap<Queued>,
-    seq: u64,
+    queue: EventQueue<Ev>,
     now: Nanos,
     ps: Vec<PEngine>,
     ds: Vec<DEngine>,
@@ -540,8 +492,7 @@ impl World {
             c: c.clone(),
             cfg,
             rng: Rng(c.seed ^ 0x0123_4567_89ab),
-            queue: BinaryHeap::new(),
-            seq: 0,
+            queue: EventQueue::new(),
             now: Nanos::ZERO,
             ps,
             ds,
@@ -591,8 +542,7 @@ impl World {
     }
 
     fn push(&mut self, t: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.push(Queued { t, seq: self.seq, ev });
+        self.queue.push(t, ev);
     }
 
     fn note(&mut self, what: String) {
@@ -636,29 +586,29 @@ impl World {
         // A liveness bound, generous: every request may queue behind every other.
         let per_request = self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) + c.decode.1 + c.long_step.1;
         let horizon = Nanos::ZERO + last + pauses + self.cfg.lease_duration.max(CONFIRM_WAIT_MIN) * 20 + per_request * c.requests as u32;
-        while let Some(q) = self.queue.pop() {
-            if q.t > horizon {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > horizon {
                 self.violation(format!(
                     "liveness: events still due at {:.3} s, past the horizon {:.3} s",
-                    q.t.as_secs_f64(),
+                    t.as_secs_f64(),
                     horizon.as_secs_f64()
                 ));
                 break;
             }
-            self.now = q.t;
-            if let Some(d) = self.on_d(&q.ev) {
+            self.now = t;
+            if let Some(d) = self.on_d(&ev) {
                 if !self.ds[d].alive {
-                    if let Ev::Params { c } = q.ev {
+                    if let Ev::Params { c } = ev {
                         self.end(c, End::Failed("d_down"));
                     }
                     continue;
                 }
-                if let Some(until) = self.paused_until(d, q.t) {
-                    self.push(until, q.ev);
+                if let Some(until) = self.paused_until(d, t) {
+                    self.push(until, ev);
                     continue;
                 }
             }
-            self.dispatch(q.ev);
+            self.dispatch(ev);
         }
         self.final_checks();
     }
@@ -1528,30 +1478,16 @@ impl World {
         Outcome {
             seed: self.c.seed,
             requests: self.reqs.len(),
-            strays: self.reqs.iter().filter(|r| r.copies.len() > 1).count(),
-            used: count(|e| *e == End::Used),
-            recomputed: count(|e| matches!(e, End::Recomputed(_))),
-            failed: count(|e| matches!(e, End::Failed(_))) + self.reqs.iter().filter(|r| r.unrouted).count(),
-            aborted: count(|e| *e == End::Aborted),
+            counts: ConnectorCounts {
+                strays: self.reqs.iter().filter(|r| r.copies.len() > 1).count(),
+                used: count(|e| *e == End::Used),
+                recomputed: count(|e| matches!(e, End::Recomputed(_))),
+                failed: count(|e| matches!(e, End::Failed(_))) + self.reqs.iter().filter(|r| r.unrouted).count(),
+                aborted: count(|e| *e == End::Aborted),
+            },
             violations: self.violations,
             trace: self.trace,
             simulated: self.now.since(Nanos::ZERO),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The event queue runs earliest first, in scheduling order at a tie.
-    #[test]
-    fn events_run_in_time_then_scheduling_order() {
-        let mut q = BinaryHeap::new();
-        for (t, seq) in [(5, 1), (3, 2), (5, 0), (3, 3)] {
-            q.push(Queued { t: Nanos(t), seq, ev: Ev::Free { d: 0 } });
-        }
-        let order: Vec<(u64, u64)> = std::iter::from_fn(|| q.pop().map(|x| (x.t.0, x.seq))).collect();
-        assert_eq!(order, vec![(3, 2), (3, 3), (5, 0), (5, 1)]);
     }
 }

@@ -8,6 +8,9 @@
 //! * [`push`]: push mode's core machines (P's `PushSource`, D's `PushSink`) with block memory
 //!   modelled, under seeded faults; checked for U2–U10, U12, P3, P4, and vLLM's four push
 //!   bugs planted and found (`kvlease sim --push`).
+//! * [`seeded`]: what those three share — a run's [`seeded::Outcome`], the loop over seeds
+//!   ([`seeded::run_seeds`], [`seeded::search`]), the report of a run, and the event queue of
+//!   the discrete-event ones.
 //! * [`simulate`]: the policies of SPEC §1 side by side on the same seeded workload, on the same
 //!   real engines: `fixed` — P holds blocks until the read or a single timeout (vLLM's old 480 s,
 //!   or a short one), D never renews and reads whenever it gets to the request, with reads that,
@@ -25,6 +28,7 @@ pub mod cluster;
 pub mod connector;
 pub mod heartbeat;
 pub mod push;
+pub mod seeded;
 
 use cluster::{collect, collect_timed, request, Answer, Req};
 use kvlease_core::config::LeaseConfig;

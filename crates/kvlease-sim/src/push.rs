@@ -46,6 +46,7 @@
 //! seed finds it. The same seed gives the same trace: `kvlease sim --push --seed N` replays it.
 
 use crate::cluster::Rng;
+use crate::seeded::{Counts, EventQueue, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::holder::BlockGuard;
@@ -54,9 +55,7 @@ use kvlease_core::push::sink::{PushAction, PushSink, PushVerdict};
 use kvlease_core::push::source::{PushSettled, PushSource, WriteJob, WriteRefused, WriteTicket};
 use kvlease_core::wire::{Message, PushKey};
 use kvlease_core::{LeaseId, Nanos};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
-use std::fmt::Write as _;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// vLLM's push bugs, planted on purpose in the simulator's drivers (its own tests only).
@@ -136,11 +135,9 @@ pub struct Push {
     pub planted: Option<PlantedPushBug>,
 }
 
-/// What one run found.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub seed: u64,
-    pub requests: usize,
+/// A push run's own counts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PushCounts {
     /// Decoded from the pushed KV.
     pub used: usize,
     pub recomputed: usize,
@@ -150,57 +147,29 @@ pub struct Outcome {
     /// Ended with their D killed.
     pub lost_with_d: usize,
     pub writes: usize,
-    pub violations: Vec<String>,
-    /// What happened, in simulated time.
-    pub trace: Vec<String>,
-    pub simulated: Duration,
 }
 
-impl Outcome {
-    /// The command that replays this run.
-    pub fn replay(&self) -> String {
-        format!("cargo run -p kvlease -- sim --push --seed {}", self.seed)
+impl Counts for PushCounts {
+    const FLAG: &'static str = "--push";
+    fn add(&mut self, o: &Self) {
+        self.used += o.used;
+        self.recomputed += o.recomputed;
+        self.failed += o.failed;
+        self.aborted += o.aborted;
+        self.lost_with_d += o.lost_with_d;
+        self.writes += o.writes;
     }
 }
 
-/// Runs seeds `from..from + count` with `planted`; returns the requests simulated, or the first
-/// run that broke an invariant.
-pub fn search(from: u64, count: u64, planted: Option<PlantedPushBug>) -> Result<u64, Box<Outcome>> {
-    let mut requests = 0;
-    for seed in from..from.saturating_add(count) {
-        let mut c = Push::from_seed(seed);
-        c.planted = planted;
-        let out = c.run();
-        requests += out.requests as u64;
-        if !out.violations.is_empty() {
-            return Err(Box::new(out));
-        }
-    }
-    Ok(requests)
-}
+/// What one run found.
+pub type Outcome = crate::seeded::Outcome<PushCounts>;
 
-/// A run as a report: its violations, the replay command, and its trace.
-pub fn report(out: &Outcome) -> String {
-    let mut s = String::new();
-    if out.violations.is_empty() {
-        let _ = writeln!(s, "seed {} kept every invariant:", out.seed);
-    } else {
-        let _ = writeln!(s, "seed {} broke {} invariant(s):", out.seed, out.violations.len());
-    }
-    for v in &out.violations {
-        let _ = writeln!(s, "  {v}");
-    }
-    let _ = writeln!(s, "replay: {}", out.replay());
-    let _ = writeln!(s, "trace:");
-    for line in &out.trace {
-        let _ = writeln!(s, "  {line}");
-    }
-    s
-}
+impl Seeded for Push {
+    type Planted = PlantedPushBug;
+    type Counts = PushCounts;
 
-impl Push {
     /// A run drawn from `seed`.
-    pub fn from_seed(seed: u64) -> Push {
+    fn from_seed(seed: u64) -> Push {
         let mut r = Rng(seed ^ 0x9005_5eed_b10c);
         let lease_secs = [3.0, 6.0, 30.0][r.below(3)];
         let e = lease_secs * 2.0 / 3.0;
@@ -256,18 +225,24 @@ impl Push {
         }
     }
 
+    fn plant(&mut self, bug: Option<PlantedPushBug>) {
+        self.planted = bug;
+    }
+
+    /// Runs the workload until the run comes to rest, checking every invariant.
+    fn run(&self) -> Outcome {
+        let mut w = World::new(self);
+        w.run();
+        w.finish()
+    }
+}
+
+impl Push {
     fn lease(&self) -> LeaseConfig {
         let mut l = LeaseConfig::with_lease_secs(self.lease_secs).unwrap_or_default();
         l.load_failure_policy = self.policy;
         l.push_registration_timeout = Duration::from_secs_f64(self.timeout_secs);
         l
-    }
-
-    /// Runs the workload until the run comes to rest, checking every invariant.
-    pub fn run(&self) -> Outcome {
-        let mut w = World::new(self);
-        w.run();
-        w.finish()
     }
 }
 
@@ -345,30 +320,6 @@ enum Ev {
     RestartP {
         p: usize,
     },
-}
-
-struct Queued {
-    t: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        (self.t, self.seq) == (o.t, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Earliest first (a max-heap of reversed order), in order of scheduling at a tie.
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
 }
 
 /// Whose KV a part of a destination block holds.
@@ -491,8 +442,7 @@ struct World {
     c: Push,
     cfg: LeaseConfig,
     rng: Rng,
-    queue: BinaryHeap<Queued>,
-    seq: u64,
+    queue: EventQueue<Ev>,
     now: Nanos,
     ps: Vec<PEngine>,
     ds: Vec<DEngine>,
@@ -549,8 +499,7 @@ impl World {
             c: c.clone(),
             cfg,
             rng: Rng(c.seed ^ 0x0070_5115_ea5e),
-            queue: BinaryHeap::new(),
-            seq: 0,
+            queue: EventQueue::new(),
             now: Nanos::ZERO,
             ps,
             ds,
@@ -643,8 +592,7 @@ impl World {
     }
 
     fn push(&mut self, t: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.push(Queued { t, seq: self.seq, ev });
+        self.queue.push(t, ev);
     }
 
     fn note(&mut self, what: String) {
@@ -687,26 +635,26 @@ impl World {
         let pauses: f64 = c.d_pauses.iter().map(|p| p.1.as_secs_f64()).sum();
         let horizon =
             at(Duration::from_secs_f64(last * 4.0 + 10.0 + pauses + (c.timeout_secs + c.lease_secs * 2.0) * (8.0 + c.requests as f64)));
-        while let Some(q) = self.queue.pop() {
-            if q.t > horizon {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > horizon {
                 self.violation(format!(
                     "U6/U10 liveness: events still due at {:.3} s, past the horizon {:.3} s",
-                    q.t.as_secs_f64(),
+                    t.as_secs_f64(),
                     horizon.as_secs_f64()
                 ));
                 break;
             }
-            self.now = q.t;
-            if let Some(d) = self.on_d(&q.ev) {
+            self.now = t;
+            if let Some(d) = self.on_d(&ev) {
                 if !self.ds[d].alive {
                     continue;
                 }
-                if let Some(until) = self.paused_until(d, q.t) {
-                    self.push(until, q.ev);
+                if let Some(until) = self.paused_until(d, t) {
+                    self.push(until, ev);
                     continue;
                 }
             }
-            self.dispatch(q.ev);
+            self.dispatch(ev);
         }
         self.final_checks();
     }
@@ -1566,14 +1514,16 @@ impl World {
     }
 
     fn finish(self) -> Outcome {
-        let mut out = Outcome { seed: self.c.seed, requests: self.reqs.len(), writes: self.writes.len(), ..Outcome::default() };
+        let mut out = Outcome { seed: self.c.seed, requests: self.reqs.len(), ..Outcome::default() };
+        let n = &mut out.counts;
+        n.writes = self.writes.len();
         for q in &self.reqs {
             match q.end {
-                Some((_, DEnd::Used)) => out.used += 1,
-                Some((_, DEnd::Recomputed(_))) => out.recomputed += 1,
-                Some((_, DEnd::Failed(_))) => out.failed += 1,
-                Some((_, DEnd::Aborted)) => out.aborted += 1,
-                Some((_, DEnd::DKilled)) => out.lost_with_d += 1,
+                Some((_, DEnd::Used)) => n.used += 1,
+                Some((_, DEnd::Recomputed(_))) => n.recomputed += 1,
+                Some((_, DEnd::Failed(_))) => n.failed += 1,
+                Some((_, DEnd::Aborted)) => n.aborted += 1,
+                Some((_, DEnd::DKilled)) => n.lost_with_d += 1,
                 None => {}
             }
         }

@@ -15,6 +15,10 @@
 //! block memory modelled, under deterministic simulation, the same way.
 
 use clap::Args;
+use kvlease_sim::cluster::Cluster;
+use kvlease_sim::connector::Connector;
+use kvlease_sim::push::Push;
+use kvlease_sim::seeded::{report, run_seeds, Outcome, Seeded};
 use kvlease_sim::{simulate, Policy, Report, Routing, Scenario};
 use std::time::Duration;
 
@@ -120,115 +124,107 @@ enum RoutingArg {
     LeastLoaded,
 }
 
-/// `--cluster`: runs the seeds; the first that breaks an invariant is reported and fails.
+/// `--cluster`, `--connector`, `--push`: runs the seeds of `S`, one `line` each (and its report
+/// with `--trace`), then the `total` (given the wall time); the first that breaks an invariant is
+/// reported and fails.
+fn seeds<S: Seeded>(
+    a: &SimArgs,
+    line: impl Fn(&Outcome<S::Counts>) -> String,
+    total: impl Fn(&Outcome<S::Counts>, f64) -> String,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let ran = run_seeds::<S>(a.seed, a.seeds.max(1), None, |out| {
+        if a.trace {
+            print!("{}", report(out));
+        }
+        println!("seed {}: {}: ok", out.seed, line(out));
+    });
+    let all = match ran {
+        Ok(all) => all,
+        Err(out) => {
+            eprint!("{}", report(&out));
+            anyhow::bail!("seed {} broke an invariant", out.seed);
+        }
+    };
+    println!("{} seeds, {}", a.seeds.max(1), total(&all, started.elapsed().as_secs_f64()));
+    Ok(())
+}
+
 fn cluster(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::cluster::{report, Cluster};
-    let started = std::time::Instant::now();
-    let (mut requests, mut turns, mut simulated) = (0u64, 0u64, Duration::ZERO);
-    for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
-        let out = Cluster::from_seed(seed).run();
-        requests += out.requests as u64;
-        turns += out.turns as u64;
-        simulated += out.simulated;
-        if !out.violations.is_empty() {
-            eprint!("{}", report(&out));
-            anyhow::bail!("seed {seed} broke an invariant");
-        }
-        if a.trace {
-            print!("{}", report(&out));
-        }
-        println!(
-            "seed {seed}: {} conversations, {} turns, {} answered, {} failed cleanly, {} recomputed, {:.1} s simulated: ok",
-            out.requests,
-            out.turns,
-            out.answered,
-            out.failed,
-            out.recomputed,
-            out.simulated.as_secs_f64()
-        );
-    }
-    let wall = started.elapsed().as_secs_f64();
-    println!(
-        "{} seeds, {requests} conversations, {turns} simulated requests (turns; {:.0} s simulated) in {wall:.2} s of wall time: {:.0} simulated requests/s",
-        a.seeds.max(1),
-        simulated.as_secs_f64(),
-        turns as f64 / wall
-    );
-    Ok(())
+    seeds::<Cluster>(
+        a,
+        |out| {
+            let n = &out.counts;
+            format!(
+                "{} conversations, {} turns, {} answered, {} failed cleanly, {} recomputed, {:.1} s simulated",
+                out.requests,
+                n.turns,
+                n.answered,
+                n.failed,
+                n.recomputed,
+                out.simulated.as_secs_f64()
+            )
+        },
+        |all, wall| {
+            format!(
+                "{} conversations, {} simulated requests (turns; {:.0} s simulated) in {wall:.2} s of wall time: {:.0} simulated requests/s",
+                all.requests,
+                all.counts.turns,
+                all.simulated.as_secs_f64(),
+                all.counts.turns as f64 / wall
+            )
+        },
+    )
 }
 
-/// `--connector`: runs the seeds; the first that breaks an invariant is reported and fails.
 fn connector(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::connector::{report, Connector};
-    let started = std::time::Instant::now();
-    let (mut requests, mut simulated) = (0u64, Duration::ZERO);
-    for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
-        let out = Connector::from_seed(seed).run();
-        requests += out.requests as u64;
-        simulated += out.simulated;
-        if !out.violations.is_empty() {
-            eprint!("{}", report(&out));
-            anyhow::bail!("seed {seed} broke an invariant");
-        }
-        if a.trace {
-            print!("{}", report(&out));
-        }
-        println!(
-            "seed {seed}: {} requests ({} handed to two decoders); on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted; {:.1} s simulated: ok",
-            out.requests,
-            out.strays,
-            out.used,
-            out.recomputed,
-            out.failed,
-            out.aborted,
-            out.simulated.as_secs_f64()
-        );
-    }
-    let wall = started.elapsed().as_secs_f64();
-    println!(
-        "{} seeds, {requests} simulated requests ({:.0} s simulated) in {wall:.2} s of wall time",
-        a.seeds.max(1),
-        simulated.as_secs_f64()
-    );
-    Ok(())
+    seeds::<Connector>(
+        a,
+        |out| {
+            let n = &out.counts;
+            format!(
+                "{} requests ({} handed to two decoders); on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted; {:.1} s simulated",
+                out.requests,
+                n.strays,
+                n.used,
+                n.recomputed,
+                n.failed,
+                n.aborted,
+                out.simulated.as_secs_f64()
+            )
+        },
+        |all, wall| {
+            format!("{} simulated requests ({:.0} s simulated) in {wall:.2} s of wall time", all.requests, all.simulated.as_secs_f64())
+        },
+    )
 }
 
-/// `--push`: runs the seeds; the first that breaks an invariant is reported and fails.
 fn push(a: &SimArgs) -> anyhow::Result<()> {
-    use kvlease_sim::push::{report, Push};
-    let started = std::time::Instant::now();
-    let (mut requests, mut writes, mut simulated) = (0u64, 0u64, Duration::ZERO);
-    for seed in a.seed..a.seed.saturating_add(a.seeds.max(1)) {
-        let out = Push::from_seed(seed).run();
-        requests += out.requests as u64;
-        writes += out.writes as u64;
-        simulated += out.simulated;
-        if !out.violations.is_empty() {
-            eprint!("{}", report(&out));
-            anyhow::bail!("seed {seed} broke an invariant");
-        }
-        if a.trace {
-            print!("{}", report(&out));
-        }
-        println!(
-            "seed {seed}: {} requests, {} writes; on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted, {} lost with a killed decoder; {:.1} s simulated: ok",
-            out.requests,
-            out.writes,
-            out.used,
-            out.recomputed,
-            out.failed,
-            out.aborted,
-            out.lost_with_d,
-            out.simulated.as_secs_f64()
-        );
-    }
-    let wall = started.elapsed().as_secs_f64();
-    println!(
-        "{} seeds, {requests} simulated requests, {writes} writes ({:.0} s simulated) in {wall:.2} s of wall time",
-        a.seeds.max(1),
-        simulated.as_secs_f64()
-    );
-    Ok(())
+    seeds::<Push>(
+        a,
+        |out| {
+            let n = &out.counts;
+            format!(
+                "{} requests, {} writes; on the decoders {} used, {} recomputed, {} failed cleanly, {} aborted, {} lost with a killed decoder; {:.1} s simulated",
+                out.requests,
+                n.writes,
+                n.used,
+                n.recomputed,
+                n.failed,
+                n.aborted,
+                n.lost_with_d,
+                out.simulated.as_secs_f64()
+            )
+        },
+        |all, wall| {
+            format!(
+                "{} simulated requests, {} writes ({:.0} s simulated) in {wall:.2} s of wall time",
+                all.requests,
+                all.counts.writes,
+                all.simulated.as_secs_f64()
+            )
+        },
+    )
 }
 
 pub fn run(a: SimArgs) -> anyhow::Result<()> {

@@ -302,63 +302,35 @@ impl PushSink {
     pub fn on_message(&mut self, engine_id: &str, msg: &Message, now: Nanos, out: &mut Vec<PushAction>) {
         match msg {
             Message::PushRegisterAck { key, attempt, granted } => {
-                self.with(
-                    engine_id,
-                    key,
-                    now,
-                    out,
-                    |t| t.attempt == *attempt,
-                    |t| {
-                        let first = !t.acked;
-                        t.acked = true;
-                        t.heard |= *granted;
-                        first || *granted
-                    },
-                );
+                self.with(engine_id, key, Some(*attempt), now, out, |t| {
+                    let first = !t.acked;
+                    t.acked = true;
+                    t.heard |= *granted;
+                    first || *granted
+                });
             }
             Message::PushWriteDone { key, attempt, dst_rank, stage } => {
                 let (r, s) = (*dst_rank, *stage);
-                self.with(
-                    engine_id,
-                    key,
-                    now,
-                    out,
-                    |t| t.attempt == *attempt,
-                    |t| {
-                        t.heard = true;
-                        r < t.dst_ranks && s < t.stages && t.done.insert((r, s))
-                    },
-                );
+                self.with(engine_id, key, Some(*attempt), now, out, |t| {
+                    t.heard = true;
+                    r < t.dst_ranks && s < t.stages && t.done.insert((r, s))
+                });
             }
             Message::PushWriteFailed { key, attempt, done, failed, why } => {
-                self.with(
-                    engine_id,
-                    key,
-                    now,
-                    out,
-                    |t| t.attempt == *attempt,
-                    |t| {
-                        t.heard = true;
-                        t.p_done = t.p_done.max(*done);
-                        t.p_failed = t.p_failed.max(*failed);
-                        t.why.get_or_insert(*why);
-                        false
-                    },
-                );
+                self.with(engine_id, key, Some(*attempt), now, out, |t| {
+                    t.heard = true;
+                    t.p_done = t.p_done.max(*done);
+                    t.p_failed = t.p_failed.max(*failed);
+                    t.why.get_or_insert(*why);
+                    false
+                });
             }
             Message::PushLost { keys } => {
                 for key in keys {
-                    self.with(
-                        engine_id,
-                        key,
-                        now,
-                        out,
-                        |_| true,
-                        |t| {
-                            t.lost = true;
-                            false
-                        },
-                    );
+                    self.with(engine_id, key, None, now, out, |t| {
+                        t.lost = true;
+                        false
+                    });
                     // Admitted, not registered: the lease is gone all the same.
                     if let Some(req) = self.by_key.get(&(engine_id.to_owned(), key.clone())).cloned() {
                         self.lost_unregistered(&req, out);
@@ -498,14 +470,15 @@ impl PushSink {
         (s.done || superseded) && (t.stopped() || now >= t.told_until + Self::write_grace(&self.cfg))
     }
 
-    /// Applies news from P to the registration of `key` that `pick` selects, and decides.
+    /// Applies news from P to the registration `attempt` of `key` (every registration of it
+    /// when `None`), and decides; `apply` says whether the news moved a registration on.
     fn with(
         &mut self,
         engine_id: &str,
         key: &PushKey,
+        attempt: Option<u32>,
         now: Nanos,
         out: &mut Vec<PushAction>,
-        pick: impl Fn(&Tally) -> bool,
         apply: impl Fn(&mut Tally) -> bool,
     ) {
         let Some(req) = self.by_key.get(&(engine_id.to_owned(), key.clone())).cloned() else { return };
@@ -514,7 +487,7 @@ impl PushSink {
         let newest = s.tallies.last().map(|t| t.attempt);
         let mut progress = false;
         for i in 0..s.tallies.len() {
-            if !pick(&s.tallies[i]) {
+            if attempt.is_some_and(|a| a != s.tallies[i].attempt) {
                 continue;
             }
             let t = &mut s.tallies[i];
