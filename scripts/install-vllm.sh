@@ -4,6 +4,12 @@
 # The vLLM connector tests (python/vllm_tests/) run in it, on CPU: vLLM's connector classes
 # construct without a GPU (VLLM_TARGET_DEVICE=cpu, UCX_TLS=tcp, CPU KV buffers).
 #
+# vLLM's push-mode router (examples/disaggregated/disaggregated_serving/
+# disagg_proxy_pushconnector_demo.py, Apache-2.0) is not in any wheel: it is taken from the sdist
+# of the same release on PyPI (checked against the index's sha256) into $VENV/share/kvlease/,
+# unchanged, licence header included (python/vllm_tests/test_push_router.py runs it against
+# kvlease's push engines). It is not copied into this repository.
+#
 # Usage:   VENV=$(scripts/install-vllm.sh)   # the last line of stdout is the venv's path
 # Idempotent: a stamp file marks a complete install; a half-done one is removed and redone.
 set -euo pipefail
@@ -17,7 +23,34 @@ STAMP="$VENV/.kvlease-installed"
 log() { printf 'install-vllm: %s\n' "$*" >&2; }
 die() { printf '\ninstall-vllm: ERROR: %s\n' "$*" >&2; exit 1; }
 
+PUSH_ROUTER="$VENV/share/kvlease/disagg_proxy_pushconnector_demo.py"
+
+# The index's JSON API names the sdist and its sha256; the file is read straight from the
+# index's files host (pip cannot download an sdist without building its metadata).
+fetch_push_router() {
+    [[ -f $PUSH_ROUTER ]] && return 0
+    log "fetching vLLM's push router from the vllm==$VLLM_VERSION sdist on PyPI"
+    mkdir -p "$(dirname "$PUSH_ROUTER")"
+    "$VENV/bin/python" - "$VLLM_VERSION" "$PUSH_ROUTER" "${PIP_INDEX_URL:-https://pypi.org/simple}" >&2 <<'PY' || die "could not fetch vLLM's push router"
+import hashlib, io, json, sys, tarfile, urllib.request
+version, out, index = sys.argv[1], sys.argv[2], sys.argv[3].rstrip("/")
+req = urllib.request.Request(f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
+f = next(f for f in files if f["filename"] == f"vllm-{version}.tar.gz")
+data = urllib.request.urlopen(f["url"], timeout=600).read()
+if hashlib.sha256(data).hexdigest() != f["hashes"]["sha256"]:
+    sys.exit(f"vllm-{version}.tar.gz: sha256 differs from the index's")
+member = f"vllm-{version}/examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py"
+src = tarfile.open(fileobj=io.BytesIO(data)).extractfile(member).read()
+if b"SPDX-License-Identifier: Apache-2.0" not in src[:200]:
+    sys.exit(f"{member}: no Apache-2.0 header")
+open(out, "wb").write(src)
+print(f"push router: {member} -> {out}")
+PY
+}
+
 if [[ -f $STAMP && -x $VENV/bin/python ]]; then
+    fetch_push_router
     printf '%s\n' "$VENV"
     exit 0
 fi
@@ -35,6 +68,7 @@ log "pip install ${PKGS[*]} (about 9 GB; minutes)"
 # double the disk used.
 "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir --progress-bar off -q \
     "${PKGS[@]}" pytest >&2 || { rm -rf "$VENV"; die "pip install ${PKGS[*]} failed"; }
+fetch_push_router
 touch "$STAMP"
 log "installed in $(( $(date +%s) - started )) s, $(du -sh "$VENV" | cut -f1)"
 printf '%s\n' "$VENV"

@@ -49,7 +49,10 @@ echo "== python: vLLM environment ready in $(( $(date +%s) - t )) s"
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --force-reinstall --no-deps "$wheel"
 if [ -d python/vllm_tests ]; then
     echo "== python: pytest python/vllm_tests (KvleaseConnector against real vLLM classes, CPU)"
-    (VLLM_TARGET_DEVICE=cpu UCX_TLS=tcp HF_HUB_OFFLINE=1 \
+    # test_push_router.py runs vLLM's push router against `kvlease serve` push engines: the
+    # binary cargo built (scripts/test.sh builds it first).
+    (VLLM_TARGET_DEVICE=cpu UCX_TLS=tcp HF_HUB_OFFLINE=1 KVLEASE_PUSH_ROUTER="$VENV/share/kvlease/disagg_proxy_pushconnector_demo.py" \
+        KVLEASE_BIN="${KVLEASE_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/debug/kvlease}" \
         "$VENV/bin/python" -m pytest -q -p no:cacheprovider python/vllm_tests)
 fi
 echo "== python: all done in $(( $(date +%s) - started )) s"

@@ -13,18 +13,6 @@ mod common;
 use common::*;
 use kvlease_engine::TransportKind;
 
-/// False (after saying why) when NIXL's library is missing and not required.
-fn nixl_or_skip() -> bool {
-    if kvlease_transport::nixl::available() {
-        return true;
-    }
-    if std::env::var("KVLEASE_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
-        panic!("KVLEASE_REQUIRE_NIXL=1 but {}", kvlease_transport::nixl::UNAVAILABLE);
-    }
-    eprintln!("!!!!!!!! SKIPPED: {} !!!!!!!!", kvlease_transport::nixl::UNAVAILABLE);
-    false
-}
-
 /// SPEC D7, P1, P3, P8 over NIXL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_d7_disaggregated_output_equals_local_and_lease_is_transferred() {

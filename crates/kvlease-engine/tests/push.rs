@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kvlease_core::lease_table::ReleaseReason;
-use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt, RequestError};
+use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt, RequestError, TransportKind};
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -59,8 +59,24 @@ async fn local_answer(max_tokens: u32) -> String {
 /// equals a local run, nothing is recomputed, and every block is back on P.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u1_u5_push_through_a_sequential_router_equals_local() {
+    push_through_a_sequential_router(TransportKind::Tcp).await;
+}
+
+/// The same over NIXL (UCX over TCP): P's writes are NIXL WRITEs of its descriptors into D's.
+/// NIXL's WRITE cannot be refused by D's gate: what fences it is P's gate (U4, U8: no write
+/// posted for a lease not live, or near D's deadline) and D reusing the blocks only once every
+/// write stopped or the deadline and a grace passed.
+#[cfg(feature = "nixl")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_u1_u5_push_through_a_sequential_router_equals_local() {
+    if nixl_or_skip() {
+        push_through_a_sequential_router(TransportKind::Nixl).await;
+    }
+}
+
+async fn push_through_a_sequential_router(transport: TransportKind) {
     let want = local_answer(24).await;
-    let (p, d) = (engine(push_config(30.0, 1, 30.0)).await, engine(push_config(30.0, 1, 30.0)).await);
+    let (p, d) = (engine(on(push_config(30.0, 1, 30.0), transport.clone())).await, engine(on(push_config(30.0, 1, 30.0), transport)).await);
     for i in 0..3 {
         let id = format!("seq-{i}");
         let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");

@@ -65,6 +65,19 @@ pub async fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// False (after saying why) when NIXL's library is missing and not required.
+#[cfg(feature = "nixl")]
+pub fn nixl_or_skip() -> bool {
+    if kvlease_transport::nixl::available() {
+        return true;
+    }
+    if std::env::var("KVLEASE_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+        panic!("KVLEASE_REQUIRE_NIXL=1 but {}", kvlease_transport::nixl::UNAVAILABLE);
+    }
+    eprintln!("!!!!!!!! SKIPPED: {} !!!!!!!!", kvlease_transport::nixl::UNAVAILABLE);
+    false
+}
+
 pub const PROMPT: &str = "In disaggregated serving a prefill engine computes the KV cache of a prompt";
 
 /// The config on another transport.
