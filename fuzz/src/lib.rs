@@ -7,7 +7,8 @@
 //! promises one.
 
 use kvlease_core::peers::{agent_name, check_agent_names, check_reply, Geometry};
-use kvlease_core::wire::{Hello, Message, SideRelease};
+use kvlease_core::params::PushAnswer;
+use kvlease_core::wire::{Hello, Message, PushKey, SideRelease};
 use kvlease_engine::KvRole;
 use serde_json::Value;
 
@@ -15,11 +16,15 @@ use serde_json::Value;
 pub const MAX_FRAME: usize = 1 << 20;
 
 /// SPEC §9, P7: the notification decoder accepts any byte string without panicking; what it
-/// accepts re-encodes to bytes that decode to the same message.
+/// accepts re-encodes to bytes that decode to the same message. Push mode's write key (what D's
+/// write gate reads off a peer's write, SPEC U4, U11) the same.
 pub fn wire(data: &[u8]) {
     if let Ok(msg) = Message::decode(data) {
         let again = Message::decode(&msg.encode());
         assert_eq!(again.as_ref(), Ok(&msg), "a decoded message must survive a round trip");
+    }
+    if let Some((key, attempt)) = PushKey::from_write_key(data) {
+        assert_eq!(key.write_key(attempt), data, "a write key names one key and attempt, in one spelling");
     }
 }
 
@@ -68,7 +73,31 @@ fn geometry(hello: &Hello) {
 /// params, and the signature `to_json` adds verifies.
 pub fn kv_params(data: &[u8]) {
     let Ok(params) = serde_json::from_slice::<Value>(data) else { return };
-    let Ok(KvRole::DecodeRemote(rk)) = KvRole::parse(Some(&params)) else { return };
+    let _ = KvRole::transfer_id(Some(&params));
+    let rk = match KvRole::parse(Some(&params)) {
+        Ok(KvRole::DecodeRemote(rk)) => rk,
+        // SPEC §13, U1: push params name P and the transfer's key; P's answer for them parses
+        // back to the same P and key.
+        Ok(KvRole::DecodePush(pr)) => {
+            let answer = PushAnswer {
+                engine_id: &pr.engine_id,
+                host: &pr.host,
+                port: pr.port,
+                tp_size: pr.tp_size,
+                num_tokens: 1,
+                incarnation: pr.incarnation,
+                key: &pr.key,
+            };
+            match KvRole::parse(Some(&answer.to_json())) {
+                Ok(KvRole::DecodePush(again)) => {
+                    assert_eq!((again.engine_id, again.port, again.key, again.incarnation), (pr.engine_id, pr.port, pr.key, pr.incarnation))
+                }
+                other => panic!("P's push answer must parse as push params, got {other:?}"),
+            }
+            return;
+        }
+        _ => return,
+    };
     let _ = rk.verify(b"cluster secret");
     let _ = rk.describes(&[1, 2, 3]);
     let signed = rk.to_json(Some(b"cluster secret"));
