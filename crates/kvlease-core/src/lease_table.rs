@@ -8,17 +8,22 @@
 //! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
 //! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
 //! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
-//! sorted ids stay nearly consecutive on the wire. A renewal reads and writes one aligned
-//! 16-byte record (generation, holder, deadline, grant time; times in milliseconds from a table
-//! epoch that moves forward every 12 days) and never touches the expiry index. The index is a
-//! timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded through
-//! the slots and remembering its earliest deadline, so an idle reaper tick is O(1), a tick that
-//! expires k leases costs O(k) (SPEC P4) and a release drops its entry at once; a tick can be
-//! given a work budget and carries the rest over. An index entry whose lease was renewed since
-//! is moved to the bucket of its current deadline when its old bucket comes due, at most once
-//! per extension period. Per live lease: 16 B hot record, 12 B link (blocks, next, prev), the
-//! payload's slot; nothing else grows with the live count (but for a decoder's cached turns,
-//! SPEC B1, whose ids also sit in an ordered set for eviction).
+//! sorted ids stay nearly consecutive on the wire; a bitmap of taken slots lets a grant skip a
+//! run of them a word at a time. A lease is one record in its slot: generation, deadline and
+//! grant time (times in milliseconds from a table epoch that moves forward every 12 days),
+//! holder and block count in 16 bits each (larger values kept whole in a side map), the links
+//! of the expiry index and the payload: 24 bytes and the payload, a vacant slot costing nothing
+//! more. A renewal reads and writes that record and never touches the expiry index. The index
+//! is a timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded
+//! through the slots and remembering its earliest deadline, so an idle reaper tick is O(1) and
+//! a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work budget and
+//! carries the rest over. An index entry whose lease was renewed since is moved to the bucket
+//! of its current deadline when its old bucket comes due, at most once per extension period. A
+//! release leaves its entry in the list as a hole (its slot is free at once) that the reaper
+//! drops when it passes, or that a later grant due no earlier takes over as it is: a release
+//! touches its own slot, not its neighbours in the list. Per live lease: 24 B and the payload
+//! per slot, two bits of bitmaps, at 94–97 % fill; nothing else grows with the live count (but
+//! for a decoder's cached turns, SPEC B1, whose ids also sit in an ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -180,11 +185,20 @@ struct Lease<T> {
     blocks: u16,
     /// Grant time, rounded down; SPEC P9's cap is `granted + max(max_lifetime, L)`.
     granted: u32,
-    /// The expiry index: the next slot in the bucket's list, or `NIL`.
-    next: u32,
-    /// The previous slot in the bucket's list, or `HEAD | bucket` for the first.
-    prev: u32,
     payload: T,
+}
+
+/// A slot: its lease, if any, and its place in the expiry index (a doubly linked list per wheel
+/// bucket threaded through the slots). A slot whose lease was released by anything but the
+/// reaper stays in its list as a *hole* (no lease, still linked) until the reaper passes it or a
+/// grant reuses it with its entry: a release touches its own slot only, not its neighbours'.
+#[derive(Debug)]
+struct Cell<T> {
+    /// The next slot in the bucket's list, or `NIL`.
+    next: u32,
+    /// The previous slot in the bucket's list, `HEAD | bucket` for the first, `NIL`: unlinked.
+    prev: u32,
+    lease: Option<Lease<T>>,
 }
 
 /// A lease's holder and block count where they do not fit its record's 16 bits (rare: 65,535
@@ -220,7 +234,7 @@ const PAGE: usize = 1 << PAGE_BITS;
 const GROW_MAX: usize = 2048;
 
 /// `PAGE` slots (the last page may be shorter).
-type Page<T> = Vec<Option<Lease<T>>>;
+type Page<T> = Vec<Cell<T>>;
 
 /// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
 #[derive(Debug, Default)]
@@ -284,8 +298,16 @@ pub struct LeaseTable<T> {
     /// One bit per slot, set while a lease holds it: a grant skips a run of taken slots a word at
     /// a time.
     used: Vec<u64>,
+    /// One bit per slot, set while it is a hole (see [`Cell`]): a grant learns it without
+    /// reading the slot, so granting writes the slot without waiting for it.
+    holes: Vec<u64>,
     /// Holders and block counts too large for a record's 16 bits, by lease id (see [`Wide`]).
     wide: HashMap<LeaseId, Wide>,
+    /// The latest deadline (table time) a lease had when it was released into a hole. A hole's
+    /// entry is filed no later than that deadline, so a lease due no earlier than this may take
+    /// the entry over. Only leases due within L of their release leave a hole, so this stays
+    /// about `now + L`, below a plain grant's deadline.
+    holes_until: u32,
     /// The table's times are milliseconds from here (a multiple of 1 ms, only increasing).
     epoch: u64,
     live: usize,
@@ -348,7 +370,9 @@ impl<T> LeaseTable<T> {
             cap: 0,
             pages: Vec::new(),
             used: Vec::new(),
+            holes: Vec::new(),
             wide: HashMap::new(),
+            holes_until: 0,
             epoch: 0,
             live: 0,
             aux: HashMap::new(),
@@ -435,17 +459,25 @@ impl<T> LeaseTable<T> {
             holder: 0,
             blocks: narrow_blocks,
             granted,
-            next: NIL,
-            prev: NIL,
             payload,
         };
-        self.pages[s >> PAGE_BITS][s & (PAGE - 1)] = Some(lease);
+        // A hole's entry is filed no later than any deadline a released lease had when it left
+        // a hole (`holes_until`): this lease, due no earlier, may take it over as it is.
+        let linked = self.holes[s / 64] & (1 << (s % 64)) != 0;
+        let keep = linked && deadline >= self.holes_until;
+        if linked && !keep {
+            self.unfile(s);
+        }
+        self.holes[s / 64] &= !(1 << (s % 64));
+        self.cell_mut(s).lease = Some(lease);
         self.used[s / 64] |= 1 << (s % 64);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
-        let cursor = self.wheel.cursor;
-        self.file(s, self.ns(deadline), cursor);
+        if !keep {
+            let cursor = self.wheel.cursor;
+            self.file(s, self.ns(deadline), cursor);
+        }
         id
     }
 
@@ -479,7 +511,7 @@ impl<T> LeaseTable<T> {
                 s -= base;
             }
             let w = k + u32::from(s < cap - base || s >= base);
-            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
+            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.get_mut(s & (PAGE - 1))).and_then(|c| c.lease.as_mut()) else {
                 lost.push(id);
                 continue;
             };
@@ -709,7 +741,8 @@ impl<T> LeaseTable<T> {
     }
 
     /// When the next lease may expire: the driver's reaper need not tick before then. A lower
-    /// bound (renewals are not reflected until that bucket is visited), never later than the
+    /// bound (renewals and released leases are not reflected until that bucket is visited:
+    /// it may name the deadline of a lease already released), never later than the
     /// truth; while a budgeted tick left work over, the time of that tick.
     pub fn next_expiry(&self) -> Option<Nanos> {
         if let Some(t) = self.wheel.backlog {
@@ -804,23 +837,41 @@ impl<T> LeaseTable<T> {
         self.cap
     }
 
+    fn cell(&self, s: usize) -> &Cell<T> {
+        &self.pages[s >> PAGE_BITS][s & (PAGE - 1)]
+    }
+
+    fn cell_mut(&mut self, s: usize) -> &mut Cell<T> {
+        &mut self.pages[s >> PAGE_BITS][s & (PAGE - 1)]
+    }
+
     fn lease(&self, s: usize) -> Option<&Lease<T>> {
-        self.pages[s >> PAGE_BITS][s & (PAGE - 1)].as_ref()
+        self.cell(s).lease.as_ref()
     }
 
     fn lease_mut(&mut self, s: usize) -> Option<&mut Lease<T>> {
-        self.pages[s >> PAGE_BITS][s & (PAGE - 1)].as_mut()
-    }
-
-    /// The live lease in slot `s`, which the caller knows is live (an expiry-index entry).
-    fn live_mut(&mut self, s: usize) -> &mut Lease<T> {
-        self.lease_mut(s).expect("the expiry index names only live slots")
+        self.cell_mut(s).lease.as_mut()
     }
 
     /// Slot `s` as the table's tests read it.
     #[cfg(test)]
     fn hot(&self, s: usize) -> Hot {
         Hot { deadline: self.deadline_ms(s) }
+    }
+
+    /// Tests: every live slot is in the expiry index, a vacant one is linked exactly when its
+    /// hole bit is set, the taken bits match, and the index holds every linked slot once.
+    #[cfg(test)]
+    fn check_index(&self) {
+        let mut linked = 0;
+        for s in 0..self.pages.iter().map(Vec::len).sum::<usize>() {
+            let (c, bit) = (self.cell(s), |v: &Vec<u64>| v[s / 64] & (1 << (s % 64)) != 0);
+            assert_eq!(c.lease.is_some(), bit(&self.used), "slot {s}: taken bit");
+            assert_eq!(c.lease.is_none() && c.prev != NIL, bit(&self.holes), "slot {s}: hole bit");
+            assert!(c.lease.is_none() || c.prev != NIL, "slot {s}: live but not in the index");
+            linked += usize::from(c.prev != NIL);
+        }
+        assert_eq!(linked, self.wheel.len);
     }
 
     /// The holder number of the lease in slot `s` (0: vacant, or no holder yet).
@@ -917,17 +968,18 @@ impl<T> LeaseTable<T> {
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
-        for l in self.pages.iter_mut().flatten().flatten() {
+        for l in self.pages.iter_mut().flatten().filter_map(|c| c.lease.as_mut()) {
             l.deadline = NonZeroU32::new(l.deadline.get().saturating_sub(by32)).unwrap_or(NonZeroU32::MIN);
             l.granted = l.granted.saturating_sub(by32);
         }
+        self.holes_until = self.holes_until.saturating_sub(by32);
     }
 
     /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
     fn admit(&mut self, s: usize, holder: Holder) -> bool {
         let (who, id) = (holder.0.get(), self.id_of(s));
         let code = narrow(who);
-        let Some(l) = self.pages[s >> PAGE_BITS][s & (PAGE - 1)].as_mut() else { return false };
+        let Some(l) = self.pages[s >> PAGE_BITS][s & (PAGE - 1)].lease.as_mut() else { return false };
         if l.holder == 0 {
             l.holder = code;
             if code == WIDE {
@@ -944,12 +996,20 @@ impl<T> LeaseTable<T> {
             return;
         }
         let id = self.id_of(s);
-        self.unfile(s);
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
-        let Some(l) = self.pages[s >> PAGE_BITS][s & (PAGE - 1)].take() else { return };
+        let Some(l) = self.cell_mut(s).lease.take() else { return };
         self.used[s / 64] &= !(1 << (s % 64));
+        // The entry stays as a hole if a grant from now on, due `L` from now or later, could
+        // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
+        let d = l.deadline.get();
+        if d <= self.ms_ceil(now.0.saturating_add(self.lease)) {
+            self.holes_until = self.holes_until.max(d);
+            self.holes[s / 64] |= 1 << (s % 64);
+        } else {
+            self.unfile(s);
+        }
         let wide = if l.holder == WIDE || l.blocks == WIDE { self.wide.remove(&id).unwrap_or_default() } else { Wide::default() };
         let blocks = if l.blocks == WIDE { wide.blocks } else { u32::from(l.blocks) };
         let payload = Some(l.payload);
@@ -976,7 +1036,7 @@ impl<T> LeaseTable<T> {
             let Some(p) = self.pages.last_mut() else { return };
             let m = n.min(PAGE - p.len());
             p.reserve_exact(m);
-            p.extend((0..m).map(|_| None));
+            p.extend((0..m).map(|_| Cell { next: NIL, prev: NIL, lease: None }));
             n -= m;
         }
         let slots = (self.pages.len() - 1) * PAGE + self.pages.last().map_or(0, Vec::len);
@@ -984,6 +1044,8 @@ impl<T> LeaseTable<T> {
         if words > self.used.len() {
             self.used.reserve_exact(words - self.used.len());
             self.used.resize(words, 0);
+            self.holes.reserve_exact(words - self.holes.len());
+            self.holes.resize(words, 0);
         }
     }
 
@@ -1020,18 +1082,19 @@ impl<T> LeaseTable<T> {
 
     /// Moves the lease in slot `from` to the vacant slot `to`, keeping its expiry-index entry.
     fn relocate(&mut self, from: usize, to: usize) {
-        let Some(l) = self.pages[from >> PAGE_BITS][from & (PAGE - 1)].take() else { return };
-        let (next, prev) = (l.next, l.prev);
-        self.pages[to >> PAGE_BITS][to & (PAGE - 1)] = Some(l);
+        let from_cell = self.cell_mut(from);
+        let (next, prev, lease) = (from_cell.next, from_cell.prev, from_cell.lease.take());
+        (from_cell.next, from_cell.prev) = (NIL, NIL);
+        *self.cell_mut(to) = Cell { next, prev, lease };
         self.used[from / 64] &= !(1 << (from % 64));
         self.used[to / 64] |= 1 << (to % 64);
         if prev & HEAD != 0 {
             self.wheel.buckets[(prev & !HEAD) as usize].head = to as u32;
         } else if prev != NIL {
-            self.live_mut(prev as usize).next = to as u32;
+            self.cell_mut(prev as usize).next = to as u32;
         }
         if next != NIL {
-            self.live_mut(next as usize).prev = to as u32;
+            self.cell_mut(next as usize).prev = to as u32;
         }
         if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == from as u32) {
             p.next = to as u32;
@@ -1055,20 +1118,24 @@ impl<T> LeaseTable<T> {
         if let Some(p) = w.pass.as_mut().filter(|p| p.bucket == r) {
             p.filed_min = p.filed_min.min(deadline);
         }
-        let l = self.live_mut(s);
+        let l = self.cell_mut(s);
         l.next = head;
         l.prev = HEAD | r as u32;
         if head != NIL {
-            self.live_mut(head as usize).prev = s as u32;
+            self.cell_mut(head as usize).prev = s as u32;
+        }
+    }
+
+    /// Removes the entry of a hole the reaper is at (the lease it just expired).
+    fn drop_hole(&mut self, s: usize) {
+        if self.holes[s / 64] & (1 << (s % 64)) != 0 {
+            self.unfile(s);
         }
     }
 
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let Some((next, prev)) = self.lease(s).map(|l| (l.next, l.prev)) else {
-            debug_assert!(false, "expiry index names vacant slot {s}");
-            return;
-        };
+        let Cell { next, prev, .. } = *self.cell(s);
         if prev == NIL {
             debug_assert!(false, "expiry index out of step for slot {s}");
             return;
@@ -1076,14 +1143,15 @@ impl<T> LeaseTable<T> {
         if prev & HEAD != 0 {
             self.wheel.buckets[(prev & !HEAD) as usize].head = next;
         } else {
-            self.live_mut(prev as usize).next = next;
+            self.cell_mut(prev as usize).next = next;
         }
         if next != NIL {
-            self.live_mut(next as usize).prev = prev;
+            self.cell_mut(next as usize).prev = prev;
         }
-        let l = self.live_mut(s);
+        let l = self.cell_mut(s);
         l.next = NIL;
         l.prev = NIL;
+        self.holes[s / 64] &= !(1 << (s % 64));
         if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == s as u32) {
             p.next = next;
         }
@@ -1121,9 +1189,12 @@ impl<T> LeaseTable<T> {
                     work += 1;
                     let s = self.wheel.buckets[r].head as usize;
                     let d = self.ns(self.deadline_ms(s));
-                    if d <= now {
+                    if self.lease(s).is_none() {
+                        self.unfile(s);
+                    } else if d <= now {
                         self.wheel.expired.push((d, self.id_of(s)));
                         self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                        self.drop_hole(s);
                     } else {
                         self.unfile(s);
                         self.file(s, d, cursor + 1);
@@ -1158,14 +1229,17 @@ impl<T> LeaseTable<T> {
                     return true;
                 }
                 work += 1;
-                let next = self.lease(s).map_or(NIL, |l| l.next);
+                let next = self.cell(s).next;
                 if let Some(p) = self.wheel.pass.as_mut() {
                     p.next = next;
                 }
                 let d = self.ns(self.deadline_ms(s));
-                if d <= now {
+                if self.lease(s).is_none() {
+                    self.unfile(s);
+                } else if d <= now {
                     self.wheel.expired.push((d, self.id_of(s)));
                     self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                    self.drop_hole(s);
                 } else if d / self.wheel.width == cursor {
                     pass.kept_min = pass.kept_min.min(d);
                 } else {
@@ -1271,9 +1345,10 @@ impl<T: LeasePayload> LeaseTable<T> {
 
 /// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor,
 /// each a doubly linked list threaded through the slots. Each live lease has exactly one entry,
-/// filed under a deadline no later than its lease's and removed when the lease ends; a renewed
-/// lease's entry is moved to the bucket of its current deadline when its old bucket comes due,
-/// at most once per extension period.
+/// filed under a deadline no later than its lease's; when the lease ends the entry is removed,
+/// or stays as a hole (see [`Cell`]) that the reaper drops or a lease due no earlier takes over.
+/// A renewed lease's entry is moved to the bucket of its current deadline when its old bucket
+/// comes due, at most once per extension period. `len` counts entries, holes included.
 #[derive(Debug)]
 struct Wheel {
     width: u64,
@@ -1537,6 +1612,7 @@ mod generation_tests {
                 }
             }
             if i % 997 == 0 {
+                t.check_index();
                 for (id, v) in &live {
                     assert_eq!(t.get(*id), Some(v));
                 }
@@ -1581,9 +1657,76 @@ mod record_tests {
     /// ≤ 32 B per live lease with `u32` payloads at 95–97 % fill).
     #[test]
     fn a_slot_is_24_bytes_and_the_payload() {
-        assert_eq!(std::mem::size_of::<Option<Lease<()>>>(), 24);
-        assert_eq!(std::mem::size_of::<Option<Lease<u32>>>(), 28);
-        assert_eq!(std::mem::size_of::<Option<Lease<u64>>>(), 32);
+        assert_eq!(std::mem::size_of::<Cell<()>>(), 24);
+        assert_eq!(std::mem::size_of::<Cell<u32>>(), 28);
+        assert_eq!(std::mem::size_of::<Cell<u64>>(), 32);
+    }
+
+    /// SPEC P3, P4 with holes: a released lease's entry stays as a hole that a later grant takes
+    /// over or the reaper drops; a lease due later than L after its release (a long cached turn)
+    /// is unlinked at once, so no hole ever sits in a bucket later than the lease that takes it
+    /// over is due. Every lease still expires on its own deadline, exactly once.
+    #[test]
+    fn p4_holes_are_taken_over_or_dropped_never_late() {
+        let cfg = LeaseConfig::with_lease_secs(3.0).unwrap();
+        let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+        let d = Holder(NonZeroU32::MIN);
+        let sec = |x: f64| Nanos::from_secs_f64(x);
+        let (mut lost, mut rel) = (Vec::new(), Vec::new());
+        let a = t.grant(sec(1.0), 1, 1);
+        let turn = t.grant_for(sec(1.0), Duration::from_secs(60), 1, 2);
+        t.release(d, &[a, turn], sec(1.5), &mut lost, &mut rel);
+        assert_eq!(t.wheel.len, 1, "a's entry stays as a hole; the turn, due past L, is unlinked");
+        // A grant with a short lifetime may not take a hole over (it is due before the hole's bound).
+        let short = t.grant_for(sec(1.5), Duration::from_millis(10), 1, 3);
+        let b = t.grant(sec(1.5), 1, 4);
+        assert_eq!(t.live(), 2);
+        rel.clear();
+        t.tick(sec(1.6), &mut rel);
+        assert_eq!(rel.iter().map(|r| r.lease_id).collect::<Vec<_>>(), vec![short], "the short lease expires on time");
+        rel.clear();
+        t.tick(sec(4.45), &mut rel);
+        assert!(rel.is_empty() && t.get(b).is_some(), "b is due at 4.5 s");
+        t.tick(sec(4.6), &mut rel);
+        assert_eq!(rel.iter().map(|r| (r.lease_id, r.reason)).collect::<Vec<_>>(), vec![(b, ReleaseReason::Expired)]);
+        assert_eq!((t.live(), t.wheel.len), (0, 0), "holes dropped by the reaper");
+        let mut x = 0x5eed_u64;
+        let mut ids = Vec::new();
+        let mut now = sec(10.0);
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            now = now + Duration::from_millis(x % 7);
+            rel.clear();
+            match (x >> 8) % 8 {
+                0..=2 => ids.push(t.grant(now, 1, step)),
+                3 => ids.push(t.grant_for(now, Duration::from_millis((x >> 16) % 9_000), 1, step)),
+                4 if !ids.is_empty() => {
+                    t.renew(d, &[ids[(x >> 20) as usize % ids.len()]], now, &mut lost, &mut rel);
+                }
+                5 if !ids.is_empty() => {
+                    let id = ids.swap_remove((x >> 20) as usize % ids.len());
+                    t.release(d, &[id], now, &mut lost, &mut rel);
+                }
+                _ => t.tick(now, &mut rel),
+            }
+            for r in &rel {
+                if r.reason == ReleaseReason::Expired {
+                    assert!(r.held.as_nanos() > 0);
+                }
+            }
+            ids.retain(|id| t.get(*id).is_some());
+            if step.is_multiple_of(500) {
+                t.check_index();
+            }
+            if (x >> 40).is_multiple_of(4) {
+                t.tick(now, &mut rel);
+                // Right after a tick, no live lease is past its deadline (P4).
+                let ms = t.ms_floor(now.0);
+                assert!((0..t.cap).all(|s| t.hot(s).deadline == 0 || t.hot(s).deadline > ms), "step {step}");
+            }
+        }
     }
 
     /// Block counts and holder numbers past 16 bits are kept whole (in `wide`) and dropped with
