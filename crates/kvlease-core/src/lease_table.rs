@@ -9,11 +9,11 @@
 //! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
 //! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
 //! sorted ids stay nearly consecutive on the wire; a bitmap of taken slots lets a grant skip a
-//! run of them a word at a time. A lease is one record in its slot: generation, deadline and
-//! grant time (times in milliseconds from a table epoch that moves forward every 12 days),
-//! holder and block count in 16 bits each (larger values kept whole in a side map), the links
-//! of the expiry index and the payload: 24 bytes and the payload, a vacant slot costing nothing
-//! more. A renewal reads and writes that record and never touches the expiry index. The index
+//! run of them a word at a time. A slot is a lease record (generation, deadline and grant time
+//! — times in milliseconds from a table epoch that moves forward every 12 days —, holder and
+//! block count in 16 bits each, larger values kept whole in a side map, and the payload: 16
+//! bytes and the payload, a vacant slot costing nothing more) and, beside it, the 8-byte links of
+//! the expiry index. A renewal reads and writes the record and never touches the index. The index
 //! is a timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded
 //! through the slots and remembering its earliest deadline, so an idle reaper tick is O(1) and
 //! a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work budget and
@@ -168,10 +168,10 @@ impl<T> LeasePayload for (PromptDigest, T) {
     }
 }
 
-/// A live lease, all in one record: a renewal, a grant and a release each touch one slot (plus,
-/// for the latter two, its neighbours in the expiry index). 24 bytes and the payload; a vacant
-/// slot is `None` at no cost (the deadline is never 0). Times are milliseconds from the table's
-/// epoch (`LeaseTable::epoch`), which moves forward long before they would overflow.
+/// A live lease: everything but its expiry-index links ([`Link`]), so a renewal or a release
+/// reads and writes this record only. 16 bytes and the payload; a vacant slot is `None` at no
+/// cost (the deadline is never 0). Times are milliseconds from the table's epoch
+/// (`LeaseTable::epoch`), which moves forward long before they would overflow.
 #[derive(Debug)]
 struct Lease<T> {
     /// Rounded up to the millisecond: a lease never ends before the deadline D was given.
@@ -188,18 +188,20 @@ struct Lease<T> {
     payload: T,
 }
 
-/// A slot: its lease, if any, and its place in the expiry index (a doubly linked list per wheel
-/// bucket threaded through the slots). A slot whose lease was released by anything but the
-/// reaper stays in its list as a *hole* (no lease, still linked) until the reaper passes it or a
-/// grant reuses it with its entry: a release touches its own slot only, not its neighbours'.
-#[derive(Debug)]
-struct Cell<T> {
+/// A slot's place in the expiry index (a doubly linked list per wheel bucket threaded through
+/// the slots), kept apart from the leases so renewals walk 20 bytes a slot (with a `u32`
+/// payload), not 28. A slot whose lease was released by anything but the reaper stays in its
+/// list as a *hole* (no lease, still linked) until the reaper passes it or a grant reuses it with
+/// its entry: a release touches its own lease only, not its neighbours' links.
+#[derive(Debug, Clone, Copy)]
+struct Link {
     /// The next slot in the bucket's list, or `NIL`.
     next: u32,
     /// The previous slot in the bucket's list, `HEAD | bucket` for the first, `NIL`: unlinked.
     prev: u32,
-    lease: Option<Lease<T>>,
 }
+
+const UNLINKED: Link = Link { next: NIL, prev: NIL };
 
 /// A lease's holder and block count where they do not fit its record's 16 bits (rare: 65,535
 /// blocks in one lease, or an engine past the 65,534th the table met).
@@ -233,8 +235,12 @@ const PAGE: usize = 1 << PAGE_BITS;
 /// The most slots one growth step adds.
 const GROW_MAX: usize = 2048;
 
-/// `PAGE` slots (the last page may be shorter).
-type Page<T> = Vec<Cell<T>>;
+/// `PAGE` slots (the last page may be shorter): leases and links side by side.
+#[derive(Debug)]
+struct Page<T> {
+    lease: Vec<Option<Lease<T>>>,
+    link: Vec<Link>,
+}
 
 /// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
 #[derive(Debug, Default)]
@@ -298,7 +304,7 @@ pub struct LeaseTable<T> {
     /// One bit per slot, set while a lease holds it: a grant skips a run of taken slots a word at
     /// a time.
     used: Vec<u64>,
-    /// One bit per slot, set while it is a hole (see [`Cell`]): a grant learns it without
+    /// One bit per slot, set while it is a hole (see [`Link`]): a grant learns it without
     /// reading the slot, so granting writes the slot without waiting for it.
     holes: Vec<u64>,
     /// Holders and block counts too large for a record's 16 bits, by lease id (see [`Wide`]).
@@ -469,7 +475,7 @@ impl<T> LeaseTable<T> {
             self.unfile(s);
         }
         self.holes[s / 64] &= !(1 << (s % 64));
-        self.cell_mut(s).lease = Some(lease);
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)] = Some(lease);
         self.used[s / 64] |= 1 << (s % 64);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
@@ -511,7 +517,7 @@ impl<T> LeaseTable<T> {
                 s -= base;
             }
             let w = k + u32::from(s < cap - base || s >= base);
-            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.get_mut(s & (PAGE - 1))).and_then(|c| c.lease.as_mut()) else {
+            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
                 lost.push(id);
                 continue;
             };
@@ -837,20 +843,20 @@ impl<T> LeaseTable<T> {
         self.cap
     }
 
-    fn cell(&self, s: usize) -> &Cell<T> {
-        &self.pages[s >> PAGE_BITS][s & (PAGE - 1)]
+    fn link(&self, s: usize) -> Link {
+        self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
     }
 
-    fn cell_mut(&mut self, s: usize) -> &mut Cell<T> {
-        &mut self.pages[s >> PAGE_BITS][s & (PAGE - 1)]
+    fn link_mut(&mut self, s: usize) -> &mut Link {
+        &mut self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
     }
 
     fn lease(&self, s: usize) -> Option<&Lease<T>> {
-        self.cell(s).lease.as_ref()
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_ref()
     }
 
     fn lease_mut(&mut self, s: usize) -> Option<&mut Lease<T>> {
-        self.cell_mut(s).lease.as_mut()
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_mut()
     }
 
     /// Slot `s` as the table's tests read it.
@@ -864,12 +870,12 @@ impl<T> LeaseTable<T> {
     #[cfg(test)]
     fn check_index(&self) {
         let mut linked = 0;
-        for s in 0..self.pages.iter().map(Vec::len).sum::<usize>() {
-            let (c, bit) = (self.cell(s), |v: &Vec<u64>| v[s / 64] & (1 << (s % 64)) != 0);
-            assert_eq!(c.lease.is_some(), bit(&self.used), "slot {s}: taken bit");
-            assert_eq!(c.lease.is_none() && c.prev != NIL, bit(&self.holes), "slot {s}: hole bit");
-            assert!(c.lease.is_none() || c.prev != NIL, "slot {s}: live but not in the index");
-            linked += usize::from(c.prev != NIL);
+        for s in 0..self.pages.iter().map(|p| p.lease.len()).sum::<usize>() {
+            let (live, prev, bit) = (self.lease(s).is_some(), self.link(s).prev, |v: &Vec<u64>| v[s / 64] & (1 << (s % 64)) != 0);
+            assert_eq!(live, bit(&self.used), "slot {s}: taken bit");
+            assert_eq!(!live && prev != NIL, bit(&self.holes), "slot {s}: hole bit");
+            assert!(!live || prev != NIL, "slot {s}: live but not in the index");
+            linked += usize::from(prev != NIL);
         }
         assert_eq!(linked, self.wheel.len);
     }
@@ -968,7 +974,7 @@ impl<T> LeaseTable<T> {
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
-        for l in self.pages.iter_mut().flatten().filter_map(|c| c.lease.as_mut()) {
+        for l in self.pages.iter_mut().flat_map(|p| p.lease.iter_mut()).flatten() {
             l.deadline = NonZeroU32::new(l.deadline.get().saturating_sub(by32)).unwrap_or(NonZeroU32::MIN);
             l.granted = l.granted.saturating_sub(by32);
         }
@@ -979,7 +985,7 @@ impl<T> LeaseTable<T> {
     fn admit(&mut self, s: usize, holder: Holder) -> bool {
         let (who, id) = (holder.0.get(), self.id_of(s));
         let code = narrow(who);
-        let Some(l) = self.pages[s >> PAGE_BITS][s & (PAGE - 1)].lease.as_mut() else { return false };
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_mut() else { return false };
         if l.holder == 0 {
             l.holder = code;
             if code == WIDE {
@@ -999,7 +1005,7 @@ impl<T> LeaseTable<T> {
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
-        let Some(l) = self.cell_mut(s).lease.take() else { return };
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
         self.used[s / 64] &= !(1 << (s % 64));
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
@@ -1030,16 +1036,18 @@ impl<T> LeaseTable<T> {
     /// Appends `n` vacant slots after the last (the capacity is set by the caller).
     fn append(&mut self, mut n: usize) {
         while n > 0 {
-            if self.pages.last().is_none_or(|p| p.len() == PAGE) {
-                self.pages.push(Vec::new());
+            if self.pages.last().is_none_or(|p| p.lease.len() == PAGE) {
+                self.pages.push(Page { lease: Vec::new(), link: Vec::new() });
             }
             let Some(p) = self.pages.last_mut() else { return };
-            let m = n.min(PAGE - p.len());
-            p.reserve_exact(m);
-            p.extend((0..m).map(|_| Cell { next: NIL, prev: NIL, lease: None }));
+            let m = n.min(PAGE - p.lease.len());
+            p.lease.reserve_exact(m);
+            p.link.reserve_exact(m);
+            p.lease.extend((0..m).map(|_| None));
+            p.link.resize(p.link.len() + m, UNLINKED);
             n -= m;
         }
-        let slots = (self.pages.len() - 1) * PAGE + self.pages.last().map_or(0, Vec::len);
+        let slots = (self.pages.len() - 1) * PAGE + self.pages.last().map_or(0, |p| p.lease.len());
         let words = slots.div_ceil(64);
         if words > self.used.len() {
             self.used.reserve_exact(words - self.used.len());
@@ -1082,19 +1090,19 @@ impl<T> LeaseTable<T> {
 
     /// Moves the lease in slot `from` to the vacant slot `to`, keeping its expiry-index entry.
     fn relocate(&mut self, from: usize, to: usize) {
-        let from_cell = self.cell_mut(from);
-        let (next, prev, lease) = (from_cell.next, from_cell.prev, from_cell.lease.take());
-        (from_cell.next, from_cell.prev) = (NIL, NIL);
-        *self.cell_mut(to) = Cell { next, prev, lease };
+        let lease = self.pages[from >> PAGE_BITS].lease[from & (PAGE - 1)].take();
+        let Link { next, prev } = std::mem::replace(self.link_mut(from), UNLINKED);
+        self.pages[to >> PAGE_BITS].lease[to & (PAGE - 1)] = lease;
+        *self.link_mut(to) = Link { next, prev };
         self.used[from / 64] &= !(1 << (from % 64));
         self.used[to / 64] |= 1 << (to % 64);
         if prev & HEAD != 0 {
             self.wheel.buckets[(prev & !HEAD) as usize].head = to as u32;
         } else if prev != NIL {
-            self.cell_mut(prev as usize).next = to as u32;
+            self.link_mut(prev as usize).next = to as u32;
         }
         if next != NIL {
-            self.cell_mut(next as usize).prev = to as u32;
+            self.link_mut(next as usize).prev = to as u32;
         }
         if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == from as u32) {
             p.next = to as u32;
@@ -1118,11 +1126,11 @@ impl<T> LeaseTable<T> {
         if let Some(p) = w.pass.as_mut().filter(|p| p.bucket == r) {
             p.filed_min = p.filed_min.min(deadline);
         }
-        let l = self.cell_mut(s);
+        let l = self.link_mut(s);
         l.next = head;
         l.prev = HEAD | r as u32;
         if head != NIL {
-            self.cell_mut(head as usize).prev = s as u32;
+            self.link_mut(head as usize).prev = s as u32;
         }
     }
 
@@ -1135,7 +1143,7 @@ impl<T> LeaseTable<T> {
 
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let Cell { next, prev, .. } = *self.cell(s);
+        let Link { next, prev } = self.link(s);
         if prev == NIL {
             debug_assert!(false, "expiry index out of step for slot {s}");
             return;
@@ -1143,12 +1151,12 @@ impl<T> LeaseTable<T> {
         if prev & HEAD != 0 {
             self.wheel.buckets[(prev & !HEAD) as usize].head = next;
         } else {
-            self.cell_mut(prev as usize).next = next;
+            self.link_mut(prev as usize).next = next;
         }
         if next != NIL {
-            self.cell_mut(next as usize).prev = prev;
+            self.link_mut(next as usize).prev = prev;
         }
-        let l = self.cell_mut(s);
+        let l = self.link_mut(s);
         l.next = NIL;
         l.prev = NIL;
         self.holes[s / 64] &= !(1 << (s % 64));
@@ -1229,7 +1237,7 @@ impl<T> LeaseTable<T> {
                     return true;
                 }
                 work += 1;
-                let next = self.cell(s).next;
+                let next = self.link(s).next;
                 if let Some(p) = self.wheel.pass.as_mut() {
                     p.next = next;
                 }
@@ -1346,7 +1354,7 @@ impl<T: LeasePayload> LeaseTable<T> {
 /// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor,
 /// each a doubly linked list threaded through the slots. Each live lease has exactly one entry,
 /// filed under a deadline no later than its lease's; when the lease ends the entry is removed,
-/// or stays as a hole (see [`Cell`]) that the reaper drops or a lease due no earlier takes over.
+/// or stays as a hole (see [`Link`]) that the reaper drops or a lease due no earlier takes over.
 /// A renewed lease's entry is moved to the bucket of its current deadline when its old bucket
 /// comes due, at most once per extension period. `len` counts entries, holes included.
 #[derive(Debug)]
@@ -1657,9 +1665,10 @@ mod record_tests {
     /// ≤ 32 B per live lease with `u32` payloads at 95–97 % fill).
     #[test]
     fn a_slot_is_24_bytes_and_the_payload() {
-        assert_eq!(std::mem::size_of::<Cell<()>>(), 24);
-        assert_eq!(std::mem::size_of::<Cell<u32>>(), 28);
-        assert_eq!(std::mem::size_of::<Cell<u64>>(), 32);
+        let slot = |lease: usize| lease + std::mem::size_of::<Link>();
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<()>>>()), 24);
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<u32>>>()), 28);
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<u64>>>()), 32);
     }
 
     /// SPEC P3, P4 with holes: a released lease's entry stays as a hole that a later grant takes
