@@ -8,17 +8,22 @@
 //! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
 //! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
 //! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
-//! sorted ids stay nearly consecutive on the wire. A renewal reads and writes one aligned
-//! 16-byte record (generation, holder, deadline, grant time; times in milliseconds from a table
-//! epoch that moves forward every 12 days) and never touches the expiry index. The index is a
-//! timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded through
-//! the slots and remembering its earliest deadline, so an idle reaper tick is O(1), a tick that
-//! expires k leases costs O(k) (SPEC P4) and a release drops its entry at once; a tick can be
-//! given a work budget and carries the rest over. An index entry whose lease was renewed since
-//! is moved to the bucket of its current deadline when its old bucket comes due, at most once
-//! per extension period. Per live lease: 16 B hot record, 12 B link (blocks, next, prev), the
-//! payload's slot; nothing else grows with the live count (but for a decoder's cached turns,
-//! SPEC B1, whose ids also sit in an ordered set for eviction).
+//! sorted ids stay nearly consecutive on the wire; a bitmap of taken slots lets a grant skip a
+//! run of them a word at a time. A slot is a lease record (generation, deadline and grant time
+//! — times in milliseconds from a table epoch that moves forward every 12 days —, holder and
+//! block count in 16 bits each, larger values kept whole in a side map, and the payload: 16
+//! bytes and the payload, a vacant slot costing nothing more) and, beside it, the 8-byte links of
+//! the expiry index. A renewal reads and writes the record and never touches the index. The index
+//! is a timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded
+//! through the slots and remembering its earliest deadline, so an idle reaper tick is O(1) and
+//! a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work budget and
+//! carries the rest over. An index entry whose lease was renewed since is moved to the bucket
+//! of its current deadline when its old bucket comes due, at most once per extension period. A
+//! release leaves its entry in the list as a hole (its slot is free at once) that the reaper
+//! drops when it passes, or that a later grant due no earlier takes over as it is: a release
+//! touches its own slot, not its neighbours in the list. Per live lease: 24 B and the payload
+//! per slot, two bits of bitmaps, at 94–97 % fill; nothing else grows with the live count (but
+//! for a decoder's cached turns, SPEC B1, whose ids also sit in an ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -163,37 +168,66 @@ impl<T> LeasePayload for (PromptDigest, T) {
     }
 }
 
-/// The hot part of a lease, touched by every renewal: an aligned quarter cache line. Times are
-/// milliseconds from the table's epoch (`LeaseTable::epoch`), which moves forward long before
-/// they would overflow; `deadline == 0` marks a vacant slot.
-#[derive(Debug, Clone, Copy)]
-#[repr(C, align(16))]
-struct Hot {
+/// A live lease: everything but its expiry-index links ([`Link`]), so a renewal or a release
+/// reads and writes this record only. 16 bytes and the payload; a vacant slot is `None` at no
+/// cost (the deadline is never 0). Times are milliseconds from the table's epoch
+/// (`LeaseTable::epoch`), which moves forward long before they would overflow.
+#[derive(Debug)]
+struct Lease<T> {
+    /// Rounded up to the millisecond: a lease never ends before the deadline D was given.
+    deadline: NonZeroU32,
     /// The lease id's high bits: `id >> k` in a slot of `k` bits (see [`LeaseTable::slot`]).
     gen: u32,
-    /// SPEC S5: who owns the lease; 0 until an engine first names it.
-    holder: u32,
-    /// Rounded up to the millisecond: a lease never ends before the deadline D was given.
-    deadline: u32,
+    /// SPEC S5: who owns the lease: 0 until an engine first names it, else its holder number,
+    /// or `WIDE` for a holder number that does not fit (in [`LeaseTable::wide`]).
+    holder: u16,
+    /// The lease's blocks, or `WIDE` for a count that does not fit (in [`LeaseTable::wide`]).
+    blocks: u16,
     /// Grant time, rounded down; SPEC P9's cap is `granted + max(max_lifetime, L)`.
     granted: u32,
+    payload: T,
 }
 
-const VACANT: Hot = Hot { gen: 0, holder: 0, deadline: 0, granted: 0 };
-
-/// The part of a lease a release and the reaper need: its blocks and its place in the expiry
-/// index (a doubly linked list per wheel bucket threaded through the slots).
+/// A slot's place in the expiry index (a doubly linked list per wheel bucket threaded through
+/// the slots), kept apart from the leases so renewals walk 20 bytes a slot (with a `u32`
+/// payload), not 28. A slot whose lease was released by anything but the reaper stays in its
+/// list as a *hole* (no lease, still linked) until the reaper passes it or a grant reuses it with
+/// its entry: a release touches its own lease only, not its neighbours' links.
 #[derive(Debug, Clone, Copy)]
 struct Link {
-    blocks: u32,
+    /// The next slot in the bucket's list, or `NIL`.
     next: u32,
-    /// The previous slot in the bucket's list, or `HEAD | bucket` for the first.
+    /// The previous slot in the bucket's list, `HEAD | bucket` for the first, `NIL`: unlinked.
     prev: u32,
+}
+
+const UNLINKED: Link = Link { next: NIL, prev: NIL };
+
+/// A lease's holder and block count where they do not fit its record's 16 bits (rare: 65,535
+/// blocks in one lease, or an engine past the 65,534th the table met).
+#[derive(Debug, Default, Clone, Copy)]
+struct Wide {
+    holder: u32,
+    blocks: u32,
+}
+
+/// In [`Lease::holder`] and [`Lease::blocks`]: the value is in [`LeaseTable::wide`].
+const WIDE: u16 = u16::MAX;
+
+/// The 16-bit form of a holder number or block count (`WIDE`: too large).
+fn narrow(x: u32) -> u16 {
+    u16::try_from(x).ok().filter(|&x| x != WIDE).unwrap_or(WIDE)
+}
+
+/// What the table's tests read of a slot: the lease's deadline (0: vacant).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+struct Hot {
+    deadline: u32,
 }
 
 const NIL: u32 = u32::MAX;
 const HEAD: u32 = 1 << 31;
-const UNLINKED: Link = Link { blocks: 0, next: NIL, prev: NIL };
 
 /// Slots per page: the table grows by appending slots to the last page, never by doubling.
 const PAGE_BITS: u32 = 14;
@@ -201,12 +235,11 @@ const PAGE: usize = 1 << PAGE_BITS;
 /// The most slots one growth step adds.
 const GROW_MAX: usize = 2048;
 
-/// `PAGE` slots (the last page may be shorter): hot records, links and payloads side by side.
+/// `PAGE` slots (the last page may be shorter): leases and links side by side.
 #[derive(Debug)]
 struct Page<T> {
-    hot: Vec<Hot>,
+    lease: Vec<Option<Lease<T>>>,
     link: Vec<Link>,
-    payload: Vec<Option<T>>,
 }
 
 /// What few leases carry at a time: reads in progress (SPEC P5) and partial completions (P8).
@@ -268,6 +301,19 @@ pub struct LeaseTable<T> {
     k: u32,
     cap: usize,
     pages: Vec<Page<T>>,
+    /// One bit per slot, set while a lease holds it: a grant skips a run of taken slots a word at
+    /// a time.
+    used: Vec<u64>,
+    /// One bit per slot, set while it is a hole (see [`Link`]): a grant learns it without
+    /// reading the slot, so granting writes the slot without waiting for it.
+    holes: Vec<u64>,
+    /// Holders and block counts too large for a record's 16 bits, by lease id (see [`Wide`]).
+    wide: HashMap<LeaseId, Wide>,
+    /// The latest deadline (table time) a lease had when it was released into a hole. A hole's
+    /// entry is filed no later than that deadline, so a lease due no earlier than this may take
+    /// the entry over. Only leases due within L of their release leave a hole, so this stays
+    /// about `now + L`, below a plain grant's deadline.
+    holes_until: u32,
     /// The table's times are milliseconds from here (a multiple of 1 ms, only increasing).
     epoch: u64,
     live: usize,
@@ -329,6 +375,10 @@ impl<T> LeaseTable<T> {
             k: MIN_SLOTS.trailing_zeros(),
             cap: 0,
             pages: Vec::new(),
+            used: Vec::new(),
+            holes: Vec::new(),
+            wide: HashMap::new(),
+            holes_until: 0,
             epoch: 0,
             live: 0,
             aux: HashMap::new(),
@@ -393,10 +443,11 @@ impl<T> LeaseTable<T> {
                 continue;
             }
             let s = self.slot(self.next_id);
-            if self.hot(s).deadline == 0 {
+            let run = self.taken_run(self.next_id, s);
+            if run == 0 {
                 break s;
             }
-            self.next_id += 1;
+            self.next_id += run;
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -404,15 +455,35 @@ impl<T> LeaseTable<T> {
         let deadline = self.ms_ceil(deadline_ns);
         let granted = self.ms_floor(now.0);
         let gen = (id >> self.width(s)) as u32;
-        *self.hot_mut(s) = Hot { gen, holder: 0, deadline, granted };
-        let (p, i) = (s >> PAGE_BITS, s & (PAGE - 1));
-        self.pages[p].link[i].blocks = blocks;
-        self.pages[p].payload[i] = Some(payload);
+        let narrow_blocks = narrow(blocks);
+        if narrow_blocks == WIDE {
+            self.wide.entry(id).or_default().blocks = blocks;
+        }
+        let lease = Lease {
+            deadline: NonZeroU32::new(deadline).unwrap_or(NonZeroU32::MIN),
+            gen,
+            holder: 0,
+            blocks: narrow_blocks,
+            granted,
+            payload,
+        };
+        // A hole's entry is filed no later than any deadline a released lease had when it left
+        // a hole (`holes_until`): this lease, due no earlier, may take it over as it is.
+        let linked = self.holes[s / 64] & (1 << (s % 64)) != 0;
+        let keep = linked && deadline >= self.holes_until;
+        if linked && !keep {
+            self.unfile(s);
+        }
+        self.holes[s / 64] &= !(1 << (s % 64));
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)] = Some(lease);
+        self.used[s / 64] |= 1 << (s % 64);
         self.live += 1;
         self.leased_blocks += u64::from(blocks);
         self.stats.granted += 1;
-        let cursor = self.wheel.cursor;
-        self.file(s, self.ns(deadline), cursor);
+        if !keep {
+            let cursor = self.wheel.cursor;
+            self.file(s, self.ns(deadline), cursor);
+        }
         id
     }
 
@@ -434,6 +505,7 @@ impl<T> LeaseTable<T> {
         let now_ms = self.ms_floor(now.0);
         let target = self.ms_ceil(now.0.saturating_add(self.extension));
         let who = holder.0.get();
+        let code = narrow(who);
         let life = self.max_lifetime.map(|m| u32::try_from(m.max(self.lease) / MS).unwrap_or(u32::MAX));
         let mut renewed = 0;
         let (k, cap) = (self.k, self.cap);
@@ -445,23 +517,32 @@ impl<T> LeaseTable<T> {
                 s -= base;
             }
             let w = k + u32::from(s < cap - base || s >= base);
-            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.hot.get_mut(s & (PAGE - 1))) else {
+            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
                 lost.push(id);
                 continue;
             };
-            if h.deadline == 0 || u64::from(h.gen) != id >> w || id == 0 || (h.holder != 0 && h.holder != who) {
+            if u64::from(h.gen) != id >> w || id == 0 {
                 lost.push(id);
                 continue;
             }
-            h.holder = who;
-            if h.deadline <= now_ms {
+            // SPEC S5: the first holder to name the lease owns it.
+            if h.holder == 0 {
+                h.holder = code;
+                if code == WIDE {
+                    self.wide.entry(id).or_default().holder = who;
+                }
+            } else if h.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
+                lost.push(id);
+                continue;
+            }
+            if h.deadline.get() <= now_ms {
                 lost.push(id);
                 self.end(s, ReleaseReason::Expired, now, released);
                 continue;
             }
             let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
             let want = target.min(cap);
-            if want > h.deadline {
+            if let Some(want) = NonZeroU32::new(want).filter(|&w| w > h.deadline) {
                 h.deadline = want;
             }
             if want < target {
@@ -525,7 +606,7 @@ impl<T> LeaseTable<T> {
                 expired.push(s);
             } else if self.aux.get(&id).is_some_and(|a| a.readers > 0) {
                 continue;
-            } else if self.hot(s).holder == 0 {
+            } else if self.holder_in(s) == 0 {
                 unclaimed = Some((s, Evicted::Unclaimed(id)));
                 break;
             } else if claimed.is_none() {
@@ -654,7 +735,7 @@ impl<T> LeaseTable<T> {
         self.rebase(now);
         while self.head_only_from < self.next_id {
             if let Some(s) = self.find(self.head_only_from) {
-                let d = self.ns(self.hot(s).deadline);
+                let d = self.ns(self.deadline_ms(s));
                 if d > now.0 {
                     return Some(Nanos(d));
                 }
@@ -666,7 +747,8 @@ impl<T> LeaseTable<T> {
     }
 
     /// When the next lease may expire: the driver's reaper need not tick before then. A lower
-    /// bound (renewals are not reflected until that bucket is visited), never later than the
+    /// bound (renewals and released leases are not reflected until that bucket is visited:
+    /// it may name the deadline of a lease already released), never later than the
     /// truth; while a budgeted tick left work over, the time of that tick.
     pub fn next_expiry(&self) -> Option<Nanos> {
         if let Some(t) = self.wheel.backlog {
@@ -678,7 +760,7 @@ impl<T> LeaseTable<T> {
     /// Engine shutdown: release every live lease as `shutdown`.
     pub fn shutdown(&mut self, now: Nanos, released: &mut Vec<Released<T>>) {
         for s in 0..self.cap {
-            if self.hot(s).deadline != 0 {
+            if self.deadline_ms(s) != 0 {
                 self.end(s, ReleaseReason::Shutdown, now, released);
             }
         }
@@ -701,7 +783,7 @@ impl<T> LeaseTable<T> {
     /// SPEC S5: the engine that holds a live lease (the first whose renewal, release or
     /// completion named it), or `None` when it is not live or nobody has named it yet.
     pub fn holder_of(&self, id: LeaseId) -> Option<Holder> {
-        self.find(id).and_then(|s| NonZeroU32::new(self.hot(s).holder)).map(Holder)
+        self.find(id).and_then(|s| NonZeroU32::new(self.holder_in(s))).map(Holder)
     }
 
     /// SPEC P5, asked without acting: whether `holder` may use a read of lease `id` that just
@@ -714,27 +796,27 @@ impl<T> LeaseTable<T> {
             self.end(s, ReleaseReason::Expired, now, released);
             return false;
         }
-        let h = self.hot(s).holder;
+        let h = self.holder_in(s);
         h == 0 || h == holder.0.get()
     }
 
     /// The payload of a live lease.
     pub fn get(&self, id: LeaseId) -> Option<&T> {
         let s = self.find(id)?;
-        self.pages[s >> PAGE_BITS].payload[s & (PAGE - 1)].as_ref()
+        self.lease(s).map(|l| &l.payload)
     }
 
     /// The payload of a live lease, to change (P fills in what it learns at the grant: the
     /// lease id its params digest binds, S4).
     pub fn get_mut(&mut self, id: LeaseId) -> Option<&mut T> {
         let s = self.find(id)?;
-        self.pages[s >> PAGE_BITS].payload[s & (PAGE - 1)].as_mut()
+        self.lease_mut(s).map(|l| &mut l.payload)
     }
 
     /// The current deadline of a live lease (it may already be past, awaiting the reaper),
     /// rounded up to the millisecond.
     pub fn deadline(&self, id: LeaseId) -> Option<Nanos> {
-        self.find(id).map(|s| Nanos(self.ns(self.hot(s).deadline)))
+        self.find(id).map(|s| Nanos(self.ns(self.deadline_ms(s))))
     }
 
     /// Live leases (`kvlease_leases_active`).
@@ -761,20 +843,74 @@ impl<T> LeaseTable<T> {
         self.cap
     }
 
-    fn hot(&self, s: usize) -> &Hot {
-        &self.pages[s >> PAGE_BITS].hot[s & (PAGE - 1)]
-    }
-
-    fn hot_mut(&mut self, s: usize) -> &mut Hot {
-        &mut self.pages[s >> PAGE_BITS].hot[s & (PAGE - 1)]
-    }
-
-    fn link(&self, s: usize) -> &Link {
-        &self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
+    fn link(&self, s: usize) -> Link {
+        self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
     }
 
     fn link_mut(&mut self, s: usize) -> &mut Link {
         &mut self.pages[s >> PAGE_BITS].link[s & (PAGE - 1)]
+    }
+
+    fn lease(&self, s: usize) -> Option<&Lease<T>> {
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_ref()
+    }
+
+    fn lease_mut(&mut self, s: usize) -> Option<&mut Lease<T>> {
+        self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_mut()
+    }
+
+    /// Slot `s` as the table's tests read it.
+    #[cfg(test)]
+    fn hot(&self, s: usize) -> Hot {
+        Hot { deadline: self.deadline_ms(s) }
+    }
+
+    /// Tests: every live slot is in the expiry index, a vacant one is linked exactly when its
+    /// hole bit is set, the taken bits match, and the index holds every linked slot once.
+    #[cfg(test)]
+    fn check_index(&self) {
+        let mut linked = 0;
+        for s in 0..self.pages.iter().map(|p| p.lease.len()).sum::<usize>() {
+            let (live, prev, bit) = (self.lease(s).is_some(), self.link(s).prev, |v: &Vec<u64>| v[s / 64] & (1 << (s % 64)) != 0);
+            assert_eq!(live, bit(&self.used), "slot {s}: taken bit");
+            assert_eq!(!live && prev != NIL, bit(&self.holes), "slot {s}: hole bit");
+            assert!(!live || prev != NIL, "slot {s}: live but not in the index");
+            linked += usize::from(prev != NIL);
+        }
+        assert_eq!(linked, self.wheel.len);
+    }
+
+    /// The holder number of the lease in slot `s` (0: vacant, or no holder yet).
+    fn holder_in(&self, s: usize) -> u32 {
+        self.lease(s).map_or(0, |l| self.holder_at(s, l))
+    }
+
+    /// The deadline of the lease in slot `s` (0: vacant).
+    fn deadline_ms(&self, s: usize) -> u32 {
+        self.lease(s).map_or(0, |l| l.deadline.get())
+    }
+
+    /// The holder number of the lease in slot `s` (0: none yet).
+    fn holder_at(&self, s: usize, l: &Lease<T>) -> u32 {
+        match l.holder {
+            WIDE => self.wide.get(&self.id_of(s)).map_or(0, |w| w.holder),
+            h => u32::from(h),
+        }
+    }
+
+    /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted up to the
+    /// end of `s`'s bitmap word, of the run of slots the next ids map to one by one, and of the
+    /// ids a slot's 32-bit generation can name: the grant's skip over taken slots.
+    fn taken_run(&self, id: LeaseId, s: usize) -> u64 {
+        let word = self.used[s / 64] >> (s % 64);
+        let taken = u64::from((!word).trailing_zeros());
+        if taken == 0 {
+            return 0;
+        }
+        let raw = id & ((2u64 << self.k) - 1);
+        let in_row = if raw < self.cap as u64 { self.cap as u64 - raw } else { (2u64 << self.k) - raw };
+        let gens = ((u64::from(u32::MAX) + 1) << self.k).saturating_sub(id);
+        taken.min(in_row).min(gens).max(1)
     }
 
     /// The slot of lease `id` if it is live (linear hashing; see [`LeaseTable`]).
@@ -796,19 +932,19 @@ impl<T> LeaseTable<T> {
     /// The slot of a live lease.
     fn find(&self, id: LeaseId) -> Option<usize> {
         let s = self.slot(id);
-        let h = self.hot(s);
-        (id != 0 && h.deadline != 0 && u64::from(h.gen) == id >> self.width(s)).then_some(s)
+        let l = self.lease(s)?;
+        (id != 0 && u64::from(l.gen) == id >> self.width(s)).then_some(s)
     }
 
     /// The id of the lease in slot `s`.
     fn id_of(&self, s: usize) -> LeaseId {
         let w = self.width(s);
-        u64::from(self.hot(s).gen) << w | (s as u64 & ((1u64 << w) - 1))
+        u64::from(self.lease(s).map_or(0, |l| l.gen)) << w | (s as u64 & ((1u64 << w) - 1))
     }
 
     /// Whether the lease in slot `s` is past its deadline at `now`.
     fn expired(&self, s: usize, now: Nanos) -> bool {
-        self.hot(s).deadline <= self.ms_floor(now.0)
+        self.lease(s).is_some_and(|l| l.deadline.get() <= self.ms_floor(now.0))
     }
 
     /// `t` as the table's time, rounded down (a time already reached).
@@ -838,39 +974,51 @@ impl<T> LeaseTable<T> {
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
-        for p in &mut self.pages {
-            for h in p.hot.iter_mut().filter(|h| h.deadline != 0) {
-                h.deadline = h.deadline.saturating_sub(by32).max(1);
-                h.granted = h.granted.saturating_sub(by32);
-            }
+        for l in self.pages.iter_mut().flat_map(|p| p.lease.iter_mut()).flatten() {
+            l.deadline = NonZeroU32::new(l.deadline.get().saturating_sub(by32)).unwrap_or(NonZeroU32::MIN);
+            l.granted = l.granted.saturating_sub(by32);
         }
+        self.holes_until = self.holes_until.saturating_sub(by32);
     }
 
     /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
     fn admit(&mut self, s: usize, holder: Holder) -> bool {
-        let h = &mut self.hot_mut(s).holder;
-        if *h == 0 {
-            *h = holder.0.get();
+        let (who, id) = (holder.0.get(), self.id_of(s));
+        let code = narrow(who);
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_mut() else { return false };
+        if l.holder == 0 {
+            l.holder = code;
+            if code == WIDE {
+                self.wide.entry(id).or_default().holder = who;
+            }
+            return true;
         }
-        *h == holder.0.get()
+        l.holder == code && (code != WIDE || self.wide.get(&id).is_some_and(|w| w.holder == who))
     }
 
     /// Ends a live lease: the one place a release happens and is counted (SPEC P3).
     fn end(&mut self, s: usize, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
-        let h = *self.hot(s);
-        if h.deadline == 0 {
+        if self.lease(s).is_none() {
             return;
         }
         let id = self.id_of(s);
-        self.unfile(s);
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
-        *self.hot_mut(s) = VACANT;
-        let (p, i) = (s >> PAGE_BITS, s & (PAGE - 1));
-        let payload = self.pages[p].payload[i].take();
-        let blocks = self.pages[p].link[i].blocks;
-        self.pages[p].link[i] = UNLINKED;
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
+        self.used[s / 64] &= !(1 << (s % 64));
+        // The entry stays as a hole if a grant from now on, due `L` from now or later, could
+        // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
+        let d = l.deadline.get();
+        if d <= self.ms_ceil(now.0.saturating_add(self.lease)) {
+            self.holes_until = self.holes_until.max(d);
+            self.holes[s / 64] |= 1 << (s % 64);
+        } else {
+            self.unfile(s);
+        }
+        let wide = if l.holder == WIDE || l.blocks == WIDE { self.wide.remove(&id).unwrap_or_default() } else { Wide::default() };
+        let blocks = if l.blocks == WIDE { wide.blocks } else { u32::from(l.blocks) };
+        let payload = Some(l.payload);
         self.live -= 1;
         self.leased_blocks -= u64::from(blocks);
         self.stats.released[reason as usize] += 1;
@@ -882,24 +1030,30 @@ impl<T> LeaseTable<T> {
             }
             p => p,
         };
-        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(self.ns(h.granted))) });
+        released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(self.ns(l.granted))) });
     }
 
     /// Appends `n` vacant slots after the last (the capacity is set by the caller).
     fn append(&mut self, mut n: usize) {
         while n > 0 {
-            if self.pages.last().is_none_or(|p| p.hot.len() == PAGE) {
-                self.pages.push(Page { hot: Vec::new(), link: Vec::new(), payload: Vec::new() });
+            if self.pages.last().is_none_or(|p| p.lease.len() == PAGE) {
+                self.pages.push(Page { lease: Vec::new(), link: Vec::new() });
             }
             let Some(p) = self.pages.last_mut() else { return };
-            let m = n.min(PAGE - p.hot.len());
-            p.hot.reserve_exact(m);
+            let m = n.min(PAGE - p.lease.len());
+            p.lease.reserve_exact(m);
             p.link.reserve_exact(m);
-            p.payload.reserve_exact(m);
-            p.hot.resize(p.hot.len() + m, VACANT);
+            p.lease.extend((0..m).map(|_| None));
             p.link.resize(p.link.len() + m, UNLINKED);
-            p.payload.extend((0..m).map(|_| None));
             n -= m;
+        }
+        let slots = (self.pages.len() - 1) * PAGE + self.pages.last().map_or(0, |p| p.lease.len());
+        let words = slots.div_ceil(64);
+        if words > self.used.len() {
+            self.used.reserve_exact(words - self.used.len());
+            self.used.resize(words, 0);
+            self.holes.reserve_exact(words - self.holes.len());
+            self.holes.resize(words, 0);
         }
     }
 
@@ -921,11 +1075,10 @@ impl<T> LeaseTable<T> {
         let from = self.cap - base;
         let to = self.cap;
         self.cap += 1;
-        let h = *self.hot(from);
-        if h.deadline != 0 {
+        if let Some(l) = self.lease_mut(from) {
             // Its gen was `id >> k`; now `id >> (k + 1)`, and bit k says where it lives.
-            let moves = h.gen & 1 == 1;
-            self.hot_mut(from).gen = h.gen >> 1;
+            let moves = l.gen & 1 == 1;
+            l.gen >>= 1;
             if moves {
                 self.relocate(from, to);
             }
@@ -937,20 +1090,19 @@ impl<T> LeaseTable<T> {
 
     /// Moves the lease in slot `from` to the vacant slot `to`, keeping its expiry-index entry.
     fn relocate(&mut self, from: usize, to: usize) {
-        let (fp, fi, tp, ti) = (from >> PAGE_BITS, from & (PAGE - 1), to >> PAGE_BITS, to & (PAGE - 1));
-        let hot = std::mem::replace(&mut self.pages[fp].hot[fi], VACANT);
-        let link = std::mem::replace(&mut self.pages[fp].link[fi], UNLINKED);
-        let payload = self.pages[fp].payload[fi].take();
-        self.pages[tp].hot[ti] = hot;
-        self.pages[tp].link[ti] = link;
-        self.pages[tp].payload[ti] = payload;
-        if link.prev & HEAD != 0 {
-            self.wheel.buckets[(link.prev & !HEAD) as usize].head = to as u32;
-        } else if link.prev != NIL {
-            self.link_mut(link.prev as usize).next = to as u32;
+        let lease = self.pages[from >> PAGE_BITS].lease[from & (PAGE - 1)].take();
+        let Link { next, prev } = std::mem::replace(self.link_mut(from), UNLINKED);
+        self.pages[to >> PAGE_BITS].lease[to & (PAGE - 1)] = lease;
+        *self.link_mut(to) = Link { next, prev };
+        self.used[from / 64] &= !(1 << (from % 64));
+        self.used[to / 64] |= 1 << (to % 64);
+        if prev & HEAD != 0 {
+            self.wheel.buckets[(prev & !HEAD) as usize].head = to as u32;
+        } else if prev != NIL {
+            self.link_mut(prev as usize).next = to as u32;
         }
-        if link.next != NIL {
-            self.link_mut(link.next as usize).prev = to as u32;
+        if next != NIL {
+            self.link_mut(next as usize).prev = to as u32;
         }
         if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == from as u32) {
             p.next = to as u32;
@@ -982,9 +1134,16 @@ impl<T> LeaseTable<T> {
         }
     }
 
+    /// Removes the entry of a hole the reaper is at (the lease it just expired).
+    fn drop_hole(&mut self, s: usize) {
+        if self.holes[s / 64] & (1 << (s % 64)) != 0 {
+            self.unfile(s);
+        }
+    }
+
     /// Removes slot `s`'s expiry-index entry.
     fn unfile(&mut self, s: usize) {
-        let Link { next, prev, .. } = *self.link(s);
+        let Link { next, prev } = self.link(s);
         if prev == NIL {
             debug_assert!(false, "expiry index out of step for slot {s}");
             return;
@@ -1000,6 +1159,7 @@ impl<T> LeaseTable<T> {
         let l = self.link_mut(s);
         l.next = NIL;
         l.prev = NIL;
+        self.holes[s / 64] &= !(1 << (s % 64));
         if let Some(p) = self.wheel.pass.as_mut().filter(|p| p.next == s as u32) {
             p.next = next;
         }
@@ -1036,10 +1196,13 @@ impl<T> LeaseTable<T> {
                     }
                     work += 1;
                     let s = self.wheel.buckets[r].head as usize;
-                    let d = self.ns(self.hot(s).deadline);
-                    if d <= now {
+                    let d = self.ns(self.deadline_ms(s));
+                    if self.lease(s).is_none() {
+                        self.unfile(s);
+                    } else if d <= now {
                         self.wheel.expired.push((d, self.id_of(s)));
                         self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                        self.drop_hole(s);
                     } else {
                         self.unfile(s);
                         self.file(s, d, cursor + 1);
@@ -1078,10 +1241,13 @@ impl<T> LeaseTable<T> {
                 if let Some(p) = self.wheel.pass.as_mut() {
                     p.next = next;
                 }
-                let d = self.ns(self.hot(s).deadline);
-                if d <= now {
+                let d = self.ns(self.deadline_ms(s));
+                if self.lease(s).is_none() {
+                    self.unfile(s);
+                } else if d <= now {
                     self.wheel.expired.push((d, self.id_of(s)));
                     self.end(s, ReleaseReason::Expired, Nanos(now), released);
+                    self.drop_hole(s);
                 } else if d / self.wheel.width == cursor {
                     pass.kept_min = pass.kept_min.min(d);
                 } else {
@@ -1187,9 +1353,10 @@ impl<T: LeasePayload> LeaseTable<T> {
 
 /// The expiry index: a ring of buckets `width` ns wide covering `horizon` ahead of the cursor,
 /// each a doubly linked list threaded through the slots. Each live lease has exactly one entry,
-/// filed under a deadline no later than its lease's and removed when the lease ends; a renewed
-/// lease's entry is moved to the bucket of its current deadline when its old bucket comes due,
-/// at most once per extension period.
+/// filed under a deadline no later than its lease's; when the lease ends the entry is removed,
+/// or stays as a hole (see [`Link`]) that the reaper drops or a lease due no earlier takes over.
+/// A renewed lease's entry is moved to the bucket of its current deadline when its old bucket
+/// comes due, at most once per extension period. `len` counts entries, holes included.
 #[derive(Debug)]
 struct Wheel {
     width: u64,
@@ -1453,6 +1620,7 @@ mod generation_tests {
                 }
             }
             if i % 997 == 0 {
+                t.check_index();
                 for (id, v) in &live {
                     assert_eq!(t.get(*id), Some(v));
                 }
@@ -1486,5 +1654,120 @@ mod wheel_tests {
         t.tick(secs(6.2), &mut rel);
         let b = t.grant(secs(6.35), 1, ());
         assert_eq!(t.next_expiry(), t.deadline(b), "the reaper wakes for the live lease, not the gone one");
+    }
+}
+
+#[cfg(test)]
+mod record_tests {
+    use super::*;
+
+    /// Per slot: 24 bytes and the payload, a vacant slot costing nothing more (issue #27's
+    /// ≤ 32 B per live lease with `u32` payloads at 95–97 % fill).
+    #[test]
+    fn a_slot_is_24_bytes_and_the_payload() {
+        let slot = |lease: usize| lease + std::mem::size_of::<Link>();
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<()>>>()), 24);
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<u32>>>()), 28);
+        assert_eq!(slot(std::mem::size_of::<Option<Lease<u64>>>()), 32);
+    }
+
+    /// SPEC P3, P4 with holes: a released lease's entry stays as a hole that a later grant takes
+    /// over or the reaper drops; a lease due later than L after its release (a long cached turn)
+    /// is unlinked at once, so no hole ever sits in a bucket later than the lease that takes it
+    /// over is due. Every lease still expires on its own deadline, exactly once.
+    #[test]
+    fn p4_holes_are_taken_over_or_dropped_never_late() {
+        let cfg = LeaseConfig::with_lease_secs(3.0).unwrap();
+        let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+        let d = Holder(NonZeroU32::MIN);
+        let sec = |x: f64| Nanos::from_secs_f64(x);
+        let (mut lost, mut rel) = (Vec::new(), Vec::new());
+        let a = t.grant(sec(1.0), 1, 1);
+        let turn = t.grant_for(sec(1.0), Duration::from_secs(60), 1, 2);
+        t.release(d, &[a, turn], sec(1.5), &mut lost, &mut rel);
+        assert_eq!(t.wheel.len, 1, "a's entry stays as a hole; the turn, due past L, is unlinked");
+        // A grant with a short lifetime may not take a hole over (it is due before the hole's bound).
+        let short = t.grant_for(sec(1.5), Duration::from_millis(10), 1, 3);
+        let b = t.grant(sec(1.5), 1, 4);
+        assert_eq!(t.live(), 2);
+        rel.clear();
+        t.tick(sec(1.6), &mut rel);
+        assert_eq!(rel.iter().map(|r| r.lease_id).collect::<Vec<_>>(), vec![short], "the short lease expires on time");
+        rel.clear();
+        t.tick(sec(4.45), &mut rel);
+        assert!(rel.is_empty() && t.get(b).is_some(), "b is due at 4.5 s");
+        t.tick(sec(4.6), &mut rel);
+        assert_eq!(rel.iter().map(|r| (r.lease_id, r.reason)).collect::<Vec<_>>(), vec![(b, ReleaseReason::Expired)]);
+        assert_eq!((t.live(), t.wheel.len), (0, 0), "holes dropped by the reaper");
+        let mut x = 0x5eed_u64;
+        let mut ids = Vec::new();
+        let mut now = sec(10.0);
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            now = now + Duration::from_millis(x % 7);
+            rel.clear();
+            match (x >> 8) % 8 {
+                0..=2 => ids.push(t.grant(now, 1, step)),
+                3 => ids.push(t.grant_for(now, Duration::from_millis((x >> 16) % 9_000), 1, step)),
+                4 if !ids.is_empty() => {
+                    t.renew(d, &[ids[(x >> 20) as usize % ids.len()]], now, &mut lost, &mut rel);
+                }
+                5 if !ids.is_empty() => {
+                    let id = ids.swap_remove((x >> 20) as usize % ids.len());
+                    t.release(d, &[id], now, &mut lost, &mut rel);
+                }
+                _ => t.tick(now, &mut rel),
+            }
+            for r in &rel {
+                if r.reason == ReleaseReason::Expired {
+                    assert!(r.held.as_nanos() > 0);
+                }
+            }
+            ids.retain(|id| t.get(*id).is_some());
+            if step.is_multiple_of(500) {
+                t.check_index();
+            }
+            if (x >> 40).is_multiple_of(4) {
+                t.tick(now, &mut rel);
+                // Right after a tick, no live lease is past its deadline (P4).
+                let ms = t.ms_floor(now.0);
+                assert!((0..t.cap).all(|s| t.hot(s).deadline == 0 || t.hot(s).deadline > ms), "step {step}");
+            }
+        }
+    }
+
+    /// Block counts and holder numbers past 16 bits are kept whole (in `wide`) and dropped with
+    /// their lease; S5 still tells such holders apart from each other and from small ones.
+    #[test]
+    fn s5_wide_holders_and_block_counts_are_exact() {
+        let cfg = LeaseConfig::default();
+        let mut t: LeaseTable<u32> = LeaseTable::new(&cfg);
+        let h = |n: u32| Holder(NonZeroU32::new(n).unwrap());
+        let (big1, big2, small) = (h(70_000), h(u32::MAX), h(3));
+        let now = Nanos(1_000_000_000);
+        let (mut lost, mut rel) = (Vec::new(), Vec::new());
+        let a = t.grant(now, 100_000, 1);
+        let b = t.grant(now, 65_535, 2);
+        let c = t.grant(now, 65_534, 3);
+        assert_eq!(t.leased_blocks(), 100_000 + 65_535 + 65_534);
+        assert_eq!(t.renew(big1, &[a, b], now, &mut lost, &mut rel), 2);
+        assert_eq!(t.holder_of(a), Some(big1));
+        for other in [big2, small] {
+            assert_eq!(t.renew(other, &[a, b], now, &mut lost, &mut rel), 0);
+        }
+        assert_eq!(t.renew(small, &[c], now, &mut lost, &mut rel), 1);
+        assert_eq!(t.renew(big2, &[c], now, &mut lost, &mut rel), 0);
+        assert!(t.confirms(big1, a, now, &mut rel) && !t.confirms(big2, a, now, &mut rel));
+        lost.clear();
+        t.release(big2, &[a], now, &mut lost, &mut rel);
+        assert_eq!(lost, vec![a]);
+        t.release(big1, &[a, b], now, &mut lost, &mut rel);
+        t.release(small, &[c], now, &mut lost, &mut rel);
+        let blocks: Vec<(LeaseId, u32)> = rel.iter().map(|r| (r.lease_id, r.blocks)).collect();
+        assert_eq!(blocks, vec![(a, 100_000), (b, 65_535), (c, 65_534)]);
+        assert_eq!(t.leased_blocks(), 0);
+        assert!(t.wide.is_empty(), "wide entries end with their leases");
     }
 }
