@@ -586,9 +586,11 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
 
     /// Sends the prefill leg to `c`; to a push prefiller (SPEC §13) with the decode leg at once,
     /// to a decoder picked now, unless the request carries a cached turn (push mode has no
-    /// multi-turn reads) or there is no decoder (then the legs go one after the other).
+    /// multi-turn reads), there is no decoder, or the only one is the prefiller itself (then the
+    /// legs go one after the other, as before).
     fn dispatch(&mut self, c: &Candidate<U>, decoders: Pool<'_, U>, retry: bool) {
-        let decoder = (c.push && self.turn.is_none()).then(|| pick(decoders, None, Some(&c.upstream))).flatten();
+        let decoder =
+            (c.push && self.turn.is_none()).then(|| pick(decoders, None, Some(&c.upstream))).flatten().filter(|d| **d != c.upstream);
         let Some(d) = decoder else { return self.send_prefill(c.upstream.clone(), retry) };
         self.prefiller = Some(c.upstream.clone());
         self.decoder = Some(d.clone());
@@ -1199,6 +1201,9 @@ mod tests {
             Cluster { prefill: vec![Candidate { upstream: "d1", healthy: true, outstanding: 0, push: true }], ..Cluster::new() };
         let mut r = route(None, &mut TurnCache::default());
         assert_eq!(both_roles.drain(&mut r), [both("d1", "d2", false)]);
+        let alone = Cluster { decode: healthy(&["d1"]), ..both_roles };
+        let mut r = route(None, &mut TurnCache::default());
+        assert_eq!(alone.drain(&mut r), [prefill("d1", false)], "never both legs to one engine");
     }
 
     /// SPEC §13: a prefiller not known as push (a pull engine, or a push engine whose
