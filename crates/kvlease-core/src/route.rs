@@ -29,6 +29,9 @@ pub struct Candidate<U> {
     pub healthy: bool,
     /// Legs in flight on it.
     pub outstanding: usize,
+    /// A prefiller that takes both legs at once (SPEC §13, U1, U2): a push engine whose
+    /// coordinates the driver knows ([`PushPeer`]). Ignored for decoders.
+    pub push: bool,
 }
 
 /// One role's engines now, and where ties start (the driver turns it, so equal loads take turns).
@@ -57,6 +60,11 @@ impl<U> Pools<'_, U> {
 /// SPEC O4: the decode leg avoids the engine that prefilled — a `kv_both` engine paired with
 /// itself serves from its own blocks, but another decoder spreads the load.
 pub fn pick<'a, U: PartialEq>(pool: Pool<'a, U>, except: Option<&U>, avoid: Option<&U>) -> Option<&'a U> {
+    pick_candidate(pool, except, avoid).map(|c| &c.upstream)
+}
+
+/// [`pick`], the whole candidate.
+fn pick_candidate<'a, U: PartialEq>(pool: Pool<'a, U>, except: Option<&U>, avoid: Option<&U>) -> Option<&'a Candidate<U>> {
     let n = pool.candidates.len();
     let least = |healthy_only: bool, avoid: Option<&U>| {
         (0..n)
@@ -65,7 +73,7 @@ pub fn pick<'a, U: PartialEq>(pool: Pool<'a, U>, except: Option<&U>, avoid: Opti
             .filter(|c| !healthy_only || c.healthy)
             .min_by_key(|c| c.outstanding)
     };
-    least(true, avoid).or_else(|| least(true, None)).or_else(|| least(false, None)).map(|c| &c.upstream)
+    least(true, avoid).or_else(|| least(true, None)).or_else(|| least(false, None))
 }
 
 /// How an upstream answered a leg (its answer's head).
@@ -128,7 +136,17 @@ pub enum Action<U, E> {
     SendPrefill { to: U, turn: Option<Value>, retry: bool },
     /// Send the decode leg to `to`: the client's request with P's `kv_transfer_params` (none if
     /// P gave none), never the client's own (SPEC S1). `retry`: on another decoder, same params.
+    /// In push mode: the same params as the dispatch's decode leg ([`PushPeer::decode_params`]).
     SendDecode { to: U, retry: bool },
+    /// Push mode (SPEC §13, U1, U2): send both legs at once — the prefill leg to `prefill`
+    /// (as [`Action::SendPrefill`], its params naming a `transfer_id` the driver draws, unique
+    /// per dispatch: [`PushPeer::prefill_params`]) and the decode leg to `decode` (P's
+    /// coordinates and the same `transfer_id`, no blocks: [`PushPeer::decode_params`]).
+    /// `retry`: a second dispatch, on another prefiller, with a new `transfer_id`.
+    SendBoth { prefill: U, decode: U, retry: bool },
+    /// Push mode (SPEC U9, O2): drop the decode leg that is out — its request and its answer if
+    /// held — so that D aborts it and releases P's lease itself.
+    CancelDecode,
     /// A batch of prompts has no single KV to hand over: send the client's request, without
     /// `kv_transfer_params`, to decoder `to`, which computes it.
     SendLocal { to: U },
@@ -184,11 +202,29 @@ enum Stage {
     Decode,
     /// A decode leg is out.
     DecodeSent,
+    /// Push mode (SPEC §13): both legs went out at once. `answered`: P answered with its
+    /// params; `decode`: where the decode leg is.
+    Both {
+        retry: bool,
+        answered: bool,
+        decode: BothDecode,
+    },
     /// A batch's leg is out to a decoder.
     Local,
     /// The answer is streaming to the client.
     Relaying,
     Done,
+}
+
+/// Push mode: the decode leg of a dispatch of both legs at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BothDecode {
+    /// Out, no answer yet.
+    Out,
+    /// D answered 2xx (the driver holds the answer): relayed once P has answered too.
+    Held,
+    /// It failed or was turned away: another decoder is to be picked (O2).
+    Picking,
 }
 
 /// How a request ends when there is no other engine to try.
@@ -296,15 +332,15 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
                     None => self.fail(RouteError::NoDecoder),
                 }
             }
-            Stage::Start => match pick(pools.prefill, None, None) {
-                Some(to) => self.send_prefill(to.clone(), false),
+            Stage::Start => match pick_candidate(pools.prefill, None, None) {
+                Some(c) => self.dispatch(c, pools.decode, false),
                 None => {
                     self.give_back();
                     self.fail(RouteError::NoPrefiller);
                 }
             },
-            Stage::PrefillRetry { fallback } => match pick(pools.prefill, self.prefiller.as_ref(), None) {
-                Some(to) => self.send_prefill(to.clone(), true),
+            Stage::PrefillRetry { fallback } => match pick_candidate(pools.prefill, self.prefiller.as_ref(), None) {
+                Some(c) => self.dispatch(c, pools.decode, true),
                 None => {
                     // No prefill read the turn: the conversation keeps it (D still holds it).
                     self.give_back();
@@ -338,7 +374,33 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
                     }
                 }
             }
-            Stage::Prefill { .. } | Stage::DecodeSent | Stage::Local | Stage::Relaying | Stage::Done => {}
+            // O2 in push mode: the decode leg failed before its first byte while P may still be
+            // prefilling: once more on another decoder, with the same transfer (P pairs by its
+            // key, U1); with none, P's lease is released at once (O4).
+            Stage::Both { retry, answered, decode: BothDecode::Picking } => {
+                let next = (self.decode_attempts < DECODE_ATTEMPTS)
+                    .then(|| pick(pools.decode, self.tried.as_ref(), self.prefiller.as_ref()))
+                    .flatten();
+                match next {
+                    Some(to) => {
+                        self.decode_attempts += 1;
+                        self.decoder = Some(to.clone());
+                        self.stage = Stage::Both { retry, answered, decode: BothDecode::Out };
+                        self.out.push_back(Action::SendDecode { to: to.clone(), retry: true });
+                    }
+                    None => {
+                        self.release();
+                        if self.turned_away {
+                            self.finish(Action::RelayWhole { leg: Leg::Decode });
+                        } else if self.error.is_some() {
+                            self.fail_with_leg_error();
+                        } else {
+                            self.fail(RouteError::NoDecoder);
+                        }
+                    }
+                }
+            }
+            Stage::Prefill { .. } | Stage::DecodeSent | Stage::Both { .. } | Stage::Local | Stage::Relaying | Stage::Done => {}
         }
         self.out.pop_front()
     }
@@ -370,6 +432,75 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
             (Stage::Prefill { retry: true }, Event::PrefillFailed(e)) => {
                 self.give_back();
                 self.fail(RouteError::Leg(e));
+            }
+            // Push mode (SPEC §13): P answered while the decode leg is out (or answered).
+            (Stage::Both { retry, decode, .. }, Event::PrefillAnswered(answer)) => match answer {
+                // P leased under the dispatch's key; D's answer is relayed once it has come.
+                PrefillAnswer::Params { .. } if decode == BothDecode::Held => {
+                    self.lease = false;
+                    self.stage = Stage::Relaying;
+                    self.out.push_back(Action::RelayStream);
+                }
+                PrefillAnswer::Params { .. } => self.stage = Stage::Both { retry, answered: true, decode },
+                // O4: P answered but unreadably: it may hold a lease nobody will take.
+                PrefillAnswer::Unreadable(e) => {
+                    self.out.push_back(Action::CancelDecode);
+                    self.release();
+                    self.fail(RouteError::Leg(e));
+                }
+                // U9: P did not lease (it refused, or turned the leg away unread): D's leg is
+                // dropped (D releases what it renewed), and the prefill tried again or P's
+                // answer relayed, as without push.
+                PrefillAnswer::Other(Answer::TurnedAwayUnread) if !retry => {
+                    self.out.push_back(Action::CancelDecode);
+                    self.lease = false;
+                    self.stage = Stage::PrefillRetry { fallback: Fallback::TurnedAway };
+                }
+                PrefillAnswer::Other(_) => {
+                    self.out.push_back(Action::CancelDecode);
+                    self.lease = false;
+                    self.give_back();
+                    self.finish(Action::RelayWhole { leg: Leg::Prefill });
+                }
+            },
+            // O2, O4, U9: the prefill leg failed before its answer: D's leg is dropped and P's
+            // lease under the key released (P may have granted it before the leg broke, and no
+            // decoder will take it); then another prefiller, once.
+            (Stage::Both { retry, .. }, Event::PrefillFailed(e)) => {
+                self.out.push_back(Action::CancelDecode);
+                self.release();
+                if retry {
+                    self.give_back();
+                    self.fail(RouteError::Leg(e));
+                } else {
+                    self.error = Some(e);
+                    self.stage = Stage::PrefillRetry { fallback: Fallback::Error };
+                }
+            }
+            (Stage::Both { retry, answered, decode: BothDecode::Out }, Event::DecodeAnswered(answer)) => match answer {
+                Answer::Success if answered => {
+                    self.lease = false;
+                    self.stage = Stage::Relaying;
+                    self.out.push_back(Action::RelayStream);
+                }
+                // Not relayed before P has answered: a prefill that fails still cancels it.
+                Answer::Success => self.stage = Stage::Both { retry, answered, decode: BothDecode::Held },
+                Answer::TurnedAwayUnread => {
+                    self.tried = self.decoder.clone();
+                    self.turned_away = true;
+                    self.stage = Stage::Both { retry, answered, decode: BothDecode::Picking };
+                }
+                // O3: D refused the leg: P's lease under the key is released now (before P's
+                // grant it is refused at the grant), and D's answer relayed.
+                Answer::Refused => {
+                    self.release();
+                    self.finish(Action::RelayWhole { leg: Leg::Decode });
+                }
+            },
+            (Stage::Both { retry, answered, decode: BothDecode::Out | BothDecode::Held }, Event::DecodeFailed(e)) => {
+                self.tried = self.decoder.clone();
+                self.error = Some(e);
+                self.stage = Stage::Both { retry, answered, decode: BothDecode::Picking };
             }
             (Stage::DecodeSent, Event::DecodeAnswered(answer)) => match answer {
                 Answer::Success => {
@@ -441,7 +572,9 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
         if matches!(self.stage, Stage::Start | Stage::PrefillRetry { .. }) {
             self.give_back();
         }
-        if self.stage == Stage::Decode {
+        // Push mode: P pairs by a key the route named, whether or not a decoder took it (a
+        // decoder that did releases it too, U9; P refuses a release of a lease a decoder holds).
+        if self.stage == Stage::Decode || matches!(self.stage, Stage::Both { .. }) {
             self.release();
         }
         if answer {
@@ -449,6 +582,25 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
         } else {
             self.stage = Stage::Done;
         }
+    }
+
+    /// Sends the prefill leg to `c`; to a push prefiller (SPEC §13) with the decode leg at once,
+    /// to a decoder picked now, unless the request carries a cached turn (push mode has no
+    /// multi-turn reads), there is no decoder, or the only one is the prefiller itself (then the
+    /// legs go one after the other, as before).
+    fn dispatch(&mut self, c: &Candidate<U>, decoders: Pool<'_, U>, retry: bool) {
+        let decoder =
+            (c.push && self.turn.is_none()).then(|| pick(decoders, None, Some(&c.upstream))).flatten().filter(|d| **d != c.upstream);
+        let Some(d) = decoder else { return self.send_prefill(c.upstream.clone(), retry) };
+        self.prefiller = Some(c.upstream.clone());
+        self.decoder = Some(d.clone());
+        self.tried = None;
+        self.turned_away = false;
+        self.decode_attempts = 1;
+        // P will lease under the dispatch's key: released unless a decoder takes it (O4).
+        self.lease = true;
+        self.stage = Stage::Both { retry, answered: false, decode: BothDecode::Out };
+        self.out.push_back(Action::SendBoth { prefill: c.upstream.clone(), decode: d.clone(), retry });
     }
 
     fn send_prefill(&mut self, to: U, retry: bool) {
@@ -499,6 +651,7 @@ impl Stage {
             Stage::PrefillRetry { .. } => "retrying the prefill leg",
             Stage::Decode => "picking a decoder",
             Stage::DecodeSent => "waiting for the decode leg",
+            Stage::Both { .. } => "waiting for both legs",
             Stage::Local => "waiting for the batch's leg",
             Stage::Relaying => "relaying the answer",
             Stage::Done => "done",
@@ -518,6 +671,65 @@ impl<E> Event<E> {
             Event::DeadlinePassed => "the deadline",
             Event::ClientGone => "the client's leaving",
         }
+    }
+}
+
+/// A push prefiller as the router knows it (SPEC §13): what D needs to reach it, learnt from
+/// one of its answers ([`PushPeer::from_answer`]) or from its registration, so that later
+/// requests send both legs at once ([`Action::SendBoth`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushPeer {
+    pub engine_id: String,
+    /// P's transfer address (its side channel), as D's handshake reaches it.
+    pub host: String,
+    pub port: u16,
+    pub tp_size: u32,
+}
+
+impl PushPeer {
+    /// P's coordinates from the `kv_transfer_params` of its prefill answer: `Some` only for a
+    /// push engine's answer (`transfer_mode: "push"`); a pull engine's answer is `None`.
+    pub fn from_answer(params: &Value) -> Option<PushPeer> {
+        if params.get("transfer_mode").and_then(Value::as_str) != Some("push") {
+            return None;
+        }
+        match crate::params::KvRole::parse(Some(params)) {
+            Ok(crate::params::KvRole::DecodePush(r)) => {
+                Some(PushPeer { engine_id: r.engine_id, host: r.host, port: r.port, tp_size: r.tp_size })
+            }
+            _ => None,
+        }
+    }
+
+    /// SPEC U1: the prefill leg's `kv_transfer_params` of a dispatch of both legs at once: P
+    /// keys its lease by `transfer_id`.
+    pub fn prefill_params(transfer_id: &str) -> Value {
+        serde_json::json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+            "transfer_id": transfer_id,
+        })
+    }
+
+    /// SPEC U1, U2: the decode leg's `kv_transfer_params`, sent with the prefill leg: P's
+    /// coordinates and the same `transfer_id`, no blocks and no incarnation (any incarnation of
+    /// P may pair, U11). They also name the lease to P's release (O3, O4).
+    pub fn decode_params(&self, transfer_id: &str) -> Value {
+        serde_json::json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "transfer_mode": "push",
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "pp_size": 1,
+            "transfer_id": transfer_id,
+        })
     }
 }
 
@@ -624,7 +836,7 @@ mod tests {
     type A = Action<&'static str, &'static str>;
 
     fn healthy(names: &[&'static str]) -> Vec<Candidate<&'static str>> {
-        names.iter().map(|&upstream| Candidate { upstream, healthy: true, outstanding: 0 }).collect()
+        names.iter().map(|&upstream| Candidate { upstream, healthy: true, outstanding: 0, push: false }).collect()
     }
 
     /// Two prefillers p1, p2 and two decoders d1, d2, all idle and healthy.
@@ -949,6 +1161,187 @@ mod tests {
         turns.keep("c".into(), ttl(30.0, 1), at(0));
         let mut r = route(Some("c"), &mut turns);
         assert!(matches!(&none.drain(&mut r)[..], [Action::GiveBack { .. }, Action::Fail { error: RouteError::NoPrefiller, .. }]));
+    }
+
+    /// Two push prefillers p1, p2 (coordinates known) and two decoders.
+    fn push_cluster() -> Cluster {
+        let mut c = Cluster::new();
+        c.prefill.iter_mut().for_each(|p| p.push = true);
+        c
+    }
+
+    fn both(prefill: &'static str, decode: &'static str, retry: bool) -> A {
+        Action::SendBoth { prefill, decode, retry }
+    }
+
+    /// SPEC U1, U2, U12: a push prefiller gets both legs at once, the decoder picked avoiding
+    /// it; D's answer streams once P has answered, whichever answered first; nothing released
+    /// (D took the lease).
+    #[test]
+    fn u1_u2_a_push_prefiller_gets_both_legs_at_once() {
+        let c = push_cluster();
+        for p_first in [true, false] {
+            let mut r = route(None, &mut TurnCache::default());
+            assert_eq!(c.drain(&mut r), [both("p1", "d1", false)]);
+            assert_eq!((r.prefiller(), r.decoder()), (Some(&"p1"), Some(&"d1")));
+            let p = Event::PrefillAnswered(PrefillAnswer::Params { lease: true });
+            let d = Event::DecodeAnswered(Answer::Success);
+            let (first, second) = if p_first { (p, d) } else { (d, p) };
+            r.handle(first).unwrap();
+            assert_eq!(c.drain(&mut r), [], "nothing relayed before both legs answered");
+            r.handle(second).unwrap();
+            assert_eq!(c.drain(&mut r), [Action::RelayStream]);
+            r.handle(Event::FirstByteRelayed).unwrap();
+            r.handle(Event::DecodeDone { turn: None }).unwrap();
+            assert_eq!(c.drain(&mut r), []);
+            assert!(r.is_done());
+        }
+        // Self-pairing is avoided as in pull (O4).
+        let both_roles =
+            Cluster { prefill: vec![Candidate { upstream: "d1", healthy: true, outstanding: 0, push: true }], ..Cluster::new() };
+        let mut r = route(None, &mut TurnCache::default());
+        assert_eq!(both_roles.drain(&mut r), [both("d1", "d2", false)]);
+        let alone = Cluster { decode: healthy(&["d1"]), ..both_roles };
+        let mut r = route(None, &mut TurnCache::default());
+        assert_eq!(alone.drain(&mut r), [prefill("d1", false)], "never both legs to one engine");
+    }
+
+    /// SPEC §13: a prefiller not known as push (a pull engine, or a push engine whose
+    /// coordinates the driver has not learnt yet), a request carrying a cached turn, or no
+    /// decoder: the legs go one after the other, as in pull.
+    #[test]
+    fn u12_legs_go_one_after_the_other_unless_the_prefiller_is_known_push() {
+        let mut r = route(None, &mut TurnCache::default());
+        assert_eq!(Cluster::new().drain(&mut r), [prefill("p1", false)]);
+        let mut turns = TurnCache::default();
+        turns.keep("c".into(), json!({"remote_blocks_ttl_remaining": 30.0}), at(0));
+        let mut r = route(Some("c"), &mut turns);
+        assert!(matches!(&push_cluster().drain(&mut r)[..], [Action::SendPrefill { to: "p1", turn: Some(_), .. }]));
+        let no_decoder = Cluster { decode: Vec::new(), ..push_cluster() };
+        let mut r = route(None, &mut TurnCache::default());
+        assert_eq!(no_decoder.drain(&mut r), [prefill("p1", false)]);
+    }
+
+    /// SPEC O2, O4, U9: the prefill leg fails before its answer: the decode leg is dropped (D
+    /// aborts and releases, U9), P's lease under the key released (P may have granted it), and
+    /// both legs go once more to another prefiller; a second failure fails the request.
+    #[test]
+    fn o2_u9_a_failed_prefill_leg_cancels_the_decode_leg_and_releases() {
+        let c = push_cluster();
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::PrefillFailed("p1 unreachable")).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::CancelDecode, Action::Release { on: "p1" }, both("p2", "d1", true)]);
+        r.handle(Event::DecodeAnswered(Answer::Success)).unwrap();
+        r.handle(Event::PrefillFailed("p2 unreachable")).unwrap();
+        let fail = Action::Fail { error: RouteError::Leg("p2 unreachable"), relayed: false };
+        assert_eq!(c.drain(&mut r), [Action::CancelDecode, Action::Release { on: "p2" }, fail], "D's held answer is never relayed");
+        assert!(r.is_done());
+        // P answered unreadably: it may hold a lease: dropped and released.
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Unreadable("garbled"))).unwrap();
+        let fail = Action::Fail { error: RouteError::Leg("garbled"), relayed: false };
+        assert_eq!(c.drain(&mut r), [Action::CancelDecode, Action::Release { on: "p1" }, fail]);
+    }
+
+    /// SPEC O2, U9: P refused the prefill leg (it leased nothing): the decode leg is dropped
+    /// and P's answer relayed; turned away unread, both legs go to another prefiller.
+    #[test]
+    fn o2_u9_a_refused_prefill_leg_cancels_the_decode_leg() {
+        let c = push_cluster();
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Other(Answer::Refused))).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::CancelDecode, Action::RelayWhole { leg: Leg::Prefill }]);
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Other(Answer::TurnedAwayUnread))).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::CancelDecode, both("p2", "d1", true)]);
+    }
+
+    /// SPEC O3, O4: D refused the decode leg — whether P has answered yet or not — so P's
+    /// lease under the key is released at once (one P has not granted yet is refused at its
+    /// grant) and D's answer relayed.
+    #[test]
+    fn o3_a_refused_decode_leg_releases_ps_push_lease_at_once() {
+        let c = push_cluster();
+        for p_answered in [false, true] {
+            let mut r = route(None, &mut TurnCache::default());
+            c.drain(&mut r);
+            if p_answered {
+                r.handle(Event::PrefillAnswered(PrefillAnswer::Params { lease: true })).unwrap();
+            }
+            r.handle(Event::DecodeAnswered(Answer::Refused)).unwrap();
+            assert_eq!(c.drain(&mut r), [Action::Release { on: "p1" }, Action::RelayWhole { leg: Leg::Decode }]);
+            assert!(r.is_done());
+        }
+    }
+
+    /// SPEC O2, O4: the decode leg fails (or is turned away) before its first byte: once more
+    /// on another decoder, same transfer, while P may still prefill; when that fails too, P's
+    /// lease is released at once and the request fails.
+    #[test]
+    fn o2_o4_a_failed_push_decode_leg_is_retried_once_then_ps_lease_released() {
+        let c = push_cluster();
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::DecodeFailed("d1 unreachable")).unwrap();
+        assert_eq!(c.drain(&mut r), [decode("d2", true)]);
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Params { lease: true })).unwrap();
+        r.handle(Event::DecodeFailed("d2 unreachable")).unwrap();
+        let fail = Action::Fail { error: RouteError::Leg("d2 unreachable"), relayed: false };
+        assert_eq!(c.drain(&mut r), [Action::Release { on: "p1" }, fail]);
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::DecodeAnswered(Answer::TurnedAwayUnread)).unwrap();
+        assert_eq!(c.drain(&mut r), [decode("d2", true)]);
+        r.handle(Event::DecodeAnswered(Answer::Success)).unwrap();
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Params { lease: true })).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::RelayStream]);
+    }
+
+    /// SPEC O4: a push request abandoned (deadline, client gone) while its legs are out: P's
+    /// lease under the key is released (P refuses it if a decoder holds it; that decoder sees
+    /// its connection close and releases it, U9).
+    #[test]
+    fn o4_a_push_request_abandoned_releases_ps_lease() {
+        let c = push_cluster();
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::ClientGone).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::Release { on: "p1" }]);
+        let mut r = route(None, &mut TurnCache::default());
+        c.drain(&mut r);
+        r.handle(Event::PrefillAnswered(PrefillAnswer::Params { lease: true })).unwrap();
+        r.handle(Event::DeadlinePassed).unwrap();
+        assert_eq!(c.drain(&mut r), [Action::Release { on: "p1" }, Action::Fail { error: RouteError::TimedOut, relayed: false }]);
+    }
+
+    /// SPEC §13, U1: a push engine's answer gives its coordinates (a pull answer none); the
+    /// legs' params name one transfer id, and D reads the decode leg's as push params keyed by it.
+    #[test]
+    fn u1_push_peers_are_learnt_from_answers_and_both_legs_name_one_transfer() {
+        use crate::params::{KvRole, PushAnswer};
+        use crate::wire::PushKey;
+        let key = PushKey::Request("rid".into());
+        let answer = PushAnswer { engine_id: "p0", host: "10.0.0.1", port: 7, tp_size: 2, num_tokens: 3, incarnation: 9, key: &key };
+        let peer = PushPeer::from_answer(&answer.to_json()).expect("a push answer");
+        assert_eq!(peer, PushPeer { engine_id: "p0".into(), host: "10.0.0.1".into(), port: 7, tp_size: 2 });
+        let pull = json!({"do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": "h", "remote_port": 7,
+            "remote_block_ids": [1], "remote_lease_id": 3, "remote_request_id": "r"});
+        assert_eq!(PushPeer::from_answer(&pull), None);
+        let mut no_mode = answer.to_json();
+        no_mode.as_object_mut().unwrap().remove("transfer_mode");
+        assert_eq!(PushPeer::from_answer(&no_mode), None, "only an answer that says push");
+        let KvRole::DecodePush(d) = KvRole::parse(Some(&peer.decode_params("t-1"))).unwrap() else { panic!("push params") };
+        assert_eq!(
+            (d.key, d.engine_id.as_str(), d.port, d.tp_size, d.pp_size, d.incarnation),
+            (PushKey::Transfer("t-1".into()), "p0", 7, 2, 1, 0)
+        );
+        let p = PushPeer::prefill_params("t-1");
+        assert!(matches!(KvRole::parse(Some(&p)), Ok(KvRole::PrefillForRemote(None))));
+        assert_eq!(KvRole::transfer_id(Some(&p)), Ok(Some("t-1".into())));
     }
 
     /// Events out of order change nothing and say so; nothing panics.

@@ -256,7 +256,7 @@ impl Start {
         names
             .iter()
             .enumerate()
-            .map(|(k, &u)| Candidate { upstream: u, healthy: !(k == 0 && self.first_unhealthy), outstanding: 0 })
+            .map(|(k, &u)| Candidate { upstream: u, healthy: !(k == 0 && self.first_unhealthy), outstanding: 0, push: false })
             .collect()
     }
 }
@@ -391,6 +391,10 @@ impl Trace {
                 }
                 self.expect_idle("SendDecode");
                 self.out = Some(Out::Decode { to });
+            }
+            // Push mode (SPEC §13) is not modelled here: no candidate is a push prefiller.
+            other @ (Action::SendBoth { .. } | Action::CancelDecode) => {
+                self.violate(CONTRACT, format!("{other:?} with no push prefiller"));
             }
             Action::SendLocal { to } => {
                 self.local_legs += 1;

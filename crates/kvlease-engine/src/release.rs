@@ -5,7 +5,9 @@
 //!   took the request hands back the (signed) `kv_transfer_params` P gave it, and the lease ends
 //!   at once as `released`. Only a lease no decoder holds yet can be released this way (SPEC S5:
 //!   the first holder to touch a lease owns it), so a router cannot pull a lease from under a
-//!   decoder that is reading it.
+//!   decoder that is reading it. In push mode (SPEC §13) the params are the decode leg's (P's
+//!   coordinates and the transfer's key, U1): the lease under that key ends at once while no
+//!   decoder holds it, and a key not granted yet is refused at its grant.
 //! * D: [`EngineHandle::release_refused`] — D refuses a request that carries P's params before
 //!   admitting it; P's lease is released at once through the renewer (as a client that goes away
 //!   does, SPEC D4) instead of waiting for its expiry.
@@ -25,6 +27,15 @@ impl EngineHandle {
         let bad = |m: String| RequestError::bad_request(Some("kv_transfer_params"), m);
         let rk = match KvRole::parse(Some(params)).map_err(|e| bad(e.to_string()))? {
             KvRole::DecodeRemote(rk) => rk,
+            KvRole::DecodePush(pr) => {
+                if !inner.cfg.transfer.push_mode() {
+                    return Err(bad("push-mode params, but this engine runs pull mode: it holds no push lease".into()));
+                }
+                if pr.engine_id != inner.cfg.engine_id || (pr.incarnation != 0 && pr.incarnation != inner.incarnation) {
+                    return Err(bad(format!("these params name engine {:?}, not this one", pr.engine_id)));
+                }
+                return Ok(crate::push::with_source(inner, |s, now, out| s.release_unheld(&pr.key, now, out)));
+            }
             _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
         };
         inner.admission().names_our_lease(&rk).map_err(|e| bad(e.to_string()))?;

@@ -32,6 +32,6 @@ pub use body::{MAX_BODY_BYTES, UNCOUNTED_BODY_BYTES};
 pub use drain::Drain;
 pub use error::ApiError;
 pub use openai::DEFAULT_MAX_TOKENS;
-pub use proxy::{proxy, router as proxy_router, Membership, ProxyConfig, ProxyError, Upstream};
+pub use proxy::{proxy, router as proxy_router, Membership, ProxyConfig, ProxyError, TransferMode, Upstream};
 pub use server::{raise_open_files_limit, HttpLimits};
 pub use tls::{Tls, TlsError, TlsFlags};

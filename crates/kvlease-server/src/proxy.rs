@@ -16,6 +16,14 @@
 //!
 //! The D leg carries P's `kv_transfer_params` or none, never the client's: the proxy is the
 //! cluster's front door, and a client must not steer D's reads through it (SPEC S1, S3).
+//!
+//! Push mode (SPEC §13, [`TransferMode`]): a prefiller known to be a push engine — its
+//! coordinates learnt from one of its answers (`transfer_mode: "push"`), or with
+//! `--transfer-mode push` from its etcd registration — gets both legs at once: the P leg with a
+//! fresh random `transfer_id`, the D leg with P's coordinates and the same `transfer_id`
+//! ([`route::PushPeer`]). D's answer is relayed once P has answered; a P leg that fails drops
+//! the D leg (D releases, U9), a D leg that fails or is refused releases P's lease by its key
+//! (O3, O4). The decisions are the core's [`route::Route`]; this carries them out.
 
 use crate::api::{request_id, with_request_id, REQUEST_ID};
 use crate::body;
@@ -28,7 +36,8 @@ use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvlease_core::route::{self, Action, Answer, Candidate, Event, Leg, PrefillAnswer, RouteError, TurnCache};
+use futures_util::future::BoxFuture;
+use kvlease_core::route::{self, Action, Answer, Candidate, Event, Leg, PrefillAnswer, PushPeer, RouteError, TurnCache};
 use kvlease_core::Nanos;
 use kvlease_engine::metrics::{self, Registry};
 use prometheus_client::collector::Collector;
@@ -94,6 +103,23 @@ pub struct ProxyConfig {
     /// SPEC S6: HTTPS on the proxy's listener, and what its client trusts (`--ssl-ca-certs`) and
     /// presents to `https://` upstreams.
     pub tls: crate::tls::Tls,
+    /// SPEC §13: whether both legs may go at once to push prefillers (`--transfer-mode`).
+    pub transfer_mode: TransferMode,
+}
+
+/// How the proxy sends a request's two legs (`--transfer-mode`, SPEC §13).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TransferMode {
+    /// Learn each prefiller's mode from its answers: legs one after the other until a prefiller
+    /// answers as a push engine (`transfer_mode: "push"`, with its coordinates); from then on
+    /// both legs go to it at once. A prefiller that answers as a pull engine is pull again.
+    #[default]
+    Learn,
+    /// As `Learn`, and with `--etcd` a prefiller's coordinates come from its registration, so
+    /// even its first request sends both legs at once.
+    Push,
+    /// Always one leg after the other (pull engines, or push engines driven sequentially).
+    Pull,
 }
 
 /// Where the proxy finds the engines it routes to: the registrations under `prefix` in etcd,
@@ -117,6 +143,7 @@ impl ProxyConfig {
             drain: Arc::default(),
             membership: None,
             tls: crate::tls::Tls::default(),
+            transfer_mode: TransferMode::default(),
         }
     }
 
@@ -186,6 +213,29 @@ struct Instance {
     outstanding: AtomicUsize,
     requests: AtomicU64,
     failures: AtomicU64,
+    /// SPEC §13: a push prefiller's coordinates, once known: both legs then go at once.
+    push: std::sync::Mutex<Option<PushPeer>>,
+}
+
+impl Instance {
+    fn push_peer(&self) -> Option<PushPeer> {
+        self.push.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// What P's answer says of its mode: a push answer's coordinates, or none (pull).
+    fn learn(&self, params: Option<&Value>) {
+        let peer = params.and_then(PushPeer::from_answer);
+        let mut known = self.push.lock().unwrap_or_else(|e| e.into_inner());
+        if *known != peer {
+            match &peer {
+                Some(peer) => {
+                    tracing::info!(upstream = %self.up, engine = %peer.engine_id, "a push prefiller: both legs go at once from now on")
+                }
+                None => tracing::info!(upstream = %self.up, "answered as a pull engine: legs one after the other"),
+            }
+            *known = peer;
+        }
+    }
 }
 
 impl Instance {
@@ -197,6 +247,7 @@ impl Instance {
             outstanding: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            push: std::sync::Mutex::new(None),
         })
     }
 }
@@ -266,7 +317,7 @@ impl Pool {
 
     /// The upstreams as the route machine picks among them now, ties starting from the next
     /// in turn.
-    fn view(&self) -> (Vec<Candidate<Arc<Instance>>>, usize) {
+    fn view(&self, mode: TransferMode) -> (Vec<Candidate<Arc<Instance>>>, usize) {
         let candidates = self
             .instances()
             .iter()
@@ -274,6 +325,7 @@ impl Pool {
                 upstream: i.clone(),
                 healthy: i.healthy.load(Ordering::Acquire),
                 outstanding: i.outstanding.load(Ordering::Acquire),
+                push: mode != TransferMode::Pull && i.push_peer().is_some(),
             })
             .collect();
         (candidates, self.next.fetch_add(1, Ordering::Relaxed))
@@ -282,7 +334,7 @@ impl Pool {
     /// The healthy instance with the fewest requests outstanding (ties in turn); when none is
     /// healthy, the least busy of all ([`route::pick`]).
     fn pick(&self) -> Option<Arc<Instance>> {
-        let (candidates, start) = self.view();
+        let (candidates, start) = self.view(TransferMode::Pull);
         route::pick(route::Pool { candidates: &candidates, start }, None, None).cloned()
     }
 
@@ -312,6 +364,9 @@ struct Proxy {
     released: Counter,
     turns: Turns,
     turns_used: Counter,
+    transfer_mode: TransferMode,
+    /// Requests whose legs went to a push prefiller and a decoder at once.
+    pushed: Counter,
     /// With `--etcd`: whether the last read of the registrations succeeded.
     etcd: Option<EtcdState>,
     /// The counters above, the upstreams' ([`UpstreamMetrics`]) and the listener's, for
@@ -395,6 +450,8 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
             released: Counter::default(),
             turns: Turns::new(),
             turns_used: Counter::default(),
+            transfer_mode: cfg.transfer_mode,
+            pushed: Counter::default(),
             etcd: cfg.membership.as_ref().map(|m| EtcdState {
                 url: m.etcd.url().to_string(),
                 up: AtomicBool::new(false),
@@ -409,6 +466,7 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
             ("kvlease_proxy_timeouts", "Requests cut by --request-timeout", &proxy.timeouts),
             ("kvlease_proxy_leases_released", "P leases released because the decode leg failed", &proxy.released),
             ("kvlease_proxy_turns_used", "Prefill legs sent with the conversation's cached decoder turn (multi-turn)", &proxy.turns_used),
+            ("kvlease_proxy_push_dispatches", "Both legs sent at once to a push prefiller and a decoder (push mode)", &proxy.pushed),
         ] {
             registry.register(name, help, c.clone());
         }
@@ -530,6 +588,9 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
                 }
                 proxy.prefill.set(prefill);
                 proxy.decode.set(decode);
+                if proxy.transfer_mode == TransferMode::Push {
+                    seed_push_peers(&proxy.prefill, keys);
+                }
                 if !state.up.swap(true, Ordering::AcqRel) {
                     tracing::info!(etcd = %state.url, prefix = %m.prefix, "following the registrations in etcd");
                 }
@@ -549,6 +610,24 @@ async fn follow_etcd(p: std::sync::Weak<Proxy>, m: Membership, interval: Duratio
         true
     })
     .await;
+}
+
+/// `--transfer-mode push` with `--etcd` (SPEC §13): a prefiller whose coordinates are not known
+/// yet takes them from its registration (engine id, side channel, TP size), so that its first
+/// request already sends both legs at once. Its answers correct them ([`Instance::learn`]).
+fn seed_push_peers(pool: &Pool, keys: &std::collections::BTreeMap<String, Vec<u8>>) {
+    let instances = pool.instances();
+    for raw in keys.values() {
+        let Ok(r) = crate::etcd::Registration::parse(raw) else { continue };
+        let Ok(up) = r.upstream() else { continue };
+        let Some(i) = instances.iter().find(|i| i.up == up) else { continue };
+        let Some((host, port)) = r.kv_addr.rsplit_once(':') else { continue };
+        let (Ok(port), host) = (port.parse::<u16>(), host.trim_start_matches('[').trim_end_matches(']')) else { continue };
+        let mut known = i.push.lock().unwrap_or_else(|e| e.into_inner());
+        if known.is_none() && port != 0 && !host.is_empty() {
+            *known = Some(PushPeer { engine_id: r.engine_id.clone(), host: host.to_owned(), port, tp_size: r.tp_size.max(1) });
+        }
+    }
 }
 
 /// 200 while at least one prefiller and one decoder are healthy; else 503 saying which is missing.
@@ -720,7 +799,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     let mut answer: Option<(Outstanding, reqwest::Response)> = None;
     let mut prefill_trouble = String::new();
     loop {
-        let ((prefill, ps), (decode, ds)) = (p.prefill.view(), p.decode.view());
+        let ((prefill, ps), (decode, ds)) = (p.prefill.view(p.transfer_mode), p.decode.view(p.transfer_mode));
         let pools = route::Pools {
             prefill: route::Pool { candidates: &prefill, start: ps },
             decode: route::Pool { candidates: &decode, start: ds },
@@ -746,6 +825,9 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                         None => Event::DeadlinePassed,
                         Some(Ok(v)) => {
                             let lease = v.get("kv_transfer_params").is_some_and(Value::is_object);
+                            if p.transfer_mode != TransferMode::Pull {
+                                to.learn(v.get("kv_transfer_params"));
+                            }
                             routed.p_json = v;
                             Event::PrefillAnswered(PrefillAnswer::Params { lease })
                         }
@@ -788,6 +870,13 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     Some(Err(e)) => Event::DecodeFailed(e),
                 }
             }
+            // SPEC §13: from here on both legs are out at once; an event loop carries it on.
+            Action::SendBoth { prefill, decode, retry } => {
+                let legs = Legs { p, rid, path, auth, deadline };
+                return legs.both(std::mem::take(&mut request), routed, (prefill, decode, retry)).await;
+            }
+            // Only a push dispatch has a decode leg out alongside the prefill leg.
+            Action::CancelDecode => continue,
             Action::SendLocal { to } => {
                 request.remove("kv_transfer_params");
                 let busy = Outstanding::new(to.clone());
@@ -830,6 +919,232 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             Action::Fail { error, .. } => return Err(route_error(p, error)),
         };
         routed.handle(event);
+    }
+}
+
+/// What the prefill leg came to.
+enum PrefillOutcome {
+    /// 2xx, its body read.
+    Json(Value),
+    Unreadable(ApiError),
+    /// Any other answer, held to be relayed whole.
+    Other(Answer, reqwest::Response),
+    Failed(ApiError),
+}
+
+/// A leg in flight: its engine, its count on it, and the answer to come.
+struct InFlight<T> {
+    to: Arc<Instance>,
+    busy: Outstanding,
+    answer: BoxFuture<'static, T>,
+}
+
+/// What sending a request's legs needs.
+struct Legs<'a> {
+    p: &'a Arc<Proxy>,
+    rid: &'a str,
+    path: &'a str,
+    auth: Option<&'a HeaderValue>,
+    deadline: tokio::time::Instant,
+}
+
+impl Legs<'_> {
+    /// Sends `body` to `to` in the background of the caller's loop: the answer's head (and,
+    /// with `json`, its body) when polled.
+    fn send(&self, to: Arc<Instance>, body: Map<String, Value>) -> BoxFuture<'static, Result<reqwest::Response, ApiError>> {
+        let (p, rid, path, auth) = (Arc::clone(self.p), self.rid.to_owned(), self.path.to_owned(), self.auth.cloned());
+        Box::pin(async move { send(&p, &to, &path, &rid, auth.as_ref(), &body).await })
+    }
+
+    fn prefill(&self, to: Arc<Instance>, body: Map<String, Value>) -> InFlight<PrefillOutcome> {
+        let sent = self.send(to.clone(), body);
+        let up = to.up.clone();
+        let answer = Box::pin(async move {
+            match sent.await {
+                Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+                    Ok(v) => PrefillOutcome::Json(v),
+                    Err(e) => PrefillOutcome::Unreadable(ApiError::bad_gateway(format!(
+                        "prefiller {up} answered with invalid JSON: {}",
+                        cause(&e)
+                    ))),
+                },
+                Ok(r) => PrefillOutcome::Other(classify(&r), r),
+                Err(e) => PrefillOutcome::Failed(e),
+            }
+        });
+        InFlight { busy: Outstanding::new(to.clone()), to, answer }
+    }
+
+    /// SPEC §13, O2–O4, U9: a request whose legs went out at once (`first`: the prefiller, the
+    /// decoder, whether a retry), to its end: the route's actions carried out, and what happens
+    /// to either leg — whichever comes first — reported to it, until an answer is relayed.
+    async fn both(
+        &self,
+        request: Map<String, Value>,
+        mut routed: Routed,
+        first: (Arc<Instance>, Arc<Instance>, bool),
+    ) -> Result<Response, ApiError> {
+        let p = self.p;
+        let mut next = Some(Action::SendBoth { prefill: first.0, decode: first.1, retry: first.2 });
+        let mut prefill: Option<InFlight<PrefillOutcome>> = None;
+        let mut decode: Option<InFlight<Result<reqwest::Response, ApiError>>> = None;
+        // The decode leg's body (the same for its retry); whether the prefill leg out is a push
+        // dispatch's; the answers held.
+        let mut d_request: Option<Map<String, Value>> = None;
+        let mut pushed = false;
+        let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
+        let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
+        let mut answer: Option<(Outstanding, reqwest::Response)> = None;
+        loop {
+            loop {
+                let action = match next.take() {
+                    Some(a) => a,
+                    None => {
+                        let ((pf, ps), (dc, ds)) = (p.prefill.view(p.transfer_mode), p.decode.view(p.transfer_mode));
+                        let pools = route::Pools {
+                            prefill: route::Pool { candidates: &pf, start: ps },
+                            decode: route::Pool { candidates: &dc, start: ds },
+                        };
+                        match routed.route.poll(pools) {
+                            Some(a) => a,
+                            None => break,
+                        }
+                    }
+                };
+                let Some(action) = routed.settle(action) else { continue };
+                match action {
+                    Action::SendBoth { prefill: to_p, decode: to_d, retry } => {
+                        p.pushed.inc();
+                        if retry {
+                            p.retries.inc();
+                            tracing::info!(request_id = %self.rid, "prefill leg failed; both legs again, on {} and {}", to_p.up, to_d.up);
+                        }
+                        let Some(peer) = to_p.push_peer() else {
+                            // Its coordinates were dropped meanwhile (it answered as pull).
+                            return Err(ApiError::bad_gateway(format!("prefiller {} is no longer a push engine; try again", to_p.up)));
+                        };
+                        // SPEC U1: one random key per dispatch, named by both legs.
+                        let transfer_id = format!("kvlease-{}", crate::ids::random_uuid_hex());
+                        routed.p_json = json!({"kv_transfer_params": peer.decode_params(&transfer_id)});
+                        let d_leg = decode_leg(request.clone(), &routed.p_json);
+                        let mut p_leg = prefill_leg(&request);
+                        p_leg.insert("kv_transfer_params".into(), PushPeer::prefill_params(&transfer_id));
+                        prefill = Some(self.prefill(to_p, p_leg));
+                        decode = Some(InFlight {
+                            busy: Outstanding::new(to_d.clone()),
+                            answer: self.send(to_d.clone(), d_leg.clone()),
+                            to: to_d,
+                        });
+                        d_request = Some(d_leg);
+                        pushed = true;
+                        answer = None;
+                    }
+                    Action::SendPrefill { to, turn, retry } => {
+                        if retry {
+                            p.retries.inc();
+                        }
+                        let mut leg = prefill_leg(&request);
+                        if let Some(t) = turn {
+                            leg.insert("kv_transfer_params".into(), t);
+                        }
+                        prefill = Some(self.prefill(to, leg));
+                        d_request = None;
+                        pushed = false;
+                    }
+                    Action::SendDecode { to, retry } => {
+                        if retry {
+                            p.retries.inc();
+                            tracing::info!(request_id = %self.rid, "decode leg failed before its first byte; retrying on {}", to.up);
+                        }
+                        let leg = d_request.get_or_insert_with(|| decode_leg(request.clone(), &routed.p_json)).clone();
+                        decode = Some(InFlight { busy: Outstanding::new(to.clone()), answer: self.send(to.clone(), leg), to });
+                    }
+                    // SPEC U9: the decode leg's request (and its answer, if held) dropped: D sees
+                    // its connection close and releases what it renewed.
+                    Action::CancelDecode => {
+                        decode = None;
+                        answer = None;
+                    }
+                    Action::Release { on } => release_on_p(p, &on.up, self.rid, &routed.p_json).await,
+                    Action::RelayStream => {
+                        let Some((busy, resp)) = answer.take() else {
+                            return Err(ApiError::bad_gateway("the proxy lost the decoder's answer (a bug: please report it)"));
+                        };
+                        routed.handle(Event::FirstByteRelayed);
+                        return Ok(relay_stream(resp, busy, self.deadline, routed));
+                    }
+                    Action::RelayWhole { leg } => {
+                        let held = match leg {
+                            Leg::Prefill => held_prefill.take(),
+                            Leg::Decode => held_decode.take(),
+                        };
+                        let Some((from, resp)) = held else {
+                            return Err(ApiError::bad_gateway("the proxy lost an upstream's answer (a bug: please report it)"));
+                        };
+                        return within(self.deadline, relay_whole(&from, resp)).await.unwrap_or_else(|| Err(timed_out(p)));
+                    }
+                    Action::Fail { error, .. } => return Err(route_error(p, error)),
+                    Action::SendLocal { .. } | Action::GiveBack { .. } | Action::KeepTurn { .. } => {
+                        return Err(ApiError::bad_gateway("the route asked for a batch's leg in push mode (a bug: please report it)"));
+                    }
+                }
+            }
+            if prefill.is_none() && decode.is_none() {
+                return Err(ApiError::bad_gateway("the proxy lost track of the request (a bug: please report it)"));
+            }
+            // Whichever leg answers first (or the deadline).
+            let event = tokio::select! {
+                outcome = async { prefill.as_mut().expect("guarded").answer.as_mut().await }, if prefill.is_some() => {
+                    let Some(InFlight { to, .. }) = prefill.take() else { unreachable!() };
+                    match outcome {
+                        PrefillOutcome::Json(v) => {
+                            let params = v.get("kv_transfer_params").filter(|v| v.is_object());
+                            if p.transfer_mode != TransferMode::Pull {
+                                to.learn(params);
+                            }
+                            if !pushed {
+                                let lease = params.is_some();
+                                routed.p_json = v;
+                                Event::PrefillAnswered(PrefillAnswer::Params { lease })
+                            } else if params.is_some_and(|v| PushPeer::from_answer(v).is_none()) {
+                                // It answered a push dispatch as a pull engine: its lease is
+                                // released with its own params, and D's leg dropped (the route).
+                                release_on_p(p, &to.up, self.rid, &v).await;
+                                Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
+                                    "prefiller {} answered a push dispatch as a pull engine; try again",
+                                    to.up
+                                ))))
+                            } else {
+                                Event::PrefillAnswered(PrefillAnswer::Params { lease: true })
+                            }
+                        }
+                        PrefillOutcome::Unreadable(e) => Event::PrefillAnswered(PrefillAnswer::Unreadable(e)),
+                        PrefillOutcome::Other(a, r) => {
+                            held_prefill = Some((to.up.clone(), r));
+                            Event::PrefillAnswered(PrefillAnswer::Other(a))
+                        }
+                        PrefillOutcome::Failed(e) => Event::PrefillFailed(e),
+                    }
+                }
+                sent = async { decode.as_mut().expect("guarded").answer.as_mut().await }, if decode.is_some() => {
+                    let Some(InFlight { to, busy, .. }) = decode.take() else { unreachable!() };
+                    match sent {
+                        Ok(r) => {
+                            let was = classify(&r);
+                            if was == Answer::Success {
+                                answer = Some((busy, r));
+                            } else {
+                                held_decode = Some((to.up.clone(), r));
+                            }
+                            Event::DecodeAnswered(was)
+                        }
+                        Err(e) => Event::DecodeFailed(e),
+                    }
+                }
+                _ = tokio::time::sleep_until(self.deadline) => Event::DeadlinePassed,
+            };
+            routed.handle(event);
+        }
     }
 }
 
@@ -932,7 +1247,9 @@ fn turned_away_unread(resp: &reqwest::Response) -> bool {
 }
 
 /// Ends P's lease at once through P's `POST /kvlease/release` (no lease held to expiry because
-/// the decode leg failed). A failure here is logged: the lease then ends at its expiry.
+/// the decode leg failed): named by P's params, or in push mode by the dispatch's decode-leg
+/// params (P's coordinates and the transfer's key, SPEC U1). A failure here is logged: the
+/// lease then ends at its expiry.
 async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
     let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
     let sent = p
@@ -946,10 +1263,12 @@ async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &V
     match sent {
         Ok(r) if r.status().is_success() => {
             p.released.inc();
-            tracing::info!(request_id = %rid, "decode leg failed: released the lease on {prefiller}")
+            tracing::info!(request_id = %rid, "no decoder takes it: released the lease on {prefiller}")
         }
-        Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "decode leg failed and {prefiller} did not release the lease"),
-        Err(e) => tracing::warn!(request_id = %rid, "decode leg failed and the lease on {prefiller} could not be released: {}", cause(&e)),
+        Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "no decoder takes it, and {prefiller} did not release the lease"),
+        Err(e) => {
+            tracing::warn!(request_id = %rid, "no decoder takes it, and the lease on {prefiller} could not be released: {}", cause(&e))
+        }
     }
 }
 

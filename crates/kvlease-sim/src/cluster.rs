@@ -581,7 +581,7 @@ fn candidates(engines: &[Option<EngineHandle>], busy: &[usize], name: fn(usize) 
     engines
         .iter()
         .enumerate()
-        .map(|(i, h)| Candidate { upstream: name(i), healthy: h.is_some(), outstanding: busy.get(i).copied().unwrap_or(0) })
+        .map(|(i, h)| Candidate { upstream: name(i), healthy: h.is_some(), outstanding: busy.get(i).copied().unwrap_or(0), push: false })
         .collect()
 }
 

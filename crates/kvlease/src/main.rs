@@ -343,6 +343,24 @@ impl From<Transport> for TransportKind {
     }
 }
 
+/// `kvlease proxy --transfer-mode`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ProxyTransferMode {
+    Learn,
+    Push,
+    Pull,
+}
+
+impl From<ProxyTransferMode> for kvlease_server::TransferMode {
+    fn from(m: ProxyTransferMode) -> Self {
+        match m {
+            ProxyTransferMode::Learn => kvlease_server::TransferMode::Learn,
+            ProxyTransferMode::Push => kvlease_server::TransferMode::Push,
+            ProxyTransferMode::Pull => kvlease_server::TransferMode::Pull,
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 struct ProxyArgs {
     /// SPEC S3: loopback unless told otherwise. Any address is allowed without --insecure: the
@@ -366,6 +384,13 @@ struct ProxyArgs {
     /// `kvlease_proxy_etcd_up` say so).
     #[arg(long, value_name = "URL", conflicts_with_all = ["prefiller_hosts", "prefiller_ports", "decoder_hosts", "decoder_ports"])]
     etcd: Option<String>,
+    /// SPEC §13: how a request's two legs go. `learn`: one after the other until a prefiller
+    /// answers as a push engine (`NixlPushConnector`), then both at once to it (P with a fresh
+    /// `transfer_id`, D with P's coordinates and the same id); `push`: as `learn`, and with
+    /// --etcd a prefiller's coordinates come from its registration (its first request already
+    /// goes at once); `pull`: always one after the other.
+    #[arg(long, value_enum, default_value_t = ProxyTransferMode::Learn)]
+    transfer_mode: ProxyTransferMode,
     #[command(flatten)]
     etcd_args: EtcdArgs,
     /// Seconds a request may take through the proxy, both legs and the whole answer: 504 before
@@ -900,6 +925,7 @@ async fn proxy(args: ProxyArgs) -> anyhow::Result<()> {
         drain: drain.clone(),
         membership,
         tls: args.tls.load()?,
+        transfer_mode: args.transfer_mode.into(),
         ..ProxyConfig::new(upstreams.0, upstreams.1)
     };
     cfg.check().map_err(|e| InvalidConfig(e.0))?;

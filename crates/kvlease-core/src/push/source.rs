@@ -507,6 +507,31 @@ impl<B: BlockGuard> PushSource<B> {
         self.fail_transfer(key, PushFailure::Aborted, Some(ReleaseReason::Released), now, out);
     }
 
+    /// SPEC O3, O4, S5: a router's release of `key` (its decode leg failed or was refused):
+    /// the lease ends at once as `released` — only while no decoder holds it (the first engine
+    /// that renewed or registered the key owns it; that one releases it itself, U9). A key not
+    /// granted yet is remembered as ended, so the grant under it is refused and the blocks come
+    /// back at once. Returns whether it ended a lease or fenced a key; `false` when a decoder
+    /// holds it or it had ended already.
+    pub fn release_unheld(&mut self, key: &PushKey, now: Nanos, out: &mut PushSettled<B>) -> bool {
+        if self.ended.contains(key) {
+            return false;
+        }
+        match self.keys.get(key) {
+            None if matches!(key, PushKey::Lease(_)) => false,
+            None => {
+                self.remember_ended(key.clone());
+                true
+            }
+            Some(t) if t.holder.is_some() || t.ending => false,
+            Some(t) => {
+                let live = t.lease.is_some_and(|id| self.table.get(id).is_some());
+                self.fail_transfer(key, PushFailure::Aborted, Some(ReleaseReason::Released), now, out);
+                live
+            }
+        }
+    }
+
     /// SPEC P4, U6, U8: the reaper's turn. Ends leases past their deadline as `expired` (D told
     /// what failed), fails writes whose posting deadline passed, forgets keys not granted yet
     /// that D stopped renewing. Returns whether work is left (poll again at once).

@@ -595,3 +595,36 @@ fn u6_a_duplicate_of_a_failed_registration_is_told_the_failure_again() {
     assert_eq!(last_failure(&out), Some((0, 2, PushFailure::Deadline)), "told again");
     assert!(!msgs(&out).iter().any(|m| matches!(m, Message::PushRegisterAck { .. })), "{:?}", msgs(&out));
 }
+
+/// SPEC O3, O4, S5: a router's release of a key: a lease no decoder holds ends at once as
+/// `released`; a key not granted yet is fenced (its grant is refused, the blocks back at once);
+/// a lease a decoder renewed or registered for is that decoder's and stays; a second release
+/// changes nothing.
+#[test]
+fn o4_a_routers_release_ends_an_unheld_push_lease_but_never_a_decoders() {
+    let mut p = source();
+    let mut out = PushSettled::default();
+    let k = key("unheld");
+    let g = p.grant(T0, Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    assert!(p.release_unheld(&k, at(1), &mut out));
+    assert!(!p.is_live(g.lease_id));
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released]);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+    assert!(!p.release_unheld(&k, at(1), &mut out), "released once");
+
+    let early = key("early");
+    let mut out = PushSettled::default();
+    assert!(p.release_unheld(&early, T0, &mut out), "fenced before the grant");
+    assert_eq!(p.grant(at(1), Some(early.clone()), "r", Ids(vec![3]), &TOKENS, &mut out), Err(PushGrantError::Released(early)));
+    assert_eq!(out.freed, vec![Ids(vec![3])]);
+
+    let (mut p, _) = paired(&key("held"), 1, 1);
+    let mut out = PushSettled::default();
+    assert!(!p.release_unheld(&key("held"), at(1), &mut out), "S5: the registering decoder holds it");
+    assert!(p.lease_of(&key("held")).is_some());
+    assert!(out.ended.is_empty() && out.freed.is_empty());
+    let mut p = source();
+    p.on_message(D, &Message::PushRegister(reg(&key("pending"), 1, 1, 1)), T0, &mut out);
+    assert!(!p.release_unheld(&key("pending"), T0, &mut out), "held before the grant too (U2)");
+    assert!(p.grant(at(1), Some(key("pending")), "r", Ids(vec![5]), &TOKENS, &mut out).is_ok());
+}
