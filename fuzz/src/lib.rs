@@ -6,8 +6,8 @@
 //! test to keep in `corpus/`). Besides "no panic", each checks a round trip where the code
 //! promises one.
 
-use kvlease_core::peers::{agent_name, check_agent_names, check_reply, Geometry};
 use kvlease_core::params::PushAnswer;
+use kvlease_core::peers::{agent_name, check_agent_names, check_reply, Geometry};
 use kvlease_core::wire::{Hello, Message, PushKey, SideRelease};
 use kvlease_engine::KvRole;
 use serde_json::Value;

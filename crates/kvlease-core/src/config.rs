@@ -269,6 +269,19 @@ impl KvTransferConfig {
                 ),
             });
         }
+        if kv_connector == PUSH_CONNECTOR && lease.push_registration_timeout <= lease.read_budget() {
+            // SPEC U8: P posts no write within its write margin of D's deadline; a wait that
+            // short would see every write refused and every prompt recomputed.
+            return Err(ConfigError::Invalid {
+                key: "push_registration_timeout",
+                why: format!(
+                    "{} s is not above P's write margin (kv_lease_duration/6, at most 5 s: {} s): no write could ever be posted in time; \
+                     raise it or lower kv_lease_duration",
+                    lease.push_registration_timeout.as_secs_f64(),
+                    lease.read_budget().as_secs_f64()
+                ),
+            });
+        }
         Ok((KvTransferConfig { kv_connector, kv_role, engine_id, lease }, warnings))
     }
 
@@ -478,6 +491,16 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("kv_connector") && err.contains("push mode") && err.contains("bidirectional_kv_xfer"), "{err}");
+        // SPEC U8: a wait no write could be posted within is refused, naming the key.
+        let err =
+            KvTransferConfig::parse(r#"{"kv_connector":"NixlPushConnector","kv_connector_extra_config":{"push_registration_timeout":5}}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("push_registration_timeout") && err.contains("write margin"), "{err}");
+        assert!(KvTransferConfig::parse(
+            r#"{"kv_connector":"NixlPushConnector","kv_connector_extra_config":{"push_registration_timeout":6}}"#
+        )
+        .is_ok());
     }
 
     #[test]
