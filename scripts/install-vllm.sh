@@ -25,28 +25,13 @@ die() { printf '\ninstall-vllm: ERROR: %s\n' "$*" >&2; exit 1; }
 
 PUSH_ROUTER="$VENV/share/kvlease/disagg_proxy_pushconnector_demo.py"
 
-# The index's JSON API names the sdist and its sha256; the file is read straight from the
-# index's files host (pip cannot download an sdist without building its metadata).
+source "$(dirname "$0")/lib/sdist.sh"
 fetch_push_router() {
     [[ -f $PUSH_ROUTER ]] && return 0
     log "fetching vLLM's push router from the vllm==$VLLM_VERSION sdist on PyPI"
-    mkdir -p "$(dirname "$PUSH_ROUTER")"
-    "$VENV/bin/python" - "$VLLM_VERSION" "$PUSH_ROUTER" "${PIP_INDEX_URL:-https://pypi.org/simple}" >&2 <<'PY' || die "could not fetch vLLM's push router"
-import hashlib, io, json, sys, tarfile, urllib.request
-version, out, index = sys.argv[1], sys.argv[2], sys.argv[3].rstrip("/")
-req = urllib.request.Request(f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
-f = next(f for f in files if f["filename"] == f"vllm-{version}.tar.gz")
-data = urllib.request.urlopen(f["url"], timeout=600).read()
-if hashlib.sha256(data).hexdigest() != f["hashes"]["sha256"]:
-    sys.exit(f"vllm-{version}.tar.gz: sha256 differs from the index's")
-member = f"vllm-{version}/examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py"
-src = tarfile.open(fileobj=io.BytesIO(data)).extractfile(member).read()
-if b"SPDX-License-Identifier: Apache-2.0" not in src[:200]:
-    sys.exit(f"{member}: no Apache-2.0 header")
-open(out, "wb").write(src)
-print(f"push router: {member} -> {out}")
-PY
+    fetch_sdist_member "$VENV/bin/python" "$VLLM_VERSION" \
+        examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py "$PUSH_ROUTER" >&2 ||
+        die "could not fetch vLLM's push router"
 }
 
 if [[ -f $STAMP && -x $VENV/bin/python ]]; then

@@ -84,8 +84,8 @@ pub fn kv_params(data: &[u8]) {
                 host: &pr.host,
                 port: pr.port,
                 tp_size: pr.tp_size,
-                num_tokens: 1,
-                incarnation: pr.incarnation,
+                num_tokens: Some(1),
+                incarnation: Some(pr.incarnation),
                 key: &pr.key,
             };
             match KvRole::parse(Some(&answer.to_json())) {

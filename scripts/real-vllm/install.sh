@@ -34,29 +34,13 @@ die() { printf '\nreal-vllm install: ERROR: %s\n' "$*" >&2; exit 1; }
 
 TOY_PROXY="$VENV/share/kvlease/toy_proxy_server.py"
 
-# vLLM's toy proxy from the vllm sdist on PyPI (pip cannot download an sdist without building
-# its metadata, which needs vLLM's build dependencies: the index's JSON API names the file and
-# its sha256, and the file is read straight from the index's files host).
+source "$(dirname "$0")/../lib/sdist.sh"
 fetch_toy_proxy() {
     [[ -f $TOY_PROXY ]] && return 0
     log "fetching vLLM's toy proxy from the vllm==$VLLM_CPU_VERSION sdist on PyPI"
-    mkdir -p "$(dirname "$TOY_PROXY")"
-    "$VENV/bin/python" - "$VLLM_CPU_VERSION" "$TOY_PROXY" "${PIP_INDEX_URL:-https://pypi.org/simple}" >&2 <<'PY' || die "could not fetch vLLM's toy proxy"
-import hashlib, io, json, sys, tarfile, urllib.request
-version, out, index = sys.argv[1], sys.argv[2], sys.argv[3].rstrip("/")
-req = urllib.request.Request(f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
-f = next(f for f in files if f["filename"] == f"vllm-{version}.tar.gz")
-data = urllib.request.urlopen(f["url"], timeout=600).read()
-if hashlib.sha256(data).hexdigest() != f["hashes"]["sha256"]:
-    sys.exit(f"vllm-{version}.tar.gz: sha256 differs from the index's")
-member = f"vllm-{version}/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
-src = tarfile.open(fileobj=io.BytesIO(data)).extractfile(member).read()
-if b"SPDX-License-Identifier: Apache-2.0" not in src[:200]:
-    sys.exit(f"{member}: no Apache-2.0 header")
-open(out, "wb").write(src)
-print(f"toy proxy: {member} -> {out}")
-PY
+    fetch_sdist_member "$VENV/bin/python" "$VLLM_CPU_VERSION" \
+        tests/v1/kv_connector/nixl_integration/toy_proxy_server.py "$TOY_PROXY" >&2 ||
+        die "could not fetch vLLM's toy proxy"
 }
 
 if [[ -f $STAMP && -x $VENV/bin/python ]]; then

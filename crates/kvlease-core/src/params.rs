@@ -62,16 +62,18 @@ impl PushRemote {
     }
 }
 
-/// What P answers a push-mode prefill with (SPEC §13): its coordinates and the transfer's key,
-/// as vLLM's push connector names them, and no blocks — D registers its own.
+/// Push-mode `do_remote_prefill` params for D (SPEC §13): P's coordinates and the transfer's
+/// key, as vLLM's push connector names them, and no blocks — D registers its own. P answers a
+/// prefill with them (its token count and incarnation known); a router sending both legs at
+/// once builds them from what it learned of P (neither known yet: any incarnation pairs, U11).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushAnswer<'a> {
     pub engine_id: &'a str,
     pub host: &'a str,
     pub port: u16,
     pub tp_size: u32,
-    pub num_tokens: u32,
-    pub incarnation: u64,
+    pub num_tokens: Option<u32>,
+    pub incarnation: Option<u64>,
     pub key: &'a crate::wire::PushKey,
 }
 
@@ -87,10 +89,14 @@ impl PushAnswer<'_> {
             "remote_port": self.port,
             "tp_size": self.tp_size,
             "pp_size": 1,
-            "remote_num_tokens": self.num_tokens,
-            "remote_incarnation": self.incarnation.to_string(),
         });
         if let Value::Object(o) = &mut v {
+            if let Some(n) = self.num_tokens {
+                o.insert("remote_num_tokens".into(), json!(n));
+            }
+            if let Some(i) = self.incarnation {
+                o.insert("remote_incarnation".into(), json!(i.to_string()));
+            }
             match self.key {
                 PushKey::Transfer(t) => o.insert("transfer_id".into(), json!(t)),
                 PushKey::Request(r) => o.insert("remote_request_id".into(), json!(r)),
@@ -818,7 +824,8 @@ mod tests {
         assert_eq!((r.engine_id.as_str(), r.port, r.tp_size, r.pp_size, r.incarnation), ("p0", 5600, 2, 1, 0));
         assert_eq!(r.key, PushKey::Request("abc".into()));
         let key = PushKey::Transfer("t-1".into());
-        let answer = PushAnswer { engine_id: "p0", host: "h", port: 7, tp_size: 1, num_tokens: 3, incarnation: u64::MAX, key: &key };
+        let answer =
+            PushAnswer { engine_id: "p0", host: "h", port: 7, tp_size: 1, num_tokens: Some(3), incarnation: Some(u64::MAX), key: &key };
         let KvRole::DecodePush(r) = KvRole::parse(Some(&answer.to_json())).unwrap() else { panic!() };
         assert_eq!((r.key, r.incarnation), (key.clone(), u64::MAX));
         let mut no_key = router.clone();

@@ -350,59 +350,43 @@ impl<U: Clone + PartialEq, E> Route<U, E> {
                     }
                 }
             },
-            Stage::Decode => {
-                let next = (self.decode_attempts < DECODE_ATTEMPTS)
-                    .then(|| pick(pools.decode, self.tried.as_ref(), self.prefiller.as_ref()))
-                    .flatten();
-                match next {
-                    Some(to) => {
-                        self.decode_attempts += 1;
-                        self.decoder = Some(to.clone());
-                        self.stage = Stage::DecodeSent;
-                        self.out.push_back(Action::SendDecode { to: to.clone(), retry: self.decode_attempts > 1 });
-                    }
-                    None => {
-                        // No decoder got the request: nobody will read P's blocks (O3, O4).
-                        self.release();
-                        if self.turned_away {
-                            self.finish(Action::RelayWhole { leg: Leg::Decode });
-                        } else if self.error.is_some() {
-                            self.fail_with_leg_error();
-                        } else {
-                            self.fail(RouteError::NoDecoder);
-                        }
-                    }
-                }
-            }
+            Stage::Decode => self.next_decoder(pools.decode, Stage::DecodeSent, None),
             // O2 in push mode: the decode leg failed before its first byte while P may still be
             // prefilling: once more on another decoder, with the same transfer (P pairs by its
             // key, U1); with none, P's lease is released at once (O4).
             Stage::Both { retry, answered, decode: BothDecode::Picking } => {
-                let next = (self.decode_attempts < DECODE_ATTEMPTS)
-                    .then(|| pick(pools.decode, self.tried.as_ref(), self.prefiller.as_ref()))
-                    .flatten();
-                match next {
-                    Some(to) => {
-                        self.decode_attempts += 1;
-                        self.decoder = Some(to.clone());
-                        self.stage = Stage::Both { retry, answered, decode: BothDecode::Out };
-                        self.out.push_back(Action::SendDecode { to: to.clone(), retry: true });
-                    }
-                    None => {
-                        self.release();
-                        if self.turned_away {
-                            self.finish(Action::RelayWhole { leg: Leg::Decode });
-                        } else if self.error.is_some() {
-                            self.fail_with_leg_error();
-                        } else {
-                            self.fail(RouteError::NoDecoder);
-                        }
-                    }
-                }
+                self.next_decoder(pools.decode, Stage::Both { retry, answered, decode: BothDecode::Out }, Some(true))
             }
             Stage::Prefill { .. } | Stage::DecodeSent | Stage::Both { .. } | Stage::Local | Stage::Relaying | Stage::Done => {}
         }
         self.out.pop_front()
+    }
+
+    /// SPEC O2, O3, O4: a decoder for the decode leg (a retry only before its first byte, at
+    /// most [`DECODE_ATTEMPTS`] in all), which moves the route to `then`; with none, nobody will
+    /// read P's blocks: P's lease is released and the request ends. `retry`: whether the leg is
+    /// a retry (`None`: whether an earlier attempt went out).
+    fn next_decoder(&mut self, decoders: Pool<'_, U>, then: Stage, retry: Option<bool>) {
+        let next = (self.decode_attempts < DECODE_ATTEMPTS).then(|| pick(decoders, self.tried.as_ref(), self.prefiller.as_ref())).flatten();
+        match next {
+            Some(to) => {
+                self.decode_attempts += 1;
+                self.decoder = Some(to.clone());
+                self.stage = then;
+                let retry = retry.unwrap_or(self.decode_attempts > 1);
+                self.out.push_back(Action::SendDecode { to: to.clone(), retry });
+            }
+            None => {
+                self.release();
+                if self.turned_away {
+                    self.finish(Action::RelayWhole { leg: Leg::Decode });
+                } else if self.error.is_some() {
+                    self.fail_with_leg_error();
+                } else {
+                    self.fail(RouteError::NoDecoder);
+                }
+            }
+        }
     }
 
     /// What happened.
@@ -719,17 +703,17 @@ impl PushPeer {
     /// coordinates and the same `transfer_id`, no blocks and no incarnation (any incarnation of
     /// P may pair, U11). They also name the lease to P's release (O3, O4).
     pub fn decode_params(&self, transfer_id: &str) -> Value {
-        serde_json::json!({
-            "do_remote_prefill": true,
-            "do_remote_decode": false,
-            "transfer_mode": "push",
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "tp_size": self.tp_size,
-            "pp_size": 1,
-            "transfer_id": transfer_id,
-        })
+        let key = crate::wire::PushKey::Transfer(transfer_id.to_owned());
+        let peer = crate::params::PushAnswer {
+            engine_id: &self.engine_id,
+            host: &self.host,
+            port: self.port,
+            tp_size: self.tp_size,
+            num_tokens: None,
+            incarnation: None,
+            key: &key,
+        };
+        peer.to_json()
     }
 }
 
@@ -1325,7 +1309,8 @@ mod tests {
         use crate::params::{KvRole, PushAnswer};
         use crate::wire::PushKey;
         let key = PushKey::Request("rid".into());
-        let answer = PushAnswer { engine_id: "p0", host: "10.0.0.1", port: 7, tp_size: 2, num_tokens: 3, incarnation: 9, key: &key };
+        let answer =
+            PushAnswer { engine_id: "p0", host: "10.0.0.1", port: 7, tp_size: 2, num_tokens: Some(3), incarnation: Some(9), key: &key };
         let peer = PushPeer::from_answer(&answer.to_json()).expect("a push answer");
         assert_eq!(peer, PushPeer { engine_id: "p0".into(), host: "10.0.0.1".into(), port: 7, tp_size: 2 });
         let pull = json!({"do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": "h", "remote_port": 7,

@@ -202,24 +202,13 @@ pub(crate) fn shutdown(inner: &Inner) {
 /// budget) goes round again at once. A call that may move the wake-up earlier (a grant, blocks
 /// quarantined) wakes it.
 pub(crate) async fn reaper(inner: Arc<Inner>) {
-    loop {
-        let (more, next) = with_holder(&inner, |h, now, out| {
+    crate::state::run_timer(&inner, &inner.holder, || {
+        with_holder(&inner, |h, now, out| {
             let more = h.poll(now, out);
             (more, h.poll_timeout(now))
-        });
-        if more {
-            tokio::task::yield_now().await;
-            continue;
-        }
-        // Registered before sleeping: a grant between the poll and here is not missed.
-        let woken = inner.holder.woken();
-        match next {
-            Some(t) => {
-                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
-            }
-            None => woken.await,
-        }
-    }
+        })
+    })
+    .await;
 }
 
 /// SPEC P5, S2, S4: a read is served only for a live lease, only of that lease's blocks in the

@@ -125,8 +125,8 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone, key: PushK
         host: &host,
         port: kv.map_or(0, |a| a.port()),
         tp_size: inner.cfg.tp_size,
-        num_tokens: done.prompt.len() as u32,
-        incarnation: inner.incarnation,
+        num_tokens: Some(done.prompt.len() as u32),
+        incarnation: Some(inner.incarnation),
         key: &key,
     };
     let mut params = answer.to_json();
@@ -233,23 +233,13 @@ async fn introduced(inner: &Inner, agent: &str, until: tokio::time::Instant) -> 
 
 /// SPEC P4: the push source's reaper, as [`crate::lease_holder::reaper`] is the pull holder's.
 pub(crate) async fn source_reaper(inner: Arc<Inner>) {
-    loop {
-        let (more, next) = with_source(&inner, |s, now, out| {
+    crate::state::run_timer(&inner, &inner.push_source, || {
+        with_source(&inner, |s, now, out| {
             let more = s.poll(now, out);
             (more, s.poll_timeout(now))
-        });
-        if more {
-            tokio::task::yield_now().await;
-            continue;
-        }
-        let woken = inner.push_source.woken();
-        match next {
-            Some(t) => {
-                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
-            }
-            None => woken.await,
-        }
-    }
+        })
+    })
+    .await;
 }
 
 /// P: a client that left, or a request aborted before its prefill ended: D is told (U6).
@@ -408,8 +398,7 @@ pub(crate) fn finish_sink(inner: &Inner, internal: &str) {
 /// SPEC D2, D3, U2, U10: the sink's timer: heartbeats, D's write deadlines, block reuse. Runs
 /// on its own, never on the forward loop.
 pub(crate) async fn sink_driver(inner: Arc<Inner>) {
-    loop {
-        let woken = inner.push_sink.woken();
+    crate::state::run_timer(&inner, &inner.push_sink, || {
         let mut out = Vec::new();
         let next = {
             let mut sink = inner.push_sink.lock();
@@ -417,13 +406,9 @@ pub(crate) async fn sink_driver(inner: Arc<Inner>) {
             sink.poll_timeout()
         };
         carry_out_sink(&inner, out, None);
-        match next {
-            Some(t) => {
-                let _ = tokio::time::timeout_at(inner.instant(t), woken).await;
-            }
-            None => woken.await,
-        }
-    }
+        (false, next)
+    })
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------------

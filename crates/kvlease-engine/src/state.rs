@@ -75,6 +75,27 @@ impl<T> Woken<T> {
     }
 }
 
+/// A timer task: `poll` does what is due and says whether work is left over (polled again at
+/// once, after giving the thread back) and when it next wants to run; in between the task
+/// sleeps until then, or until `woken` is (`None`: until woken). A wake-up between a poll and
+/// the sleep is not lost (`Notify` keeps it).
+pub(crate) async fn run_timer<T>(inner: &Inner, woken: &Woken<T>, mut poll: impl FnMut() -> (bool, Option<Nanos>)) {
+    loop {
+        let (more, next) = poll();
+        if more {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let notified = woken.woken();
+        match next {
+            Some(t) => {
+                let _ = tokio::time::timeout_at(inner.instant(t), notified).await;
+            }
+            None => notified.await,
+        }
+    }
+}
+
 /// One rank: its shard of the heads, its memory, its agent.
 pub(crate) struct Rank {
     pub heads: Range<u32>,

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kvlease_core::lease_table::ReleaseReason;
-use kvlease_engine::{EngineConfig, EngineHandle, GenerateEvent, GenerateRequest, Prompt, RequestError, TransportKind};
+use kvlease_engine::{EngineConfig, EngineHandle, GenerateRequest, Prompt, TransportKind};
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -16,29 +16,6 @@ fn push_config(lease_secs: f64, tp: u32, wait_secs: f64) -> EngineConfig {
     cfg.transfer.kv_connector = kvlease_core::config::PUSH_CONNECTOR.into();
     cfg.transfer.lease.push_registration_timeout = Duration::from_secs_f64(wait_secs);
     cfg
-}
-
-/// Runs request `id` to its end: (text, kv_transfer_params) or the error.
-async fn run_id(e: &EngineHandle, id: &str, max_tokens: u32, params: Option<Value>) -> Result<(String, Option<Value>), RequestError> {
-    let req = GenerateRequest {
-        request_id: id.into(),
-        prompt: Prompt::Text(PROMPT.into()),
-        max_tokens,
-        ignore_eos: true,
-        kv_transfer_params: params,
-        sampling: Default::default(),
-    };
-    let mut s = e.submit(req)?;
-    let mut text = String::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), s.next()).await.expect("request finishes in time") {
-            Some(GenerateEvent::Token { text: t, .. }) => text.push_str(&t),
-            Some(GenerateEvent::Done { kv_transfer_params, .. }) => return Ok((text, kv_transfer_params)),
-            Some(GenerateEvent::Failed(e)) => return Err(e),
-            Some(GenerateEvent::Logprobs { .. }) => {}
-            None => panic!("stream ended without Done"),
-        }
-    }
 }
 
 /// What vLLM's push router hands D before P has answered: P's coordinates and the shared
@@ -79,12 +56,12 @@ async fn push_through_a_sequential_router(transport: TransportKind) {
     let (p, d) = (engine(on(push_config(30.0, 1, 30.0), transport.clone())).await, engine(on(push_config(30.0, 1, 30.0), transport)).await);
     for i in 0..3 {
         let id = format!("seq-{i}");
-        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
+        let (_, params) = run_as(&p, &id, PROMPT, 1, prefill_params()).await.expect("prefill");
         let params = params.expect("P answers with params");
         assert_eq!(params["transfer_mode"], "push", "{params}");
         assert_eq!(params["remote_request_id"], id.as_str(), "{params}");
         assert!(params.get("remote_block_ids").is_none(), "P names no blocks in push mode: {params}");
-        let (got, _) = run_id(&d, &format!("d-{i}"), 24, Some(params)).await.expect("decode");
+        let (got, _) = run_as(&d, &format!("d-{i}"), PROMPT, 24, Some(params)).await.expect("decode");
         assert_eq!(got, want, "request {i}");
         until("P ends the lease", Duration::from_secs(5), || p.live_leases() == 0).await;
     }
@@ -108,9 +85,9 @@ async fn u2_both_legs_at_once_pair_by_the_routers_id() {
         let id = format!("both-{i}");
         let decode = {
             let (d, params) = (d.clone(), router_params(&p, &id));
-            tokio::spawn(async move { run_id(&d, "decode-leg", 16, Some(params)).await })
+            tokio::spawn(async move { run_as(&d, "decode-leg", PROMPT, 16, Some(params)).await })
         };
-        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
+        let (_, params) = run_as(&p, &id, PROMPT, 1, prefill_params()).await.expect("prefill");
         assert_eq!(params.expect("params")["transfer_mode"], "push");
         let (got, _) = decode.await.expect("joins").expect("decode");
         assert_eq!(got, want, "request {i}");
@@ -128,8 +105,8 @@ async fn t1_push_across_tp_sizes_equals_local() {
     for (p_tp, d_tp) in [(2, 1), (1, 2), (2, 4)] {
         let (p, d) = (engine(push_config(30.0, p_tp, 30.0)).await, engine(push_config(30.0, d_tp, 30.0)).await);
         let id = format!("tp-{p_tp}-{d_tp}");
-        let (_, params) = run_id(&p, &id, 1, prefill_params()).await.expect("prefill");
-        let (got, _) = run_id(&d, "d", 12, params).await.expect("decode");
+        let (_, params) = run_as(&p, &id, PROMPT, 1, prefill_params()).await.expect("prefill");
+        let (got, _) = run_as(&d, "d", PROMPT, 12, params).await.expect("decode");
         assert_eq!(got, want, "P tp {p_tp}, D tp {d_tp}");
         assert_eq!(
             d.metrics().recomputed_requests.get(),
@@ -148,7 +125,7 @@ async fn t1_push_across_tp_sizes_equals_local() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u9_an_abort_on_d_frees_p_at_once() {
     let p = engine(push_config(30.0, 1, 30.0)).await;
-    let (_, params) = run_id(&p, "abort-me", 1, prefill_params()).await.expect("prefill");
+    let (_, params) = run_as(&p, "abort-me", PROMPT, 1, prefill_params()).await.expect("prefill");
     assert_eq!(p.live_leases(), 1);
     // D's own queue is full, so the request waits unregistered; then its client leaves.
     let mut dcfg = push_config(30.0, 1, 30.0);
@@ -186,14 +163,14 @@ async fn u10_d_stops_waiting_for_writes_that_never_come() {
     let p = engine(push_config(30.0, 1, 30.0)).await;
     let d = engine(push_config(30.0, 1, 1.0)).await;
     let t0 = std::time::Instant::now();
-    let (got, _) = run_id(&d, "never", 8, Some(router_params(&p, "never-prefilled"))).await.expect("recomputed");
+    let (got, _) = run_as(&d, "never", PROMPT, 8, Some(router_params(&p, "never-prefilled"))).await.expect("recomputed");
     assert_eq!(got, want);
     assert!(t0.elapsed() < Duration::from_secs(10), "waited {:?}", t0.elapsed());
     assert_eq!(d.metrics().recomputed_requests.get(), 1);
     let mut fcfg = push_config(30.0, 1, 1.0);
     fcfg.transfer.lease.load_failure_policy = kvlease_core::config::LoadFailurePolicy::Fail;
     let f = engine(fcfg).await;
-    let err = run_id(&f, "never", 8, Some(router_params(&p, "never-2"))).await.expect_err("fails");
+    let err = run_as(&f, "never", PROMPT, 8, Some(router_params(&p, "never-2"))).await.expect_err("fails");
     assert_eq!(err.status, 503, "{err:?}");
     assert!(err.message.contains("not written"), "{}", err.message);
 }
@@ -205,10 +182,10 @@ async fn push_and_pull_params_are_refused_by_the_other_mode() {
     let (pull_p, pull_d) = (engine(config(30.0, 1)).await, engine(config(30.0, 1)).await);
     let push_d = engine(push_config(30.0, 1, 30.0)).await;
     let (_, pull_params) = run(&pull_p, PROMPT, 1, prefill_params()).await.expect("prefill");
-    let err = run_id(&push_d, "x", 4, pull_params).await.expect_err("refused");
+    let err = run_as(&push_d, "x", PROMPT, 4, pull_params).await.expect_err("refused");
     assert_eq!(err.status, 400);
     assert!(err.message.contains("push mode") && err.message.contains("pull-mode"), "{}", err.message);
-    let err = run_id(&pull_d, "x", 4, Some(router_params(&pull_p, "x"))).await.expect_err("refused");
+    let err = run_as(&pull_d, "x", PROMPT, 4, Some(router_params(&pull_p, "x"))).await.expect_err("refused");
     assert_eq!(err.status, 400);
     assert!(err.message.contains("pull mode") && err.message.contains("NixlPushConnector"), "{}", err.message);
 }

@@ -43,47 +43,7 @@ async fn fifty_requests_through_the_proxy(transport: &str) {
     let d = Proc::serve("e2e-d", &["--kv-transfer-config", &cfg, "--transport", transport]);
     let local = Proc::serve("e2e-local", &[]);
     let proxy = Proc::proxy(&[&p], &[&d]);
-    let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "renewal"];
-    let mut jobs = Vec::new();
-    for i in 0..50usize {
-        let chat = i % 5 == 4;
-        let stream = i % 3 == 0;
-        let prompt: String = (0..(3 + i % 17)).map(|j| words[(i * 7 + j * 3) % words.len()]).collect::<Vec<_>>().join(" ");
-        let max_tokens = 4 + (i % 13) as u64;
-        let (path, body) = if chat {
-            (
-                "/v1/chat/completions",
-                json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "ignore_eos": true}),
-            )
-        } else {
-            ("/v1/completions", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true}))
-        };
-        let (proxy_url, local_url) = (format!("{}{path}", proxy.url), format!("{}{path}", local.url));
-        jobs.push(tokio::spawn(async move {
-            let (status, want) = post(&local_url, &body).await;
-            assert_eq!(status, 200, "{want}");
-            let want = text_of(&want, chat);
-            let got = if stream {
-                let mut b = body.clone();
-                b["stream"] = json!(true);
-                post_stream(&proxy_url, &b, chat).await
-            } else {
-                let (status, got) = post(&proxy_url, &body).await;
-                assert_eq!(status, 200, "{got}");
-                text_of(&got, chat)
-            };
-            assert!(!want.is_empty());
-            assert_eq!(got, want, "request {i} (chat {chat}, stream {stream})");
-        }));
-        if jobs.len() == 8 {
-            for j in jobs.drain(..) {
-                j.await.expect("request task");
-            }
-        }
-    }
-    for j in jobs {
-        j.await.expect("request task");
-    }
+    answers_equal_local(&proxy.url, &local.url, 50, 8).await;
     until("P holds no lease", Duration::from_secs(10), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
     assert_eq!(metric(&p.url, "kvlease_leases_granted_total").await, 50.0);
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 50.0);

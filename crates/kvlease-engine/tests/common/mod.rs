@@ -30,8 +30,19 @@ pub async fn run(
     max_tokens: u32,
     params: Option<Value>,
 ) -> Result<(String, Option<Value>), kvlease_engine::RequestError> {
+    run_as(e, "t", prompt, max_tokens, params).await
+}
+
+/// [`run`] under request id `request_id` (the client's `X-Request-Id`).
+pub async fn run_as(
+    e: &EngineHandle,
+    request_id: &str,
+    prompt: &str,
+    max_tokens: u32,
+    params: Option<Value>,
+) -> Result<(String, Option<Value>), kvlease_engine::RequestError> {
     let req = GenerateRequest {
-        request_id: "t".into(),
+        request_id: request_id.into(),
         prompt: Prompt::Text(prompt.into()),
         max_tokens,
         ignore_eos: true,

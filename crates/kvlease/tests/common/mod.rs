@@ -321,3 +321,50 @@ pub fn nixl_or_skip() -> bool {
     }
     found
 }
+
+/// SPEC D7: `n` completions — plain and chat, streaming and not, prompts of 3 to 19 words —
+/// through `proxy`, each equal to the same request run on `local` (a single engine); `batch` at
+/// a time.
+pub async fn answers_equal_local(proxy: &str, local: &str, n: usize, batch: usize) {
+    let words = ["lease", "heartbeat", "prefill", "decode", "block", "engine", "cache", "renewal"];
+    let mut jobs = Vec::new();
+    for i in 0..n {
+        let chat = i % 5 == 4;
+        let stream = i % 3 == 0;
+        let prompt: String = (0..(3 + i % 17)).map(|j| words[(i * 7 + j * 3) % words.len()]).collect::<Vec<_>>().join(" ");
+        let max_tokens = 4 + (i % 13) as u64;
+        let (path, body) = if chat {
+            (
+                "/v1/chat/completions",
+                json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "ignore_eos": true}),
+            )
+        } else {
+            ("/v1/completions", json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true}))
+        };
+        let (proxy_url, local_url) = (format!("{proxy}{path}"), format!("{local}{path}"));
+        jobs.push(tokio::spawn(async move {
+            let (status, want) = post(&local_url, &body).await;
+            assert_eq!(status, 200, "{want}");
+            let want = text_of(&want, chat);
+            let got = if stream {
+                let mut b = body.clone();
+                b["stream"] = json!(true);
+                post_stream(&proxy_url, &b, chat).await
+            } else {
+                let (status, got) = post(&proxy_url, &body).await;
+                assert_eq!(status, 200, "{got}");
+                text_of(&got, chat)
+            };
+            assert!(!want.is_empty());
+            assert_eq!(got, want, "request {i} (chat {chat}, stream {stream})");
+        }));
+        if jobs.len() == batch {
+            for j in jobs.drain(..) {
+                j.await.expect("request task");
+            }
+        }
+    }
+    for j in jobs {
+        j.await.expect("request task");
+    }
+}
