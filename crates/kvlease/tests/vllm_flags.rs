@@ -38,8 +38,15 @@ impl Serve {
         });
         let mut banner = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut banner).expect("start-up line");
-        let url =
-            banner.split_whitespace().find(|w| w.starts_with("http://")).unwrap_or_else(|| panic!("no url in {banner:?}")).to_string();
+        let Some(url) = banner.split_whitespace().find(|w| w.starts_with("http://")).map(str::to_string) else {
+            // It stopped before its start-up line: say why (its stderr, read to its end).
+            let status = child.wait().expect("wait");
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < std::time::Duration::from_secs(5) && stderr.lock().expect("stderr").is_empty() {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            panic!("no url in {banner:?}; serve exited with {status}: {:?}", stderr.lock().expect("stderr"));
+        };
         Serve { child, url, banner, stderr }
     }
 }
@@ -73,7 +80,10 @@ async fn post_key(url: &str, body: &Value, key: Option<&str>) -> (u16, Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_command_line_endpoints_and_api_key() {
-    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    // Below Linux's ephemeral range (32768–60999), so no outgoing connection of another test
+    // takes it between this check and the engine's bind.
+    let start = 20_000 + (std::process::id() % 10_000) as u16;
+    let free = (start..32_768).chain(20_000..start).find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok()).expect("a free port");
     let s = Serve::start(
         &[
             "org/some-model",
