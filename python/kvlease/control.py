@@ -213,9 +213,15 @@ class ControlServer:
                 break
             peer = Peer(sock, f"{addr[0]}:{addr[1]}")
             with self._lock:
+                # Accepted while close() ran (a blocked accept still takes what was queued):
+                # closed here, as close() closes the others.
+                stopped = self._stopped
                 full = len(self._peers) >= self.max_peers
-                if not full:
+                if not full and not stopped:
                     self._peers.add(peer)
+            if stopped:
+                peer.close()
+                break
             if full:
                 self.refused += 1
                 if self.refused == 1 or self.refused % 1000 == 0:
@@ -232,7 +238,14 @@ class ControlServer:
                 self._peers.discard(peer)
 
     def close(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
+        try:
+            # Wakes the accept loop (closing alone leaves a blocked accept() running, and it can
+            # still take a queued connection).
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
