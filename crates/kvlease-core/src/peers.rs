@@ -191,7 +191,12 @@ pub fn holder_name(engine_id: &str, incarnation: u64) -> String {
 
 /// The name of rank `rank`'s agent of an engine.
 pub fn agent_name(engine_id: &str, incarnation: u64, rank: usize) -> String {
-    format!("{}/{rank}", holder_name(engine_id, incarnation))
+    holder_agent(&holder_name(engine_id, incarnation), rank)
+}
+
+/// The agent of rank `rank` of the engine whose holder name ([`agent_holder`]) is `holder`.
+pub fn holder_agent(holder: &str, rank: usize) -> String {
+    format!("{holder}/{rank}")
 }
 
 /// The holder an agent, named as in [`agent_name`], acts for: all ranks of one engine are one.

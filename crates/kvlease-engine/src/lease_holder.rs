@@ -67,8 +67,8 @@ fn carry_out(inner: &Inner, out: Settled<Blocks>) {
 
 /// SPEC P1: the prefill finished normally; grant the lease and answer with signed params.
 /// A request whose client is gone gets no lease: its blocks go back at once.
-pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
-    let Some(blocks) = done.blocks else { return };
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone) {
+    let Some(blocks) = done.blocks.take() else { return };
     if done.tx.is_closed() {
         return;
     }
@@ -81,20 +81,28 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone) {
     if let serde_json::Value::Object(o) = &mut params {
         o.insert("remote_blocks_expiry_time".into(), serde_json::json!(granted.expiry_secs()));
     }
+    let sent = answer_prefill(&done, params);
+    if !sent {
+        // The client left between the check and now: nobody will read; free at once.
+        release_own(inner, granted.lease_id);
+    }
+}
+
+/// The P leg's answer, as vLLM's: its one token (unless EOS), then `Done` with the params the
+/// decode leg takes. Returns whether the client was still there to take it.
+pub(crate) fn answer_prefill(done: &PrefillDone, params: serde_json::Value) -> bool {
     let first = done.first_token;
     if first != crate::model::EOS {
         let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });
     }
-    let sent = done.tx.send(GenerateEvent::Done {
-        finish_reason: FinishReason::Length,
-        prompt_tokens: done.prompt.len() as u32,
-        completion_tokens: 1,
-        kv_transfer_params: Some(params),
-    });
-    if sent.is_err() {
-        // The client left between the check and now: nobody will read; free at once.
-        release_own(inner, granted.lease_id);
-    }
+    done.tx
+        .send(GenerateEvent::Done {
+            finish_reason: FinishReason::Length,
+            prompt_tokens: done.prompt.len() as u32,
+            completion_tokens: 1,
+            kv_transfer_params: Some(params),
+        })
+        .is_ok()
 }
 
 /// SPEC B1: a request this engine decoded finished in bidirectional mode: keep its blocks, the

@@ -19,10 +19,10 @@
 use crate::lease_holder::PrefillDone;
 use crate::pool::Blocks;
 use crate::state::{lock, Inner};
-use crate::{FinishReason, GenerateEvent, RequestError};
+use crate::{GenerateEvent, RequestError};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::params::{PushAnswer, PushRemote};
-use kvlease_core::peers::agent_holder;
+use kvlease_core::peers::{agent_holder, holder_agent};
 use kvlease_core::push::sink::{PushAction, PushSink};
 use kvlease_core::push::source::{PushGrantError, PushSettled, PushSource, WriteJob};
 use kvlease_core::push::PushFailure;
@@ -74,7 +74,7 @@ fn carry_out_source(inner: &Arc<Inner>, out: PushSettled<Blocks>) {
 /// from our rank 0 to its rank 0.
 fn send_to_holder(inner: &Inner, holder: &str, msg: &Message) {
     let Some(rank0) = inner.ranks().first() else { return };
-    let to = format!("{holder}/0");
+    let to = holder_agent(holder, 0);
     if let Err(e) = rank0.agent.send_notif(&to, msg.encode()) {
         tracing::debug!("cannot send a push message to {to}: {e}");
     }
@@ -83,8 +83,8 @@ fn send_to_holder(inner: &Inner, holder: &str, msg: &Message) {
 /// SPEC P1, U1, U2: a `do_remote_decode` prefill of a push engine finished: grant the lease
 /// under the transfer's key and answer with P's coordinates and the key (no blocks: D
 /// registers its own). A registration D sent before is paired now and the writes start.
-pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone, key: PushKey) {
-    let Some(blocks) = done.blocks else { return };
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: PushKey) {
+    let Some(blocks) = done.blocks.take() else { return };
     if done.tx.is_closed() {
         drop(blocks);
         with_source(inner, |s, now, out| s.abort(&key, now, out));
@@ -133,17 +133,9 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, done: PrefillDone, key: PushK
     if let (Some(at), serde_json::Value::Object(o)) = (expiry, &mut params) {
         o.insert("remote_blocks_expiry_time".into(), serde_json::json!(at.0 as f64 / 1e9));
     }
-    let first = done.first_token;
-    if first != crate::model::EOS {
-        let _ = done.tx.send(GenerateEvent::Token { id: first, text: crate::model::detokenize(first) });
-    }
-    let sent = done.tx.send(GenerateEvent::Done {
-        finish_reason: FinishReason::Length,
-        prompt_tokens: done.prompt.len() as u32,
-        completion_tokens: 1,
-        kv_transfer_params: Some(params),
-    });
-    if sent.is_err() {
+    let sent = crate::lease_holder::answer_prefill(&done, params);
+    if !sent {
+        // The client left between the check and now: nobody will read; D is told.
         with_source(inner, |s, now, out| s.abort(&key, now, out));
     }
 }
@@ -165,7 +157,7 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
     // the handshake and adds them alongside): wait for that, within the write's own time.
     let until = tokio::time::Instant::now() + timeout;
     for dst_rank in 0..job.dst_ranks {
-        if !introduced(&inner, &format!("{}/{dst_rank}", job.to), until).await {
+        if !introduced(&inner, &holder_agent(&job.to, dst_rank as usize), until).await {
             tracing::info!(request = %job.request, "D's agents were never introduced here; its writes are not posted");
             with_source(&inner, |s, now, out| s.fail_writes(&job.key, PushFailure::NotPosted, now, out));
             return;
@@ -176,7 +168,7 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
             let Ok(ticket) = with_source(&inner, |s, now, out| s.begin_write(&job.key, job.attempt, dst_rank, stage, now, out)) else {
                 continue;
             };
-            let to = format!("{}/{dst_rank}", job.to);
+            let to = holder_agent(&job.to, dst_rank as usize);
             let mut writes = Vec::new();
             for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
                 let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
@@ -253,13 +245,13 @@ pub(crate) fn abort_source(inner: &Arc<Inner>, key: &PushKey) {
 /// Calls `f` on the engine's [`PushSink`] under its lock and carries out what it decided:
 /// messages to P now (or once the handshake is done), verdicts to the scheduler.
 /// `subject`: the request the call is about (it may be forgotten without an action).
-pub(crate) fn with_sink<R>(inner: &Inner, subject: &str, f: impl FnOnce(&mut PushSink, Nanos, &mut Vec<PushAction>) -> R) -> R {
+pub(crate) fn with_sink<R>(inner: &Inner, subject: Option<&str>, f: impl FnOnce(&mut PushSink, Nanos, &mut Vec<PushAction>) -> R) -> R {
     let mut out = Vec::new();
     let r = {
         let mut sink = inner.push_sink.lock();
         f(&mut sink, inner.now(), &mut out)
     };
-    carry_out_sink(inner, out, Some(subject));
+    carry_out_sink(inner, out, subject);
     inner.push_sink.wake();
     r
 }
@@ -367,7 +359,7 @@ pub(crate) fn admit(inner: &Inner, internal: &str, pr: &PushRemote) -> bool {
 pub(crate) fn register(inner: &Inner, internal: &str, pr: &PushRemote, prompt: &[u32], block_ids: Vec<u32>) -> Option<u32> {
     let (incarnation, tp) = (inner.incarnation, inner.cfg.tp_size);
     let digest = PromptDigest::of(prompt);
-    with_sink(inner, internal, |s, now, out| {
+    with_sink(inner, Some(internal), |s, now, out| {
         match s.register(internal, incarnation, pr.incarnation, digest, tp, pr.pp_size, block_ids, now) {
             Ok(action) => {
                 let attempt = match &action {
@@ -387,12 +379,12 @@ pub(crate) fn register(inner: &Inner, internal: &str, pr: &PushRemote, prompt: &
 
 /// SPEC U9: D gives the request up (aborted, refused, shut down): P is told at once.
 pub(crate) fn abort_sink(inner: &Inner, internal: &str) {
-    with_sink(inner, internal, |s, now, out| s.abort(internal, now, out));
+    with_sink(inner, Some(internal), |s, now, out| s.abort(internal, now, out));
 }
 
 /// The request is decoding from the pushed KV: nothing of the transfer is left to track.
 pub(crate) fn finish_sink(inner: &Inner, internal: &str) {
-    with_sink(inner, internal, |s, now, out| s.finish(internal, now, out));
+    with_sink(inner, Some(internal), |s, now, out| s.finish(internal, now, out));
 }
 
 /// SPEC D2, D3, U2, U10: the sink's timer: heartbeats, D's write deadlines, block reuse. Runs
@@ -432,7 +424,7 @@ pub(crate) fn on_message(inner: &Arc<Inner>, from: &str, msg: &Message) {
         _ => {
             let engine = inner.renewer.lock().peers().engine_of(from).map(str::to_owned);
             match engine {
-                Some(engine) => with_sink(inner, "", |s, now, out| s.on_message(&engine, msg, now, out)),
+                Some(engine) => with_sink(inner, None, |s, now, out| s.on_message(&engine, msg, now, out)),
                 None => inner.metrics.rejected("unknown_agent"),
             }
         }
