@@ -1020,6 +1020,9 @@ fn message_of(d: &Bound<'_, PyDict>) -> PyResult<Message> {
             t_send: get(d, "t_send")?,
             echo: get(d, "echo")?,
             auth: get(d, "auth")?,
+            // SPEC S6's notification keys come with per-engine certificates, which the
+            // Python connector does not take.
+            notif_key: Vec::new(),
         }),
         other => return Err(KvleaseError::new_err(format!("unknown message type {other:?}"))),
     })

@@ -48,6 +48,8 @@ pub enum Refused {
     AgentName { engine_id: String, rank: usize, name: String, want: String },
     /// SPEC §13: one engine runs push mode, the other pull.
     Mode { ours: &'static str, theirs: String },
+    /// SPEC S6: with certificates, a Hello must hand its notification key ([`notif_key`]).
+    NotifKey { len: usize },
 }
 
 impl fmt::Display for Refused {
@@ -69,6 +71,11 @@ impl fmt::Display for Refused {
                 write!(f, "{engine_id:?} introduced an agent named {name:?} as its rank {rank}; its agents must be named {want}/<rank>")
             }
             Refused::Mode { ours, theirs } => write!(f, "transfer mode {ours} here, {theirs} there"),
+            Refused::NotifKey { len } => write!(
+                f,
+                "its Hello hands a notification key of {len} bytes, not {NOTIF_KEY_LEN}: with certificates \
+                 (--kv-transfer-tls-cert) both engines must run a kvlease that binds notifications to them"
+            ),
         }
     }
 }
@@ -103,6 +110,7 @@ impl Refused {
         match self {
             Refused::Geometry { .. } | Refused::TpSize { .. } => "geometry",
             Refused::Mode { .. } => "mode",
+            Refused::NotifKey { .. } => "certificate",
             _ => "other",
         }
     }
@@ -202,6 +210,28 @@ pub fn holder_agent(holder: &str, rank: usize) -> String {
 /// The holder an agent, named as in [`agent_name`], acts for: all ranks of one engine are one.
 pub fn agent_holder(agent: &str) -> &str {
     agent.rsplit_once('/').map_or(agent, |(holder, _rank)| holder)
+}
+
+/// The engine an agent, named as in [`agent_name`], belongs to.
+pub fn agent_engine(agent: &str) -> &str {
+    let holder = agent_holder(agent);
+    holder.rsplit_once('/').map_or(holder, |(engine, _incarnation)| engine)
+}
+
+/// The length of the notification key a Hello hands its peer (SPEC S6).
+pub const NOTIF_KEY_LEN: usize = 32;
+
+/// SPEC S6: the key under which we must tag the notifications we send `hello`'s engine, when
+/// engines hold certificates (`certificates`): NIXL's notifications carry no certificate, and
+/// under the cluster secret alone any member could tag them as any other. Each engine hands each
+/// peer, inside the mutual TLS of the side channel, a key only that peer learns; without
+/// certificates there is none (`None`).
+pub fn notif_key(hello: &Hello, certificates: bool) -> Result<Option<[u8; NOTIF_KEY_LEN]>, Refused> {
+    if !certificates {
+        return Ok(None);
+    }
+    let key = hello.notif_key.as_slice().try_into().map_err(|_| Refused::NotifKey { len: hello.notif_key.len() })?;
+    Ok(Some(key))
 }
 
 /// SPEC S5: leases are held under the agents' names, so an engine may only introduce agents
@@ -308,7 +338,16 @@ mod tests {
     }
 
     fn hello(engine_id: &str, incarnation: u64, info: Vec<u8>, agents: usize) -> Hello {
-        Hello { engine_id: engine_id.into(), incarnation, agents: vec![vec![1]; agents], info, t_send: 5, echo: (9, 10), auth: vec![] }
+        Hello {
+            engine_id: engine_id.into(),
+            incarnation,
+            agents: vec![vec![1]; agents],
+            info,
+            t_send: 5,
+            echo: (9, 10),
+            auth: vec![],
+            notif_key: vec![],
+        }
     }
 
     /// SPEC D5: a reply must answer our request and come from the engine the params named.
@@ -362,6 +401,24 @@ mod tests {
         assert_eq!(check_agent_names(&h, &["p/1f/0".into(), "p/1f/1".into()]), Ok(()));
         assert!(matches!(check_agent_names(&h, &["p/1f/0".into(), "victim/1/0".into()]), Err(Refused::AgentName { rank: 1, .. })));
         assert_eq!(agent_holder("p/1f/1"), "p/1f");
+        assert_eq!(agent_engine("p/1f/1"), "p");
+        assert_eq!(agent_engine("ns/p/1f/1"), "ns/p", "an engine id may hold a slash");
+    }
+
+    /// SPEC S6: with certificates a Hello must hand a notification key of the right length;
+    /// without them none is asked for.
+    #[test]
+    fn s6_with_certificates_a_hello_hands_its_notification_key() {
+        let mut h = hello("p", 1, vec![], 1);
+        assert_eq!(notif_key(&h, false), Ok(None));
+        let refused = notif_key(&h, true).unwrap_err();
+        assert_eq!(refused, Refused::NotifKey { len: 0 });
+        assert_eq!(refused.label(), "certificate");
+        assert!(refused.between("p", "d").contains("notification key of 0 bytes, not 32"), "{}", refused.between("p", "d"));
+        h.notif_key = vec![7; NOTIF_KEY_LEN];
+        assert_eq!(notif_key(&h, true), Ok(Some([7; NOTIF_KEY_LEN])));
+        h.notif_key = vec![7; 31];
+        assert!(notif_key(&h, true).is_err());
     }
 
     /// SPEC §3, D5: a new incarnation of an engine replaces the old one's agents.

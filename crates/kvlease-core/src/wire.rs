@@ -259,6 +259,12 @@ pub struct Hello {
     pub echo: (u64, u64),
     /// A MAC over the rest, under the cluster's secret (SPEC S1, S2); empty without one.
     pub auth: Vec<u8>,
+    /// SPEC S6, with certificates only: the key ([`crate::peers::NOTIF_KEY_LEN`] bytes) under
+    /// which the Hello's recipient must tag the notifications it sends this engine's agents
+    /// (over NIXL, whose notifications carry no certificate). Sent only inside mutual TLS, so
+    /// only the engine the recipient's certificate names learns it. Empty otherwise, and then
+    /// not on the wire (a Hello without it encodes as before it existed).
+    pub notif_key: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -376,6 +382,9 @@ impl Message {
                 put_varint(out, h.echo.0);
                 put_varint(out, h.echo.1);
                 put_bytes(out, &h.auth);
+                if !h.notif_key.is_empty() {
+                    put_bytes(out, &h.notif_key);
+                }
             }
             Message::Refused { what, reason } => {
                 out.push(tag::REFUSED);
@@ -487,7 +496,16 @@ impl Message {
                 }
                 let info = r.bytes(MAX_BLOB)?.to_vec();
                 let (t_send, echo) = (r.varint()?, (r.varint()?, r.varint()?));
-                Message::Hello(Hello { engine_id, incarnation, agents, info, t_send, echo, auth: r.bytes(MAX_STRING)?.to_vec() })
+                let auth = r.bytes(MAX_STRING)?.to_vec();
+                // On the wire only when there is one: one encoding per Hello.
+                let notif_key = match r.buf.is_empty() {
+                    true => Vec::new(),
+                    false => match r.bytes(MAX_STRING)? {
+                        [] => return Err(WireError::Body("empty notification key")),
+                        k => k.to_vec(),
+                    },
+                };
+                Message::Hello(Hello { engine_id, incarnation, agents, info, t_send, echo, auth, notif_key })
             }
             tag::REFUSED => {
                 Message::Refused { what: r.string("refusal label is not UTF-8")?, reason: r.string("refusal reason is not UTF-8")? }
@@ -773,6 +791,7 @@ mod tests {
             t_send: 7,
             echo: (1, 2),
             auth: vec![9; 32],
+            notif_key: Vec::new(),
         }
     }
 
@@ -788,6 +807,7 @@ mod tests {
             Message::ClockPing { seq: 3, t0: 4 },
             Message::ClockPong { seq: 3, t0: 4, t1: 5, t2: 6 },
             Message::Hello(hello()),
+            Message::Hello(Hello { notif_key: vec![5; 32], ..hello() }),
             Message::Refused { what: "geometry".into(), reason: "num_layers differs: 2 on \"p\", 4 on \"d\"".into() },
             Message::SideRelease(SideRelease {
                 engine_id: "d,0:HB".into(),

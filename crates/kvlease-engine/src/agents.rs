@@ -47,7 +47,14 @@ pub(crate) async fn start(inner: &Arc<Inner>) -> Result<Vec<Rank>, StartError> {
                 agent
             }
             #[cfg(feature = "nixl")]
-            TransportKind::Nixl => kvlease_transport::nixl::NixlAgent::start(name, arena.clone(), gate, tx, cfg.secret.clone()).await?,
+            TransportKind::Nixl => {
+                let options = kvlease_transport::nixl::NixlOptions {
+                    secret: cfg.secret.clone(),
+                    peer_keys: inner.peer_keys.clone(),
+                    ..Default::default()
+                };
+                kvlease_transport::nixl::NixlAgent::start_with(name, arena.clone(), gate, tx, options).await?
+            }
             #[cfg(not(feature = "nixl"))]
             TransportKind::Nixl => return Err(StartError::Config(ConfigError::NoNixl)),
         };

@@ -76,6 +76,10 @@ impl EngineHandle {
             cfg.engine_id = crate::ids::random_uuid_hex();
         }
         let incarnation = cfg.incarnation.unwrap_or_else(crate::ids::random_u64) | 1;
+        let peer_keys = match cfg.transfer_tls.is_some() {
+            true => Some(Arc::new(kvlease_transport::auth::PeerKeys::new(&cfg.engine_id)?)),
+            false => None,
+        };
         let metrics = Arc::new(Metrics::default());
         let pool = BlockPool::new(cfg.num_gpu_blocks, metrics.clone());
         let (sched_tx, sched_rx) = mpsc::unbounded_channel();
@@ -94,6 +98,7 @@ impl EngineHandle {
             pool,
             ranks: OnceLock::new(),
             kv_addr: OnceLock::new(),
+            peer_keys,
             holder: Woken::new(holder),
             renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),

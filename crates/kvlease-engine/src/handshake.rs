@@ -21,7 +21,7 @@ use crate::state::Inner;
 use crate::TransportKind;
 use kvlease_core::auth::{ClusterKey, Nonces, Side};
 use kvlease_core::clock::ClockSample;
-use kvlease_core::peers::{check_agent_names, check_reply, holder_name, Geometry, Refused};
+use kvlease_core::peers::{check_agent_names, check_reply, holder_name, notif_key, Geometry, Refused};
 use kvlease_core::renewer::{Handshook, NotRead, SideChannelRelease};
 use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_transport::admission::{Admission, Unproven};
@@ -146,7 +146,8 @@ pub(crate) fn geometry(inner: &Inner) -> Geometry {
     }
 }
 
-pub(crate) fn our_hello(inner: &Inner) -> Hello {
+/// Our Hello to engine `peer` (whose certificate the side channel checked, SPEC S6).
+pub(crate) fn our_hello(inner: &Inner, peer: &str) -> Hello {
     Hello {
         engine_id: inner.cfg.engine_id.clone(),
         incarnation: inner.incarnation,
@@ -156,6 +157,8 @@ pub(crate) fn our_hello(inner: &Inner) -> Hello {
         echo: (0, 0),
         // Signed per connection by the side channel (SPEC S1, S2).
         auth: Vec::new(),
+        // SPEC S6: for `peer` only, inside mutual TLS.
+        notif_key: inner.peer_keys.as_ref().map(|k| k.ours_for(peer).to_vec()).unwrap_or_default(),
     }
 }
 
@@ -269,7 +272,8 @@ fn refused(inner: &Inner, e: &side_channel::HandshakeError) {
 }
 
 async fn answer_hello(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn Stream>, hello: Hello, nonces: &Nonces, t_recv: u64) {
-    if let Err(e) = geometry(inner).check_peer(&hello) {
+    let acceptable = geometry(inner).check_peer(&hello).and_then(|_| notif_key(&hello, inner.peer_keys.is_some()));
+    if let Err(e) = acceptable {
         // Said in both logs, in the same words: the field, its flag and both values.
         let reason = e.between(&inner.cfg.engine_id, &hello.engine_id);
         tracing::warn!(peer = %hello.engine_id, "handshake refused: {reason}");
@@ -291,7 +295,7 @@ async fn answer_hello(inner: &Arc<Inner>, key: &ClusterKey, stream: &mut Box<dyn
             Err(e) => tracing::warn!(peer = %hello2.engine_id, "{e}"),
         }
     });
-    let mut ours = our_hello(inner);
+    let mut ours = our_hello(inner, &hello.engine_id);
     ours.echo = (hello.t_send, t_recv);
     let mut ours = Message::Hello(ours);
     side_channel::sign(key, nonces, Side::Acceptor, &mut ours);
@@ -329,6 +333,10 @@ fn apply_side_release(inner: &Inner, r: &SideRelease) -> Message {
 /// for it (SPEC S5). Returns their names, in rank order.
 pub(crate) async fn introduce(inner: &Arc<Inner>, hello: &Hello) -> Result<Vec<String>, HandshakeFailed> {
     geometry(inner).check_peer(hello)?;
+    // SPEC S6: the key our notifications to it are tagged under, before any can be sent.
+    if let (Some(keys), Some(theirs)) = (&inner.peer_keys, notif_key(hello, inner.peer_keys.is_some())?) {
+        keys.learn(&hello.engine_id, theirs);
+    }
     // All at once: an agent may wait for its peer to have added it too, and the peer adds ours
     // in an order of its own; one at a time, the two sides could wait on each other.
     let mut adds = Vec::new();
@@ -372,7 +380,7 @@ pub(crate) fn drop_agents(inner: &Inner, agents: &[String]) {
 /// fails or is refused says why, and what happens to the requests waiting for it (SPEC O4).
 pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, port: u16) {
     let addr = format!("{host}:{port}");
-    let ours = our_hello(&inner);
+    let ours = our_hello(&inner, &engine_id);
     let key = cluster_key(&inner);
     let result = async {
         let run = async {
@@ -574,7 +582,7 @@ mod tests {
         let ours = inner.ranks()[0].agent.metadata();
 
         let victim = agent("victim/1/0", &secret, ours.clone()).await;
-        let mut hello = our_hello(inner);
+        let mut hello = our_hello(inner, "mallory");
         hello.engine_id = "mallory".into();
         hello.incarnation = 7;
         hello.agents = vec![victim.metadata()];

@@ -322,7 +322,16 @@ mod tests {
     }
 
     fn hello(engine_id: &str) -> Hello {
-        Hello { engine_id: engine_id.into(), incarnation: 1, agents: vec![], info: b"{}".to_vec(), t_send: 1, echo: (0, 0), auth: vec![] }
+        Hello {
+            engine_id: engine_id.into(),
+            incarnation: 1,
+            agents: vec![],
+            info: b"{}".to_vec(),
+            t_send: 1,
+            echo: (0, 0),
+            auth: vec![],
+            notif_key: vec![],
+        }
     }
 
     /// Serves one connection on a fresh listener as the engine does: challenge, request; a Hello

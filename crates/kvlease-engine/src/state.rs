@@ -117,6 +117,9 @@ pub(crate) struct Inner {
     pub pool: Arc<BlockPool>,
     pub ranks: OnceLock<Vec<Rank>>,
     pub kv_addr: OnceLock<SocketAddr>,
+    /// SPEC S6, with certificates only: the notification keys this engine hands its peers in
+    /// its Hellos and the ones they handed it (NIXL's notifications carry no certificate).
+    pub peer_keys: Option<Arc<kvlease_transport::auth::PeerKeys>>,
     /// P: leases on our blocks, and blocks an unfenced READ may still target (SPEC P5, D6); the
     /// reaper is woken when the holder's next wake-up may have moved earlier.
     pub holder: Woken<LeaseHolder<Blocks>>,

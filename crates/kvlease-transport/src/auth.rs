@@ -9,8 +9,11 @@ use crate::TransportError;
 #[cfg(any(feature = "nixl", test))]
 use hmac::{Hmac, Mac};
 #[cfg(any(feature = "nixl", test))]
-use kvlease_core::auth::{ClusterKey, Tag};
-use kvlease_core::auth::{Nonce, NONCE_LEN};
+use kvlease_core::auth::Tag;
+use kvlease_core::auth::{ClusterKey, Nonce, NONCE_LEN};
+#[cfg(any(feature = "nixl", test))]
+use kvlease_core::peers::agent_engine;
+use kvlease_core::peers::NOTIF_KEY_LEN;
 #[cfg(any(feature = "nixl", test))]
 use sha2::Sha256;
 
@@ -57,6 +60,65 @@ impl NotifKey {
 
     pub fn verify(&self, counter: u64, payload: &[u8], tag: &[u8]) -> bool {
         self.mac(counter, payload).verify_slice(tag).is_ok()
+    }
+}
+
+/// Derives the key an engine hands one peer for the notifications that peer sends it (S6).
+const PAIR: &[u8] = b"kvlease-nixl-pair-v1";
+
+/// SPEC S6 over NIXL: the notification keys of one engine when engines hold certificates.
+///
+/// Under the cluster secret alone every member derives every pair's key, so an insider can tag
+/// a notification as any engine (S5 holds against outsiders only). With certificates the engine
+/// draws a random seed at start, and hands each peer engine, in its Hello inside the side
+/// channel's mutual TLS (so to the engine that certificate names and no other), the key that
+/// peer must tag its notifications to us with: derived from the seed and the peer's engine id,
+/// so no other engine can derive it, and the same in every handshake with that peer (two
+/// handshakes at once agree). The peer's own key for us is learnt from its Hello. Per pair of
+/// agents the tag key then derives from these as it does from the secret.
+pub struct PeerKeys {
+    engine_id: String,
+    seed: ClusterKey,
+    /// What each peer engine handed us, by engine id.
+    theirs: std::sync::Mutex<std::collections::HashMap<String, [u8; NOTIF_KEY_LEN]>>,
+}
+
+impl std::fmt::Debug for PeerKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerKeys").field("engine_id", &self.engine_id).finish_non_exhaustive()
+    }
+}
+
+impl PeerKeys {
+    /// The keys of engine `engine_id`, from a fresh seed from the OS.
+    pub fn new(engine_id: &str) -> Result<PeerKeys, TransportError> {
+        let mut seed = [0u8; 32];
+        getrandom::fill(&mut seed).map_err(|e| TransportError::Io(format!("no randomness from the OS for notification keys: {e}")))?;
+        Ok(PeerKeys { engine_id: engine_id.to_owned(), seed: ClusterKey::new(Some(&seed)), theirs: Default::default() })
+    }
+
+    /// The key `peer` must tag its notifications to us with: for our Hello to `peer` only.
+    pub fn ours_for(&self, peer: &str) -> [u8; NOTIF_KEY_LEN] {
+        self.seed.derive(PAIR, peer, &self.engine_id)
+    }
+
+    /// Takes the key `peer`'s Hello handed us, for the notifications we send it.
+    pub fn learn(&self, peer: &str, key: [u8; NOTIF_KEY_LEN]) {
+        self.theirs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(peer.to_owned(), key);
+    }
+
+    /// The base key of the notifications agent `sender` (of another engine) sends us.
+    #[cfg(any(feature = "nixl", test))]
+    pub(crate) fn inbound(&self, sender: &str) -> ClusterKey {
+        ClusterKey::new(Some(&self.ours_for(agent_engine(sender))))
+    }
+
+    /// The base key of the notifications we send agent `receiver`, once its engine's Hello
+    /// handed us one.
+    #[cfg(any(feature = "nixl", test))]
+    pub(crate) fn outbound(&self, receiver: &str) -> Option<ClusterKey> {
+        let theirs = self.theirs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        theirs.get(agent_engine(receiver)).map(|k| ClusterKey::new(Some(k)))
     }
 }
 
@@ -140,6 +202,25 @@ mod tests {
         assert!(!NotifKey::new(&k, "d", "p").verify(8, b"heartbeat", &t), "bound to its counter");
         assert!(!NotifKey::new(&k, "d", "p").verify(7, b"heartbeaT", &t), "bound to its payload");
         assert!(!NotifKey::new(&ClusterKey::new(Some(b"t")), "d", "p").verify(7, b"heartbeat", &t), "bound to the secret");
+    }
+
+    /// SPEC S6: the key an engine hands a peer is that peer's alone, the same in every
+    /// handshake, and what the peer learns is what tags its notifications to us.
+    #[test]
+    fn s6_peer_keys_are_per_peer_engine_and_per_seed() {
+        let (p, d) = (PeerKeys::new("p").unwrap(), PeerKeys::new("d").unwrap());
+        assert_eq!(p.ours_for("d"), p.ours_for("d"), "stable across handshakes");
+        assert_ne!(p.ours_for("d"), p.ours_for("x"), "another engine gets another key");
+        assert_ne!(p.ours_for("d"), PeerKeys::new("p").unwrap().ours_for("d"), "a new seed, a new key");
+        assert!(d.outbound("p/1/0").is_none(), "nothing to tag with before p's Hello");
+        d.learn("p", p.ours_for("d"));
+        let sent = NotifKey::new(&d.outbound("p/1/0").unwrap(), "d/2/0", "p/1/0").tag(1, b"release");
+        assert!(NotifKey::new(&p.inbound("d/2/0"), "d/2/0", "p/1/0").verify(1, b"release", &sent));
+        // An insider x, even one holding the secret, has only the key p handed x.
+        let x = PeerKeys::new("x").unwrap();
+        x.learn("p", p.ours_for("x"));
+        let forged = NotifKey::new(&x.outbound("p/1/0").unwrap(), "d/2/0", "p/1/0").tag(1, b"release");
+        assert!(!NotifKey::new(&p.inbound("d/2/0"), "d/2/0", "p/1/0").verify(1, b"release", &forged));
     }
 
     #[test]

@@ -52,7 +52,11 @@
 //! overtake it; the window takes each counter once in any order within it, and refuses anything
 //! older (a `ReadDone` overtaken by more than 4096 notifications to the same peer is lost: D
 //! recomputes, as for any lost `ReadDone`). Without a secret, K derives from the empty key and
-//! proves nothing: listen on loopback only (SPEC S3). Authentic notifications from an agent not
+//! proves nothing: listen on loopback only (SPEC S3). Every member holds the secret, so every
+//! member can derive every pair's key: against insiders, engines hold certificates (SPEC S6),
+//! and then the base of each pair's key is not the secret but a key the receiving engine handed
+//! the sending engine in its Hello, inside the side channel's mutual TLS ([`NixlOptions::peer_keys`],
+//! [`PeerKeys`]): only that engine has it. Authentic notifications from an agent not
 //! added by [`Agent::add_peer`] are held for [`NixlOptions::hold_unknown`] (the other side may be
 //! adding us right now: either side may add the other first), then dropped and reported as
 //! `Rejected { reason: "unknown_agent" }`.
@@ -81,6 +85,7 @@
 mod envelope;
 mod worker;
 
+use crate::auth::PeerKeys;
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, Segment, TransportError, WriteOp};
 use envelope::PeerMd;
 use std::collections::HashMap;
@@ -105,6 +110,11 @@ pub struct NixlOptions {
     /// a key derived from it (SPEC S2; see the module doc). `None`: the empty key, which proves
     /// nothing, so listen on loopback only (SPEC S3).
     pub secret: Option<Vec<u8>>,
+    /// With per-engine certificates (SPEC S6): notifications are tagged under the keys the
+    /// two engines handed each other inside mutual TLS instead of keys derived from the
+    /// secret, so a member of the cluster cannot tag one as another engine (see [`PeerKeys`]).
+    /// A notification to an agent whose engine handed no key is not sent.
+    pub peer_keys: Option<Arc<PeerKeys>>,
     /// How long a notification from an agent not (yet) added is held waiting for `add_peer`
     /// before it is dropped as `unknown_agent`. Zero drops at once.
     pub hold_unknown: Duration,
@@ -148,6 +158,7 @@ impl std::fmt::Debug for NixlOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NixlOptions")
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("peer_keys", &self.peer_keys)
             .field("hold_unknown", &self.hold_unknown)
             .field("max_held", &self.max_held)
             .field("max_notif", &self.max_notif)
@@ -167,6 +178,7 @@ impl Default for NixlOptions {
     fn default() -> Self {
         NixlOptions {
             secret: None,
+            peer_keys: None,
             hold_unknown: Duration::from_secs(5),
             max_held: 4096,
             max_notif: 16 * 1024 * 1024,

@@ -591,7 +591,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
             }
             if args.transport == Transport::Nixl {
                 tracing::warn!(
-                    "--kv-transfer-tls-*: with --transport nixl only the side channel runs mutual TLS; NIXL's notifications and reads are authenticated by the cluster secret alone (SPEC S6)"
+                    "--kv-transfer-tls-*: with --transport nixl the side channel runs mutual TLS and NIXL's notifications are bound to the certificates, but NIXL's READs and WRITEs run over UCX, unencrypted, and any agent holding our NIXL metadata can read our registered blocks (SPEC S6; P5/D6 keep such bytes from being used)"
                 );
             }
             Some(tls)

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use kvlease_core::auth::ClusterKey;
-use kvlease_core::peers::Geometry;
+use kvlease_core::peers::{Geometry, NOTIF_KEY_LEN};
 use kvlease_core::wire::{Hello, Message, SideRelease};
 use kvlease_engine::side_channel;
 use kvlease_transport::tls::{TransferTls, TransferTlsFlags};
@@ -206,7 +206,16 @@ fn geometry() -> Geometry {
 }
 
 fn hello(engine_id: &str, incarnation: u64, agents: Vec<Vec<u8>>) -> Hello {
-    Hello { engine_id: engine_id.into(), incarnation, agents, info: geometry().to_info(), t_send: 1, echo: (0, 0), auth: vec![] }
+    Hello {
+        engine_id: engine_id.into(),
+        incarnation,
+        agents,
+        info: geometry().to_info(),
+        t_send: 1,
+        echo: (0, 0),
+        auth: vec![],
+        notif_key: vec![],
+    }
 }
 
 /// The insider's side-channel connection to engine `expect` at `addr`, under its certificate.
@@ -238,6 +247,116 @@ fn hex16(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
 }
 
+/// D1's lease on P that an insider attacks: D1's request for it waits in D1's queue behind a
+/// long one, renewing (`held`), until the insider is done.
+struct Target {
+    pki: Pki,
+    p: Proc,
+    d1: Proc,
+    _local: Proc,
+    params: Value,
+    lease: u64,
+    d1_inc: u64,
+    want: String,
+    held: tokio::task::JoinHandle<String>,
+    busy: tokio::task::JoinHandle<String>,
+}
+
+impl Target {
+    /// P and D1 over `transport`, engine ids prefixed `tag`.
+    async fn new(tag: &str, transport: &str) -> Target {
+        let pki = Pki::new(tag);
+        let cfg = lease_config(3.0); // I = 0.5 s: D1 claims the lease within a second of arrival
+        let (p_id, d1_id) = (format!("{tag}-p"), format!("{tag}-d1"));
+        let p = Proc::serve(&p_id, &refs(&with(&pki.flags(&p_id, false), &["--kv-transfer-config", &cfg, "--transport", transport])));
+        let d1_flags = with(
+            &pki.flags(&d1_id, false),
+            &["--kv-transfer-config", &cfg, "--max-num-seqs", "1", "--decode-ms-per-token", "100", "--transport", transport],
+        );
+        let d1 = Proc::serve(&d1_id, &refs(&d1_flags));
+        let local = Proc::serve(&format!("{tag}-local"), &[]);
+        let prompt = "the insider's target";
+        let want = text(&local.url, &completion(prompt, 4, None)).await;
+        let params = prefill(&p, prompt).await;
+        let lease: u64 = params["remote_lease_id"].as_u64().or_else(|| params["remote_lease_id"].as_str()?.parse().ok()).expect("lease id");
+        // D1's incarnation, as any HTTP client learns it from D1's own params.
+        let d1_params = prefill(&d1, "d1's own").await;
+        let d1_inc: u64 = d1_params["remote_incarnation"].as_str().and_then(|s| s.parse().ok()).expect("incarnation");
+
+        // D1 is busy for ~6 s; the request waits in its queue, renewing.
+        let busy = tokio::spawn({
+            let url = d1.url.clone();
+            async move { text(&url, &completion("a long one", 60, None)).await }
+        });
+        until("D1 to run its long request", DEADLINE, || async { metric(&d1.url, "kvlease_requests_running").await == 1.0 }).await;
+        let held = tokio::spawn({
+            let (url, body) = (d1.url.clone(), completion(prompt, 4, Some(&params)));
+            async move { text(&url, &body).await }
+        });
+        until("D1 to renew the lease", DEADLINE, || async { metric(&p.url, "kvlease_lease_renewals_total").await >= 1.0 }).await;
+        Target { pki, p, d1, _local: local, params, lease, d1_inc, want, held, busy }
+    }
+
+    /// P's side channel.
+    fn side(&self) -> String {
+        format!("{}:{}", self.params["remote_host"].as_str().expect("host"), self.params["remote_port"])
+    }
+
+    /// The digest of D1's prompt, as a `ReadDone` names it.
+    fn digest(&self) -> kvlease_core::digest::PromptDigest {
+        let digest = hex16(self.params["kvlease_prompt_digest"].as_str().expect("digest"));
+        let mut d = [0u8; 16];
+        d.copy_from_slice(&digest);
+        kvlease_core::digest::PromptDigest(d)
+    }
+
+    /// A heartbeat, a release and a `ReadDone` of D1's lease: what an insider sends as D1.
+    fn attacks(&self) -> [Message; 3] {
+        [
+            Message::Heartbeat { seq: 1, lease_ids: vec![self.lease] },
+            Message::Release { lease_ids: vec![self.lease] },
+            Message::ReadDone { lease_id: self.lease, consumer_rank: 0, n: 1, digest: self.digest() },
+        ]
+    }
+
+    /// After the attacks: D1's lease is untouched, D1 pulls its KV (nothing recomputed) and the
+    /// lease ends once, as `transferred`.
+    async fn untouched(self) {
+        assert_eq!(metric(&self.p.url, "kvlease_leases_active").await, 1.0, "D1's lease is untouched");
+        assert_eq!(self.held.await.expect("D1's request"), self.want);
+        self.busy.await.expect("the long request");
+        assert_eq!(metric(&self.d1.url, "kvlease_recomputed_requests_total").await, 0.0, "D1 pulled its KV");
+        until("the lease transferred", DEADLINE, || async {
+            metric(&self.p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
+        })
+        .await;
+        assert_eq!(metric(&self.p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 0.0);
+    }
+}
+
+/// Waits for the next notification `events` brings and decodes it.
+async fn answer(events: &mut tokio::sync::mpsc::UnboundedReceiver<AgentEvent>) -> Message {
+    tokio::time::timeout(DEADLINE, async {
+        loop {
+            if let Some(AgentEvent::Notification { bytes, .. }) = events.recv().await {
+                return Message::decode(&bytes).expect("P's answer");
+            }
+        }
+    })
+    .await
+    .expect("P answers")
+}
+
+/// The lease ids P's answer says are lost.
+fn lost(answer: Message) -> Vec<u64> {
+    match answer {
+        Message::HeartbeatAck { lost_ids, .. } => lost_ids,
+        Message::LeaseLost { lease_ids } => lease_ids,
+        Message::ReadDoneAck { lease_id, live: false } => vec![lease_id],
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
 /// SPEC S6 (3), S5 against insiders: D1 holds a lease on P (its request waits in D1's queue,
 /// renewing). An insider holds the cluster secret and a valid certificate, but for engine X.
 /// As D1 it can do nothing: its Hello and its release claiming D1 are refused at the side
@@ -247,35 +366,9 @@ fn hex16(s: &str) -> Vec<u8> {
 /// lease released once, as `transferred`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s6_an_insider_with_a_valid_certificate_cannot_act_as_another_engine() {
-    let pki = Pki::new("insider");
-    let cfg = lease_config(3.0); // I = 0.5 s: D1 claims the lease within a second of arrival
-    let p = Proc::serve("s6i-p", &refs(&with(&pki.flags("s6i-p", false), &["--kv-transfer-config", &cfg])));
-    let d1_flags =
-        with(&pki.flags("s6i-d1", false), &["--kv-transfer-config", &cfg, "--max-num-seqs", "1", "--decode-ms-per-token", "100"]);
-    let d1 = Proc::serve("s6i-d1", &refs(&d1_flags));
-    let local = Proc::serve("s6i-local", &[]);
-    let prompt = "the insider's target";
-    let want = text(&local.url, &completion(prompt, 4, None)).await;
-    let params = prefill(&p, prompt).await;
-    let lease: u64 = params["remote_lease_id"].as_u64().or_else(|| params["remote_lease_id"].as_str()?.parse().ok()).expect("lease id");
-    // D1's incarnation, as any HTTP client learns it from D1's own params.
-    let d1_params = prefill(&d1, "d1's own").await;
-    let d1_inc: u64 = d1_params["remote_incarnation"].as_str().and_then(|s| s.parse().ok()).expect("incarnation");
-
-    // D1 is busy for ~6 s; the request waits in its queue, renewing.
-    let busy = tokio::spawn({
-        let url = d1.url.clone();
-        async move { text(&url, &completion("a long one", 60, None)).await }
-    });
-    until("D1 to run its long request", DEADLINE, || async { metric(&d1.url, "kvlease_requests_running").await == 1.0 }).await;
-    let held = tokio::spawn({
-        let (url, body) = (d1.url.clone(), completion(prompt, 4, Some(&params)));
-        async move { text(&url, &body).await }
-    });
-    until("D1 to renew the lease", DEADLINE, || async { metric(&p.url, "kvlease_lease_renewals_total").await >= 1.0 }).await;
-
-    let x = pki.tls("s6i-x");
-    let side = format!("{}:{}", params["remote_host"].as_str().expect("host"), params["remote_port"]);
+    let t = Target::new("s6i", "tcp").await;
+    let (p, lease, d1_inc, side) = (&t.p, t.lease, t.d1_inc, t.side());
+    let x = t.pki.tls("s6i-x");
     let rejected = |p: &Proc| {
         let url = p.url.clone();
         async move { metric(&url, "kvlease_handshakes_refused_total{reason=\"certificate\"}").await }
@@ -299,13 +392,13 @@ async fn s6_an_insider_with_a_valid_certificate_cannot_act_as_another_engine() {
     };
     let e = side_channel::release(side_stream(&x, &side, "s6i-p").await, &side, &key(), release).await.expect_err("refused").to_string();
     assert!(e.contains("its certificate is engine \"s6i-x\"'s but it claims to be engine \"s6i-d1\""), "{e}");
-    assert!(rejected(&p).await >= 2.0);
+    assert!(rejected(p).await >= 2.0);
 
     // As X, the engine it is: P accepts it, and tells it P's agents.
     let (agent, mut events) = insider_agent("s6i-x/1/0", x.clone()).await;
-    let p_hello = side_channel::exchange(side_stream(&x, &side, "s6i-p").await, &side, &key(), hello("s6i-x", 1, vec![agent.metadata()]))
-        .await
-        .expect("an honest Hello is answered");
+    let ours = Hello { notif_key: vec![0; NOTIF_KEY_LEN], ..hello("s6i-x", 1, vec![agent.metadata()]) };
+    let p_hello =
+        side_channel::exchange(side_stream(&x, &side, "s6i-p").await, &side, &key(), ours).await.expect("an honest Hello is answered");
     let p_agent = agent.add_peer(&p_hello.agents[0]).await.expect("X's agent connects as X");
 
     // Dial as D1: P's agent refuses the agent named for D1 under X's certificate.
@@ -313,50 +406,78 @@ async fn s6_an_insider_with_a_valid_certificate_cannot_act_as_another_engine() {
     assert!(e.contains("our certificate is not the engine our agent is named for"), "{e}");
 
     // Renew, release, complete and read D1's lease, as X.
-    let digest = hex16(params["kvlease_prompt_digest"].as_str().expect("digest"));
-    let mut d = [0u8; 16];
-    d.copy_from_slice(&digest);
-    for msg in [
-        Message::Heartbeat { seq: 1, lease_ids: vec![lease] },
-        Message::Release { lease_ids: vec![lease] },
-        Message::ReadDone { lease_id: lease, consumer_rank: 0, n: 1, digest: kvlease_core::digest::PromptDigest(d) },
-    ] {
+    for msg in t.attacks() {
         agent.send_notif(&p_agent, msg.encode()).expect("sent");
-        let answer = tokio::time::timeout(DEADLINE, async {
-            loop {
-                if let Some(AgentEvent::Notification { bytes, .. }) = events.recv().await {
-                    return Message::decode(&bytes).expect("P's answer");
-                }
-            }
-        })
-        .await
-        .expect("P answers");
-        let lost = match answer {
-            Message::HeartbeatAck { lost_ids, .. } => lost_ids,
-            Message::LeaseLost { lease_ids } => lease_ids,
-            Message::ReadDoneAck { lease_id, live: false } => vec![lease_id],
-            other => panic!("unexpected answer {other:?}"),
-        };
-        assert_eq!(lost, vec![lease], "{msg:?} is answered lost for X");
+        assert_eq!(lost(answer(&mut events).await), vec![lease], "{msg:?} is answered lost for X");
     }
-    let block = params["remote_block_ids"][0].as_u64().expect("a block") as u32;
+    let block = t.params["remote_block_ids"][0].as_u64().expect("a block") as u32;
     let read = ReadOp {
         lease_id: lease,
         segments: vec![Segment { remote_block: block, remote_offset: 0, local_block: 0, local_offset: 0, len: 64 }],
         notif: None,
-        tag: digest,
+        tag: t.digest().0.to_vec(),
     };
     assert!(matches!(agent.read(&p_agent, read).await, Err(TransportError::Refused { .. })), "X's read of D1's lease is refused");
+    t.untouched().await;
+}
 
+/// SPEC S6 (3) over NIXL, S5 against insiders: NIXL's notifications carry no certificate, and
+/// under the secret alone every member can tag one as any engine. With certificates, P tags
+/// what it takes from D1 under a key it handed D1 alone, inside mutual TLS. An insider with the
+/// cluster secret and a valid certificate for X runs a NIXL agent named for D1 and sends P a
+/// heartbeat, a release and a `ReadDone` of D1's lease, tagged under the secret (what P took
+/// before keys were bound to certificates: the release ended D1's lease): P drops all three as
+/// unauthenticated. As X, with the key P handed X, the same three are answered lost. D1 then
+/// pulls its KV untouched. (A NIXL READ cannot be refused, so an insider holding P's metadata
+/// can read P's blocks: P5/D6 keep anyone from using bytes P did not confirm; README, security.)
+#[cfg(feature = "nixl")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_nixl_an_insider_cannot_tag_notifications_as_another_engine() {
+    use kvlease_transport::auth::PeerKeys;
+    use kvlease_transport::nixl::{NixlAgent, NixlOptions};
+    if !nixl_or_skip() {
+        return;
+    }
+    let t = Target::new("s6n", "nixl").await;
+    let (p, lease, side) = (&t.p, t.lease, t.side());
+    let x = t.pki.tls("s6n-x");
+    let nixl_agent = |name: String, keys: Option<Arc<PeerKeys>>| async move {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let options = NixlOptions { secret: Some(SECRET.as_bytes().to_vec()), peer_keys: keys, ..Default::default() };
+        let agent = NixlAgent::start_with(name, BlockArena::new(4, 16384), Arc::new(OpenGate), events, options).await.expect("NIXL agent");
+        (agent, rx)
+    };
+
+    // X's honest handshake: P hands X its agents and the key X must tag its notifications with.
+    let keys = Arc::new(PeerKeys::new("s6n-x").expect("keys"));
+    let (agent, mut events) = nixl_agent("s6n-x/1/0".into(), Some(keys.clone())).await;
+    let ours = Hello { notif_key: keys.ours_for("s6n-p").to_vec(), ..hello("s6n-x", 1, vec![agent.metadata()]) };
+    let p_hello =
+        side_channel::exchange(side_stream(&x, &side, "s6n-p").await, &side, &key(), ours).await.expect("an honest Hello is answered");
+    keys.learn("s6n-p", p_hello.notif_key.as_slice().try_into().expect("P hands X a key"));
+
+    // As D1: an agent named for D1, tagging under the cluster secret.
+    let (as_d1, _) = nixl_agent(format!("s6n-d1/{:x}/0", t.d1_inc), None).await;
+    let p_agent = as_d1.add_peer(&p_hello.agents[0]).await.expect("P's metadata loads");
+    let unauthenticated = "kvlease_messages_rejected_total{reason=\"unauthenticated\"}";
+    let before = metric(&p.url, unauthenticated).await;
+    // Counters above any D1 has used (it renews twice a second): not refused as replays, so
+    // only the tag can stop them (it did not, under keys derived from the secret).
+    let padding = (0..64).map(|seq| Message::Heartbeat { seq, lease_ids: vec![] });
+    let sent: Vec<Message> = padding.chain(t.attacks()).collect();
+    for msg in &sent {
+        as_d1.send_notif(&p_agent, msg.encode()).expect("sent");
+    }
+    until("P drops every forgery", DEADLINE, || async { metric(&p.url, unauthenticated).await >= before + sent.len() as f64 }).await;
     assert_eq!(metric(&p.url, "kvlease_leases_active").await, 1.0, "D1's lease is untouched");
-    assert_eq!(held.await.expect("D1's request"), want);
-    busy.await.expect("the long request");
-    assert_eq!(metric(&d1.url, "kvlease_recomputed_requests_total").await, 0.0, "D1 pulled its KV");
-    until("the lease transferred", DEADLINE, || async {
-        metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await == 1.0
-    })
-    .await;
-    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"released\"}").await, 0.0);
+
+    // As X, the engine it is: answered lost.
+    let p_agent = agent.add_peer(&p_hello.agents[0]).await.expect("X's agent adds P's");
+    for msg in t.attacks() {
+        agent.send_notif(&p_agent, msg.encode()).expect("sent");
+        assert_eq!(lost(answer(&mut events).await), vec![lease], "{msg:?} is answered lost for X");
+    }
+    t.untouched().await;
 }
 
 /// SPEC S6 (4): a certificate whose engine is not the claimed engine id is refused, naming both:

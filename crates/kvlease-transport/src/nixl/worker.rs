@@ -297,7 +297,7 @@ impl Worker {
             }
             Cmd::Notif { peer, bytes } => {
                 if self.usable(&peer).is_ok() {
-                    let sealed = self.seal(&peer, bytes);
+                    let Ok(sealed) = self.seal(&peer, bytes) else { return true };
                     if self.agent.send_notification(&peer, &sealed, None).is_err() {
                         self.broke(&peer);
                     } else {
@@ -452,7 +452,13 @@ impl Worker {
         }
         // Sealed now, sent by NIXL when the data has landed (here for a READ, at the peer for a
         // WRITE): later notifications may overtake it.
-        let notif = notif.map(|n| self.seal(&peer, n));
+        let notif = match notif.map(|n| self.seal(&peer, n)).transpose() {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
         if descs.is_empty() {
             // Nothing to move (NIXL refuses empty transfers): the notification goes alone.
             if let Some(n) = notif {
@@ -589,13 +595,26 @@ impl Worker {
         }
     }
 
-    /// Seals a notification to `peer` with the next counter (SPEC S2).
-    fn seal(&mut self, peer: &str, payload: Vec<u8>) -> Vec<u8> {
-        let out =
-            self.outbound.entry(peer.to_owned()).or_insert_with(|| Outbound { key: NotifKey::new(&self.key, &self.name, peer), next: 1 });
+    /// Seals a notification to `peer` with the next counter (SPEC S2); with certificates under
+    /// the key `peer`'s engine handed us (S6), and not at all before it did.
+    fn seal(&mut self, peer: &str, payload: Vec<u8>) -> Result<Vec<u8>, TransportError> {
+        if !self.outbound.contains_key(peer) {
+            let key = match &self.options.peer_keys {
+                None => NotifKey::new(&self.key, &self.name, peer),
+                Some(keys) => match keys.outbound(peer) {
+                    Some(base) => NotifKey::new(&base, &self.name, peer),
+                    None => {
+                        tracing::warn!(peer, "notification not sent: the peer's engine handed no notification key (SPEC S6)");
+                        return Err(TransportError::UnknownPeer(peer.to_owned()));
+                    }
+                },
+            };
+            self.outbound.insert(peer.to_owned(), Outbound { key, next: 1 });
+        }
+        let Some(out) = self.outbound.get_mut(peer) else { return Err(TransportError::UnknownPeer(peer.to_owned())) };
         let counter = out.next;
         out.next += 1;
-        envelope::seal_notif(payload, counter, &out.key)
+        Ok(envelope::seal_notif(payload, counter, &out.key))
     }
 
     /// The payload of a notification from `from` if its tag is `from`'s and its counter was not
@@ -610,7 +629,10 @@ impl Worker {
                 }
             }
             None => {
-                let key = NotifKey::new(&self.key, from, &self.name);
+                let key = match &self.options.peer_keys {
+                    None => NotifKey::new(&self.key, from, &self.name),
+                    Some(keys) => NotifKey::new(&keys.inbound(from), from, &self.name),
+                };
                 if !key.verify(counter, &bytes[..len], tag) {
                     return None;
                 }
