@@ -351,8 +351,55 @@ fn mark_down(i: &Instance, why: &str) {
     }
 }
 
+/// The HTTP client to the engines, built again once `--enable-ssl-refresh` read new files
+/// ([`crate::tls::Tls::refresh_on_change`]): new connections then trust the new CAs and
+/// present the new certificate; pooled ones keep theirs until they close.
+struct UpstreamClient {
+    tls: crate::tls::ClientTls,
+    /// The client, and the generation of the files it was built from.
+    built: std::sync::RwLock<(u64, reqwest::Client)>,
+}
+
+impl UpstreamClient {
+    fn new(tls: crate::tls::ClientTls) -> Result<UpstreamClient, ProxyError> {
+        let generation = tls.generation();
+        let client = Self::build(&tls).map_err(ProxyError)?;
+        Ok(UpstreamClient { tls, built: std::sync::RwLock::new((generation, client)) })
+    }
+
+    fn build(tls: &crate::tls::ClientTls) -> Result<reqwest::Client, String> {
+        let builder = reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(5))
+            .pool_idle_timeout(Duration::from_secs(30));
+        tls.apply(builder).map_err(|e| e.to_string())?.build().map_err(|e| format!("cannot build the HTTP client: {e}"))
+    }
+
+    /// The client for the next request (a handle: cloning it is cheap).
+    fn get(&self) -> reqwest::Client {
+        let generation = self.tls.generation();
+        {
+            let built = self.built.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if built.0 == generation {
+                return built.1.clone();
+            }
+        }
+        let mut built = self.built.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if built.0 != generation {
+            match Self::build(&self.tls) {
+                Ok(client) => *built = (generation, client),
+                // Checked when the files were read, so not expected: keep the client we have.
+                Err(e) => tracing::error!("--enable-ssl-refresh: {e}; the proxy keeps its client to the engines"),
+            }
+            built.0 = generation;
+        }
+        built.1.clone()
+    }
+}
+
 struct Proxy {
-    client: reqwest::Client,
+    client: UpstreamClient,
     prefill: Pool,
     decode: Pool,
     request_timeout: Duration,
@@ -423,18 +470,7 @@ pub fn router(cfg: ProxyConfig) -> Result<Router, ProxyError> {
 /// The router, counting into `http` what the listener under it counts.
 fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
     cfg.check()?;
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(5))
-        .pool_idle_timeout(Duration::from_secs(30));
-    let client = cfg
-        .tls
-        .client
-        .apply(client)
-        .map_err(|e| ProxyError(e.to_string()))?
-        .build()
-        .map_err(|e| ProxyError(format!("cannot build the HTTP client: {e}")))?;
+    let client = UpstreamClient::new(cfg.tls.client.clone())?;
     let proxy = Arc::new_cyclic(|me| {
         let mut registry = Registry::default();
         let proxy = Proxy {
@@ -520,7 +556,7 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
             .iter()
             .chain(decode.iter())
             .map(|i| {
-                let (client, i) = (proxy.client.clone(), i.clone());
+                let (client, i) = (proxy.client.get(), i.clone());
                 async move {
                     let probe = client.get(i.up.url("/health")).timeout(Duration::from_secs(1)).send().await;
                     match probe {
@@ -662,7 +698,7 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
 /// A healthy decoder's `/v1/models`.
 async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
     let Some(d) = p.decode.pick() else { return ApiError::unavailable("no decoder").into_response() };
-    let mut req = p.client.get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
+    let mut req = p.client.get().get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
     if let Some(a) = headers.get(header::AUTHORIZATION) {
         req = req.header(header::AUTHORIZATION, a.clone());
     }
@@ -1254,6 +1290,7 @@ async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &V
     let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
     let sent = p
         .client
+        .get()
         .post(prefiller.url("/kvlease/release"))
         .header(REQUEST_ID, rid)
         .timeout(Duration::from_secs(2))
@@ -1320,7 +1357,7 @@ async fn send(
     auth: Option<&HeaderValue>,
     body: &Map<String, Value>,
 ) -> Result<reqwest::Response, ApiError> {
-    let mut req = p.client.post(to.up.url(path)).header(REQUEST_ID, rid).json(body);
+    let mut req = p.client.get().post(to.up.url(path)).header(REQUEST_ID, rid).json(body);
     if let Some(a) = auth {
         req = req.header(header::AUTHORIZATION, a.clone());
     }

@@ -14,10 +14,11 @@
 //!   other root), and the proxy presents its own `--ssl-certfile` to upstreams that ask for a
 //!   client certificate.
 //! * `--enable-ssl-refresh` (vLLM's): the listener's certificate, key and CAs are read again
-//!   when any of their files changes ([`ServerTls::refresh_on_change`]); new handshakes use them,
-//!   open connections keep theirs. A set that does not load (a key written before its
-//!   certificate, a broken file) is logged naming the flag and the current one stays. The
-//!   proxy's client to its upstreams keeps what it started with.
+//!   when any of their files changes ([`Tls::refresh_on_change`]); new handshakes use them,
+//!   open connections keep theirs, and the proxy's client to its upstreams trusts the new CAs
+//!   and presents the new certificate from its next request on. A set that does not load (a
+//!   key written before its certificate, a broken file) is logged naming the flag and the
+//!   current one stays.
 
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -75,27 +76,8 @@ impl ServerTls {
         self.0.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// `--enable-ssl-refresh`: looks at the files `flags` name every `every`; when any changed
-    /// (modified, resized or replaced), reads them all again and, if they make a listener,
-    /// accepts new connections with them. Runs until the task is dropped with the runtime.
-    pub fn refresh_on_change(&self, flags: TlsFlags, every: Duration) -> tokio::task::JoinHandle<()> {
-        let tls = self.clone();
-        let files = [&flags.certfile, &flags.keyfile, &flags.ca_certs].into_iter().flatten().cloned().collect();
-        kvlease_transport::tls::watch_files(files, every, move || match Tls::load(&flags) {
-            Ok(Tls { server: Some(fresh), .. }) => {
-                *tls.0.write().unwrap_or_else(PoisonError::into_inner) = fresh.acceptor();
-                tracing::info!("--enable-ssl-refresh: the certificate files changed; new connections use them");
-                true
-            }
-            Ok(Tls { server: None, .. }) => {
-                tracing::error!("--enable-ssl-refresh: the flags name no certificate any more");
-                false
-            }
-            Err(e) => {
-                tracing::error!("--enable-ssl-refresh: {e}; still serving the certificate loaded before");
-                false
-            }
-        })
+    fn replace(&self, fresh: &ServerTls) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = fresh.acceptor();
     }
 }
 
@@ -105,31 +87,54 @@ impl std::fmt::Debug for ServerTls {
     }
 }
 
-/// What the proxy's client to its upstreams trusts and presents.
+/// What the proxy's client to its upstreams trusts and presents; with `--enable-ssl-refresh`
+/// replaced when the files change ([`Tls::refresh_on_change`]), each replacement counted so
+/// the proxy knows to build its client again.
 #[derive(Debug, Clone, Default)]
-pub struct ClientTls {
+pub struct ClientTls(Arc<RwLock<ClientPems>>);
+
+#[derive(Debug, Clone, Default)]
+struct ClientPems {
     /// `--ssl-ca-certs` as PEM: the only roots an `https://` upstream's certificate may chain to.
-    pub(crate) roots_pem: Option<Vec<u8>>,
+    roots_pem: Option<Vec<u8>>,
     /// `--ssl-certfile` and `--ssl-keyfile` as one PEM, presented to upstreams that ask.
-    pub(crate) identity_pem: Option<Vec<u8>>,
+    identity_pem: Option<Vec<u8>>,
+    /// How many times the files were read again.
+    generation: u64,
 }
 
 impl ClientTls {
-    /// Whether the proxy can check an `https://` upstream's certificate.
-    pub fn has_roots(&self) -> bool {
-        self.roots_pem.is_some()
+    fn pems(&self) -> std::sync::RwLockReadGuard<'_, ClientPems> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// `builder` trusting only these roots and presenting this identity.
+    /// Whether the proxy can check an `https://` upstream's certificate.
+    pub fn has_roots(&self) -> bool {
+        self.pems().roots_pem.is_some()
+    }
+
+    /// Bumped each time the files are read again: a client built before is out of date.
+    pub(crate) fn generation(&self) -> u64 {
+        self.pems().generation
+    }
+
+    fn replace(&self, fresh: &ClientTls) {
+        let fresh = fresh.pems().clone();
+        let mut pems = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        *pems = ClientPems { generation: pems.generation + 1, ..fresh };
+    }
+
+    /// `builder` trusting only these roots and presenting this identity (as they are now).
     pub(crate) fn apply(&self, mut builder: reqwest::ClientBuilder) -> Result<reqwest::ClientBuilder, TlsError> {
         builder = builder.tls_built_in_root_certs(false);
-        if let Some(pem) = &self.roots_pem {
+        let pems = self.pems();
+        if let Some(pem) = &pems.roots_pem {
             let roots = reqwest::Certificate::from_pem_bundle(pem).map_err(|source| TlsError::Client { flag: "--ssl-ca-certs", source })?;
             for cert in roots {
                 builder = builder.add_root_certificate(cert);
             }
         }
-        if let Some(pem) = &self.identity_pem {
+        if let Some(pem) = &pems.identity_pem {
             let identity =
                 reqwest::Identity::from_pem(pem).map_err(|source| TlsError::Client { flag: "--ssl-certfile/--ssl-keyfile", source })?;
             builder = builder.identity(identity);
@@ -227,7 +232,33 @@ impl Tls {
             Some((s, identity)) => (Some(s), Some(identity)),
             None => (None, None),
         };
-        Ok(Tls { server, client: ClientTls { roots_pem: ca.map(|(_, pem)| pem), identity_pem } })
+        let client = ClientPems { roots_pem: ca.map(|(_, pem)| pem), identity_pem, generation: 0 };
+        Ok(Tls { server, client: ClientTls(Arc::new(RwLock::new(client))) })
+    }
+
+    /// `--enable-ssl-refresh`: looks at the files `flags` name every `every`; when any changed
+    /// (modified, resized or replaced), reads them all again and, if they make a listener,
+    /// accepts new connections with them, and the proxy's client to its upstreams trusts and
+    /// presents them from its next request on. Runs until the task is dropped with the runtime.
+    pub fn refresh_on_change(&self, flags: TlsFlags, every: Duration) -> tokio::task::JoinHandle<()> {
+        let tls = self.clone();
+        let files = [&flags.certfile, &flags.keyfile, &flags.ca_certs].into_iter().flatten().cloned().collect();
+        kvlease_transport::tls::watch_files(files, every, move || match (Tls::load(&flags), &tls.server) {
+            (Ok(Tls { server: Some(fresh), client }), Some(server)) => {
+                server.replace(&fresh);
+                tls.client.replace(&client);
+                tracing::info!("--enable-ssl-refresh: the certificate files changed; new connections use them");
+                true
+            }
+            (Ok(_), _) => {
+                tracing::error!("--enable-ssl-refresh: the flags name no certificate any more");
+                false
+            }
+            (Err(e), _) => {
+                tracing::error!("--enable-ssl-refresh: {e}; still serving the certificate loaded before");
+                false
+            }
+        })
     }
 }
 

@@ -223,8 +223,9 @@ struct TlsArgs {
     #[arg(long, value_name = "0|1|2", allow_negative_numbers = true)]
     ssl_cert_reqs: Option<i64>,
     /// Read --ssl-certfile, --ssl-keyfile and --ssl-ca-certs again when any of them changes
-    /// (checked every second); new connections use them, open ones keep theirs. A set that does
-    /// not load is logged and the current one stays.
+    /// (checked every second); new connections use them, open ones keep theirs (the proxy's
+    /// client to https:// engines too). A set that does not load is logged and the current one
+    /// stays.
     #[arg(long)]
     enable_ssl_refresh: bool,
 }
@@ -244,12 +245,12 @@ impl TlsArgs {
     fn load(&self) -> Result<kvlease_server::Tls, InvalidConfig> {
         let tls = kvlease_server::Tls::load(&self.flags()).map_err(|e| InvalidConfig(e.to_string()))?;
         if self.enable_ssl_refresh {
-            let Some(server) = &tls.server else {
+            if tls.server.is_none() {
                 return Err(InvalidConfig(
                     "--enable-ssl-refresh is given without --ssl-certfile and --ssl-keyfile: there is no certificate to refresh".into(),
                 ));
-            };
-            server.refresh_on_change(self.flags(), SSL_REFRESH_EVERY);
+            }
+            tls.refresh_on_change(self.flags(), SSL_REFRESH_EVERY);
         }
         Ok(tls)
     }

@@ -369,3 +369,48 @@ async fn s6_enable_ssl_refresh_serves_a_rotated_certificate_and_keeps_the_last_g
     .await;
     assert_eq!(get(&rotated, &health).await.expect("the last good certificate still served").0, 200);
 }
+
+/// vLLM's `--enable-ssl-refresh` on the proxy, its client half (issue 26): the engines were
+/// moved to certificates of a new CA, and the proxy, which trusts only `--ssl-ca-certs`, cannot
+/// reach them (every request fails, nothing is answered wrong). Once the operator writes the new
+/// CA into the proxy's `--ssl-ca-certs` file, the proxy trusts it from its next connection on,
+/// without a restart: requests through it answer as a local run. Fails when the proxy's client
+/// keeps the CA it started with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_enable_ssl_refresh_makes_the_proxy_trust_a_rotated_engine_ca() {
+    let pki = Pki::new("proxy-refresh");
+    let (ca2, ca2_key) = make_ca("the engines' new CA");
+    std::fs::write(pki.dir.join("ca2.pem"), ca2.pem()).unwrap();
+    pki.leaf("engine", vec![ExtendedKeyUsagePurpose::ServerAuth], &ca2, &ca2_key);
+    std::fs::copy(pki.dir.join("ca.pem"), pki.dir.join("proxy-ca.pem")).unwrap();
+    let cfg = lease_config(30.0);
+    let engine = ["--ssl-certfile", &pki.path("engine.pem"), "--ssl-keyfile", &pki.path("engine.key"), "--kv-transfer-config", &cfg];
+    let p = Proc::serve("s6-pr-p", &engine);
+    let d = Proc::serve("s6-pr-d", &engine);
+    let local = Proc::serve("s6-pr-local", &[]);
+    let proxy_flags = [
+        "--ssl-certfile",
+        &pki.path("server.pem"),
+        "--ssl-keyfile",
+        &pki.path("server.key"),
+        "--ssl-ca-certs",
+        &pki.path("proxy-ca.pem"),
+        "--enable-ssl-refresh",
+    ];
+    let proxy = Proc::proxy_with(&[&p], &[&d], &proxy_flags);
+    let client = pki.client(None);
+    let body = json!({"model": "kvlease-synthetic", "prompt": "a rotated CA", "max_tokens": 6, "ignore_eos": true});
+    let (status, want) = post(&format!("{}/v1/completions", local.url), &body).await;
+    assert_eq!(status, 200, "{want}");
+    let want = text_of(&want, false);
+    let url = format!("{}/v1/completions", proxy.url);
+    let (status, _) = post_with(&client, &url, &body).await;
+    assert!(status >= 500, "the proxy does not trust the engines' new CA yet: {status}");
+
+    std::fs::write(pki.dir.join("proxy-ca.pem"), ca2.pem()).unwrap();
+    common::until("the proxy to trust the new CA", DEADLINE, || async {
+        let (status, got) = post_with(&client, &url, &body).await;
+        status == 200 && text_of(&got, false) == want
+    })
+    .await;
+}
