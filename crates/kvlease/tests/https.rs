@@ -136,9 +136,22 @@ async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
 /// lease is transferred (the P leg, the D leg and D's read all happened).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s6_p_d_and_proxy_over_https_answer_as_local() {
-    let pki = Pki::new("pd");
+    p_d_and_proxy_over_https("tcp").await;
+}
+
+/// The same with P and D on NIXL (`--transport nixl`): HTTPS is the HTTP surface's, whatever
+/// moves the KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s6_nixl_p_d_and_proxy_over_https_answer_as_local() {
+    if common::nixl_or_skip() {
+        p_d_and_proxy_over_https("nixl").await;
+    }
+}
+
+async fn p_d_and_proxy_over_https(transport: &str) {
+    let pki = Pki::new(&format!("pd-{transport}"));
     let cfg = lease_config(30.0);
-    let engine = pki.flags(&["--ssl-cert-reqs", "2", "--kv-transfer-config", &cfg]);
+    let engine = pki.flags(&["--ssl-cert-reqs", "2", "--kv-transfer-config", &cfg, "--transport", transport]);
     let p = Proc::serve("s6-p", &refs(&engine));
     let d = Proc::serve("s6-d", &refs(&engine));
     assert!(p.url.starts_with("https://127.0.0.1:"), "{}", p.url);
