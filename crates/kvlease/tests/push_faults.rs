@@ -58,6 +58,22 @@ fn decode_leg(d: &Proc, prompt: &str, max_tokens: u64, params: Value) -> tokio::
     })
 }
 
+/// Whether `f` becomes true within `limit` (polled, as [`until`], without failing).
+async fn within<F, Fut>(limit: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t0 = Instant::now();
+    while !f().await {
+        if t0.elapsed() >= limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
 /// What the local engine answers to `prompt` with `max_tokens`.
 async fn local_text(local: &Proc, prompt: &str, max_tokens: u64) -> String {
     let body = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true});
@@ -207,10 +223,8 @@ async fn u6_a_write_that_fails_between_processes_fails_d_over_at_once() {
     d.signal("STOP");
     // P's prefill ends, it posts the write, the write outlives its timeout: P ends the lease.
     assert_eq!(p_leg.await.expect("prefill leg"), 200);
-    until("P ends the lease of the failed write", Duration::from_secs(5), || async {
-        released(&p.url, "released").await == released0 + 1.0
-    })
-    .await;
+    // (Checked once D answered, so a broken build shows what D does too.)
+    let ended = within(Duration::from_secs(5), || async { released(&p.url, "released").await == released0 + 1.0 }).await;
     d.signal("CONT");
     let resumed = Instant::now();
     let (status, got, at) = decode.await.expect("decode leg");
@@ -218,8 +232,115 @@ async fn u6_a_write_that_fails_between_processes_fails_d_over_at_once() {
     assert_eq!(text_of(&got, false), want, "recomputed: the local run's answer");
     assert!(at - resumed < Duration::from_secs(4), "D failed over {:?} after it resumed; its wait was 20 s", at - resumed);
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    assert!(ended, "P ended the lease of the failed write while D was stopped");
+    assert_eq!(released(&p.url, "released").await, released0 + 1.0);
     until_nothing_held(&p.url, Duration::from_secs(2)).await;
     assert_eq!(released(&p.url, "expired").await, 0.0);
     assert_eq!(released(&p.url, "transferred").await, 0.0);
+    until_nothing_held(&d.url, Duration::from_secs(10)).await;
+}
+
+/// Request `i` of a mix through the proxy: plain or chat, streamed or not, its own prompt.
+fn request(i: usize) -> (Value, bool, bool) {
+    let (chat, stream) = (i % 2 == 1, i % 4 >= 2);
+    let prompt = format!("request {i}: whose KV is this {}", "z".repeat(20 + (i * 7) % 40));
+    let mut body = if chat {
+        json!({"model": "kvlease-synthetic", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "ignore_eos": true})
+    } else {
+        json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 8, "ignore_eos": true})
+    };
+    body["stream"] = json!(stream);
+    (body, chat, stream)
+}
+
+/// The answer's text through `base`: `Ok` for a 200 that completed, `Err` (status, what)
+/// otherwise — an error status, or a stream that ended with an error event or no `[DONE]`.
+async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Result<String, (u16, String)> {
+    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let r = client().post(format!("{base}{path}")).json(body).send().await.map_err(|e| (0, e.to_string()))?;
+    let status = r.status().as_u16();
+    let text = r.text().await.map_err(|e| (status, format!("body cut: {e}")))?;
+    if status != 200 {
+        return Err((status, text));
+    }
+    if stream {
+        match sse_text(&text, chat) {
+            Ok((out, _, true)) => Ok(out),
+            Ok((_, _, false)) => Err((status, format!("stream ended without [DONE]: {text}"))),
+            Err(e) => Err((status, e.to_string())),
+        }
+    } else {
+        let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("not JSON ({e}): {text}")))?;
+        Ok(text_of(&v, chat))
+    }
+}
+
+/// SPEC U4, U8, P3, D7 (vLLM #55470: a write posted after P retired its request, a lease
+/// expired with its write in flight — HTTP 200 built from another request's KV): requests flow
+/// through `kvlease proxy` (both legs at once) to a push P with a small block pool, so every
+/// freed block is soon another prompt's, while D is paused (`SIGSTOP`) twice for longer than
+/// L = 2 s — its writes posted and unanswered, its renewals stopped, its leases expiring on P
+/// with writes in flight or about to be posted, the blocks going to the next prompts. Every
+/// answer is a local run's or a clean error, never a wrong 200; every lease P granted ended
+/// exactly once (P3) and nothing is left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_leases_ending_under_writes_never_give_a_wrong_200() {
+    const N: usize = 40;
+    let local = Proc::serve("u4-local", &[]);
+    let mut want = Vec::new();
+    for i in 0..N {
+        let (body, chat, stream) = request(i);
+        want.push(answer(&local.url, &body, chat, stream).await.unwrap_or_else(|e| panic!("local run {i}: {e:?}")));
+    }
+    let cfg = push_config(2.0, 3.0);
+    let p = Proc::serve("u4-p", &["--kv-transfer-config", &cfg, "--num-gpu-blocks", "24", "--prefill-ms-per-token", "2"]);
+    let d = Proc::serve("u4-d", &["--kv-transfer-config", &cfg, "--max-num-seqs", "16"]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    // P's first answer teaches the proxy that P is a push engine; from then on both legs at once.
+    let (body, chat, stream) = request(0);
+    assert_eq!(answer(&proxy.url, &body, chat, stream).await.as_ref(), Ok(&want[0]), "warm-up");
+    let want = std::sync::Arc::new(want);
+    let mut tasks = Vec::new();
+    for i in 1..N {
+        let (url, want) = (proxy.url.clone(), want.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(120 * i as u64)).await;
+            let (body, chat, stream) = request(i);
+            (i, answer(&url, &body, chat, stream).await, want[i].clone())
+        }));
+    }
+    for pause in [300u64, 1500] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        d.signal("STOP");
+        tokio::time::sleep(Duration::from_millis(2600)).await;
+        d.signal("CONT");
+    }
+    let (mut ok, mut failed) = (0, 0);
+    for t in tasks {
+        let (i, got, want) = t.await.expect("joins");
+        match got {
+            Ok(text) => {
+                assert_eq!(text, want, "request {i}: a 200 must carry a local run's answer");
+                ok += 1;
+            }
+            Err((status, what)) => {
+                assert_ne!(status, 200, "request {i}: {what}");
+                failed += 1;
+            }
+        }
+    }
+    let reasons = ["transferred", "released", "expired"];
+    let mut ended = Vec::new();
+    for r in reasons {
+        ended.push(released(&p.url, r).await);
+    }
+    eprintln!("D paused twice past L: {ok} answered, {failed} failed; P's leases ended {:?} as {reasons:?}", ended);
+    assert!(ok >= N / 2, "most requests still answered ({ok} of {N})");
+    until_nothing_held(&p.url, Duration::from_secs(10)).await;
+    let mut total = 0.0;
+    for r in reasons {
+        total += released(&p.url, r).await;
+    }
+    assert_eq!(total, metric(&p.url, "kvlease_leases_granted_total").await, "every lease ended exactly once (P3)");
     until_nothing_held(&d.url, Duration::from_secs(10)).await;
 }
