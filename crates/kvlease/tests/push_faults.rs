@@ -1,7 +1,9 @@
 //! Push mode (SPEC §13) under the faults of the vLLM push-mode issues (issue 24), between real
 //! `kvlease serve` processes driven by a real HTTP client: a decode leg given up on D (vLLM
-//! #46283), a write that fails between the processes (#48633 C2, #50754). Each test was run
-//! against a build with its protection removed and failed; its comment says which.
+//! #46283), a write that fails between the processes (#48633 C2, #50754), leases ending while
+//! writes are in flight (#55470). Each test says which protection it proves: with that
+//! protection removed (a temporary local edit), the test was run and failed — except the
+//! #55470 one, which says why not.
 
 mod common;
 use common::*;
@@ -282,7 +284,12 @@ async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Result<St
 /// L = 2 s — its writes posted and unanswered, its renewals stopped, its leases expiring on P
 /// with writes in flight or about to be posted, the blocks going to the next prompts. Every
 /// answer is a local run's or a clean error, never a wrong 200; every lease P granted ended
-/// exactly once (P3) and nothing is left held.
+/// exactly once (P3) and nothing is left held. Weak: it does NOT yet fail with a protection
+/// removed — run with P's posting gate (a write refused as `NotLive` by
+/// `PushSource::begin_write` posted anyway) and D's write gate (`push::Gate` allowing every
+/// write) both removed, it still passed (39 of 39 answered right, 2 leases expired, 9 released):
+/// P's write timeout (at least 1 s, less than L) cancels every write before its lease can
+/// expire, so no write here outlives its lease or posts from reused blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_leases_ending_under_writes_never_give_a_wrong_200() {
     const N: usize = 40;
