@@ -49,7 +49,9 @@ async fn push_through_kvlease_proxy(transport: &str) {
 /// SPEC P4, U3, U10: P holds push leases nobody registers (their decoder was killed with
 /// `SIGKILL`): nothing renews them, and P reclaims every one within L, every block back. And a
 /// decoder handed vLLM's push router's params for a prefill that never happens computes the
-/// prompt itself within `push_registration_timeout`, with the local answer.
+/// prompt itself within `push_registration_timeout`, with the local answer (vLLM #48633 L1:
+/// the timeout only dropped state). Fails when D's own write deadline is removed (the
+/// timed-out branch of `PushSink::poll`): D never stops waiting and the client gives up at 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u10_p_reclaims_leases_of_a_killed_decoder_and_d_stops_waiting() {
     let lease = 3.0;
