@@ -25,8 +25,15 @@
 //! the engine that granted it, or handed to a decoder when the request was abandoned, D4: never
 //! two of these, nothing left at the end), B1 (a taken turn goes back exactly when no prefill
 //! may have read it), liveness (the route never waits with nothing out, and every route ends),
-//! and the driver's contract (no event the route calls stray, no action after the end). ~5.1k
-//! unique states (~6.9k visited) over 64 starts.
+//! and the driver's contract (no event the route calls stray, no action after the end). In push
+//! mode (SPEC §13; every start without a cached turn, again with push prefillers) the route
+//! sends both legs at once: each is answered, fails or is dropped in any order, D's answer may
+//! come before P's (held, relayed only after P answered), the decode leg may be retried while P
+//! prefills and the dispatch on another prefiller; O3/O4 there: the lease P may grant under a
+//! dispatch's key is taken by a decoder, released by the router once on that prefiller, turned
+//! down by P, or handed to a decoder holding the leg at abandonment, before the next dispatch
+//! and at the end (a driver that drops the route's releases is found). ~7.5k unique states
+//! (~11k visited) over 96 starts.
 //!
 //! **IssuedLeases** ([`IssuedModel`]): P's scheduler has issued two ids (the table never hears
 //! of an issue, so issuing first loses no interleaving); the worker grants and names them in
@@ -234,12 +241,14 @@ struct Start {
     decoders: Decoders,
     /// The first engine of each pool fails its health probes.
     first_unhealthy: bool,
+    /// The prefillers are push engines (SPEC §13): both legs go at once.
+    push: bool,
 }
 
 impl Start {
     fn prefillers(&self) -> Vec<Candidate<U>> {
         let names: &[U] = if self.two_prefillers { &[0, 1] } else { &[0] };
-        self.candidates(names)
+        self.candidates(names).into_iter().map(|c| Candidate { push: self.push, ..c }).collect()
     }
 
     fn decoders(&self) -> Vec<Candidate<U>> {
@@ -317,10 +326,16 @@ enum Out {
     },
     /// D's answer streams to the client.
     Stream,
+    /// Push mode: both legs of one dispatch, each out until answered (or dropped).
+    Both {
+        p: Option<U>,
+        d: Option<U>,
+    },
 }
 
 const O2: &str = "O2: no decode leg after the first byte; one retry per leg, on another engine";
 const O3_O4: &str = "O3/O4: a lease P granted is taken, released once on its engine, or handed on; never two";
+const PUSH_O3_O4: &str = "O3/O4 in push mode: a dispatch's lease is taken, released once on its engine, or handed on";
 const B1: &str = "B1: a taken turn goes back exactly when no prefill may have read it";
 const STALL: &str = "liveness: the route never waits with nothing out";
 const CONTRACT: &str = "driver contract: no stray event, no action after the end";
@@ -346,6 +361,15 @@ struct Trace {
     /// The request was abandoned with a decode leg out: that decoder has the params and
     /// releases them when its connection closes (D4).
     handed_on: bool,
+    /// Push mode: the prefiller of the dispatch whose lease (under its key) may be granted and
+    /// is not yet taken by a decoder, released by the router, turned down by P or handed on.
+    push_open: Option<U>,
+    /// Releases for the current dispatch.
+    push_releases: u8,
+    /// D answered 2xx before P did: the route holds the answer until P answers.
+    held: bool,
+    /// Test-side: the driver does not carry out `Release` (the check must find it).
+    drop_releases: bool,
     turn_taken: bool,
     /// A prefill leg carrying the turn may have read it.
     turn_read: bool,
@@ -389,13 +413,44 @@ impl Trace {
                 if self.decode_legs > 2 || retry != (self.decode_legs == 2) || (retry && Some(to) == self.failed_decoder) {
                     self.violate(O2, format!("decode leg {} to {to} (retry {retry})", self.decode_legs));
                 }
-                self.expect_idle("SendDecode");
-                self.out = Some(Out::Decode { to });
+                match self.out {
+                    // Push mode: the decode leg again, on another decoder, while P may prefill.
+                    Some(Out::Both { p, d: None }) => self.out = Some(Out::Both { p, d: Some(to) }),
+                    _ => {
+                        self.expect_idle("SendDecode");
+                        self.out = Some(Out::Decode { to });
+                    }
+                }
             }
-            // Push mode (SPEC §13) is not modelled here: no candidate is a push prefiller.
-            other @ (Action::SendBoth { .. } | Action::CancelDecode) => {
-                self.violate(CONTRACT, format!("{other:?} with no push prefiller"));
+            Action::SendBoth { prefill, decode, retry } => {
+                if !s.push {
+                    self.violate(CONTRACT, format!("both legs to {prefill} and {decode} with no push prefiller"));
+                }
+                self.prefill_legs += 1;
+                if self.prefill_legs > 2 || retry != (self.prefill_legs == 2) || (retry && Some(prefill) == self.last_prefiller) {
+                    self.violate(O2, format!("prefill leg {} to {prefill} (retry {retry})", self.prefill_legs));
+                }
+                if self.turn_taken || prefill == decode {
+                    self.violate(CONTRACT, format!("both legs with a turn ({}) or to one engine {prefill}", self.turn_taken));
+                }
+                if let Some(open) = self.push_open {
+                    self.violate(PUSH_O3_O4, format!("a new dispatch while {open}'s lease is neither taken nor released"));
+                }
+                self.expect_idle("SendBoth");
+                // Each dispatch is a new transfer: its decode leg may be retried once.
+                self.decode_legs = 1;
+                self.failed_decoder = None;
+                self.last_prefiller = Some(prefill);
+                self.push_open = Some(prefill);
+                self.push_releases = 0;
+                self.out = Some(Out::Both { p: Some(prefill), d: Some(decode) });
             }
+            Action::CancelDecode => match self.out {
+                Some(Out::Both { p, d: Some(_) }) => self.out = Some(Out::Both { p, d: None }),
+                // D answered first and its answer is held: dropped, never relayed.
+                Some(Out::Both { p, d: None }) if std::mem::take(&mut self.held) => self.out = Some(Out::Both { p, d: None }),
+                out => self.violate(CONTRACT, format!("cancel a decode leg with {out:?} out")),
+            },
             Action::SendLocal { to } => {
                 self.local_legs += 1;
                 if s.request != Request::Batch || self.local_legs > 1 {
@@ -403,6 +458,16 @@ impl Trace {
                 }
                 self.expect_idle("SendLocal");
                 self.out = Some(Out::Local { to });
+            }
+            Action::Release { .. } if self.drop_releases => {}
+            Action::Release { on } if s.push && self.lease_on.is_none() => {
+                // Push mode: P leases under the dispatch's key; a release of one a decoder took
+                // is refused by P (S5), so it may come after D's answer, but once, on P.
+                self.push_releases += 1;
+                if self.last_prefiller != Some(on) || self.push_releases > 1 {
+                    self.violate(PUSH_O3_O4, format!("release {} on {on}, dispatched to {:?}", self.push_releases, self.last_prefiller));
+                }
+                self.push_open = None;
             }
             Action::Release { on } => {
                 self.releases += 1;
@@ -414,8 +479,12 @@ impl Trace {
                 }
             }
             Action::RelayStream => {
-                if !std::mem::take(&mut self.head) {
+                let held = std::mem::take(&mut self.held);
+                if !std::mem::take(&mut self.head) && !held {
                     self.violate(CONTRACT, "relay a stream nobody answered".into());
+                }
+                if matches!(self.out, Some(Out::Both { p: Some(_), .. })) {
+                    self.violate(CONTRACT, "relay D's answer before P answered".into());
                 }
                 self.out = Some(Out::Stream);
             }
@@ -444,16 +513,16 @@ impl Trace {
         }
     }
 
-    /// One leg at a time.
+    /// One leg at a time (push mode: one dispatch at a time).
     fn expect_idle(&mut self, what: &str) {
-        if self.out.is_some() {
+        if !matches!(self.out, None | Some(Out::Both { p: None, d: None })) {
             self.violate(CONTRACT, format!("{what} with {:?} out", self.out));
         }
     }
 }
 
 /// A route and its environment after `history`, replayed from the start.
-fn replay(s: &Start, bug: Option<PlantedBug>, history: &[Happening]) -> (R, Trace) {
+fn replay(s: &Start, bug: Option<PlantedBug>, drop_releases: bool, history: &[Happening]) -> (R, Trace) {
     let mut turns = TurnCache::default();
     let conversation = (s.request != Request::Plain).then(|| "c".to_string());
     if matches!(s.request, Request::Turn | Request::Batch) {
@@ -461,7 +530,7 @@ fn replay(s: &Start, bug: Option<PlantedBug>, history: &[Happening]) -> (R, Trac
     }
     let mut route: R = Route::new(conversation, s.request == Request::Batch, &mut turns, Nanos(0));
     route.planted = bug;
-    let mut t = Trace { turn_taken: route.has_turn(), ..Trace::default() };
+    let mut t = Trace { turn_taken: route.has_turn(), drop_releases, ..Trace::default() };
     drain(s, &mut route, &mut t);
     for &h in history {
         happen(&mut route, &mut t, h);
@@ -482,7 +551,10 @@ fn drain(s: &Start, route: &mut R, t: &mut Trace) {
     if route.poll(pools).is_some() {
         t.violate(STALL, "poll never stops".into());
     }
-    if t.head {
+    if t.out == Some(Out::Both { p: None, d: None }) {
+        t.out = None;
+    }
+    if t.head || t.held && matches!(t.out, Some(Out::Both { p: None, .. })) {
         t.violate(CONTRACT, "D's answer not relayed".into());
     }
     let done = route.is_done();
@@ -497,6 +569,9 @@ fn drain(s: &Start, route: &mut R, t: &mut Trace) {
         if t.lease_on.is_some() && (t.taken > 0 || t.handed_on) == (t.releases > 0) {
             t.violate(O3_O4, format!("done: lease taken {}, released {}, handed on {}", t.taken, t.releases, t.handed_on));
         }
+        if let Some(open) = t.push_open {
+            t.violate(PUSH_O3_O4, format!("done: the lease {open} may hold under the key is neither taken, released nor handed on"));
+        }
         if t.turn_taken && !t.turn_read && t.turns_given_back != 1 {
             t.violate(B1, "done with a turn no prefill read, not given back".into());
         }
@@ -510,6 +585,46 @@ fn drain(s: &Start, route: &mut R, t: &mut Trace) {
 
 fn happen(route: &mut R, t: &mut Trace, h: Happening) {
     let event = match (h, t.out) {
+        (Happening::Prefill(o), Some(Out::Both { p: Some(to), d })) => {
+            t.out = Some(Out::Both { p: None, d });
+            match o {
+                PrefillOutcome::Lease | PrefillOutcome::NoLease => Event::PrefillAnswered(PrefillAnswer::Params { lease: true }),
+                PrefillOutcome::Unreadable => Event::PrefillAnswered(PrefillAnswer::Unreadable(to)),
+                // P answered without prefilling: it leased nothing under the key.
+                PrefillOutcome::TurnedAway | PrefillOutcome::Refused => {
+                    t.push_open = None;
+                    let answer = if o == PrefillOutcome::Refused { Answer::Refused } else { Answer::TurnedAwayUnread };
+                    Event::PrefillAnswered(PrefillAnswer::Other(answer))
+                }
+                // It may have leased before the leg broke.
+                PrefillOutcome::Unreached => Event::PrefillFailed(to),
+            }
+        }
+        (Happening::Decode(o), Some(Out::Both { p, d: Some(to) })) => {
+            t.out = Some(Out::Both { p, d: None });
+            match o {
+                // D answers only once every write landed, or after it gave the transfer up
+                // (it releases what it registered, U9): either way the lease is D's now.
+                DecodeOutcome::Taken => {
+                    t.push_open = None;
+                    if p.is_some() {
+                        t.held = true;
+                    } else {
+                        t.head = true;
+                    }
+                    Event::DecodeAnswered(Answer::Success)
+                }
+                DecodeOutcome::TurnedAway => {
+                    t.failed_decoder = Some(to);
+                    Event::DecodeAnswered(Answer::TurnedAwayUnread)
+                }
+                DecodeOutcome::Refused => Event::DecodeAnswered(Answer::Refused),
+                DecodeOutcome::Unreached => {
+                    t.failed_decoder = Some(to);
+                    Event::DecodeFailed(to)
+                }
+            }
+        }
         (Happening::Prefill(o), Some(Out::Prefill { to, turn })) => {
             t.out = None;
             // P read the turn if it answered with params (or may have, unreadably).
@@ -562,8 +677,11 @@ fn happen(route: &mut R, t: &mut Trace, h: Happening) {
         }
         (Happening::ClientGone | Happening::DeadlinePassed, out) => {
             // Whatever is out is dropped with the request: a prefill leg's P aborts it (no
-            // lease); a decode leg's D has the params and releases them itself (D4).
+            // lease); a decode leg's D has the params and releases them itself (D4, U9).
             t.handed_on |= matches!(out, Some(Out::Decode { .. })) && t.lease_on.is_some();
+            if matches!(out, Some(Out::Both { d: Some(_), .. })) {
+                t.push_open = None;
+            }
             t.turn_read |= matches!(out, Some(Out::Prefill { turn: true, .. }));
             t.out = None;
             t.abandoned = true;
@@ -613,11 +731,19 @@ impl PartialEq for RouteState {
 #[derive(Clone)]
 struct RouteModel {
     bug: Option<PlantedBug>,
+    /// Only push-mode starts.
+    push_only: bool,
+    /// The driver does not carry out the route's `Release` (test-side).
+    drop_releases: bool,
 }
 
 impl RouteModel {
+    fn new(bug: Option<PlantedBug>) -> RouteModel {
+        RouteModel { bug, push_only: false, drop_releases: false }
+    }
+
     fn state(&self, start: Start, history: Vec<Happening>) -> RouteState {
-        let (route, trace) = replay(&start, self.bug, &history);
+        let (route, trace) = replay(&start, self.bug, self.drop_releases, &history);
         let route = format!("{route:?}");
         RouteState { start, history, trace, route }
     }
@@ -633,7 +759,13 @@ impl Model for RouteModel {
             for two_prefillers in [false, true] {
                 for decoders in [Decoders::None, Decoders::One, Decoders::Two, Decoders::Shared] {
                     for first_unhealthy in [false, true] {
-                        out.push(self.state(Start { request, two_prefillers, decoders, first_unhealthy }, Vec::new()));
+                        // Push mode: requests without a cached turn go both legs at once.
+                        for push in [false, true] {
+                            if push && matches!(request, Request::Turn | Request::Batch) || self.push_only && !push {
+                                continue;
+                            }
+                            out.push(self.state(Start { request, two_prefillers, decoders, first_unhealthy, push }, Vec::new()));
+                        }
                     }
                 }
             }
@@ -655,6 +787,16 @@ impl Model for RouteModel {
                 out.extend([Taken, TurnedAway, Refused, Unreached].map(Happening::Decode));
             }
             Some(Out::Local { .. }) => out.extend([DecodeOutcome::Taken, DecodeOutcome::Unreached].map(Happening::Decode)),
+            Some(Out::Both { p, d }) => {
+                if p.is_some() {
+                    use PrefillOutcome::*;
+                    out.extend([Lease, Unreadable, TurnedAway, Refused, Unreached].map(Happening::Prefill));
+                }
+                if d.is_some() {
+                    use DecodeOutcome::*;
+                    out.extend([Taken, TurnedAway, Refused, Unreached].map(Happening::Decode));
+                }
+            }
             Some(Out::Stream) => {
                 if !s.trace.first_byte {
                     out.push(Happening::FirstByte);
@@ -679,6 +821,7 @@ impl Model for RouteModel {
         vec![
             Property::always(O2, |_, s: &RouteState| holds(s, O2)),
             Property::always(O3_O4, |_, s: &RouteState| holds(s, O3_O4)),
+            Property::always(PUSH_O3_O4, |_, s: &RouteState| holds(s, PUSH_O3_O4)),
             Property::always(B1, |_, s: &RouteState| holds(s, B1)),
             Property::always(STALL, |_, s: &RouteState| holds(s, STALL)),
             Property::always(CONTRACT, |_, s: &RouteState| holds(s, CONTRACT)),
@@ -692,6 +835,19 @@ impl Model for RouteModel {
             Property::sometimes("a lease released by the router", |_, s: &RouteState| s.trace.releases == 1),
             Property::sometimes("a lease handed on at abandonment", |_, s: &RouteState| s.trace.handed_on),
             Property::sometimes("a turn given back", |_, s: &RouteState| s.trace.turns_given_back == 1),
+            Property::sometimes("push: D answered before P, relayed after", |_, s: &RouteState| {
+                s.start.push
+                    && s.trace.answered
+                    && s.history.iter().position(|h| matches!(h, Happening::Decode(DecodeOutcome::Taken)))
+                        < s.history.iter().position(|h| matches!(h, Happening::Prefill(PrefillOutcome::Lease)))
+            }),
+            Property::sometimes("push: a decode leg retried while P prefills", |_, s: &RouteState| {
+                s.start.push && matches!(s.trace.out, Some(Out::Both { p: Some(_), d: Some(_) })) && s.trace.decode_legs == 2
+            }),
+            Property::sometimes("push: a dispatch retried on another prefiller", |_, s: &RouteState| {
+                s.start.push && s.trace.prefill_legs == 2 && matches!(s.trace.out, Some(Out::Both { .. }))
+            }),
+            Property::sometimes("push: a lease released by the router", |_, s: &RouteState| s.start.push && s.trace.push_releases == 1),
         ]
     }
 }
@@ -699,14 +855,21 @@ impl Model for RouteModel {
 /// SPEC O2, O3, O4, B1 and the route's liveness, over every way one request can go.
 #[test]
 fn o2_o3_o4_b1_model_check_the_route() {
-    check(RouteModel { bug: None }, None).assert_properties();
+    check(RouteModel::new(None), None).assert_properties();
 }
 
 /// SPEC O2: with the simulator's planted bug (a decode leg retried after its first byte), the
 /// checker finds the second decode leg.
 #[test]
 fn o2_planted_bug_retry_after_first_byte_is_found() {
-    assert_found(RouteModel { bug: Some(PlantedBug::RetryAfterFirstByte) }, O2);
+    assert_found(RouteModel::new(Some(PlantedBug::RetryAfterFirstByte)), O2);
+}
+
+/// SPEC O3/O4 in push mode (U9): a driver that does not carry out the route's releases leaves a
+/// lease P may have granted under the dispatch's key with nobody to take it: found.
+#[test]
+fn o4_push_a_driver_that_drops_releases_is_found() {
+    assert_found(RouteModel { bug: None, push_only: true, drop_releases: true }, PUSH_O3_O4);
 }
 
 // ---------------------------------------------------------------------------------------------
