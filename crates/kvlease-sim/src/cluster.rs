@@ -625,7 +625,7 @@ async fn run(c: Cluster) -> Outcome {
 async fn reclaim(w: Shared, dj: usize, crash: Duration, held: Vec<Held>) {
     let (t0, (l, renewed, tick)) = with(&w, |w| (w.start, w.reclaim));
     let mut checks: Vec<(Duration, Held)> = held.into_iter().map(|h| ((h.got + l).max(crash + renewed) + tick, h)).collect();
-    checks.sort_by(|a, b| (a.0, a.1.pi, a.1.inc, a.1.id).cmp(&(b.0, b.1.pi, b.1.inc, b.1.id)));
+    checks.sort_by_key(|a| (a.0, a.1.pi, a.1.inc, a.1.id));
     for (by, h) in checks {
         tokio::time::sleep_until(t0 + by).await;
         let still = with(&w, |w| {
@@ -662,7 +662,7 @@ fn hand(w: &Shared, dj: usize, h: Held) {
 
 /// Push mode: when each request's client leaves, after its arrival (`None`: it stays).
 fn leaves(c: &Cluster, reqs: &[Req]) -> Vec<Option<Duration>> {
-    let mut r = Rng(c.seed ^ 0x1ea7_e5);
+    let mut r = Rng(c.seed ^ 0x001e_a7e5);
     reqs.iter().map(|_| (c.push_engines && r.chance(c.leave.0)).then(|| r.secs(0.0, c.leave.1.as_secs_f64()))).collect()
 }
 
@@ -739,7 +739,7 @@ async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &A
     // Push mode: the prefill leg out (P's answer to come), whether it went with the decode leg
     // (both at once), whether P answered with its params, the decoder holding the decode leg
     // while P has not answered yet, and the dispatches made.
-    let mut p_leg: Option<(usize, tokio::task::JoinHandle<(Event<String>, serde_json::Value)>)> = None;
+    let mut p_leg: Option<(usize, PrefillLeg)> = None;
     let (mut both, mut p_answered, mut waiting_d, mut dispatches) = (false, false, None::<usize>, 0);
     loop {
         let action = with(w, |w| {
@@ -950,8 +950,11 @@ fn send_decode(
     }
 }
 
+/// Push mode: a prefill leg out in the background; its event and P's params to come.
+type PrefillLeg = tokio::task::JoinHandle<(Event<String>, serde_json::Value)>;
+
 /// Push mode: the prefill leg on P `pi` in the background; its event and P's params.
-fn spawn_prefill(w: &Shared, pi: usize, req: GenerateRequest) -> tokio::task::JoinHandle<(Event<String>, serde_json::Value)> {
+fn spawn_prefill(w: &Shared, pi: usize, req: GenerateRequest) -> PrefillLeg {
     let w = w.clone();
     tokio::spawn(async move {
         let mut params = serde_json::Value::Null;

@@ -8,7 +8,7 @@ mod common;
 
 use kvlease_core::pull::PlantedBug;
 use kvlease_sim::push_cluster::PushCluster;
-use kvlease_sim::seeded::{report, Seeded};
+use kvlease_sim::seeded::report;
 
 /// SPEC D7, P3, P4, U5, U2, U9, U10: no seed of the push cluster breaks an invariant.
 #[test]
