@@ -211,6 +211,15 @@ pub enum PlantedBug {
     /// [`crate::issued::IssuedLeases`] answers a `ReadDone` of a lease that expired as if the
     /// lease had ended by its read: confirmed, though its blocks may have been reused (P5).
     ConfirmExpiredRead,
+    /// Push mode, D's engine (vLLM #53095): D's heartbeats name a key P never matches (D's own
+    /// request id), so nothing D waits for is renewed.
+    PushHeartbeatWrongKey,
+    /// Push mode, D's engine (vLLM #46283): a request D gives up never tells P (its
+    /// `PushRelease` is not sent); P holds the blocks to expiry.
+    PushAbortNotSent,
+    /// Push mode, P's engine (vLLM #48633): a write that failed, or could not be posted, is only
+    /// logged: neither the core nor D hears of it.
+    PushFailureOnlyLogged,
 }
 
 impl PlantedBug {

@@ -397,6 +397,15 @@ impl EngineHandle {
         self.inner.holder.lock().is_live(lease_id)
     }
 
+    /// Whether P still holds a push lease under the key decode-leg `params` name (the
+    /// simulator's reclaim check in push mode, where D's params name no lease id).
+    pub fn holds_push_lease(&self, params: &serde_json::Value) -> bool {
+        match kvlease_core::params::KvRole::parse(Some(params)) {
+            Ok(kvlease_core::params::KvRole::DecodePush(pr)) => self.inner.push_source.lock().lease_of(&pr.key).is_some(),
+            _ => false,
+        }
+    }
+
     /// Live leases on this engine's blocks.
     pub fn live_leases(&self) -> usize {
         lease_holder::live_leases(&self.inner)

@@ -23,10 +23,11 @@ use crate::{GenerateEvent, RequestError};
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::params::{PushAnswer, PushRemote};
 use kvlease_core::peers::{agent_holder, holder_agent};
+use kvlease_core::pull::PlantedBug;
 use kvlease_core::push::sink::{PushAction, PushSink};
 use kvlease_core::push::source::{PushGrantError, PushSettled, PushSource, WriteJob};
 use kvlease_core::push::PushFailure;
-use kvlease_core::wire::{Message, PushKey};
+use kvlease_core::wire::{Message, PushKey, PushRenewal};
 use kvlease_core::Nanos;
 use kvlease_transport::{Segment, WriteGate, WriteOp, WritePermit};
 use std::sync::{Arc, Weak};
@@ -159,6 +160,9 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
     for dst_rank in 0..job.dst_ranks {
         if !introduced(&inner, &holder_agent(&job.to, dst_rank as usize), until).await {
             tracing::info!(request = %job.request, "D's agents were never introduced here; its writes are not posted");
+            if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
+                return;
+            }
             with_source(&inner, |s, now, out| s.fail_writes(&job.key, PushFailure::NotPosted, now, out));
             return;
         }
@@ -202,6 +206,11 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                         false
                     }
                 };
+            if !ok && planted(&inner, PlantedBug::PushFailureOnlyLogged) {
+                // vLLM #48633, planted: the failure above was only logged.
+                drop(ticket);
+                continue;
+            }
             with_source(&inner, |s, now, out| s.end_write(ticket, ok, now, out));
         }
     }
@@ -318,7 +327,15 @@ fn send_to_agent(inner: &Inner, engine_id: &str, agent: &str, msg: &Message) {
     if matches!(msg, Message::PushHeartbeat { .. }) {
         inner.metrics.heartbeats_sent.inc();
     }
-    if let Err(e) = rank0.agent.send_notif(agent, msg.encode()) {
+    let bytes = match msg {
+        // vLLM #53095, planted: each renewal names a key P never pairs by.
+        Message::PushHeartbeat { seq, renewals } if planted(inner, PlantedBug::PushHeartbeatWrongKey) => {
+            let renewals = renewals.iter().map(|r| PushRenewal { key: PushKey::Request(format!("d:{}", r.key)), window_ns: r.window_ns });
+            Message::PushHeartbeat { seq: *seq, renewals: renewals.collect() }.encode()
+        }
+        _ => msg.encode(),
+    };
+    if let Err(e) = rank0.agent.send_notif(agent, bytes) {
         tracing::debug!(engine = %engine_id, "cannot send a push message: {e}");
     }
 }
@@ -379,7 +396,14 @@ pub(crate) fn register(inner: &Inner, internal: &str, pr: &PushRemote, prompt: &
 
 /// SPEC U9: D gives the request up (aborted, refused, shut down): P is told at once.
 pub(crate) fn abort_sink(inner: &Inner, internal: &str) {
-    with_sink(inner, Some(internal), |s, now, out| s.abort(internal, now, out));
+    let not_sent = planted(inner, PlantedBug::PushAbortNotSent);
+    with_sink(inner, Some(internal), |s, now, out| {
+        s.abort(internal, now, out);
+        if not_sent {
+            // vLLM #46283, planted: P is never told.
+            out.retain(|a| !matches!(a, PushAction::Send { msg: Message::PushRelease { .. }, .. }));
+        }
+    });
 }
 
 /// The request is decoding from the pushed KV: nothing of the transfer is left to track.
@@ -405,6 +429,11 @@ pub(crate) async fn sink_driver(inner: Arc<Inner>) {
 
 // ---------------------------------------------------------------------------------------------
 // Both: messages, and D's write gate.
+
+/// Whether the simulator planted `bug` in this engine (its own tests only; never from config).
+fn planted(inner: &Inner, bug: PlantedBug) -> bool {
+    inner.cfg.planted_bug == Some(bug)
+}
 
 /// A push message from agent `from`: for P's source (from a D engine) or D's sink (from a P
 /// engine whose handshake we made). A message for the other side's machine is dropped.

@@ -20,8 +20,9 @@
 
 use crate::seeded::{Counts, Seeded};
 use kvlease_core::config::{LeaseConfig, LoadFailurePolicy};
+use kvlease_core::lease_table::ReleaseReason;
 use kvlease_core::pull::PlantedBug;
-use kvlease_core::route::{Action, Answer as RouteAnswer, Candidate, Event, Pool, Pools, PrefillAnswer, Route, TurnCache};
+use kvlease_core::route::{Action, Answer as RouteAnswer, Candidate, Event, Pool, Pools, PrefillAnswer, PushPeer, Route, TurnCache};
 use kvlease_core::Nanos;
 use kvlease_engine::{
     EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, ModelConfig, Prompt, RequestStream, SamplingParams,
@@ -54,12 +55,22 @@ pub struct Cluster {
     pub p_restarts: Vec<(Duration, usize, Duration)>,
     /// Per-token emulated compute (ms): long forward steps when large.
     pub decode_ms: f64,
+    /// Requests each engine runs at once (`max_num_seqs`): fewer queue longer.
+    pub max_num_seqs: usize,
     pub prefill_ms: f64,
     /// A bug planted on purpose (the simulator's own tests).
     pub planted: Option<PlantedBug>,
     /// Multi-turn (SPEC B1–B4): decoders keep each turn for `turn_ttl`, conversations continue.
     pub bidirectional: bool,
     pub turn_ttl: Duration,
+    /// Push mode (SPEC §13, [`crate::push_cluster`]): the engines run `NixlPushConnector` and
+    /// the router sends both legs at once to a prefiller it learnt is a push engine.
+    pub push_engines: bool,
+    /// With `push_engines`: D's `push_registration_timeout`.
+    pub push_timeout: Duration,
+    /// With `push_engines`: a client's chance to leave before its answer ends (SPEC U9: D's
+    /// abort must free P's lease at once), and the longest it stays.
+    pub leave: (f64, Duration),
 }
 
 /// A cluster run's own counts.
@@ -72,6 +83,10 @@ pub struct ClusterCounts {
     pub recomputed: u64,
     /// Turns of conversations started (a single-turn request is one).
     pub turns: usize,
+    /// Push mode: leases P ended as `transferred` (every write landed), and requests whose
+    /// client left before the answer ended.
+    pub transferred: u64,
+    pub left: usize,
 }
 
 impl Counts for ClusterCounts {
@@ -81,6 +96,8 @@ impl Counts for ClusterCounts {
         self.failed += o.failed;
         self.recomputed += o.recomputed;
         self.turns += o.turns;
+        self.transferred += o.transferred;
+        self.left += o.left;
     }
 }
 
@@ -110,6 +127,28 @@ impl Rng {
     }
     pub(crate) fn secs(&mut self, lo: f64, hi: f64) -> Duration {
         Duration::from_secs_f64(lo + (hi - lo) * self.unit())
+    }
+}
+
+impl Cluster {
+    /// A run with no fault at all: nothing lost, duplicated, reordered, cut, refused or crashed,
+    /// no write failing or stalling (long forward steps and clients that leave are not faults).
+    /// Push mode's runs then recompute nothing and let no lease expire. Reordering counts as a
+    /// fault: a `PushLost` overtaking the `PushWriteDone` P sent before it makes D recompute a
+    /// prompt whose KV was written whole (seed 25; the tcp and NIXL agents keep one peer's
+    /// notifications in order).
+    pub fn fault_free(&self) -> bool {
+        let f = &self.faults;
+        f.loss == 0.0
+            && f.duplicate == 0.0
+            && f.delay.1.is_zero()
+            && f.refuse_handshake == 0.0
+            && f.hang_handshake == 0.0
+            && f.write_fail == 0.0
+            && f.write_delay.1 <= Duration::from_millis(100)
+            && self.partitions.is_empty()
+            && self.d_crashes.is_empty()
+            && self.p_restarts.is_empty()
     }
 }
 
@@ -164,10 +203,14 @@ impl Seeded for Cluster {
             d_crashes,
             p_restarts,
             decode_ms: if slow { r.unit() * 400.0 } else { r.unit() * 5.0 },
+            max_num_seqs: 8,
             prefill_ms: r.unit() * 0.5,
             planted: None,
             bidirectional: r.chance(0.5),
             turn_ttl: r.secs(0.5, 20.0),
+            push_engines: false,
+            push_timeout: Duration::ZERO,
+            leave: (0.0, Duration::ZERO),
         }
     }
 
@@ -215,12 +258,21 @@ struct World {
     answered: usize,
     failed: usize,
     turns: usize,
-    /// Leases each D holds on some P, for the reclaim check: (P index, P incarnation, lease id,
-    /// when D got the params).
-    held: BTreeMap<usize, Vec<(usize, u64, u64, Duration)>>,
+    /// Leases each D holds on some P, for the reclaim check.
+    held: BTreeMap<usize, Vec<Held>>,
     /// Leases the router handed to a second decoder (SPEC O2): that one renews them, so the
-    /// first one's crash does not bound them.
-    rehanded: BTreeSet<(usize, u64, u64)>,
+    /// first one's crash does not bound them. (P index, P incarnation, lease.)
+    rehanded: BTreeSet<(usize, u64, String)>,
+    /// When each crashed D crashed; the reclaim bound's terms: L, E plus the longest delay of a
+    /// renewal, the reaper's granularity.
+    crashed_at: BTreeMap<usize, Duration>,
+    reclaim: (Duration, Duration, Duration),
+    /// Push mode: each P's coordinates once the router learnt them from an answer (then both
+    /// legs go at once, as `kvlease proxy` does); what crashed D engines had recomputed;
+    /// requests whose client left.
+    push_peers: Vec<Option<PushPeer>>,
+    crashed_recomputed: u64,
+    left: usize,
     /// The router's turn cache (SPEC B1) and its count of legs in flight on each P and D.
     turn_cache: TurnCache,
     p_busy: Vec<usize>,
@@ -228,6 +280,27 @@ struct World {
 }
 
 type Shared = Arc<Mutex<World>>;
+
+/// A lease a D holds on P `pi` (incarnation `inc`), for the reclaim check: `got` is when D got
+/// params P had already answered with (no earlier than the grant); `label` names the lease (its
+/// id; in push mode its key); push mode's `params` name the key P holds it under.
+#[derive(Debug, Clone)]
+struct Held {
+    pi: usize,
+    inc: u64,
+    id: u64,
+    label: String,
+    got: Duration,
+    params: Option<serde_json::Value>,
+}
+
+impl Held {
+    /// How [`World::rehanded`] names it: a push lease by its key alone (a decode leg's params
+    /// name no incarnation; the key is one dispatch's).
+    fn rehand_key(&self) -> (usize, u64, String) {
+        (self.pi, if self.params.is_some() { 0 } else { self.inc }, self.label.clone())
+    }
+}
 
 fn with<T>(w: &Shared, f: impl FnOnce(&mut World) -> T) -> T {
     f(&mut w.lock().unwrap_or_else(|e| e.into_inner()))
@@ -275,13 +348,17 @@ fn config(c: &Cluster, net: &MemNetwork, name: &str, port: u16, incarnation: u64
         kv_port: port,
         transport: TransportKind::Mem(net.clone()),
         num_gpu_blocks: 256,
-        max_num_seqs: 8,
+        max_num_seqs: c.max_num_seqs,
         model: model(c),
         incarnation: Some(incarnation),
         planted_bug: c.planted,
         ..EngineConfig::default()
     };
     cfg.transfer.lease = lease(c);
+    if c.push_engines {
+        cfg.transfer.kv_connector = kvlease_core::config::PUSH_CONNECTOR.into();
+        cfg.transfer.lease.push_registration_timeout = c.push_timeout;
+    }
     cfg
 }
 
@@ -381,6 +458,7 @@ async fn expected(c: &Cluster, reqs: &[Req], w: &Shared) -> Vec<Vec<Answer>> {
     cfg.model.decode_ms_per_token = 0.0;
     cfg.planted_bug = None;
     cfg.transfer.lease.bidirectional = false;
+    cfg.transfer.kv_connector = EngineConfig::default().transfer.kv_connector;
     let Some(local) = start(cfg, w).await else { return Vec::new() };
     let mut out = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
@@ -420,6 +498,11 @@ async fn run(c: Cluster) -> Outcome {
         turns: 0,
         held: BTreeMap::new(),
         rehanded: BTreeSet::new(),
+        crashed_at: BTreeMap::new(),
+        reclaim: (Duration::ZERO, Duration::ZERO, Duration::ZERO),
+        push_peers: vec![None; c.p_engines],
+        crashed_recomputed: 0,
+        left: 0,
         turn_cache: TurnCache::default(),
         p_busy: vec![0; c.p_engines],
         d_busy: vec![0; c.d_engines],
@@ -473,29 +556,20 @@ async fn run(c: Cluster) -> Outcome {
         // being applied when they reach P (up to the largest delay after D sent them); the
         // reaper drops it within its granularity after.
         let (renewed, tick) = (lease.extension + c.faults.delay.1, lease.reap_granularity() + Duration::from_millis(1));
-        let l = lease.lease_duration;
+        with(&w, |w| w.reclaim = (lease.lease_duration, renewed, tick));
         faults.spawn(async move {
             tokio::time::sleep_until(t0 + at).await;
             let Some(d) = with(&w, |w| w.d.get_mut(dj).and_then(Option::take)) else { return };
             note(&w, format!("crash d{dj}"));
             d.kill();
-            drop(d);
-            // P4 reclaim: every lease d held is gone by max(grant + L, crash + delay + E) + tick.
             let crash = t0.elapsed();
-            let held = with(&w, |w| w.held.remove(&dj).unwrap_or_default());
-            let mut checks: Vec<(Duration, usize, u64, u64)> =
-                held.into_iter().map(|(pi, inc, id, got)| ((got + l).max(crash + renewed) + tick, pi, inc, id)).collect();
-            checks.sort();
-            for (by, pi, inc, id) in checks {
-                tokio::time::sleep_until(t0 + by).await;
-                let still = with(&w, |w| {
-                    !w.rehanded.contains(&(pi, inc, id))
-                        && w.all_p.iter().any(|(i, h, alive)| *i == pi && *alive && h.incarnation() == inc && h.holds_lease(id))
-                });
-                if still {
-                    violation(&w, format!("P4: p{pi} still holds lease {id} of crashed d{dj} at {:.3} s", by.as_secs_f64()));
-                }
-            }
+            let held = with(&w, |w| {
+                w.crashed_recomputed += d.metrics().recomputed_requests.get();
+                w.crashed_at.insert(dj, crash);
+                w.held.remove(&dj).unwrap_or_default()
+            });
+            drop(d);
+            reclaim(w, dj, crash, held).await;
         });
     }
     for &(at, pi, down) in &c.p_restarts {
@@ -521,12 +595,14 @@ async fn run(c: Cluster) -> Outcome {
     }
     // The workload: each request a task, routed by the proxy's route machine.
     let mut clients = tokio::task::JoinSet::new();
-    let limit = lease.lease_duration * 4 + Duration::from_secs(60) + Duration::from_secs_f64(c.decode_ms * 0.01 * 256.0);
+    let limit =
+        lease.lease_duration * 4 + Duration::from_secs(60) + Duration::from_secs_f64(c.decode_ms * 0.01 * 256.0) + c.push_timeout * 2;
+    let leaves = leaves(&c, &reqs);
     for (i, (r, want)) in reqs.iter().cloned().zip(want).enumerate() {
-        let (w, c) = (w.clone(), c.clone());
+        let (w, c, leave) = (w.clone(), c.clone(), leaves[i].map(|after| t0 + r.at + after));
         clients.spawn(async move {
             tokio::time::sleep_until(t0 + r.at).await;
-            if tokio::time::timeout(limit, client(&w, &c, i, &r, want)).await.is_err() {
+            if tokio::time::timeout(limit, client(&w, &c, i, &r, want, leave)).await.is_err() {
                 violation(&w, format!("liveness: request {i} did not end within {limit:?}"));
             }
         });
@@ -536,9 +612,58 @@ async fn run(c: Cluster) -> Outcome {
     while faults.join_next().await.is_some() {}
     let busy = t0.elapsed();
     // Quiesce: past every lease, quarantine and back-off.
-    tokio::time::sleep(lease.lease_duration.max(c.turn_ttl) + lease.quarantine() + Duration::from_secs(12)).await;
+    tokio::time::sleep(lease.lease_duration.max(c.turn_ttl) + lease.quarantine() + c.push_timeout + Duration::from_secs(12)).await;
     check_quiescent(&w).await;
+    if c.push_engines {
+        check_push(&c, &w, net.writes_landed());
+    }
     finish(&c, &w, busy.as_nanos() as u64)
+}
+
+/// SPEC P4 reclaim: every lease crashed D `dj` held is gone from its P by
+/// `max(grant + L, crash + delay + E)` plus the reaper's granularity.
+async fn reclaim(w: Shared, dj: usize, crash: Duration, held: Vec<Held>) {
+    let (t0, (l, renewed, tick)) = with(&w, |w| (w.start, w.reclaim));
+    let mut checks: Vec<(Duration, Held)> = held.into_iter().map(|h| ((h.got + l).max(crash + renewed) + tick, h)).collect();
+    checks.sort_by_key(|a| (a.0, a.1.pi, a.1.inc, a.1.id));
+    for (by, h) in checks {
+        tokio::time::sleep_until(t0 + by).await;
+        let still = with(&w, |w| {
+            !w.rehanded.contains(&h.rehand_key())
+                && w.all_p.iter().any(|(i, p, alive)| {
+                    *i == h.pi
+                        && *alive
+                        && p.incarnation() == h.inc
+                        && match &h.params {
+                            Some(v) => p.holds_push_lease(v),
+                            None => p.holds_lease(h.id),
+                        }
+                })
+        });
+        if still {
+            violation(&w, format!("P4: p{} still holds lease {} of crashed d{dj} at {:.3} s", h.pi, h.label, by.as_secs_f64()));
+        }
+    }
+}
+
+/// D `dj` got lease `h`: it bounds its reclaim from now, or at once if D crashed already.
+fn hand(w: &Shared, dj: usize, h: Held) {
+    let crashed = with(w, |w| match w.crashed_at.get(&dj) {
+        Some(&at) => Some(at),
+        None => {
+            w.held.entry(dj).or_default().push(h.clone());
+            None
+        }
+    });
+    if let Some(at) = crashed {
+        tokio::spawn(reclaim(w.clone(), dj, at, vec![h]));
+    }
+}
+
+/// Push mode: when each request's client leaves, after its arrival (`None`: it stays).
+fn leaves(c: &Cluster, reqs: &[Req]) -> Vec<Option<Duration>> {
+    let mut r = Rng(c.seed ^ 0x001e_a7e5);
+    reqs.iter().map(|_| (c.push_engines && r.chance(c.leave.0)).then(|| r.secs(0.0, c.leave.1.as_secs_f64()))).collect()
 }
 
 /// The agent links between P `pi` and D `dj` as they are now.
@@ -552,10 +677,10 @@ fn links(w: &Shared, pi: usize, dj: usize) -> Vec<(String, String)> {
 /// One conversation, as the routing proxy runs it ([`kvlease_core::route`]): each turn P (with
 /// the conversation's cached decoder turn when there is one, SPEC B4), then D; every answer
 /// checked against the local run (D7).
-async fn client(w: &Shared, c: &Cluster, i: usize, r: &Req, want: Vec<Answer>) {
+async fn client(w: &Shared, c: &Cluster, i: usize, r: &Req, want: Vec<Answer>, leave: Option<Instant>) {
     let mut r = r.clone();
     for (k, want) in want.into_iter().enumerate() {
-        if !one_turn(w, c, i, k, &r, &want).await {
+        if !one_turn(w, c, i, k, &r, &want, leave).await {
             return;
         }
         let Some(next) = r.later.get(k).cloned() else { return };
@@ -577,33 +702,85 @@ fn now(w: &Shared) -> Nanos {
 }
 
 /// The engines as the router sees them now: the live ones healthy, with their legs outstanding.
-fn candidates(engines: &[Option<EngineHandle>], busy: &[usize], name: fn(usize) -> Engine) -> Vec<Candidate<Engine>> {
+/// `push`: which of them the router knows to be push engines.
+fn candidates(
+    engines: &[Option<EngineHandle>],
+    busy: &[usize],
+    name: fn(usize) -> Engine,
+    push: &[Option<PushPeer>],
+) -> Vec<Candidate<Engine>> {
     engines
         .iter()
         .enumerate()
-        .map(|(i, h)| Candidate { upstream: name(i), healthy: h.is_some(), outstanding: busy.get(i).copied().unwrap_or(0), push: false })
+        .map(|(i, h)| Candidate {
+            upstream: name(i),
+            healthy: h.is_some(),
+            outstanding: busy.get(i).copied().unwrap_or(0),
+            push: push.get(i).is_some_and(Option::is_some),
+        })
         .collect()
 }
 
 /// One turn, driven by the route machine; `false` if the conversation ends here (it failed
-/// cleanly, or a violation).
-async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &Answer) -> bool {
+/// cleanly, its client left, or a violation). In push mode the legs go as `kvlease proxy`
+/// sends them: the first request to a prefiller one after the other (P's answer teaches the
+/// router its coordinates), later ones both at once (SPEC §13, U1, U2).
+async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &Answer, leave: Option<Instant>) -> bool {
     with(w, |w| w.turns += 1);
     let id = format!("req{i}.{k}");
     let t = now(w);
     let mut route: Route<Engine, String> = with(w, |w| Route::new(Some(format!("c{i}")), false, &mut w.turn_cache, t));
     route.planted = c.planted;
-    // P's params; what the client got (relayed from every decoder that answered); D's stream.
+    // P's params (in push mode: the decode leg's, naming the transfer's key); what the client
+    // got (relayed from every decoder that answered); D's stream.
     let mut params = serde_json::Value::Null;
     let mut got: Answer = (Vec::new(), None);
     let mut stream: Option<(usize, RequestStream)> = None;
+    // Push mode: the prefill leg out (P's answer to come), whether it went with the decode leg
+    // (both at once), whether P answered with its params, the decoder holding the decode leg
+    // while P has not answered yet, and the dispatches made.
+    let mut p_leg: Option<(usize, PrefillLeg)> = None;
+    let (mut both, mut p_answered, mut waiting_d, mut dispatches) = (false, false, None::<usize>, 0);
     loop {
         let action = with(w, |w| {
-            let (pc, dc) = (candidates(&w.p, &w.p_busy, Engine::P), candidates(&w.d, &w.d_busy, Engine::D));
+            let (pc, dc) = (candidates(&w.p, &w.p_busy, Engine::P, &w.push_peers), candidates(&w.d, &w.d_busy, Engine::D, &[]));
             // Ties start at the workload's engines, so the seeded spread stays.
             route.poll(Pools { prefill: Pool { candidates: &pc, start: r.p }, decode: Pool { candidates: &dc, start: r.d } })
         });
         let Some(action) = action else {
+            // Push mode: waiting for P's answer (or the client's leaving).
+            if let Some((pi, mut task)) = p_leg.take() {
+                let answer = tokio::select! {
+                    biased;
+                    a = &mut task => a,
+                    _ = until(leave) => {
+                        task.abort();
+                        return left(w, &mut route, &params, &mut stream, i, k);
+                    }
+                };
+                let (event, answered) =
+                    answer.unwrap_or_else(|_| (Event::PrefillFailed(format!("p{pi}'s leg went away")), serde_json::Value::Null));
+                if let Some(peer) = PushPeer::from_answer(&answered) {
+                    with(w, |w| w.push_peers[pi] = Some(peer));
+                }
+                if matches!(event, Event::PrefillAnswered(PrefillAnswer::Params { .. })) {
+                    p_answered = true;
+                    if both {
+                        // The lease was granted before P answered: the decoder holding the
+                        // decode leg bounds its reclaim from now.
+                        if let Some(dj) = waiting_d.take() {
+                            hand(w, dj, held(pi, &answered, &params, w));
+                        }
+                    } else {
+                        params = answered;
+                    }
+                }
+                if let Err(e) = route.handle(event) {
+                    violation(w, format!("req {i}.{k}: {e}"));
+                    return false;
+                }
+                continue;
+            }
             if !route.is_done() {
                 violation(w, format!("req {i}.{k}: the route stalled"));
                 return false;
@@ -616,7 +793,28 @@ async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &A
                     note(w, format!("req {i}.{k}: prefill leg retried on p{pi}"));
                 }
                 let p_params = turn.unwrap_or_else(|| json!({"do_remote_decode": true}));
+                if c.push_engines {
+                    (both, p_answered, waiting_d) = (false, false, None);
+                    p_leg = Some((pi, spawn_prefill(w, pi, request(id.clone(), r, p_params))));
+                    continue;
+                }
                 prefill(w, pi, request(id.clone(), r, p_params), &mut params).await
+            }
+            // SPEC §13, U1, U2: both legs at once, paired by a transfer id of this dispatch.
+            Action::SendBoth { prefill: Engine::P(pi), decode: Engine::D(dj), retry } => {
+                let Some(peer) = with(w, |w| w.push_peers[pi].clone()) else {
+                    violation(w, format!("req {i}.{k}: both legs to p{pi}, whose coordinates the router never learnt"));
+                    return false;
+                };
+                dispatches += 1;
+                let transfer_id = format!("sim-{i}.{k}.{dispatches}");
+                params = peer.decode_params(&transfer_id);
+                note(w, format!("req {i}.{k}: both legs, p{pi} and d{dj}, transfer {transfer_id}{}", if retry { " (retry)" } else { "" }));
+                (both, p_answered) = (true, false);
+                p_leg = Some((pi, spawn_prefill(w, pi, request(id.clone(), r, PushPeer::prefill_params(&transfer_id)))));
+                let event = send_decode(w, i, k, dj, request(id.clone(), r, params.clone()), &mut stream);
+                waiting_d = stream.as_ref().map(|(dj, _)| *dj);
+                event
             }
             Action::SendDecode { to: Engine::D(dj), retry } => {
                 let Some(Engine::P(pi)) = route.prefiller().copied() else {
@@ -626,32 +824,41 @@ async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &A
                 let lease_id = params.get("remote_lease_id").and_then(|v| v.as_u64()).unwrap_or(0);
                 let inc = params.get("remote_incarnation").and_then(|v| v.as_str()?.parse().ok()).unwrap_or(0);
                 note(w, format!("req {i}.{k}: p{pi} lease {lease_id} → d{dj}{}", if retry { " (retry)" } else { "" }));
-                match with(w, |w| w.d.get(dj).cloned().flatten()) {
-                    None => Event::DecodeFailed(format!("d{dj} is down")),
-                    Some(d) => {
-                        with(w, |w| {
-                            let got = w.start.elapsed();
-                            w.held.entry(dj).or_default().push((pi, inc, lease_id, got));
-                            if retry {
-                                w.rehanded.insert((pi, inc, lease_id));
-                            }
-                        });
-                        match d.submit(request(id.clone(), r, params.clone())) {
-                            Ok(s) => {
-                                with(w, |w| w.d_busy[dj] += 1);
-                                stream = Some((dj, s));
-                                Event::DecodeAnswered(RouteAnswer::Success)
-                            }
-                            Err(e) => {
-                                note(w, format!("req {i}.{k}: d{dj} refused: {}", e.message));
-                                Event::DecodeAnswered(RouteAnswer::Refused)
-                            }
+                if with(w, |w| w.d.get(dj).is_some_and(Option::is_some)) {
+                    let h = match c.push_engines {
+                        true => held(pi, &params, &params, w),
+                        false => {
+                            Held { pi, inc, id: lease_id, label: lease_id.to_string(), got: with(w, |w| w.start.elapsed()), params: None }
                         }
+                    };
+                    if retry {
+                        with(w, |w| w.rehanded.insert(h.rehand_key()));
+                    }
+                    if p_answered || !c.push_engines {
+                        hand(w, dj, h);
                     }
                 }
+                let event = send_decode(w, i, k, dj, request(id.clone(), r, params.clone()), &mut stream);
+                if c.push_engines && !p_answered {
+                    waiting_d = stream.as_ref().map(|(dj, _)| *dj);
+                }
+                event
+            }
+            // SPEC U9: the decode leg dropped; D aborts it and releases P's lease itself.
+            Action::CancelDecode => {
+                if let Some((dj, s)) = stream.take() {
+                    note(w, format!("req {i}.{k}: decode leg on d{dj} dropped"));
+                    drop(s);
+                    with(w, |w| w.d_busy[dj] -= 1);
+                }
+                waiting_d = None;
+                continue;
             }
             Action::RelayStream => match stream.take() {
-                Some((dj, s)) => relay(w, &mut route, dj, s, &mut got).await,
+                Some((dj, s)) => match relay(w, &mut route, dj, s, &mut got, leave).await {
+                    Some(event) => event,
+                    None => return left(w, &mut route, &params, &mut stream, i, k),
+                },
                 None => {
                     violation(w, format!("req {i}.{k}: nothing to relay"));
                     return false;
@@ -675,6 +882,10 @@ async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &A
             Action::RelayWhole { .. } | Action::Fail { .. } => {
                 note(w, format!("req {i}.{k}: failed: {action:?}"));
                 with(w, |w| w.failed += 1);
+                if let Some((pi, task)) = p_leg.take() {
+                    violation(w, format!("req {i}.{k}: the route ended with p{pi}'s leg still out"));
+                    task.abort();
+                }
                 return false;
             }
             other => {
@@ -695,6 +906,93 @@ async fn one_turn(w: &Shared, c: &Cluster, i: usize, k: usize, r: &Req, want: &A
         violation(w, format!("D7: req {i}.{k}: the client got {got:?}; a local run answers {want:?}"));
         false
     }
+}
+
+/// Sleeps until `at`; never, without one.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Push mode: the lease P `pi` granted under the key `params` name (for the reclaim check),
+/// its incarnation from P's own answer `answered`.
+fn held(pi: usize, answered: &serde_json::Value, params: &serde_json::Value, w: &Shared) -> Held {
+    let inc = answered.get("remote_incarnation").and_then(|v| v.as_str()?.parse().ok()).unwrap_or(0);
+    let label = ["transfer_id", "remote_request_id", "remote_lease_id"]
+        .iter()
+        .find_map(|k| params.get(*k).map(|v| v.to_string()))
+        .unwrap_or_default();
+    Held { pi, inc, id: 0, label, got: with(w, |w| w.start.elapsed()), params: Some(params.clone()) }
+}
+
+/// The decode leg to D `dj`: its stream into `stream` if D took it.
+fn send_decode(
+    w: &Shared,
+    i: usize,
+    k: usize,
+    dj: usize,
+    req: GenerateRequest,
+    stream: &mut Option<(usize, RequestStream)>,
+) -> Event<String> {
+    let Some(d) = with(w, |w| w.d.get(dj).cloned().flatten()) else { return Event::DecodeFailed(format!("d{dj} is down")) };
+    match d.submit(req) {
+        Ok(s) => {
+            with(w, |w| w.d_busy[dj] += 1);
+            *stream = Some((dj, s));
+            Event::DecodeAnswered(RouteAnswer::Success)
+        }
+        Err(e) => {
+            note(w, format!("req {i}.{k}: d{dj} refused: {}", e.message));
+            Event::DecodeAnswered(RouteAnswer::Refused)
+        }
+    }
+}
+
+/// Push mode: a prefill leg out in the background; its event and P's params to come.
+type PrefillLeg = tokio::task::JoinHandle<(Event<String>, serde_json::Value)>;
+
+/// Push mode: the prefill leg on P `pi` in the background; its event and P's params.
+fn spawn_prefill(w: &Shared, pi: usize, req: GenerateRequest) -> PrefillLeg {
+    let w = w.clone();
+    tokio::spawn(async move {
+        let mut params = serde_json::Value::Null;
+        let event = prefill(&w, pi, req, &mut params).await;
+        (event, params)
+    })
+}
+
+/// The client left (SPEC U9, D4): the route is told and carries out what it asks (a release
+/// of P's lease while no decoder holds it); the legs out are dropped, so each engine aborts.
+fn left(
+    w: &Shared,
+    route: &mut Route<Engine, String>,
+    params: &serde_json::Value,
+    stream: &mut Option<(usize, RequestStream)>,
+    i: usize,
+    k: usize,
+) -> bool {
+    note(w, format!("req {i}.{k}: the client left"));
+    if let Some((dj, s)) = stream.take() {
+        drop(s);
+        with(w, |w| w.d_busy[dj] -= 1);
+    }
+    if let Err(e) = route.handle(Event::ClientGone) {
+        violation(w, format!("req {i}.{k}: {e}"));
+    }
+    while let Some(action) = route.poll(Pools::EMPTY) {
+        match action {
+            Action::Release { on: Engine::P(pi) } => {
+                let released = with(w, |w| w.p.get(pi).cloned().flatten()).map(|p| p.release_by_params(params));
+                note(w, format!("req {i}.{k}: released the lease on p{pi}: {released:?}"));
+            }
+            Action::GiveBack { conversation, turn } => with(w, |w| w.turn_cache.give_back(conversation, turn)),
+            other => violation(w, format!("req {i}.{k}: the route asked for {other:?} after the client left")),
+        }
+    }
+    with(w, |w| w.left += 1);
+    false
 }
 
 /// The prefill leg on P `pi`: its params into `params`. An engine that is down or went away
@@ -735,10 +1033,25 @@ async fn prefill(w: &Shared, pi: usize, req: GenerateRequest, params: &mut serde
 }
 
 /// D `dj`'s answer relayed to the client (`got`) as it streams, the route told of its first
-/// byte; the event that ends it.
-async fn relay(w: &Shared, route: &mut Route<Engine, String>, dj: usize, mut s: RequestStream, got: &mut Answer) -> Event<String> {
+/// byte; the event that ends it, or `None` if the client left first (at `leave`).
+async fn relay(
+    w: &Shared,
+    route: &mut Route<Engine, String>,
+    dj: usize,
+    mut s: RequestStream,
+    got: &mut Answer,
+    leave: Option<Instant>,
+) -> Option<Event<String>> {
     let event = loop {
-        match s.next().await {
+        let next = tokio::select! {
+            biased;
+            ev = s.next() => ev,
+            _ = until(leave) => {
+                with(w, |w| w.d_busy[dj] -= 1);
+                return None;
+            }
+        };
+        match next {
             Some(GenerateEvent::Token { id, .. }) => {
                 if got.0.is_empty() {
                     let _ = route.handle(Event::FirstByteRelayed);
@@ -758,7 +1071,7 @@ async fn relay(w: &Shared, route: &mut Route<Engine, String>, dj: usize, mut s: 
     if let Event::DecodeFailed(why) = &event {
         note(w, why.clone());
     }
-    event
+    Some(event)
 }
 
 /// The end of the run: no lease left, every lease released once, every block back.
@@ -784,13 +1097,48 @@ async fn check_quiescent(w: &Shared) {
     }
 }
 
+/// Push mode's own checks at the end of a run.
+/// * **U5, P3**: a lease ends as `transferred` only when its writes landed: no more leases
+///   ended so on all P than writes that landed whole on the network (`landed`);
+/// * **nothing recomputed without a fault** (D7, U10): in a run with no fault, no request is
+///   recomputed;
+/// * **U2, U9** (vLLM #53095, #46283): in a run with no fault, no lease expires on P — D's
+///   renewals keep every lease it waits on, and every request D gives up (its client left)
+///   releases P's lease at once.
+fn check_push(c: &Cluster, w: &Shared, landed: u64) {
+    let (transferred, expired, recomputed) =
+        with(w, |w| (released(w, ReleaseReason::Transferred), released(w, ReleaseReason::Expired), recomputed(w)));
+    if transferred > landed {
+        violation(w, format!("U5: P ended {transferred} leases as transferred, but only {landed} writes landed whole"));
+    }
+    if c.fault_free() {
+        if recomputed > 0 {
+            violation(w, format!("D7/U10: {recomputed} requests recomputed in a run with no fault"));
+        }
+        if expired > 0 {
+            violation(w, format!("U2/U9: {expired} leases expired on P in a run with no fault (not renewed while D waited, or not released when D gave up)"));
+        }
+    }
+}
+
+/// Leases every P (every incarnation) ended for `reason`.
+fn released(w: &World, reason: ReleaseReason) -> u64 {
+    w.all_p.iter().map(|(_, h, _)| h.metrics().released(reason).get()).sum()
+}
+
+/// Requests recomputed on every D, crashed ones included.
+fn recomputed(w: &World) -> u64 {
+    w.d.iter().flatten().map(|d| d.metrics().recomputed_requests.get()).sum::<u64>() + w.crashed_recomputed
+}
+
 fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
     with(w, |w| {
-        let recomputed = w.d.iter().flatten().map(|d| d.metrics().recomputed_requests.get()).sum();
+        let recomputed = recomputed(w);
+        let transferred = released(w, ReleaseReason::Transferred);
         Outcome {
             seed: c.seed,
             requests: c.requests,
-            counts: ClusterCounts { answered: w.answered, failed: w.failed, recomputed, turns: w.turns },
+            counts: ClusterCounts { answered: w.answered, failed: w.failed, recomputed, turns: w.turns, transferred, left: w.left },
             violations: std::mem::take(&mut w.violations),
             trace: std::mem::take(&mut w.trace),
             simulated: Duration::from_nanos(simulated),

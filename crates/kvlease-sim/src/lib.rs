@@ -28,6 +28,7 @@ pub mod cluster;
 pub mod connector;
 pub mod heartbeat;
 pub mod push;
+pub mod push_cluster;
 pub mod seeded;
 
 use cluster::{collect, collect_timed, request, Answer, Req};

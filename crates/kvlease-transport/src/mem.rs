@@ -60,6 +60,9 @@ struct NetState {
     faults: Faults,
     /// splitmix64 state, from [`Faults::seed`].
     rng: u64,
+    /// Writes that landed whole (the simulator's check that P counts a transfer only when its
+    /// KV was written, SPEC U5).
+    writes_landed: u64,
 }
 
 /// Seeded faults of a [`MemNetwork`] (all off by default). Probabilities are per message or
@@ -189,6 +192,11 @@ impl MemNetwork {
         let mut st = lock(&self.net.state);
         st.rng = faults.seed;
         st.faults = faults;
+    }
+
+    /// Writes that landed whole on this network so far.
+    pub fn writes_landed(&self) -> u64 {
+        lock(&self.net.state).writes_landed
     }
 
     /// Listens for side-channel connections at `host:port`; port 0 picks a free one.
@@ -413,6 +421,7 @@ impl MemAgent {
         if fate.fail {
             return Err(TransportError::Disconnected(peer.to_owned()));
         }
+        lock(&self.net.state).writes_landed += 1;
         if let Some(bytes) = op.notif {
             let _ = other.events.send(AgentEvent::Notification { from: self.name.clone(), bytes });
         }

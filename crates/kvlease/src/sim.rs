@@ -7,6 +7,10 @@
 //! faults drawn from each seed, every invariant checked; a failing seed prints its trace and the
 //! command that replays it.
 //!
+//! `kvlease sim --cluster --push-engines`: the same with every engine in push mode
+//! (`NixlPushConnector`), both legs sent at once as `kvlease proxy` sends them, push mode's own
+//! faults and checks added (kvlease-sim's `push_cluster`).
+//!
 //! `kvlease sim --connector`: the vLLM connector's protocol path (P's `IssuedLeases`, D's
 //! `Renewer` and `Pull`, wired as `python/kvlease/vllm.py` wires them) under deterministic
 //! simulation, the same way.
@@ -18,6 +22,7 @@ use clap::Args;
 use kvlease_sim::cluster::Cluster;
 use kvlease_sim::connector::Connector;
 use kvlease_sim::push::Push;
+use kvlease_sim::push_cluster::PushCluster;
 use kvlease_sim::seeded::{report, run_seeds, Outcome, Seeded};
 use kvlease_sim::{simulate, Policy, Report, Routing, Scenario};
 use std::time::Duration;
@@ -80,6 +85,11 @@ pub struct SimArgs {
     /// Run the real engines of a seeded cluster under faults instead (seeds --seed.. --seed+--seeds).
     #[arg(long, conflicts_with_all = ["connector", "heartbeat_scale"])]
     cluster: bool,
+    /// With --cluster: every engine in push mode (`kv_connector: NixlPushConnector`), the router
+    /// sending both legs at once to a prefiller it learnt is a push engine; adds write failures,
+    /// a decoder silenced past E and clients that leave to the faults, and push mode's checks.
+    #[arg(long, requires = "cluster")]
+    push_engines: bool,
     /// Run the vLLM connector's protocol path under seeded faults instead: P's IssuedLeases, D's
     /// Renewer and Pull, as python/kvlease/vllm.py wires them (seeds --seed.. --seed+--seeds).
     #[arg(long, conflicts_with = "heartbeat_scale")]
@@ -151,6 +161,9 @@ fn seeds<S: Seeded>(
 }
 
 fn cluster(a: &SimArgs) -> anyhow::Result<()> {
+    if a.push_engines {
+        return push_cluster(a);
+    }
     seeds::<Cluster>(
         a,
         |out| {
@@ -172,6 +185,34 @@ fn cluster(a: &SimArgs) -> anyhow::Result<()> {
                 all.counts.turns,
                 all.simulated.as_secs_f64(),
                 all.counts.turns as f64 / wall
+            )
+        },
+    )
+}
+
+fn push_cluster(a: &SimArgs) -> anyhow::Result<()> {
+    seeds::<PushCluster>(
+        a,
+        |out| {
+            let n = &out.counts.0;
+            format!(
+                "{} requests, {} answered, {} failed cleanly, {} left by their client, {} recomputed, {} transferred; {:.1} s simulated",
+                out.requests,
+                n.answered,
+                n.failed,
+                n.left,
+                n.recomputed,
+                n.transferred,
+                out.simulated.as_secs_f64()
+            )
+        },
+        |all, wall| {
+            format!(
+                "{} simulated requests ({} transferred, {} recomputed; {:.0} s simulated) in {wall:.2} s of wall time",
+                all.requests,
+                all.counts.0.transferred,
+                all.counts.0.recomputed,
+                all.simulated.as_secs_f64()
             )
         },
     )
