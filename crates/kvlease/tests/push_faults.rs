@@ -76,6 +76,25 @@ where
     true
 }
 
+/// The prefill leg of `prompt` on P, under the router's request id `router_id` (the key D's
+/// params name, U1): its status once P answered.
+fn prefill_leg(p: &Proc, prompt: &str, router_id: &'static str) -> tokio::task::JoinHandle<u16> {
+    let (url, prompt) = (format!("{}/v1/completions", p.url), prompt.to_string());
+    tokio::spawn(async move {
+        client()
+            .post(url)
+            .header("X-Request-Id", router_id)
+            .json(
+                &json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+            )
+            .send()
+            .await
+            .expect("prefill leg")
+            .status()
+            .as_u16()
+    })
+}
+
 /// What the local engine answers to `prompt` with `max_tokens`.
 async fn local_text(local: &Proc, prompt: &str, max_tokens: u64) -> String {
     let body = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true});
@@ -138,20 +157,7 @@ async fn u9_a_decode_leg_given_up_after_registering_leaves_p_nothing_to_grant() 
     let prompt = long_prompt("registered, then given up", 100);
     let router_id = "u9b-router-id";
     let leg = decode_leg(&d, &prompt, 4, router_params("u9b-p", kv_port, router_id));
-    let p_leg = {
-        let (url, prompt) = (format!("{}/v1/completions", p.url), prompt.clone());
-        tokio::spawn(async move {
-            client()
-                .post(url)
-                .header("X-Request-Id", router_id)
-                .json(&json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}))
-                .send()
-                .await
-                .expect("prefill leg")
-                .status()
-                .as_u16()
-        })
-    };
+    let p_leg = prefill_leg(&p, &prompt, router_id);
     // D allocated the blocks and registered them (the request waits for writes: `loading`).
     until("D registers and waits for P's writes", DEADLINE, || async { metric(&d.url, "kvlease_requests_running").await == 1.0 }).await;
     assert_eq!(metric(&p.url, "kvlease_requests_running").await, 1.0, "P is still prefilling");
@@ -201,20 +207,7 @@ async fn u6_a_write_that_fails_between_processes_fails_d_over_at_once() {
             (status, r.json::<Value>().await.expect("JSON"), Instant::now())
         })
     };
-    let p_leg = {
-        let (url, prompt) = (format!("{}/v1/completions", p.url), prompt.clone());
-        tokio::spawn(async move {
-            client()
-                .post(url)
-                .header("X-Request-Id", router_id)
-                .json(&json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}))
-                .send()
-                .await
-                .expect("prefill leg")
-                .status()
-                .as_u16()
-        })
-    };
+    let p_leg = prefill_leg(&p, &prompt, router_id);
     // About 100 tokens at 20 ms: P prefills for about 2 s. D registered (waits for writes)
     // and P heard it (D's first heartbeat, after 1 s, follows the registration).
     until("D registers with P", DEADLINE, || async {
@@ -253,28 +246,6 @@ fn request(i: usize) -> (Value, bool, bool) {
     };
     body["stream"] = json!(stream);
     (body, chat, stream)
-}
-
-/// The answer's text through `base`: `Ok` for a 200 that completed, `Err` (status, what)
-/// otherwise — an error status, or a stream that ended with an error event or no `[DONE]`.
-async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Result<String, (u16, String)> {
-    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
-    let r = client().post(format!("{base}{path}")).json(body).send().await.map_err(|e| (0, e.to_string()))?;
-    let status = r.status().as_u16();
-    let text = r.text().await.map_err(|e| (status, format!("body cut: {e}")))?;
-    if status != 200 {
-        return Err((status, text));
-    }
-    if stream {
-        match sse_text(&text, chat) {
-            Ok((out, _, true)) => Ok(out),
-            Ok((_, _, false)) => Err((status, format!("stream ended without [DONE]: {text}"))),
-            Err(e) => Err((status, e.to_string())),
-        }
-    } else {
-        let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("not JSON ({e}): {text}")))?;
-        Ok(text_of(&v, chat))
-    }
 }
 
 /// SPEC U4, U8, P3, D7 (vLLM #55470: a write posted after P retired its request, a lease

@@ -35,35 +35,6 @@ fn request(i: usize) -> (Value, bool, bool) {
     (body, chat, stream)
 }
 
-fn path(chat: bool) -> &'static str {
-    if chat {
-        "/v1/chat/completions"
-    } else {
-        "/v1/completions"
-    }
-}
-
-/// The answer's text through `base`: `Ok` for a 200 that completed, `Err` (status, what) for
-/// anything else — an error status, or a stream that ended with an error event.
-async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Result<String, (u16, String)> {
-    let r = client().post(format!("{base}{}", path(chat))).json(body).send().await.map_err(|e| (0, e.to_string()))?;
-    let status = r.status().as_u16();
-    let text = r.text().await.map_err(|e| (status, format!("body cut: {e}")))?;
-    if status != 200 {
-        return Err((status, text));
-    }
-    if stream {
-        match sse_text(&text, chat) {
-            Ok((out, _, true)) => Ok(out),
-            Ok((_, _, false)) => Err((status, format!("stream ended without [DONE]: {text}"))),
-            Err(e) => Err((status, e.to_string())),
-        }
-    } else {
-        let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("not JSON ({e}): {text}")))?;
-        Ok(text_of(&v, chat))
-    }
-}
-
 /// What a local engine (no transfer at all) answers to each request of the mix.
 async fn local_answers(n: usize) -> Vec<String> {
     let local = Proc::serve("push-local", &[]);

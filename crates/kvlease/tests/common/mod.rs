@@ -322,6 +322,37 @@ pub fn nixl_or_skip() -> bool {
     found
 }
 
+/// The OpenAI path of a chat (`chat`) or plain completion.
+pub fn completion_path(chat: bool) -> &'static str {
+    if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    }
+}
+
+/// The answer's text through `base`: `Ok` for a 200 that completed, `Err` (status, what) for
+/// anything else — an error status, a body cut short, or a stream that ended with an error
+/// event or without `[DONE]`.
+pub async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Result<String, (u16, String)> {
+    let r = client().post(format!("{base}{}", completion_path(chat))).json(body).send().await.map_err(|e| (0, e.to_string()))?;
+    let status = r.status().as_u16();
+    let text = r.text().await.map_err(|e| (status, format!("body cut: {e}")))?;
+    if status != 200 {
+        return Err((status, text));
+    }
+    if stream {
+        match sse_text(&text, chat) {
+            Ok((out, _, true)) => Ok(out),
+            Ok((_, _, false)) => Err((status, format!("stream ended without [DONE]: {text}"))),
+            Err(e) => Err((status, e.to_string())),
+        }
+    } else {
+        let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("not JSON ({e}): {text}")))?;
+        Ok(text_of(&v, chat))
+    }
+}
+
 /// SPEC D7: `n` completions — plain and chat, streaming and not, prompts of 3 to 19 words —
 /// through `proxy`, each equal to the same request run on `local` (a single engine); `batch` at
 /// a time.
