@@ -109,20 +109,7 @@ async fn o2_a_prefill_engine_killed_under_load_gives_no_wrong_200() {
     tokio::time::sleep(Duration::from_millis(15 * N as u64 / 2)).await;
     p1.signal("KILL");
     let killed_at = t0.elapsed();
-    let (mut ok, mut failed) = (0, 0);
-    for t in tasks {
-        let (i, got, want) = t.await.expect("joins");
-        match got {
-            Ok(text) => {
-                assert_eq!(text, want, "request {i}: a 200 must carry a local run's answer");
-                ok += 1;
-            }
-            Err((status, what)) => {
-                assert_ne!(status, 200, "request {i}: {what}");
-                failed += 1;
-            }
-        }
-    }
+    let (ok, failed) = no_wrong_200(tasks).await;
     eprintln!("p1 killed at {killed_at:?}: {ok} answered, {failed} failed");
     assert!(ok >= N / 2, "most requests still answered ({ok} of {N})");
     // The survivor holds nothing once the load is over.

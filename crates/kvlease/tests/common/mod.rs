@@ -353,6 +353,30 @@ pub async fn answer(base: &str, body: &Value, chat: bool, stream: bool) -> Resul
     }
 }
 
+/// Request `i`'s answer ([`answer`]) and the local run's.
+pub type Outcome = (usize, Result<String, (u16, String)>, String);
+
+/// Requests' outcomes, each `(i, answer, local answer)` ([`answer`]): every 200 must carry the
+/// local run's answer and every failure must not be a 200 (nothing silently wrong). Returns how
+/// many were answered and how many failed.
+pub async fn no_wrong_200(tasks: Vec<tokio::task::JoinHandle<Outcome>>) -> (usize, usize) {
+    let (mut ok, mut failed) = (0, 0);
+    for t in tasks {
+        let (i, got, want) = t.await.expect("joins");
+        match got {
+            Ok(text) => {
+                assert_eq!(text, want, "request {i}: a 200 must carry a local run's answer");
+                ok += 1;
+            }
+            Err((status, what)) => {
+                assert_ne!(status, 200, "request {i}: {what}");
+                failed += 1;
+            }
+        }
+    }
+    (ok, failed)
+}
+
 /// SPEC D7: `n` completions — plain and chat, streaming and not, prompts of 3 to 19 words —
 /// through `proxy`, each equal to the same request run on `local` (a single engine); `batch` at
 /// a time.
