@@ -13,7 +13,10 @@
 //!   [`LeaseTable::renew`].
 //! * **Lost at once** (U3, P6): a registration, renewal or release of a key whose lease ended
 //!   (remembered for [`ENDED_MEMORY`] keys), of a lease id not live, or of another engine's key,
-//!   is answered `PushLost`.
+//!   is answered `PushLost` — except its holder's renewal or registration of a key that ended
+//!   because every write landed (U5): that is answered with the `PushWriteDone`s again (the
+//!   holder has not heard them: one was lost or overtaken), so D never recomputes KV that
+//!   landed whole.
 //! * **The write gate** (U4, U8, U11, S4): [`PushSource::begin_write`] is asked right before a
 //!   write is posted (also after a handshake that came late): the lease is live and the
 //!   registration's engine holds it, the registration is the newest, its digest is the one of
@@ -50,7 +53,8 @@ use crate::holder::{BlockGuard, Ended, GrantError};
 use crate::lease_table::{Holder, LeasePayload, LeaseTable, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
 use crate::wire::{Message, PushFailure, PushKey, PushRegistration};
 use crate::{LeaseId, Nanos};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 /// How many keys not granted yet P keeps what D said about at once; past that, a new one is
@@ -151,6 +155,19 @@ struct Transfer {
     regs: Vec<Reg>,
     /// D released it, or the lease ended: answer `PushLost` to the holder once no write is in flight.
     ending: bool,
+    /// U5: every expected write of this registration landed and the lease ended `transferred`.
+    transferred: Option<Landed>,
+}
+
+/// A transfer whose every write landed (U5): what its holder is told again if its renewal of
+/// the key arrives after the lease ended, instead of `PushLost` — a `PushWriteDone` that a
+/// later message overtook, or that was lost, must not make D recompute KV that landed whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Landed {
+    holder: String,
+    attempt: u32,
+    dst_ranks: u32,
+    stages: u32,
 }
 
 /// A transfer whose lease is granted and whose registration is paired with it: the driver may
@@ -271,7 +288,8 @@ pub struct PushSource<B> {
     keys: HashMap<PushKey, Transfer>,
     by_lease: HashMap<LeaseId, PushKey>,
     pending: usize,
-    ended: HashSet<PushKey>,
+    /// Keys that ended, and for those whose every write landed, what was written (U3, U5).
+    ended: HashMap<PushKey, Option<Landed>>,
     ended_order: VecDeque<PushKey>,
     /// When keys must be looked at again (a pending key nobody renews, a posting deadline);
     /// entries may be stale and are checked when due.
@@ -288,7 +306,7 @@ impl<B: BlockGuard> PushSource<B> {
             keys: HashMap::new(),
             by_lease: HashMap::new(),
             pending: 0,
-            ended: HashSet::new(),
+            ended: HashMap::new(),
             ended_order: VecDeque::new(),
             timers: BTreeSet::new(),
         }
@@ -318,7 +336,7 @@ impl<B: BlockGuard> PushSource<B> {
             return Err(GrantError::NoBlocks.into());
         }
         if let Some(k) = &key {
-            if self.ended.contains(k) {
+            if self.ended.contains_key(k) {
                 out.freed.push(blocks);
                 return Err(PushGrantError::Released(k.clone()));
             }
@@ -337,9 +355,14 @@ impl<B: BlockGuard> PushSource<B> {
                 self.pending -= 1;
                 t
             }
-            None => {
-                self.keys.entry(key.clone()).or_insert(Transfer { holder: None, lease: None, seen: now, regs: Vec::new(), ending: false })
-            }
+            None => self.keys.entry(key.clone()).or_insert(Transfer {
+                holder: None,
+                lease: None,
+                seen: now,
+                regs: Vec::new(),
+                ending: false,
+                transferred: None,
+            }),
         };
         t.lease = Some(lease_id);
         // U2: the renewal D sent before the grant was acknowledged as kept: it holds now.
@@ -363,7 +386,10 @@ impl<B: BlockGuard> PushSource<B> {
             Message::PushHeartbeat { renewals, .. } => {
                 let mut lost = Vec::new();
                 for r in renewals {
-                    if !self.renew(holder, from, &r.key, r.window_ns, now, out) && !self.lost_later(holder, &r.key) {
+                    if !self.renew(holder, from, &r.key, r.window_ns, now, out)
+                        && !self.lost_later(holder, &r.key)
+                        && !self.tell_landed(from, &r.key, None, out)
+                    {
                         lost.push(r.key.clone());
                     }
                 }
@@ -475,6 +501,7 @@ impl<B: BlockGuard> PushSource<B> {
         let (done, closed, failed) = (reg.done >= reg.expected(), reg.closed(), reg.failed > 0);
         if good && done && newest == Some(ticket.attempt) {
             // U5, P3, P8: the last expected write landed.
+            t.transferred = Some(Landed { holder: to, attempt: ticket.attempt, dst_ranks: reg.reg.dst_ranks, stages: reg.reg.stages });
             if let Some(id) = t.lease {
                 let mut released = Vec::new();
                 self.table.end_lease(id, ReleaseReason::Transferred, now, &mut released);
@@ -514,7 +541,7 @@ impl<B: BlockGuard> PushSource<B> {
     /// back at once. Returns whether it ended a lease or fenced a key; `false` when a decoder
     /// holds it or it had ended already.
     pub fn release_unheld(&mut self, key: &PushKey, now: Nanos, out: &mut PushSettled<B>) -> bool {
-        if self.ended.contains(key) {
+        if self.ended.contains_key(key) {
             return false;
         }
         match self.keys.get(key) {
@@ -625,7 +652,7 @@ impl<B: BlockGuard> PushSource<B> {
             return lost(out);
         }
         if !self.admit(holder, from, &reg.key, now) {
-            if self.lost_later(holder, &reg.key) {
+            if self.lost_later(holder, &reg.key) || self.tell_landed(from, &reg.key, Some(reg.attempt), out) {
                 return;
             }
             return lost(out);
@@ -673,6 +700,25 @@ impl<B: BlockGuard> PushSource<B> {
     /// SPEC U8: `key` is `holder`'s, ended, with writes still in flight: its `PushLost` goes out
     /// when the last of them stops ([`PushSource::end_write`]), not now — D takes it as "nothing
     /// more lands in your blocks" and reuses them.
+    /// SPEC U5: if `key` ended because every write (of registration `attempt`, if given)
+    /// landed, and `from` held it, tells `from` every `PushWriteDone` again and returns true:
+    /// a renewal or a registration sent again after that means D has not heard them (one was
+    /// lost, or overtaken by this answer's predecessor), and `PushLost` would make D recompute
+    /// KV that landed whole.
+    fn tell_landed(&self, from: &str, key: &PushKey, attempt: Option<u32>, out: &mut PushSettled<B>) -> bool {
+        let Some(Some(landed)) = self.ended.get(key) else { return false };
+        if landed.holder != from || attempt.is_some_and(|a| a != landed.attempt) {
+            return false;
+        }
+        for dst_rank in 0..landed.dst_ranks {
+            for stage in 0..landed.stages {
+                let msg = Message::PushWriteDone { key: key.clone(), attempt: landed.attempt, dst_rank, stage };
+                out.send.push(Outgoing { to: from.to_owned(), msg });
+            }
+        }
+        true
+    }
+
     fn lost_later(&self, holder: Holder, key: &PushKey) -> bool {
         self.keys.get(key).is_some_and(|t| t.holder.as_ref().is_some_and(|(h, _)| *h == holder) && t.regs.iter().any(Reg::in_flight))
     }
@@ -680,7 +726,7 @@ impl<B: BlockGuard> PushSource<B> {
     /// SPEC S5, U2, U3: whether `holder` may act on `key`: its lease (live, or on its way) is
     /// that engine's, the first to name it. A key not known yet is kept for its grant.
     fn admit(&mut self, holder: Holder, from: &str, key: &PushKey, now: Nanos) -> bool {
-        if self.ended.contains(key) {
+        if self.ended.contains_key(key) {
             return false;
         }
         match self.keys.get_mut(key) {
@@ -706,7 +752,14 @@ impl<B: BlockGuard> PushSource<B> {
                 self.pending += 1;
                 self.keys.insert(
                     key.clone(),
-                    Transfer { holder: Some((holder, from.to_owned())), lease: None, seen: now, regs: Vec::new(), ending: false },
+                    Transfer {
+                        holder: Some((holder, from.to_owned())),
+                        lease: None,
+                        seen: now,
+                        regs: Vec::new(),
+                        ending: false,
+                        transferred: None,
+                    },
                 );
                 self.timers.insert((now + self.cfg.extension, key.clone()));
                 true
@@ -895,6 +948,7 @@ impl<B: BlockGuard> PushSource<B> {
     }
 
     fn forget(&mut self, key: &PushKey) {
+        let mut landed = None;
         if let Some(t) = self.keys.remove(key) {
             if t.lease.is_none() {
                 self.pending -= 1;
@@ -902,13 +956,26 @@ impl<B: BlockGuard> PushSource<B> {
             if let Some(id) = t.lease {
                 self.by_lease.remove(&id);
             }
+            landed = t.transferred;
         }
-        self.remember_ended(key.clone());
+        self.remember(key.clone(), landed);
     }
 
     fn remember_ended(&mut self, key: PushKey) {
-        if self.ended.insert(key.clone()) {
-            self.ended_order.push_back(key);
+        self.remember(key, None);
+    }
+
+    fn remember(&mut self, key: PushKey, landed: Option<Landed>) {
+        match self.ended.entry(key) {
+            Entry::Vacant(v) => {
+                self.ended_order.push_back(v.key().clone());
+                v.insert(landed);
+            }
+            // What landed is never forgotten by a later "ended".
+            Entry::Occupied(mut o) if landed.is_some() => {
+                o.insert(landed);
+            }
+            Entry::Occupied(_) => {}
         }
         while self.ended_order.len() > ENDED_MEMORY {
             if let Some(old) = self.ended_order.pop_front() {

@@ -236,6 +236,44 @@ fn u5_the_lease_is_transferred_once_on_the_last_write_of_every_rank_and_stage() 
     assert_eq!(p.stats().released.iter().sum::<u64>(), 1);
 }
 
+/// SPEC U5, U3 (found by `kvlease sim --cluster --push-engines`, seeds 25 and 162): D's renewal
+/// or registration that reaches P after the lease ended `transferred` — its `PushWriteDone`s
+/// lost or overtaken by the answer — is answered with every `PushWriteDone` again, not `PushLost`, so D decodes the
+/// KV that landed instead of recomputing; another engine's renewal of the key is still lost.
+#[test]
+fn u5_a_renewal_after_the_last_write_landed_is_told_the_writes_again() {
+    let k = key("t");
+    let (mut p, job) = paired(&k, 2, 1);
+    let mut out = PushSettled::default();
+    let tickets: Vec<_> = [(0, 0), (1, 0)].map(|(r, s)| p.begin_write(&k, job.attempt, r, s, at(1), &mut out).unwrap()).into();
+    for t in tickets {
+        p.end_write(t, true, at(2), &mut out);
+    }
+    assert_eq!(p.stats().released(ReleaseReason::Transferred), 1);
+    let renewal = Message::PushHeartbeat { seq: 9, renewals: vec![PushRenewal { key: k.clone(), window_ns: 0 }] };
+    let mut out = PushSettled::default();
+    p.on_message(D, &renewal, at(3), &mut out);
+    assert_eq!(msgs(&out), vec![&done(&k, job.attempt, 0, 0), &done(&k, job.attempt, 1, 0)], "the writes again, not lost");
+
+    // D's tally closes on them: ready, whichever copy comes first.
+    let cfg = LeaseConfig::default();
+    let mut d = d_registered(&cfg, &k, 2, 1);
+    let mut actions = Vec::new();
+    for m in msgs(&out) {
+        d.on_message("p", m, at(3), &mut actions);
+    }
+    assert!(actions.iter().any(|a| matches!(a, PushAction::Ready { .. })), "{actions:?}");
+
+    // The registration sent again (P's acknowledgement was late) is told the same.
+    let mut again = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, job.attempt, 2, 1)), at(3), &mut again);
+    assert_eq!(msgs(&again), msgs(&out), "a registration sent again hears the writes too");
+
+    let mut out = PushSettled::default();
+    p.on_message("x/1", &renewal, at(3), &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&k)], "another engine's renewal is lost (S5)");
+}
+
 /// A way P's side of a transfer fails.
 type FailBy = fn(&mut PushSource<Ids>, &PushKey, &mut PushSettled<Ids>);
 
