@@ -190,19 +190,47 @@ PY
 
 if [[ -n $PERF_DIR ]]; then
   mkdir -p "$PERF_DIR"
-  echo "== perf: one more run of $REQ_C16 requests at concurrency 16, not streamed, per cluster, P + D + proxy recorded"
+  echo "== perf: one more run of $REQ_C16 requests at concurrency 16, not streamed, per cluster; P + D + proxy sampled at 999 Hz"
   for name in plain certs; do
-    perf record -q -F 999 -g -o "$PERF_DIR/$name.data" \
+    perf record -q -F 999 -o "$PERF_DIR/$name.data" \
       -p "${PID[p_$name]},${PID[d_$name]},${PID[proxy_$name]}" -- sleep 1000 2>/dev/null &
     rec=$!
     sleep 1 # perf attaches
     load "$name" "$REQ_C16" 16 >/dev/null
     kill -INT "$rec"
     wait "$rec" || true
-    echo "-- $name: top symbols (self), $PERF_DIR/$name.data"
-    perf report -i "$PERF_DIR/$name.data" --no-children --sort comm,sym --stdio 2>/dev/null |
-      grep -E '^ +[0-9]' | head -n 25
+    perf report -i "$PERF_DIR/$name.data" --no-children --sort dso,sym -g none --stdio -n --percent-limit 0 \
+      2>/dev/null >"$PERF_DIR/$name.txt"
   done
+  # Samples at 999 Hz per request = CPU µs per request, by what the symbol is.
+  python3 - "$PERF_DIR" "$REQ_C16" <<'PY'
+import re, sys
+kinds = [
+    ("crypto (ring: AES-GCM, SHA, ECDSA/P-256)", r"aes|gcm|ghash|chacha|poly1305|sha256|sha512|p256|nistz|ecdsa|ring_core|x25519|limbs|bn_|fiat"),
+    ("rustls / tokio-rustls (records, handshakes)", r"rustls|webpki"),
+    ("memmove / memcpy (user)", r"memmove|memcpy|memset"),
+    ("malloc / free", r"malloc|free|_int_|realloc|unlink_chunk|consolidate"),
+]
+def per_kind(path):
+    got = {}
+    for line in open(path):
+        m = re.match(r"\s*[0-9.]+%\s+(\d+)\s+(\S+)\s+\[(.)\]\s+(.*)", line)
+        if not m:
+            continue
+        n, dso, mode, sym = int(m[1]), m[2], m[3], m[4]
+        kind = "kernel" if mode == "k" else next((k for k, pat in kinds if re.search(pat, sym, re.I)), "the rest (user)")
+        got[kind] = got.get(kind, 0) + n
+    return got
+plain, certs = (per_kind(f"{sys.argv[1]}/{n}.txt") for n in ("plain", "certs"))
+us = lambda n: n * 1e6 / 999 / int(sys.argv[2])
+print("| CPU µs/request (P + D + proxy, perf samples) | plain | certs | certs − plain |")
+print("|---|---|---|---|")
+for k in [k for k, _ in kinds] + ["kernel", "the rest (user)"]:
+    a, b = us(plain.get(k, 0)), us(certs.get(k, 0))
+    print(f"| {k} | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
+a, b = us(sum(plain.values())), us(sum(certs.values()))
+print(f"| all | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
+PY
 fi
 
 echo "== after the runs: leases on P, recomputes on D"
