@@ -28,7 +28,7 @@
 #                                          # `perf record` of its P, D and proxy (perf.data files
 #                                          # left in PERF_DIR, a summary printed)
 #
-# The defaults take about 3 minutes on 2 cores. Everything listens on free loopback ports and is
+# The defaults take about 2 minutes on 2 cores (3 with PERF_DIR). Everything listens on free loopback ports and is
 # stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
