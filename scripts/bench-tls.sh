@@ -28,8 +28,8 @@
 #                                          # `perf record` of its P, D and proxy (perf.data files
 #                                          # left in PERF_DIR, a summary printed)
 #
-# The defaults take about 2 minutes on 2 cores (3 with PERF_DIR). Everything listens on free loopback ports and is
-# stopped on exit.
+# The defaults take about 2 minutes on 2 cores (3 with PERF_DIR). Everything listens on free
+# loopback ports and is stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
