@@ -1,4 +1,4 @@
-# Sourced by scripts/demo.sh, scripts/bench-proxy.sh and scripts/bench-multiturn.sh: build the
+# Sourced by scripts/demo.sh, scripts/bench-*.sh: build the
 # kvlease binary, run `kvlease` processes in the background, wait for their start-up lines, stop
 # them all on exit.
 #
@@ -51,4 +51,30 @@ started_line() {
   echo "error: $name did not start:" >&2
   cat "$WORK/$name.err" >&2
   return 1
+}
+
+# Beside the above, for benchmark scripts:
+#
+#   url_of NAME BANNER          # the URL in NAME's start-up line (exits if it did not start)
+#   cpu_ticks NAME...           # utime + stime of these launched processes, in clock ticks
+#   metric URL NAME [CURL ARG...]  # one sample of URL's /metrics (empty if absent); extra curl
+#                               # arguments for HTTPS (--cacert, --cert, --key)
+
+url_of() {
+  local line
+  line=$(started_line "$1" "$2") || exit 1
+  line=${line#"$2"}
+  echo "${line%% *}"
+}
+
+cpu_ticks() {
+  local t=0 n
+  for n in "$@"; do t=$((t + $(awk '{ print $14 + $15 }' "/proc/${PID[$n]}/stat"))); done
+  echo "$t"
+}
+
+metric() {
+  local url=$1 name=$2
+  shift 2
+  curl -sf --noproxy '*' --max-time 5 "$@" "$url/metrics" | awk -v n="$name" '$1 == n { print $2 }'
 }

@@ -32,9 +32,15 @@ use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct LoadArgs {
-    /// Base URL of a `kvlease serve` or `kvlease proxy` (or any vLLM-compatible server).
+    /// Base URL of a `kvlease serve` or `kvlease proxy` (or any vLLM-compatible server):
+    /// `http://`, or `https://` with `--cacert`.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+    /// PEM CA certificates (curl's `--cacert`): an `https://` `--url` is trusted if its
+    /// certificate chains to one of them, and to nothing else (no built-in roots). Needed for
+    /// `https://`, refused for `http://`.
+    #[arg(long, value_name = "PATH")]
+    cacert: Option<std::path::PathBuf>,
     /// Number of requests to send.
     #[arg(long, default_value_t = 1000)]
     requests: usize,
@@ -106,6 +112,16 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The certificates of `--cacert PATH`: at least one PEM certificate.
+fn cacert(path: &std::path::Path) -> Result<Vec<reqwest::Certificate>, InvalidConfig> {
+    let pem = std::fs::read(path).map_err(|e| InvalidConfig(format!("--cacert {}: cannot read it: {e}", path.display())))?;
+    match reqwest::Certificate::from_pem_bundle(&pem) {
+        Ok(certs) if !certs.is_empty() => Ok(certs),
+        Ok(_) => Err(InvalidConfig(format!("--cacert {}: no PEM certificate in it", path.display()))),
+        Err(e) => Err(InvalidConfig(format!("--cacert {}: not PEM certificates: {e:#}", path.display()))),
+    }
+}
+
 /// A finite, positive number of seconds.
 fn seconds(flag: &str, v: f64) -> Result<Duration, InvalidConfig> {
     if v.is_finite() && v > 0.0 && v < 1e9 {
@@ -118,6 +134,8 @@ fn seconds(flag: &str, v: f64) -> Result<Duration, InvalidConfig> {
 /// The checked settings of a run.
 struct Plan {
     endpoint: String,
+    /// `--cacert`'s certificates and its path (for messages): the only roots of an `https://` URL.
+    roots: Option<(std::path::PathBuf, Vec<reqwest::Certificate>)>,
     requests: usize,
     concurrency: usize,
     max_tokens: u32,
@@ -132,9 +150,22 @@ impl Plan {
     fn new(a: &LoadArgs) -> Result<Plan, InvalidConfig> {
         let base = a.url.trim_end_matches('/');
         let parsed = reqwest::Url::parse(base).map_err(|e| InvalidConfig(format!("--url {:?} is not a URL: {e}", a.url)))?;
-        if parsed.scheme() != "http" || parsed.host().is_none() {
-            return Err(InvalidConfig(format!("--url {:?} must be an http:// URL with a host", a.url)));
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+            return Err(InvalidConfig(format!("--url {:?} must be an http:// or https:// URL with a host", a.url)));
         }
+        let roots = match (&a.cacert, parsed.scheme()) {
+            (None, "https") => {
+                return Err(InvalidConfig(format!(
+                    "--url {:?} is https://: give --cacert, the PEM CA its certificate chains to (no built-in roots are trusted)",
+                    a.url
+                )))
+            }
+            (Some(path), "http") => {
+                return Err(InvalidConfig(format!("--cacert {} is given but --url {:?} is plain http://", path.display(), a.url)))
+            }
+            (None, _) => None,
+            (Some(path), _) => Some((path.clone(), cacert(path)?)),
+        };
         if a.requests == 0 {
             return Err(InvalidConfig("--requests must be at least 1".into()));
         }
@@ -149,6 +180,7 @@ impl Plan {
         }
         Ok(Plan {
             endpoint: format!("{base}/v1/completions"),
+            roots,
             requests: a.requests,
             concurrency: a.concurrency.min(a.requests),
             max_tokens: a.max_tokens,
@@ -157,6 +189,25 @@ impl Plan {
             model: a.model.clone(),
             timeout: seconds("timeout-secs", a.timeout_secs)?,
             max_run: seconds("max-run-secs", a.max_run_secs)?,
+        })
+    }
+
+    /// The run's HTTP client; with `--cacert`, trusting its certificates and nothing else.
+    fn client(&self) -> Result<reqwest::Client, InvalidConfig> {
+        let mut builder = reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout)
+            .pool_max_idle_per_host(self.concurrency)
+            .tls_built_in_root_certs(false);
+        for cert in self.roots.iter().flat_map(|(_, certs)| certs) {
+            builder = builder.add_root_certificate(cert.clone());
+        }
+        builder.build().map_err(|e| match &self.roots {
+            // The certificates are parsed here, as the client's roots.
+            Some((path, _)) => InvalidConfig(format!("--cacert {}: not a usable CA certificate: {e:#}", path.display())),
+            None => InvalidConfig(format!("cannot build the HTTP client: {e:#}")),
         })
     }
 
@@ -279,14 +330,7 @@ struct Tally {
 /// Runs the load; fails (exit code 1) if any request failed.
 pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let plan = Arc::new(Plan::new(&args)?);
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .tcp_nodelay(true)
-        .timeout(plan.timeout)
-        .connect_timeout(plan.timeout)
-        .pool_max_idle_per_host(plan.concurrency)
-        .build()
-        .context("cannot build the HTTP client")?;
+    let client = plan.client()?;
     let csv = match &args.csv {
         Some(path) => Some(std::fs::File::create(path).with_context(|| format!("--csv: cannot create {}", path.display()))?),
         None => None,
@@ -710,22 +754,61 @@ mod tests {
         assert_eq!(s.json(&BTreeMap::new())["tpot_p99_ms"], json!(5.0));
     }
 
-    #[test]
-    fn bad_flags_are_refused() {
+    /// `LoadArgs` from `kvlease load`'s flags, checked into a plan.
+    fn plan_of(extra: &[&str]) -> Result<Plan, String> {
         use clap::Parser;
         #[derive(Parser)]
         struct T {
             #[command(flatten)]
             a: LoadArgs,
         }
-        let plan = |extra: &[&str]| {
-            let t = T::try_parse_from(std::iter::once("t").chain(extra.iter().copied())).map_err(|e| e.to_string())?;
-            Plan::new(&t.a).map(|p| (p.endpoint, p.concurrency)).map_err(|e| e.0)
-        };
+        let t = T::try_parse_from(std::iter::once("t").chain(extra.iter().copied())).map_err(|e| e.to_string())?;
+        Plan::new(&t.a).map_err(|e| e.0)
+    }
+
+    #[test]
+    fn bad_flags_are_refused() {
+        let plan = |extra: &[&str]| plan_of(extra).map(|p| (p.endpoint, p.concurrency));
         assert_eq!(plan(&["--url", "http://127.0.0.1:9/", "--requests", "3"]), Ok(("http://127.0.0.1:9/v1/completions".into(), 3)));
         assert!(plan(&["--concurrency", "0"]).is_err_and(|e| e.contains("--concurrency")));
         assert!(plan(&["--timeout-secs", "0"]).is_err_and(|e| e.contains("--timeout-secs")));
         assert!(plan(&["--url", "localhost:8000"]).is_err_and(|e| e.contains("--url")));
+        assert!(plan(&["--url", "ftp://127.0.0.1:9"]).is_err_and(|e| e.contains("--url")));
         assert!(plan(&["--requests", "0"]).is_err_and(|e| e.contains("--requests")));
+    }
+
+    /// An `https://` URL needs `--cacert`; a file that is missing, holds no PEM certificate or
+    /// a certificate that does not parse is refused naming `--cacert` and the file; `--cacert`
+    /// with plain `http://` is refused; a CA certificate makes a client.
+    #[test]
+    fn https_needs_cacert_and_a_bad_cacert_is_refused_naming_the_flag() {
+        let dir = std::env::temp_dir().join(format!("kvlease-load-cacert-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).expect("write");
+            path.to_str().expect("utf-8 path").to_string()
+        };
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let key = rcgen::KeyPair::generate().expect("key");
+        let good = file("ca.pem", &ca.self_signed(&key).expect("CA").pem());
+        let not_pem = file("not.pem", "this is no certificate\n");
+        let broken = file("broken.pem", "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+        let missing = dir.join("missing.pem").to_str().expect("utf-8 path").to_string();
+        let https = "https://127.0.0.1:9";
+        let refused = |extra: &[&str], want: &[&str]| {
+            let e = plan_of(extra).and_then(|p| p.client().map_err(|e| e.0)).err().unwrap_or_else(|| panic!("{extra:?} was accepted"));
+            assert!(want.iter().all(|w| e.contains(w)), "{extra:?}: {e}");
+        };
+        refused(&["--url", https], &["--cacert", https]);
+        refused(&["--url", https, "--cacert", &missing], &["--cacert", &missing, "cannot read it"]);
+        refused(&["--url", https, "--cacert", &not_pem], &["--cacert", &not_pem, "no PEM certificate"]);
+        refused(&["--url", https, "--cacert", &broken], &["--cacert", &broken]);
+        refused(&["--url", "http://127.0.0.1:9", "--cacert", &good], &["--cacert", "http://"]);
+        let plan = plan_of(&["--url", https, "--cacert", &good]).expect("a CA file is accepted");
+        assert_eq!(plan.endpoint, "https://127.0.0.1:9/v1/completions");
+        plan.client().expect("a client trusting the CA");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
