@@ -47,12 +47,6 @@ build_kvlease --quiet
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
 DRIVER=(python3 scripts/lib/multiturn.py)
 
-url_of() {
-  local line
-  line=$(started_line "$1" "$2") || exit 1
-  line=${line#"$2"}
-  echo "${line%% *}"
-}
 config() { # TTL THRESHOLD
   echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"bidirectional_kv_xfer\":true,\"decoder_kv_blocks_ttl\":$1,\"kv_recompute_threshold\":$2}}"
 }
@@ -73,7 +67,6 @@ cluster() {
   printf -v "${name}_D" %s "$d"
   printf -v "${name}_PROXY" %s "$(url_of "$name-proxy" "kvlease proxy listening on ")"
 }
-metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 
 echo "== (1) time to first token, history read from D vs recomputed"
 cluster read 480 64

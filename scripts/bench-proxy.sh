@@ -48,13 +48,6 @@ fi
 # A shared secret, so kv_transfer_params are signed and checked as in a real cluster.
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
 
-# url_of NAME BANNER: the URL in NAME's start-up line.
-url_of() {
-  local line
-  line=$(started_line "$1" "$2") || exit 1
-  line=${line#"$2"}
-  echo "${line%% *}"
-}
 
 # cluster SUFFIX DECODE_MS: one engine, P, D and a proxy in front of P and D; sets
 # SINGLE$SUFFIX, P$SUFFIX, PROXY$SUFFIX.
@@ -89,12 +82,6 @@ load() {
 }
 field() { sed -n "s/.* $2=\([0-9.a-zA-Z]*\).*/\1/p" <<<"$1"; }
 
-# cpu_ticks NAME...: utime + stime of these processes, in clock ticks.
-cpu_ticks() {
-  local t=0 n
-  for n in "$@"; do t=$((t + $(awk '{ print $14 + $15 }' "/proc/${PID[$n]}/stat"))); done
-  echo "$t"
-}
 HZ=$(getconf CLK_TCK)
 # cpu_us_per_request TICKS_BEFORE TICKS_AFTER: microseconds of CPU per request.
 cpu_us() { awk -v a="$1" -v b="$2" -v hz="$HZ" -v n="$REQUESTS" 'BEGIN { printf "%.0f", (b - a) * 1e6 / hz / n }'; }
@@ -163,7 +150,6 @@ else
 fi
 
 # metric URL NAME: the value of one sample of P's /metrics.
-metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 
 echo "== P's leases after the run"
 active=

@@ -83,12 +83,6 @@ launch p serve --host 127.0.0.1 --port 0 --engine-id scale-p --kv-transfer-confi
 launch d serve --host 127.0.0.1 --port 0 --engine-id scale-d --kv-transfer-config "$(cfg kv_consumer)" \
   --max-num-seqs 1 --decode-ms-per-token "$DECODE_MS" --max-model-len "$MAX_MODEL_LEN" \
   --num-gpu-blocks $((MAX_MODEL_LEN / 16 + 1024)) --http-max-connections "$CONNS"
-url_of() {
-  local line
-  line=$(started_line "$1" "$2") || exit 1
-  line=${line#"$2"}
-  echo "${line%% *}"
-}
 P_URL=$(url_of p "kvlease serve listening on ")
 D_URL=$(url_of d "kvlease serve listening on ")
 p_hp=${P_URL#http://}
