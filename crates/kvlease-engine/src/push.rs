@@ -267,10 +267,18 @@ pub(crate) fn with_sink<R>(inner: &Inner, subject: Option<&str>, f: impl FnOnce(
     let mut out = Vec::new();
     let r = {
         let mut sink = inner.push_sink.lock();
-        f(&mut sink, inner.now(), &mut out)
+        let before = sink.poll_timeout();
+        let r = f(&mut sink, inner.now(), &mut out);
+        // The timer sleeps until `before` at the latest (every change comes through here, or
+        // wakes it): it is woken only when the call moved its next deadline earlier, and before
+        // the actions are carried out, so a verdict's wake-up of the scheduler is the last one
+        // and runs next on this thread, not behind the timer's poll.
+        if sink.poll_timeout().is_some_and(|next| before.is_none_or(|b| next < b)) {
+            inner.push_sink.wake();
+        }
+        r
     };
     carry_out_sink(inner, out, subject);
-    inner.push_sink.wake();
     r
 }
 
