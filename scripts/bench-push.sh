@@ -19,6 +19,11 @@
 # kvlease_lease_hold_seconds) in each mode: in pull mode it is what the legs' sequencing costs
 # after prefill (P's answer through the proxy, D's leg, the handshake, the read, the release).
 #
+# For scale, each zero-compute concurrency-1 round also runs the same load straight against one
+# engine (the pull cluster's D, a plain local request: one HTTP round trip to an engine and its
+# zero-time steps, no proxy and no P/D), printed as "direct"; and P's lease hold in push mode is the
+# transfer itself (grant to the write's acknowledgement, on the `tcp` agent).
+#
 # Afterwards every P must hold no lease and have released every lease as `transferred`, no D may
 # have recomputed a request, and the push proxy must have sent every request but the first both
 # legs at once (kvlease_proxy_push_dispatches).
@@ -95,6 +100,10 @@ load() {
   tail -n 1 <<<"$out"
 }
 
+# The machine's load, at the start and the end: the ratios are comparable within one run only.
+echo "== start: $(uptime)"
+trap 'echo "== end: $(uptime)"; stop_all' EXIT
+
 CASES=(zero prefill)
 declare -A CASE_MS=([zero]=0 [prefill]=$PREFILL_MS)
 for c in "${CASES[@]}"; do
@@ -106,10 +115,17 @@ RUNS=$WORK/runs.jsonl
 : >"$RUNS"
 
 # measure CASE MODE CONCURRENCY REQUESTS ROUND: one run, its line, and a JSON record in $RUNS.
+# MODE direct: the load goes straight to the pull cluster's D (a local request, no P/D).
 measure() {
   local name=$1_$2 p proxy
-  p=$(eval echo "\$P_$name")
-  proxy=$(eval echo "\$PROXY_$name")
+  if [[ $2 == direct ]]; then
+    name=$1_pull
+    p=$(eval echo "\$P_$name")
+    proxy=$(eval echo "\$D_$name")
+  else
+    p=$(eval echo "\$P_$name")
+    proxy=$(eval echo "\$PROXY_$name")
+  fi
   local s0 n0 s1 n1 tok0 tok1 json
   s0=$(metric "$p" kvlease_lease_hold_seconds_sum)
   n0=$(metric "$p" kvlease_lease_hold_seconds_count)
@@ -140,6 +156,7 @@ for c in "${CASES[@]}"; do
     for round in $(seq "$ROUNDS"); do
       measure "$c" pull "$conc" "$n" "$round"
       measure "$c" push "$conc" "$n" "$round"
+      if [[ $c == zero && $conc == 1 ]]; then measure "$c" direct "$conc" "$n" "$round"; fi
     done
   done
 done
@@ -172,6 +189,10 @@ for case in ("zero", "prefill"):
         row.append(f"{hold(pull):.2f} / {hold(push):.2f}")
         print("| " + " | ".join(row) + " |")
 print("(push/pull: of the means; in brackets, each round's own ratio)")
+direct = cells.get(("zero", 1, "direct"))
+if direct:
+    print("direct to one engine, zero compute, c=1 (one HTTP round trip and the engine's steps): TTFT p50 "
+          + "; ".join(f"{r['ttft_p50_ms']:.2f}" for r in direct) + " ms (per round)")
 PY
 
 echo "== after the runs: leases on P, recomputes on D, dispatches of the push proxies"

@@ -63,12 +63,17 @@ fn carry_out_source(inner: &Arc<Inner>, out: PushSettled<Blocks>) {
     }
     drop(out.freed);
     for job in out.ready {
-        let inner2 = inner.clone();
-        inner.tasks.spawn(async move { write(inner2, job).await });
+        spawn_write(inner, job);
     }
     if out.rearm {
         inner.push_source.wake();
     }
+}
+
+/// Starts the writes of one transfer ([`write`]) as a task of their own.
+fn spawn_write(inner: &Arc<Inner>, job: WriteJob) {
+    let inner2 = inner.clone();
+    inner.tasks.spawn(async move { write(inner2, job).await });
 }
 
 /// A message for the engine whose holder name (as the transport authenticated it) is `holder`:
@@ -91,7 +96,17 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: P
         with_source(inner, |s, now, out| s.abort(&key, now, out));
         return;
     }
-    let granted = with_source(inner, |s, now, out| s.grant(now, Some(key.clone()), &done.client_id, blocks, &done.prompt, out));
+    // The writes a registration that came first makes ready start once the answer is handed
+    // over (below), not before: the task a spawn wakes runs first on this thread, and the answer's
+    // wake-up would push the writes behind the HTTP answer's serialization. Spawned after it, the
+    // writes (the request's critical path: D decodes once they land) run here first and the
+    // answer, which the router only needs before D's first token, goes to another thread.
+    let mut ready = Vec::new();
+    let granted = with_source(inner, |s, now, out| {
+        let granted = s.grant(now, Some(key.clone()), &done.client_id, blocks, &done.prompt, out);
+        ready = std::mem::take(&mut out.ready);
+        granted
+    });
     let expiry = match granted {
         Ok(g) => {
             inner.metrics.leases_granted.inc();
@@ -135,6 +150,9 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: P
         o.insert("remote_blocks_expiry_time".into(), serde_json::json!(at.0 as f64 / 1e9));
     }
     let sent = crate::lease_holder::answer_prefill(&done, params);
+    for job in ready {
+        spawn_write(inner, job);
+    }
     if !sent {
         // The client left between the check and now: nobody will read; D is told.
         with_source(inner, |s, now, out| s.abort(&key, now, out));
@@ -258,10 +276,18 @@ pub(crate) fn with_sink<R>(inner: &Inner, subject: Option<&str>, f: impl FnOnce(
     let mut out = Vec::new();
     let r = {
         let mut sink = inner.push_sink.lock();
-        f(&mut sink, inner.now(), &mut out)
+        let before = sink.poll_timeout();
+        let r = f(&mut sink, inner.now(), &mut out);
+        // The timer sleeps until `before` at the latest (every change comes through here, or
+        // wakes it): it is woken only when the call moved its next deadline earlier, and before
+        // the actions are carried out, so a verdict's wake-up of the scheduler is the last one
+        // and runs next on this thread, not behind the timer's poll.
+        if sink.poll_timeout().is_some_and(|next| before.is_none_or(|b| next < b)) {
+            inner.push_sink.wake();
+        }
+        r
     };
     carry_out_sink(inner, out, subject);
-    inner.push_sink.wake();
     r
 }
 
