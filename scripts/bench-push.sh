@@ -58,14 +58,6 @@ build_kvlease --quiet
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
 PUSH_CONFIG='{"kv_connector":"NixlPushConnector","kv_role":"kv_both"}'
 
-# url_of NAME BANNER: the URL in NAME's start-up line.
-url_of() {
-  local line
-  line=$(started_line "$1" "$2") || exit 1
-  line=${line#"$2"}
-  echo "${line%% *}"
-}
-
 # cluster NAME MODE PREFILL_MS: P, D and a proxy; sets P_NAME, D_NAME, PROXY_NAME.
 cluster() {
   local name=$1 mode=$2 engine=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token "$3" --decode-ms-per-token 0)
@@ -85,9 +77,6 @@ cluster() {
   printf -v "PROXY_$name" %s "$(url_of "proxy_$name" "kvlease proxy listening on ")"
   echo "$name ($mode, prefill $3 ms/token): P $p | D $d | proxy $(eval echo "\$PROXY_$name")"
 }
-
-# metric URL NAME: the value of one sample of URL's /metrics (empty if absent).
-metric() { curl -sf --noproxy '*' --max-time 5 "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 
 # load URL REQUESTS CONCURRENCY: one streamed `kvlease load` run; prints its JSON summary.
 load() {
