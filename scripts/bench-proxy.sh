@@ -10,7 +10,17 @@
 #     the client must see inter-token gaps of about DECODE_MS;
 #  4. the floor: part 1's CPU per request (not streamed) for null processes built from the same
 #     parts, with no engine in them (crates/kvlease/examples/floor.rs): what three HTTP hops and
-#     one transfer cost against one hop, on this stack and machine, next to kvlease's ratio.
+#     one transfer cost against one hop, on this stack and machine, next to kvlease's ratio; and
+#     kvlease against that floor (issue 27): (P + D + proxy) ÷ (null P + D + proxy + the model's
+#     work), where the model's work is one engine's CPU per request minus one null engine's (all
+#     an engine does beyond a bare HTTP hop), each process against its null counterpart;
+#  5. the routers side by side (issue 27): `kvlease proxy` and vLLM's Rust router `vllm-router`
+#     (PyPI, PD mode, round robin; scripts/install-vllm-router.sh caches it in a venv under
+#     ${KVLEASE_CACHE:-~/.cache/kvlease}) in front of the same P and D, ROUTER_ROUNDS rounds of
+#     ROUTER_REQUESTS requests at concurrency 1, 16 and 64 (not streamed) and 16 streamed, each
+#     router's CPU per request at 16 from /proc. About 1–2 minutes with the defaults, plus about
+#     30–50 s to install the first time; skipped (with a line saying so) if the install fails, or
+#     with ROUTERS=0.
 #
 # Afterwards P must hold no lease and every lease must be `transferred`.
 #
@@ -32,6 +42,9 @@ LATENCY_REQUESTS=${LATENCY_REQUESTS:-1000}
 DECODE_MS=${DECODE_MS:-20}
 DECODE_REQUESTS=${DECODE_REQUESTS:-50}
 DECODE_TOKENS=${DECODE_TOKENS:-32}
+ROUTERS=${ROUTERS:-1}
+ROUTER_ROUNDS=${ROUTER_ROUNDS:-3}
+ROUTER_REQUESTS=${ROUTER_REQUESTS:-3000}
 
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
 
@@ -66,6 +79,7 @@ cluster() {
     --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}"
   printf -v "SINGLE$sfx" %s "$single"
   printf -v "P$sfx" %s "$p"
+  printf -v "D$sfx" %s "$d"
   printf -v "PROXY$sfx" %s "$(url_of "proxy$sfx" "kvlease proxy listening on ")"
   echo "decode ${2} ms/token: single engine $single | P $p | D $d | proxy $(eval echo "\$PROXY$sfx")"
 }
@@ -83,8 +97,9 @@ load() {
 field() { sed -n "s/.* $2=\([0-9.a-zA-Z]*\).*/\1/p" <<<"$1"; }
 
 HZ=$(getconf CLK_TCK)
-# cpu_us_per_request TICKS_BEFORE TICKS_AFTER: microseconds of CPU per request.
-cpu_us() { awk -v a="$1" -v b="$2" -v hz="$HZ" -v n="$REQUESTS" 'BEGIN { printf "%.0f", (b - a) * 1e6 / hz / n }'; }
+# cpu_us TICKS_BEFORE TICKS_AFTER [REQUESTS]: microseconds of CPU per request.
+# (a third argument: another count than REQUESTS)
+cpu_us() { awk -v a="$1" -v b="$2" -v hz="$HZ" -v n="${3:-$REQUESTS}" 'BEGIN { printf "%.0f", (b - a) * 1e6 / hz / n }'; }
 
 echo "== warm-up: $WARMUP requests each"
 load "$SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
@@ -105,7 +120,10 @@ for stream in "" --stream; do
   awk -v a="$(field "$A" rps)" -v b="$(field "$B" rps)" 'BEGIN { printf "rps direct=%s  rps via proxy=%s  ratio b/a=%.3f\n", a, b, (a > 0 ? b / a : 0) }'
   cs=$(cpu_us "$s0" "$s1"); cp=$(cpu_us "$p0" "$p1"); cd=$(cpu_us "$d0" "$d1"); cx=$(cpu_us "$x0" "$x1")
   awk -v s="$cs" -v p="$cp" -v d="$cd" -v x="$cx" 'BEGIN { printf "CPU us/request: single %d | P %d + D %d + proxy %d = %d (%.2fx single)\n", s, p, d, x, p + d + x, (s > 0 ? (p + d + x) / s : 0) }'
-  [[ -n $stream ]] || KVLEASE_RATIO=$(awk -v s="$cs" -v t="$((cp + cd + cx))" 'BEGIN { printf "%.4f", (s > 0 ? t / s : 0) }')
+  if [[ -z $stream ]]; then
+    KVLEASE_RATIO=$(awk -v s="$cs" -v t="$((cp + cd + cx))" 'BEGIN { printf "%.4f", (s > 0 ? t / s : 0) }')
+    CPU_SINGLE=$cs CPU_P=$cp CPU_D=$cd CPU_PROXY=$cx # for part 4's comparison with the floor
+  fi
 done
 
 echo "== 2. latency: $LATENCY_REQUESTS requests, concurrency 1, max_tokens $MAX_TOKENS, zero compute"
@@ -140,16 +158,74 @@ else
   s0=$(cpu_ticks floor_single)
   A=$(load "$FLOOR_SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
   s1=$(cpu_ticks floor_single)
-  f0=$(cpu_ticks floor_p floor_d floor_proxy)
+  p0=$(cpu_ticks floor_p); d0=$(cpu_ticks floor_d); x0=$(cpu_ticks floor_proxy)
   B=$(load "$FLOOR_PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
-  f1=$(cpu_ticks floor_p floor_d floor_proxy)
+  p1=$(cpu_ticks floor_p); d1=$(cpu_ticks floor_d); x1=$(cpu_ticks floor_proxy)
   echo "(c) null engine:        $A"
   echo "(d) null proxy P -> D:  $B"
-  awk -v s="$(cpu_us "$s0" "$s1")" -v t="$(cpu_us "$f0" "$f1")" -v k="$KVLEASE_RATIO" \
-    'BEGIN { printf "CPU us/request: null engine %d | null P + D + proxy %d (%.2fx) | kvlease, part 1: %.2fx\n", s, t, (s > 0 ? t / s : 0), k }'
+  ns=$(cpu_us "$s0" "$s1"); np=$(cpu_us "$p0" "$p1"); nd=$(cpu_us "$d0" "$d1"); nx=$(cpu_us "$x0" "$x1")
+  awk -v s="$ns" -v p="$np" -v d="$nd" -v x="$nx" -v k="$KVLEASE_RATIO" \
+    'BEGIN { t = p + d + x; printf "CPU us/request: null engine %d | null P %d + D %d + proxy %d = %d (%.2fx) | kvlease, part 1: %.2fx\n", s, p, d, x, t, (s > 0 ? t / s : 0), k }'
+  # The model's work: what one engine spends per request beyond one null hop (tokenizer,
+  # scheduler, synthetic KV writes and digests, sampler, metrics, its bigger answer). P + D do
+  # it once between them; everything above floor + work is what disaggregation adds on top.
+  awk -v s="$CPU_SINGLE" -v p="$CPU_P" -v d="$CPU_D" -v x="$CPU_PROXY" \
+    -v ns="$ns" -v np="$np" -v nd="$nd" -v nx="$nx" 'BEGIN {
+      w = s - ns; k = p + d + x; f = np + nd + nx
+      printf "floor + model work: model work = single %d - null engine %d = %d us; kvlease P + D + proxy %d / (null P + D + proxy %d + work %d = %d) = %.2fx\n", s, ns, w, k, f, w, f + w, (f + w > 0 ? k / (f + w) : 0)
+      printf "per process: P + D %d / (null P + D %d + work %d) = %.2fx (+%d us) | proxy %d / null proxy %d = %.2fx (+%d us) | P %d - null P %d = +%d us, D %d - null D %d = +%d us\n", p + d, np + nd, w, (np + nd + w > 0 ? (p + d) / (np + nd + w) : 0), p + d - np - nd - w, x, nx, (nx > 0 ? x / nx : 0), x - nx, p, np, p - np, d, nd, d - nd
+    }'
 fi
 
-# metric URL NAME: the value of one sample of P's /metrics.
+echo "== 5. routers side by side, same P and D: $ROUTER_ROUNDS rounds of $ROUTER_REQUESTS requests, max_tokens $MAX_TOKENS, zero compute"
+VLLM_ROUTER=
+if [[ $ROUTERS == 0 ]]; then
+  echo "skipped: ROUTERS=0"
+elif ! VR_VENV=$(scripts/install-vllm-router.sh | tail -n 1); then
+  echo "skipped vllm-router: scripts/install-vllm-router.sh failed (see above); kvlease proxy alone"
+else
+  vr_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  LAUNCH_LOG_LEVEL=warning LAUNCH_BIN=$VR_VENV/bin/vllm-router launch vllm_router \
+    --host 127.0.0.1 --port "$vr_port" --vllm-pd-disaggregation --prefill "$P" --decode "$D" \
+    --policy round_robin --worker-startup-check-interval 1
+  for _ in $(seq 300); do
+    if curl -sf --noproxy '*' --max-time 1 "http://127.0.0.1:$vr_port/health" >/dev/null; then
+      VLLM_ROUTER=http://127.0.0.1:$vr_port
+      break
+    fi
+    kill -0 "${PID[vllm_router]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [[ -z $VLLM_ROUTER ]]; then
+    echo "skipped vllm-router: it did not answer /health within 30 s:"
+    tail -n 5 "$WORK/vllm_router.err"
+  else
+    echo "vllm-router $("$VR_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') (PD mode) on $VLLM_ROUTER"
+    load "$VLLM_ROUTER" "$WARMUP" 16 "$MAX_TOKENS" >/dev/null
+  fi
+fi
+if [[ $ROUTERS != 0 ]]; then
+  routers=(proxy) # NAME in PID and its URL
+  declare -A ROUTER_URL=([proxy]=$PROXY)
+  [[ -n $VLLM_ROUTER ]] && routers+=(vllm_router) && ROUTER_URL[vllm_router]=$VLLM_ROUTER
+  for round in $(seq "$ROUTER_ROUNDS"); do
+    for r in "${routers[@]}"; do
+      url=${ROUTER_URL[$r]} line="round $round, $(printf '%-12s' "$r"):"
+      for c in 1 16 64; do
+        x0=$(cpu_ticks "$r"); e0=$(cpu_ticks p d)
+        out=$(load "$url" "$ROUTER_REQUESTS" "$c" "$MAX_TOKENS")
+        x1=$(cpu_ticks "$r"); e1=$(cpu_ticks p d)
+        line+=" c=$c $(field "$out" rps) req/s"
+        [[ $c == 16 ]] && line+=" (router $(cpu_us "$x0" "$x1" "$ROUTER_REQUESTS") us/req, P + D $(cpu_us "$e0" "$e1" "$ROUTER_REQUESTS"))"
+        line+=" |"
+      done
+      x0=$(cpu_ticks "$r")
+      out=$(load "$url" "$ROUTER_REQUESTS" 16 "$MAX_TOKENS" --stream)
+      x1=$(cpu_ticks "$r")
+      echo "$line c=16 streamed $(field "$out" rps) req/s (router $(cpu_us "$x0" "$x1" "$ROUTER_REQUESTS") us/req)"
+    done
+  done
+fi
 
 echo "== P's leases after the run"
 active=

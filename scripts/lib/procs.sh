@@ -5,7 +5,8 @@
 #   build_kvlease               # sets BIN (KVLEASE_BIN=path: that binary, nothing built)
 #   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}
 #                               # (LAUNCH_BIN=path: that program instead of kvlease; it gets
-#                               # `--log-level warn` too)
+#                               # `--log-level warn` too; LAUNCH_LOG_LEVEL=warning: that level,
+#                               # for a program that spells it so)
 #   started_line NAME BANNER    # waits (10 s at most) for the start-up line; prints it, or fails
 #   ON_STOP='echo stopped'      # optional: run after everything was stopped
 
@@ -33,7 +34,7 @@ trap 'exit 130' INT TERM
 launch() {
   local name=$1
   shift
-  "${LAUNCH_BIN:-$BIN}" "$@" --log-level warn >"$WORK/$name.out" 2>"$WORK/$name.err" &
+  "${LAUNCH_BIN:-$BIN}" "$@" --log-level "${LAUNCH_LOG_LEVEL:-warn}" >"$WORK/$name.out" 2>"$WORK/$name.err" &
   PID[$name]=$!
 }
 
