@@ -14,6 +14,7 @@
 #     kvlease against that floor (issue 27): (P + D + proxy) ÷ (null P + D + proxy + the model's
 #     work), where the model's work is one engine's CPU per request minus one null engine's (all
 #     an engine does beyond a bare HTTP hop), each process against its null counterpart;
+#     FLOOR_ROUNDS rounds (3), kvlease and the null processes measured back to back in each;
 #  5. the routers side by side (issue 27): `kvlease proxy` and vLLM's Rust router `vllm-router`
 #     (PyPI, PD mode, round robin; scripts/install-vllm-router.sh caches it in a venv under
 #     ${KVLEASE_CACHE:-~/.cache/kvlease}) in front of the same P and D, ROUTER_ROUNDS rounds of
@@ -42,6 +43,7 @@ LATENCY_REQUESTS=${LATENCY_REQUESTS:-1000}
 DECODE_MS=${DECODE_MS:-20}
 DECODE_REQUESTS=${DECODE_REQUESTS:-50}
 DECODE_TOKENS=${DECODE_TOKENS:-32}
+FLOOR_ROUNDS=${FLOOR_ROUNDS:-3}
 ROUTERS=${ROUTERS:-1}
 ROUTER_ROUNDS=${ROUTER_ROUNDS:-3}
 ROUTER_REQUESTS=${ROUTER_REQUESTS:-3000}
@@ -122,7 +124,6 @@ for stream in "" --stream; do
   awk -v s="$cs" -v p="$cp" -v d="$cd" -v x="$cx" 'BEGIN { printf "CPU us/request: single %d | P %d + D %d + proxy %d = %d (%.2fx single)\n", s, p, d, x, p + d + x, (s > 0 ? (p + d + x) / s : 0) }'
   if [[ -z $stream ]]; then
     KVLEASE_RATIO=$(awk -v s="$cs" -v t="$((cp + cd + cx))" 'BEGIN { printf "%.4f", (s > 0 ? t / s : 0) }')
-    CPU_SINGLE=$cs CPU_P=$cp CPU_D=$cd CPU_PROXY=$cx # for part 4's comparison with the floor
   fi
 done
 
@@ -155,26 +156,37 @@ else
   FLOOR_PROXY=$(url_of floor_proxy "floor proxy listening on ")
   load "$FLOOR_SINGLE" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
   load "$FLOOR_PROXY" "$WARMUP" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
-  s0=$(cpu_ticks floor_single)
-  A=$(load "$FLOOR_SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
-  s1=$(cpu_ticks floor_single)
-  p0=$(cpu_ticks floor_p); d0=$(cpu_ticks floor_d); x0=$(cpu_ticks floor_proxy)
-  B=$(load "$FLOOR_PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
-  p1=$(cpu_ticks floor_p); d1=$(cpu_ticks floor_d); x1=$(cpu_ticks floor_proxy)
-  echo "(c) null engine:        $A"
-  echo "(d) null proxy P -> D:  $B"
-  ns=$(cpu_us "$s0" "$s1"); np=$(cpu_us "$p0" "$p1"); nd=$(cpu_us "$d0" "$d1"); nx=$(cpu_us "$x0" "$x1")
-  awk -v s="$ns" -v p="$np" -v d="$nd" -v x="$nx" -v k="$KVLEASE_RATIO" \
-    'BEGIN { t = p + d + x; printf "CPU us/request: null engine %d | null P %d + D %d + proxy %d = %d (%.2fx) | kvlease, part 1: %.2fx\n", s, p, d, x, t, (s > 0 ? t / s : 0), k }'
-  # The model's work: what one engine spends per request beyond one null hop (tokenizer,
-  # scheduler, synthetic KV writes and digests, sampler, metrics, its bigger answer). P + D do
-  # it once between them; everything above floor + work is what disaggregation adds on top.
-  awk -v s="$CPU_SINGLE" -v p="$CPU_P" -v d="$CPU_D" -v x="$CPU_PROXY" \
-    -v ns="$ns" -v np="$np" -v nd="$nd" -v nx="$nx" 'BEGIN {
+  # FLOOR_ROUNDS rounds, each measuring kvlease and the null processes back to back, so that a
+  # ratio compares figures taken under the same machine load.
+  for round in $(seq "$FLOOR_ROUNDS"); do
+    s0=$(cpu_ticks single)
+    load "$SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+    s1=$(cpu_ticks single)
+    p0=$(cpu_ticks p); d0=$(cpu_ticks d); x0=$(cpu_ticks proxy)
+    load "$PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS" >/dev/null
+    p1=$(cpu_ticks p); d1=$(cpu_ticks d); x1=$(cpu_ticks proxy)
+    ks=$(cpu_us "$s0" "$s1"); kp=$(cpu_us "$p0" "$p1"); kd=$(cpu_us "$d0" "$d1"); kx=$(cpu_us "$x0" "$x1")
+    s0=$(cpu_ticks floor_single)
+    A=$(load "$FLOOR_SINGLE" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
+    s1=$(cpu_ticks floor_single)
+    p0=$(cpu_ticks floor_p); d0=$(cpu_ticks floor_d); x0=$(cpu_ticks floor_proxy)
+    B=$(load "$FLOOR_PROXY" "$REQUESTS" "$CONCURRENCY" "$MAX_TOKENS")
+    p1=$(cpu_ticks floor_p); d1=$(cpu_ticks floor_d); x1=$(cpu_ticks floor_proxy)
+    ns=$(cpu_us "$s0" "$s1"); np=$(cpu_us "$p0" "$p1"); nd=$(cpu_us "$d0" "$d1"); nx=$(cpu_us "$x0" "$x1")
+    echo "round $round"
+    echo "(c) null engine:        $A"
+    echo "(d) null proxy P -> D:  $B"
+    awk -v s="$ns" -v p="$np" -v d="$nd" -v x="$nx" -v ks="$ks" -v k="$((kp + kd + kx))" \
+      'BEGIN { t = p + d + x; printf "CPU us/request: null engine %d | null P %d + D %d + proxy %d = %d (%.2fx) | kvlease %.2fx (this round), part 1: %.2fx\n", s, p, d, x, t, (s > 0 ? t / s : 0), (ks > 0 ? k / ks : 0), '"$KVLEASE_RATIO"' }'
+    # The model's work: what one engine spends per request beyond one null hop (tokenizer,
+    # scheduler, synthetic KV writes and digests, sampler, metrics, its bigger answer). P + D do
+    # it once between them; everything above floor + work is what disaggregation adds on top.
+    awk -v s="$ks" -v p="$kp" -v d="$kd" -v x="$kx" -v ns="$ns" -v np="$np" -v nd="$nd" -v nx="$nx" 'BEGIN {
       w = s - ns; k = p + d + x; f = np + nd + nx
-      printf "floor + model work: model work = single %d - null engine %d = %d us; kvlease P + D + proxy %d / (null P + D + proxy %d + work %d = %d) = %.2fx\n", s, ns, w, k, f, w, f + w, (f + w > 0 ? k / (f + w) : 0)
-      printf "per process: P + D %d / (null P + D %d + work %d) = %.2fx (+%d us) | proxy %d / null proxy %d = %.2fx (+%d us) | P %d - null P %d = +%d us, D %d - null D %d = +%d us\n", p + d, np + nd, w, (np + nd + w > 0 ? (p + d) / (np + nd + w) : 0), p + d - np - nd - w, x, nx, (nx > 0 ? x / nx : 0), x - nx, p, np, p - np, d, nd, d - nd
+      printf "floor + model work: work = single %d - null engine %d = %d us; P %d + D %d + proxy %d = %d / (null P + D + proxy %d + work %d = %d) = %.2fx\n", s, ns, w, p, d, x, k, f, w, f + w, (f + w > 0 ? k / (f + w) : 0)
+      printf "per process: P + D %d / (null P + D %d + work %d) = %.2fx (+%d us) | proxy %d / null proxy %d = %.2fx (+%d us) | P - null P = +%d us, D - null D = +%d us\n", p + d, np + nd, w, (np + nd + w > 0 ? (p + d) / (np + nd + w) : 0), p + d - np - nd - w, x, nx, (nx > 0 ? x / nx : 0), x - nx, p - np, d - nd
     }'
+  done
 fi
 
 echo "== 5. routers side by side, same P and D: $ROUTER_ROUNDS rounds of $ROUTER_REQUESTS requests, max_tokens $MAX_TOKENS, zero compute"
