@@ -738,6 +738,17 @@ impl Renewer {
         }
     }
 
+    /// SPEC D5, U9: a message to `engine_id` waits for the link (a release of a request given up
+    /// before the handshake completed): the link stays wanted until it is delivered, also when
+    /// no push transfer needs it any more; [`Renewer::push_unlink`] once it went. `false` if the
+    /// engine is not known here (nothing to dial).
+    pub fn push_hold(&mut self, engine_id: &str) -> bool {
+        let Some(&e) = self.by_name.get(engine_id) else { return false };
+        let Some(engine) = self.engines.get_mut(e as usize).and_then(Option::as_mut) else { return false };
+        engine.pushes += 1;
+        true
+    }
+
     /// A push transfer with `engine_id` ended (see [`Renewer::push_link`]).
     pub fn push_unlink(&mut self, engine_id: &str) {
         if let Some(&e) = self.by_name.get(engine_id) {

@@ -556,3 +556,24 @@ fn d5_a_restart_at_another_address_moves_there_once_the_old_one_fails() {
     assert_eq!(heartbeat_ids(&acts, "P"), vec![1]);
     assert!(r.is_tracked("b") && !r.is_tracked("a"));
 }
+
+/// SPEC D5, U9: a push request given up before the renewer even polled (its client left at
+/// once) leaves a release parked for P: the parked message holds the link, so the handshake is
+/// still made and the release delivered; once it went, nothing holds the link. Without the hold
+/// nobody dials, and P keeps the lease until it expires (seen in CI: the engine's
+/// `u9_an_abort_on_d_frees_p_at_once` under load).
+#[test]
+fn u9_a_parked_message_keeps_the_link_wanted_until_it_goes() {
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.push_link(&p("P"), at(0));
+    assert!(r.push_hold("P"), "the engine is known");
+    r.push_unlink("P");
+    ready(&mut r, "P", at(1));
+    r.push_unlink("P");
+    assert!(!r.push_hold("nobody"), "an engine never linked has nothing to dial");
+
+    let mut r = Renewer::new(&LeaseConfig::default());
+    r.push_link(&p("P"), at(0));
+    r.push_unlink("P");
+    assert!(poll(&mut r, at(1)).iter().all(|a| !matches!(a, Action::Handshake { .. })), "nothing wanted, nothing dialled");
+}

@@ -431,6 +431,9 @@ pub(crate) async fn dial(inner: Arc<Inner>, engine_id: String, host: String, por
                 renewer.handshake_done(&engine_id, Err(()), now);
                 renewer.tracked_toward(&engine_id)
             });
+            // Push messages parked for it do not keep a failing engine dialled: its leases end
+            // at their expiry (SPEC P4) if it lives.
+            crate::push::link_failed(&inner, &engine_id);
             tracing::warn!(
                 engine = %engine_id,
                 waiting,

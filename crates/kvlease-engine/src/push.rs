@@ -336,7 +336,9 @@ fn send_to_engine(inner: &Inner, engine_id: &str, msg: Message) {
         let agent = inner.renewer.lock().peer(engine_id).and_then(|p| p.agents.first().cloned());
         if agent.is_none() {
             let queue = parked.entry(engine_id.to_owned()).or_default();
-            if queue.len() < PARKED_PER_ENGINE {
+            // A parked message keeps the link wanted until it goes (a request given up before
+            // the handshake even started would otherwise leave its release here for good).
+            if queue.len() < PARKED_PER_ENGINE && inner.renewer.with(|r| r.push_hold(engine_id)) {
                 queue.push(msg);
             }
             return;
@@ -374,6 +376,20 @@ pub(crate) fn link_ready(inner: &Inner, engine_id: &str) {
         for msg in &parked {
             send_to_agent(inner, engine_id, &agent, msg);
         }
+    }
+    // Each parked message held the link (send_to_engine): it went.
+    if !parked.is_empty() {
+        inner.renewer.with(|r| parked.iter().for_each(|_| r.push_unlink(engine_id)));
+    }
+}
+
+/// The handshake with P engine `engine_id` failed: what was parked for it is dropped, and no
+/// longer holds the link (its push transfers, if any, still do, and retry with back-off).
+pub(crate) fn link_failed(inner: &Inner, engine_id: &str) {
+    let parked = lock(&inner.push_parked).remove(engine_id).unwrap_or_default();
+    if !parked.is_empty() {
+        tracing::debug!(engine = %engine_id, dropped = parked.len(), "push messages parked for a failed handshake dropped");
+        inner.renewer.with(|r| parked.iter().for_each(|_| r.push_unlink(engine_id)));
     }
 }
 
