@@ -115,7 +115,8 @@ async fn decode(d: &str, prompt: &str, params: Value) {
 async fn dashboard_metrics_exist_and_move_in_a_real_prometheus() {
     let cfg = lease_config(3.0);
     let p = Proc::serve("obs-p", &["--kv-transfer-config", &cfg]);
-    let d = Proc::serve("obs-d", &["--kv-transfer-config", &cfg]);
+    // One slot and a decode cost, so a request can be made to wait (and renew) behind another.
+    let d = Proc::serve("obs-d", &["--kv-transfer-config", &cfg, "--max-num-seqs", "1", "--decode-ms-per-token", "10"]);
     let prom = prometheus(&[&p.url, &d.url]);
     until("Prometheus ready", DEADLINE, || async {
         client().get(format!("{}/-/ready", prom.url)).send().await.is_ok_and(|r| r.status().is_success())
@@ -133,9 +134,15 @@ async fn dashboard_metrics_exist_and_move_in_a_real_prometheus() {
         !query(&prom.url, "max_over_time(kvlease_leases_active[1m]) > 0").await.is_empty()
     })
     .await;
+    // The first decode waits behind a 1 s request, longer than the heartbeat interval (0.5 s):
+    // D renews its lease (a read that follows at once needs no renewal, so without the wait
+    // whether one happened was a race).
+    let busy = occupy(&d, 100).await;
     for (prompt, params) in prompts.iter().zip(params) {
         decode(&d.url, prompt, params).await;
     }
+    busy.await.expect("the busy request");
+    assert!(metric(&p.url, "kvlease_lease_renewals_total").await >= 1.0, "D renewed while it waited");
     // A lease nobody renews expires (P4); D then finds it lost and recomputes (D3).
     let late = "a prompt whose decoder comes too late";
     let params = prefill(&p.url, late).await;
