@@ -7,13 +7,6 @@ use common::*;
 use serde_json::json;
 use std::time::Duration;
 
-/// A push engine's `--kv-transfer-config`: lease L, D's write wait `wait` (s).
-fn push_config(lease: f64, wait: f64) -> String {
-    format!(
-        r#"{{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{lease},"push_registration_timeout":{wait}}}}}"#
-    )
-}
-
 /// SPEC U12, U1, U5, P3: push engines behind `kvlease proxy`, which forwards P's push answer to
 /// D: every answer — plain and chat, streamed and not — equals a local run; P counts every
 /// transfer as `transferred`, nothing is recomputed, and no lease or block is left on P.

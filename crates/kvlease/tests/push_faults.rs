@@ -10,13 +10,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-/// A push engine's `--kv-transfer-config`: lease L, D's write wait `wait` (s).
-fn push_config(lease: f64, wait: f64) -> String {
-    format!(
-        r#"{{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{lease},"push_registration_timeout":{wait}}}}}"#
-    )
-}
-
 /// `kvlease_leases_released_total` for `reason` on `base`.
 async fn released(base: &str, reason: &str) -> f64 {
     metric(base, &format!("kvlease_leases_released_total{{reason=\"{reason}\"}}")).await

@@ -7,13 +7,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-/// kv-transfer-config of a push engine with a lease of `secs` and D's wait for writes.
-fn push_config(secs: f64, wait: f64) -> String {
-    format!(
-        r#"{{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{secs},"push_registration_timeout":{wait}}}}}"#
-    )
-}
-
 fn push_engine(name: &str, lease: f64, extra: &[&str]) -> Proc {
     // D waits 10 s for writes: more than P's write margin (E/4, at most 5 s), so P posts them.
     let cfg = push_config(lease, 10.0);

@@ -230,6 +230,14 @@ pub fn lease_config(secs: f64) -> String {
 
 /// kv-transfer-config for multi-turn (SPEC B1–B4): bidirectional, a cached-turn TTL of `ttl`
 /// seconds, a lease of `lease` seconds and this `kv_recompute_threshold`.
+/// A push engine's `--kv-transfer-config` (vLLM's `NixlPushConnector`): lease L, D's write
+/// wait `wait` (s).
+pub fn push_config(lease: f64, wait: f64) -> String {
+    format!(
+        r#"{{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{{"kv_lease_duration":{lease},"push_registration_timeout":{wait}}}}}"#
+    )
+}
+
 pub fn bidirectional_config(ttl: f64, lease: f64, threshold: u32) -> String {
     format!(
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":{ttl},"kv_recompute_threshold":{threshold},"kv_lease_duration":{lease}}}}}"#
