@@ -30,13 +30,17 @@ use crate::body;
 use crate::error::{cause, ApiError};
 use crate::server::{self, HttpLimits, HttpMetrics};
 use axum::body::Body;
+use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::future::BoxFuture;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvlease_core::route::{self, Action, Answer, Candidate, Event, Leg, PrefillAnswer, PushPeer, RouteError, TurnCache};
 use kvlease_core::Nanos;
 use kvlease_engine::metrics::{self, Registry};
@@ -215,6 +219,8 @@ struct Instance {
     failures: AtomicU64,
     /// SPEC §13: a push prefiller's coordinates, once known: both legs then go at once.
     push: std::sync::Mutex<Option<PushPeer>>,
+    /// The legs' URLs on it, parsed once (issue 27).
+    legs: [(&'static str, Option<Uri>); 2],
 }
 
 impl Instance {
@@ -242,15 +248,56 @@ impl Instance {
     /// In rotation, nothing counted yet.
     fn new(up: Upstream) -> Arc<Instance> {
         Arc::new(Instance {
-            up,
             healthy: AtomicBool::new(true),
             outstanding: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             push: std::sync::Mutex::new(None),
+            legs: LEG_PATHS.map(|path| (path, Uri::try_from(up.url(path)).ok())),
+            up,
         })
     }
+
+    /// A request for `path` on this engine (its URL parsed already when it is a leg's): a POST
+    /// of `json`, or a GET without; with the request's id and the client's `Authorization`.
+    fn request(&self, path: &str, json: Option<Vec<u8>>, rid: Option<&str>, auth: Option<&HeaderValue>) -> Result<UpRequest, ApiError> {
+        let parsed = self.legs.iter().find(|(p, _)| *p == path).and_then(|(_, uri)| uri.as_ref());
+        self.up.request(parsed, path, json, rid, auth)
+    }
 }
+
+impl Upstream {
+    /// [`Instance::request`], with `path`'s URL parsed here unless `parsed`.
+    fn request(
+        &self,
+        parsed: Option<&Uri>,
+        path: &str,
+        json: Option<Vec<u8>>,
+        rid: Option<&str>,
+        auth: Option<&HeaderValue>,
+    ) -> Result<UpRequest, ApiError> {
+        let uri = match parsed {
+            Some(uri) => uri.clone(),
+            None => Uri::try_from(self.url(path))
+                .map_err(|e| ApiError::bad_gateway(format!("upstream {self} has no valid URL for {path}: {e}")))?,
+        };
+        let mut req = axum::http::Request::builder().uri(uri);
+        if let Some(rid) = rid {
+            req = req.header(REQUEST_ID, rid);
+        }
+        if let Some(a) = auth {
+            req = req.header(header::AUTHORIZATION, a.clone());
+        }
+        let req = match json {
+            Some(body) => req.method(Method::POST).header(header::CONTENT_TYPE, "application/json").body(Full::from(body)),
+            None => req.method(Method::GET).body(Full::default()),
+        };
+        req.map_err(|e| ApiError::bad_gateway(format!("upstream {self}: cannot make the request: {e}")))
+    }
+}
+
+/// The paths the proxy relays (its routes to [`forward`]).
+const LEG_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
 
 /// The route machine tells engines apart by address: an engine in both pools (`kv_both`) is one
 /// engine (SPEC O4).
@@ -357,7 +404,7 @@ fn mark_down(i: &Instance, why: &str) {
 struct UpstreamClient {
     tls: crate::tls::ClientTls,
     /// The client, and the generation of the files it was built from.
-    built: std::sync::RwLock<(u64, reqwest::Client)>,
+    built: std::sync::RwLock<(u64, HttpClient)>,
 }
 
 impl UpstreamClient {
@@ -367,17 +414,21 @@ impl UpstreamClient {
         Ok(UpstreamClient { tls, built: std::sync::RwLock::new((generation, client)) })
     }
 
-    fn build(tls: &crate::tls::ClientTls) -> Result<reqwest::Client, String> {
-        let builder = reqwest::Client::builder()
-            .no_proxy()
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5))
-            .pool_idle_timeout(Duration::from_secs(30));
-        tls.apply(builder).map_err(|e| e.to_string())?.build().map_err(|e| format!("cannot build the HTTP client: {e}"))
+    fn build(tls: &crate::tls::ClientTls) -> Result<HttpClient, String> {
+        let config = tls.config().map_err(|e| e.to_string())?;
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(5)));
+        http.enforce_http(false);
+        let https = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http().enable_http1().wrap_connector(http);
+        Ok(hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_timer(TokioTimer::new())
+            .build(https))
     }
 
     /// The client for the next request (a handle: cloning it is cheap).
-    fn get(&self) -> reqwest::Client {
+    fn get(&self) -> HttpClient {
         let generation = self.tls.generation();
         {
             let built = self.built.read().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -395,6 +446,45 @@ impl UpstreamClient {
             built.0 = generation;
         }
         built.1.clone()
+    }
+}
+
+/// The proxy's HTTP client to its engines: hyper's, pooled and kept alive, `TCP_NODELAY`, HTTPS
+/// through rustls for `https://` upstreams. No proxy from the environment is used.
+type HttpClient = hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+type UpRequest = axum::http::Request<Full<Bytes>>;
+type UpResponse = axum::http::Response<hyper::body::Incoming>;
+
+/// Sends `req` and waits for the answer's head, within `limit` (none: the caller bounds it);
+/// why not, worded to follow the upstream's name ("is unreachable: …").
+async fn exchange(client: &HttpClient, req: UpRequest, limit: Option<Duration>) -> Result<UpResponse, String> {
+    let sent = client.request(req);
+    let answered = match limit {
+        Some(limit) => tokio::time::timeout(limit, sent).await,
+        None => Ok(sent.await),
+    };
+    match answered {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) if e.is_connect() => Err(format!("is unreachable: {}", cause(&e))),
+        Ok(Err(e)) => Err(format!("failed: {}", cause(&e))),
+        Err(_) => Err(format!("timed out ({:.1} s)", limit.unwrap_or_default().as_secs_f64())),
+    }
+}
+
+/// An answer's whole body.
+async fn read_whole(from: &Upstream, resp: UpResponse) -> Result<Bytes, ApiError> {
+    match resp.into_body().collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(ApiError::bad_gateway(format!("upstream {from} broke off its answer: {}", cause(&e)))),
+    }
+}
+
+/// What the proxy reads of P's answer ([`PAnswer`]), or why it cannot.
+async fn read_p_answer(from: &Upstream, resp: UpResponse) -> Result<Value, ApiError> {
+    let bytes = read_whole(from, resp).await?;
+    match serde_json::from_slice::<PAnswer>(&bytes) {
+        Ok(v) => Ok(v.into_json()),
+        Err(e) => Err(ApiError::bad_gateway(format!("prefiller {from} answered with invalid JSON: {e}"))),
     }
 }
 
@@ -520,8 +610,8 @@ fn app(cfg: ProxyConfig, http: Arc<HttpMetrics>) -> Result<Router, ProxyError> {
         }
     }
     Ok(Router::new()
-        .route("/v1/completions", post(forward))
-        .route("/v1/chat/completions", post(forward))
+        .route(LEG_PATHS[0], post(forward))
+        .route(LEG_PATHS[1], post(forward))
         .route("/healthcheck", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/health", get(health))
         .route("/v1/models", get(models))
@@ -558,7 +648,10 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
             .map(|i| {
                 let (client, i) = (proxy.client.get(), i.clone());
                 async move {
-                    let probe = client.get(i.up.url("/health")).timeout(Duration::from_secs(1)).send().await;
+                    let probe = match i.request("/health", None, None, None) {
+                        Ok(req) => exchange(&client, req, Some(Duration::from_secs(1))).await,
+                        Err(e) => Err(e.message),
+                    };
                     match probe {
                         Ok(r) if r.status().is_success() => {
                             if !i.healthy.swap(true, Ordering::AcqRel) {
@@ -566,7 +659,7 @@ async fn health_checks(p: std::sync::Weak<Proxy>, interval: Duration) {
                             }
                         }
                         Ok(r) => mark_down(&i, &format!("/health answered {}", r.status())),
-                        Err(e) => mark_down(&i, &format!("/health failed: {}", cause(&e))),
+                        Err(why) => mark_down(&i, &format!("/health {why}")),
                     }
                 }
             })
@@ -698,14 +791,13 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
 /// A healthy decoder's `/v1/models`.
 async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
     let Some(d) = p.decode.pick() else { return ApiError::unavailable("no decoder").into_response() };
-    let mut req = p.client.get().get(d.up.url("/v1/models")).timeout(Duration::from_secs(5));
-    if let Some(a) = headers.get(header::AUTHORIZATION) {
-        req = req.header(header::AUTHORIZATION, a.clone());
-    }
-    let r = req.send().await;
-    let resp = match r {
+    let req = match d.request("/v1/models", None, None, headers.get(header::AUTHORIZATION)) {
+        Ok(req) => req,
+        Err(e) => return e.into_response(),
+    };
+    let resp = match exchange(&p.client.get(), req, Some(Duration::from_secs(5))).await {
         Ok(r) => relay_whole(&d.up, r).await,
-        Err(e) => Err(ApiError::bad_gateway(format!("upstream {} failed: {}", d.up, cause(&e)))),
+        Err(why) => Err(ApiError::bad_gateway(format!("upstream {} {why}", d.up))),
     };
     resp.unwrap_or_else(IntoResponse::into_response)
 }
@@ -830,9 +922,9 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     // The decode leg built from P's answer; the answers relayed whole, by leg; D's answer to
     // stream; why the last prefill leg went wrong (for the log).
     let mut d_request: Option<Map<String, Value>> = None;
-    let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
-    let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
-    let mut answer: Option<(Outstanding, reqwest::Response)> = None;
+    let mut held_prefill: Option<(Upstream, UpResponse)> = None;
+    let mut held_decode: Option<(Upstream, UpResponse)> = None;
+    let mut answer: Option<(Outstanding, UpResponse)> = None;
     let mut prefill_trouble = String::new();
     loop {
         let ((prefill, ps), (decode, ds)) = (p.prefill.view(p.transfer_mode), p.decode.view(p.transfer_mode));
@@ -857,7 +949,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                 let _busy = Outstanding::new(to.clone());
                 match within(deadline, send(p, &to, path, rid, auth, &leg)).await {
                     None => Event::DeadlinePassed,
-                    Some(Ok(r)) if r.status().is_success() => match within(deadline, r.json::<Value>()).await {
+                    Some(Ok(r)) if r.status().is_success() => match within(deadline, read_p_answer(&to.up, r)).await {
                         None => Event::DeadlinePassed,
                         Some(Ok(v)) => {
                             let lease = v.get("kv_transfer_params").is_some_and(Value::is_object);
@@ -867,11 +959,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                             routed.p_json = v;
                             Event::PrefillAnswered(PrefillAnswer::Params { lease })
                         }
-                        Some(Err(e)) => Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
-                            "prefiller {} answered with invalid JSON: {}",
-                            to.up,
-                            cause(&e)
-                        )))),
+                        Some(Err(e)) => Event::PrefillAnswered(PrefillAnswer::Unreadable(e)),
                     },
                     Some(Ok(r)) => {
                         let answer = classify(&r);
@@ -964,7 +1052,7 @@ enum PrefillOutcome {
     Json(Value),
     Unreadable(ApiError),
     /// Any other answer, held to be relayed whole.
-    Other(Answer, reqwest::Response),
+    Other(Answer, UpResponse),
     Failed(ApiError),
 }
 
@@ -987,7 +1075,7 @@ struct Legs<'a> {
 impl Legs<'_> {
     /// Sends `body` to `to` in the background of the caller's loop: the answer's head (and,
     /// with `json`, its body) when polled.
-    fn send(&self, to: Arc<Instance>, body: Map<String, Value>) -> BoxFuture<'static, Result<reqwest::Response, ApiError>> {
+    fn send(&self, to: Arc<Instance>, body: Map<String, Value>) -> BoxFuture<'static, Result<UpResponse, ApiError>> {
         let (p, rid, path, auth) = (Arc::clone(self.p), self.rid.to_owned(), self.path.to_owned(), self.auth.cloned());
         Box::pin(async move { send(&p, &to, &path, &rid, auth.as_ref(), &body).await })
     }
@@ -997,12 +1085,9 @@ impl Legs<'_> {
         let up = to.up.clone();
         let answer = Box::pin(async move {
             match sent.await {
-                Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+                Ok(r) if r.status().is_success() => match read_p_answer(&up, r).await {
                     Ok(v) => PrefillOutcome::Json(v),
-                    Err(e) => PrefillOutcome::Unreadable(ApiError::bad_gateway(format!(
-                        "prefiller {up} answered with invalid JSON: {}",
-                        cause(&e)
-                    ))),
+                    Err(e) => PrefillOutcome::Unreadable(e),
                 },
                 Ok(r) => PrefillOutcome::Other(classify(&r), r),
                 Err(e) => PrefillOutcome::Failed(e),
@@ -1023,14 +1108,14 @@ impl Legs<'_> {
         let p = self.p;
         let mut next = Some(Action::SendBoth { prefill: first.0, decode: first.1, retry: first.2 });
         let mut prefill: Option<InFlight<PrefillOutcome>> = None;
-        let mut decode: Option<InFlight<Result<reqwest::Response, ApiError>>> = None;
+        let mut decode: Option<InFlight<Result<UpResponse, ApiError>>> = None;
         // The decode leg's body (the same for its retry); whether the prefill leg out is a push
         // dispatch's; the answers held.
         let mut d_request: Option<Map<String, Value>> = None;
         let mut pushed = false;
-        let mut held_prefill: Option<(Upstream, reqwest::Response)> = None;
-        let mut held_decode: Option<(Upstream, reqwest::Response)> = None;
-        let mut answer: Option<(Outstanding, reqwest::Response)> = None;
+        let mut held_prefill: Option<(Upstream, UpResponse)> = None;
+        let mut held_decode: Option<(Upstream, UpResponse)> = None;
+        let mut answer: Option<(Outstanding, UpResponse)> = None;
         loop {
             loop {
                 let action = match next.take() {
@@ -1266,7 +1351,7 @@ impl Drop for Routed {
 }
 
 /// What an upstream's answer head says, for the route machine.
-fn classify(resp: &reqwest::Response) -> Answer {
+fn classify(resp: &UpResponse) -> Answer {
     if resp.status().is_success() {
         Answer::Success
     } else if turned_away_unread(resp) {
@@ -1278,8 +1363,8 @@ fn classify(resp: &reqwest::Response) -> Answer {
 
 /// A 503 with `Retry-After`: the server turned the request away without reading it (draining,
 /// SPEC O1, or at its connection cap).
-fn turned_away_unread(resp: &reqwest::Response) -> bool {
-    resp.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(reqwest::header::RETRY_AFTER)
+fn turned_away_unread(resp: &UpResponse) -> bool {
+    resp.status() == StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(header::RETRY_AFTER)
 }
 
 /// Ends P's lease at once through P's `POST /kvlease/release` (no lease held to expiry because
@@ -1288,23 +1373,37 @@ fn turned_away_unread(resp: &reqwest::Response) -> bool {
 /// lease then ends at its expiry.
 async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
     let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
-    let sent = p
-        .client
-        .get()
-        .post(prefiller.url("/kvlease/release"))
-        .header(REQUEST_ID, rid)
-        .timeout(Duration::from_secs(2))
-        .json(&json!({"kv_transfer_params": params}))
-        .send()
-        .await;
+    let body = serde_json::to_vec(&json!({ "kv_transfer_params": params })).unwrap_or_default();
+    let sent = match prefiller.request(None, "/kvlease/release", Some(body), Some(rid), None) {
+        Ok(req) => exchange(&p.client.get(), req, Some(Duration::from_secs(2))).await,
+        Err(e) => Err(e.message),
+    };
     match sent {
         Ok(r) if r.status().is_success() => {
             p.released.inc();
             tracing::info!(request_id = %rid, "no decoder takes it: released the lease on {prefiller}")
         }
         Ok(r) => tracing::warn!(request_id = %rid, status = %r.status(), "no decoder takes it, and {prefiller} did not release the lease"),
-        Err(e) => {
-            tracing::warn!(request_id = %rid, "no decoder takes it, and the lease on {prefiller} could not be released: {}", cause(&e))
+        Err(why) => {
+            tracing::warn!(request_id = %rid, "no decoder takes it, and the lease on {prefiller} could not be released: {prefiller} {why}")
+        }
+    }
+}
+
+/// What the proxy reads of P's answer: its `kv_transfer_params`. The rest (the token, usage) is
+/// checked to be JSON and skipped, not built into a tree (issue 27).
+#[derive(serde::Deserialize)]
+struct PAnswer {
+    #[serde(default)]
+    kv_transfer_params: Value,
+}
+
+impl PAnswer {
+    /// `{"kv_transfer_params": …}`, or `{}` when P gave none.
+    fn into_json(self) -> Value {
+        match self.kv_transfer_params {
+            Value::Null => Value::Object(Map::new()),
+            params => json!({ "kv_transfer_params": params }),
         }
     }
 }
@@ -1356,30 +1455,20 @@ async fn send(
     rid: &str,
     auth: Option<&HeaderValue>,
     body: &Map<String, Value>,
-) -> Result<reqwest::Response, ApiError> {
-    let mut req = p.client.get().post(to.up.url(path)).header(REQUEST_ID, rid).json(body);
-    if let Some(a) = auth {
-        req = req.header(header::AUTHORIZATION, a.clone());
-    }
-    req.send().await.map_err(|e| {
-        let what = if e.is_connect() {
-            "is unreachable"
-        } else if e.is_timeout() {
-            "timed out"
-        } else {
-            "failed"
-        };
-        let why = cause(&e);
+) -> Result<UpResponse, ApiError> {
+    let json = serde_json::to_vec(body).map_err(|e| ApiError::bad_gateway(format!("cannot write the request for {}: {e}", to.up)))?;
+    let req = to.request(path, Some(json), Some(rid), auth)?;
+    exchange(&p.client.get(), req, None).await.map_err(|why| {
         mark_down(to, &why);
-        ApiError::bad_gateway(format!("upstream {} {what}: {why}", to.up))
+        ApiError::bad_gateway(format!("upstream {} {why}", to.up))
     })
 }
 
 /// The upstream's status, content type and whole body (P's errors).
-async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Response, ApiError> {
-    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+async fn relay_whole(from: &Upstream, resp: UpResponse) -> Result<Response, ApiError> {
+    let status = resp.status();
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-    let bytes = resp.bytes().await.map_err(|e| ApiError::bad_gateway(format!("upstream {from} broke off its answer: {e}")))?;
+    let bytes = read_whole(from, resp).await?;
     let mut out = (status, bytes).into_response();
     if let Some(ct) = content_type {
         out.headers_mut().insert(header::CONTENT_TYPE, ct);
@@ -1393,14 +1482,14 @@ async fn relay_whole(from: &Upstream, resp: reqwest::Response) -> Result<Respons
 /// passes), the upstream breaking off, the request's deadline — goes to the route; when it says
 /// fail (after the first byte), an SSE stream ends with an error event and `[DONE]`, so the
 /// client sees a clean failure rather than a cut.
-fn relay_stream(resp: reqwest::Response, busy: Outstanding, deadline: tokio::time::Instant, routed: Routed) -> Response {
+fn relay_stream(resp: UpResponse, busy: Outstanding, deadline: tokio::time::Instant, routed: Routed) -> Response {
     use futures_util::StreamExt;
-    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let status = resp.status();
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
     let sse = content_type.as_ref().and_then(|c| c.to_str().ok()).is_some_and(|c| c.starts_with("text/event-stream"));
     // What the answer says, read (within a bound) while it passes, when the route keeps turns.
     let reader = routed.route.keeps_turn().then(|| TurnReader::new(sse));
-    let relay = Relay { up: Some(resp.bytes_stream()), busy, routed, reader };
+    let relay = Relay { up: Some(resp.into_body().into_data_stream()), busy, routed, reader };
     let body = futures_util::stream::unfold(relay, move |mut st| async move {
         let up = st.up.as_mut()?;
         let from = st.busy.0.up.clone();

@@ -57,8 +57,8 @@ pub enum TlsError {
     #[error("--ssl-ca-certs {}: {why}", path.display())]
     Ca { path: PathBuf, why: String },
     /// The proxy's client cannot take the roots or the identity it was given.
-    #[error("{flag}: {source}")]
-    Client { flag: &'static str, source: reqwest::Error },
+    #[error("{flag}: {why}")]
+    Client { flag: &'static str, why: String },
 }
 
 /// The HTTPS side of a listener: what accepts TLS connections (replaced when the files are
@@ -124,22 +124,35 @@ impl ClientTls {
         *pems = ClientPems { generation: pems.generation + 1, ..fresh };
     }
 
-    /// `builder` trusting only these roots and presenting this identity (as they are now).
-    pub(crate) fn apply(&self, mut builder: reqwest::ClientBuilder) -> Result<reqwest::ClientBuilder, TlsError> {
-        builder = builder.tls_built_in_root_certs(false);
+    /// A client configuration trusting only these roots and presenting this identity (as they
+    /// are now); the connector sets ALPN.
+    pub(crate) fn config(&self) -> Result<rustls::ClientConfig, TlsError> {
         let pems = self.pems();
+        let mut roots = rustls::RootCertStore::empty();
         if let Some(pem) = &pems.roots_pem {
-            let roots = reqwest::Certificate::from_pem_bundle(pem).map_err(|source| TlsError::Client { flag: "--ssl-ca-certs", source })?;
-            for cert in roots {
-                builder = builder.add_root_certificate(cert);
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| TlsError::Client { flag: "--ssl-ca-certs", why: format!("not PEM certificates ({e})") })?;
+                roots.add(cert).map_err(|e| TlsError::Client { flag: "--ssl-ca-certs", why: format!("not a CA certificate: {e}") })?;
             }
         }
-        if let Some(pem) = &pems.identity_pem {
-            let identity =
-                reqwest::Identity::from_pem(pem).map_err(|source| TlsError::Client { flag: "--ssl-certfile/--ssl-keyfile", source })?;
-            builder = builder.identity(identity);
-        }
-        Ok(builder)
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Client { flag: "--ssl-ca-certs", why: e.to_string() })?
+            .with_root_certificates(roots);
+        const IDENTITY: &str = "--ssl-certfile/--ssl-keyfile";
+        let config = match &pems.identity_pem {
+            None => builder.with_no_client_auth(),
+            Some(pem) => {
+                let chain = CertificateDer::pem_slice_iter(pem)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| TlsError::Client { flag: IDENTITY, why: format!("not PEM certificates ({e})") })?;
+                let key = PrivateKeyDer::from_pem_slice(pem)
+                    .map_err(|e| TlsError::Client { flag: IDENTITY, why: format!("no PEM private key ({e})") })?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| TlsError::Client { flag: IDENTITY, why: e.to_string() })?
+            }
+        };
+        Ok(config)
     }
 }
 

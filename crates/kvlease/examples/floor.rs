@@ -1,10 +1,11 @@
 //! The floor of a disaggregated request on this HTTP stack (issue 15): what three HTTP hops and
 //! one transfer cost with no engine in them, next to what one hop costs.
 //!
-//! Null processes built from what `kvlease serve` and `kvlease proxy` are built from (tokio's
-//! default runtime, axum on hyper with `TCP_NODELAY`, a keep-alive `reqwest` client, a
-//! kept-open TCP connection for the transfer), with every engine part left out: no tokenizer,
-//! no scheduler, no KV written or checked, no lease, no signature, no metrics.
+//! Null processes built from what `kvlease serve` and `kvlease proxy` are built from (mimalloc;
+//! tokio's default runtime for an engine and one thread for the proxy; axum on hyper with
+//! `TCP_NODELAY`; the proxy's keep-alive hyper client; a kept-open TCP connection for the
+//! transfer), with every engine part left out: no tokenizer, no scheduler, no KV written or
+//! checked, no lease, no signature, no metrics.
 //!
 //! * `floor engine`: answers `POST /v1/completions` with a fixed completion. Asked to prefill
 //!   for a remote decoder (`kv_transfer_params.do_remote_decode`), it answers with the address
@@ -17,11 +18,16 @@
 //! Each prints `floor … listening on http://ADDR` and serves until killed; part 4 of
 //! `scripts/bench-proxy.sh` starts them and measures them with `kvlease load`. A benchmark for
 //! loopback: a decoder reads from whatever agent address it is given, without a timeout.
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{StatusCode, Uri};
 use axum::routing::post;
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -31,9 +37,22 @@ use tokio::net::{TcpListener, TcpStream};
 const READ: u8 = b'R';
 const DONE: u8 = b'D';
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+type HttpClient = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
+
+fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // As `kvlease proxy` (one thread) and `kvlease serve` (tokio's default) run.
+    let runtime = match args.first().map(String::as_str) {
+        Some("proxy") => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        _ => tokio::runtime::Runtime::new()?,
+    };
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Vec<String>) -> anyhow::Result<()> {
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     // Flags and their values after the role; `--log-level` (which `launch` adds) is accepted
     // and has no effect: these servers log nothing but errors.
@@ -67,9 +86,14 @@ async fn main() -> anyhow::Result<()> {
             let (Some(prefill), Some(decode)) = (flag("--prefill"), flag("--decode")) else {
                 anyhow::bail!("usage: floor proxy --prefill URL --decode URL");
             };
-            let client = reqwest::Client::builder().no_proxy().tcp_nodelay(true).build()?;
-            let proxy =
-                Arc::new(Proxy { client, prefill: format!("{prefill}/v1/completions"), decode: format!("{decode}/v1/completions") });
+            let mut http = HttpConnector::new();
+            http.set_nodelay(true);
+            let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(http);
+            let proxy = Arc::new(Proxy {
+                client,
+                prefill: format!("{prefill}/v1/completions").parse()?,
+                decode: format!("{decode}/v1/completions").parse()?,
+            });
             Router::new().route("/v1/completions", post(proxy_answer)).with_state(proxy)
         }
         _ => anyhow::bail!("usage: floor engine [--kv-bytes N] | floor proxy --prefill URL --decode URL"),
@@ -160,9 +184,9 @@ impl Engine {
 }
 
 struct Proxy {
-    client: reqwest::Client,
-    prefill: String,
-    decode: String,
+    client: HttpClient,
+    prefill: Uri,
+    decode: Uri,
 }
 
 async fn proxy_answer(State(p): State<Arc<Proxy>>, Json(req): Json<serde_json::Map<String, Value>>) -> Result<Json<Value>, Failed> {
@@ -177,11 +201,17 @@ async fn proxy_answer(State(p): State<Arc<Proxy>>, Json(req): Json<serde_json::M
 }
 
 /// One leg: the upstream's JSON answer, or a 502 saying why there is none.
-async fn post_json(client: &reqwest::Client, url: &str, body: &serde_json::Map<String, Value>) -> Result<Value, Failed> {
-    let bad_gateway = |e: reqwest::Error| (StatusCode::BAD_GATEWAY, format!("{url}: {e}"));
-    let resp = client.post(url).json(body).send().await.map_err(bad_gateway)?;
+async fn post_json(client: &HttpClient, url: &Uri, body: &serde_json::Map<String, Value>) -> Result<Value, Failed> {
+    let bad_gateway = |e: String| (StatusCode::BAD_GATEWAY, format!("{url}: {e}"));
+    let body = serde_json::to_vec(body).map_err(|e| bad_gateway(e.to_string()))?;
+    let req = axum::http::Request::post(url.clone())
+        .header(CONTENT_TYPE, "application/json")
+        .body(Full::from(body))
+        .map_err(|e| bad_gateway(e.to_string()))?;
+    let resp = client.request(req).await.map_err(|e| bad_gateway(e.to_string()))?;
     if !resp.status().is_success() {
-        return Err((StatusCode::BAD_GATEWAY, format!("{url}: {}", resp.status())));
+        return Err(bad_gateway(resp.status().to_string()));
     }
-    resp.json().await.map_err(bad_gateway)
+    let bytes = resp.into_body().collect().await.map_err(|e| bad_gateway(e.to_string()))?.to_bytes();
+    serde_json::from_slice(&bytes).map_err(|e| bad_gateway(e.to_string()))
 }

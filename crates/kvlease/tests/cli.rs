@@ -46,6 +46,7 @@ fn refused_configuration_exits_2_with_a_message_naming_the_flag() {
         (vec!["serve", "--block-size", "0"], "--block-size"),
         (vec!["serve", "--kv-transfer-config", r#"{"kv_connector_extra_config": {"kv_lease_duration": 0}}"#], "kv_lease_duration"),
         (vec!["proxy", "--decoder-hosts", "a", "b", "--decoder-ports", "1", "2", "3"], "--decoder-hosts"),
+        (vec!["proxy", "--threads", "0"], "--threads"),
     ] {
         let out = kvlease().args(&args).output().expect("run kvlease");
         assert_eq!(out.status.code(), Some(2), "{args:?}");
