@@ -6,6 +6,7 @@
 //! #55470 one, which says why not.
 
 mod common;
+use common::hosts::{available, Net};
 use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -37,7 +38,12 @@ async fn prefill(p: &Proc, prompt: &str) -> Value {
 /// vLLM's push router's params for D (both legs at once): P's coordinates, the router's request
 /// id, no blocks.
 fn router_params(p_name: &str, kv_port: u64, router_id: &str) -> Value {
-    json!({"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": p_name, "remote_host": "127.0.0.1",
+    router_params_at(p_name, "127.0.0.1", kv_port, router_id)
+}
+
+/// [`router_params`] for a P reached at `host`.
+fn router_params_at(p_name: &str, host: &str, kv_port: u64, router_id: &str) -> Value {
+    json!({"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": p_name, "remote_host": host,
         "remote_port": kv_port, "tp_size": 1, "pp_size": 1, "remote_request_id": router_id})
 }
 
@@ -301,4 +307,164 @@ async fn u4_leases_ending_under_writes_never_give_a_wrong_200() {
     }
     assert_eq!(total, metric(&p.url, "kvlease_leases_granted_total").await, "every lease ended exactly once (P3)");
     until_nothing_held(&d.url, Duration::from_secs(10)).await;
+}
+
+/// One sample of each of `names` from a single scrape of `base`'s `/metrics` (one instant's).
+async fn scrape(base: &str, names: &[&str]) -> Vec<f64> {
+    let text = client().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().expect("number")))
+            .unwrap_or_else(|| panic!("metric {name} not found"))
+    };
+    names.iter().map(|n| value(n)).collect()
+}
+
+/// 8 layers, head_dim 64: 8 KiB of KV a token (P and D must agree).
+const SLOW_MODEL: [&str; 4] = ["--num-layers", "8", "--head-dim", "64"];
+const KV_PER_TOKEN: u64 = 8 * 1024;
+/// The prompt of [`SlowLink::give_up_under_the_write`]: 600 digits, a token each (38 blocks,
+/// about 5 MB of KV).
+const SLOW_TOKENS: usize = 600;
+
+/// A push P on host `p1` whose sending is throttled to 16 Mbit/s, and a push D on host `d1`
+/// (real network namespaces, `common::hosts`): P's write of a long prompt's KV takes seconds,
+/// so D can give the request up while the write is in flight. L = 24 s: P's write timeout is
+/// E/4 = 4 s, longer than the write.
+struct SlowLink {
+    p: Proc,
+    d: Proc,
+    kv_port: u64,
+    net: Net,
+}
+
+impl SlowLink {
+    async fn start(tag: &str, p_flags: &[&str], d_flags: &[&str]) -> SlowLink {
+        let net = Net::new(&["p1", "d1"]);
+        let cfg = push_config(24.0, 30.0);
+        let engine = |host: &str, extra: &[&str]| {
+            let mut args = vec!["--kv-transfer-config", &cfg];
+            args.extend_from_slice(&SLOW_MODEL);
+            args.extend_from_slice(extra);
+            let h = net.host(host);
+            Proc::serve_on(&h.ns, &h.addr, &format!("{tag}-{host}"), &args)
+        };
+        let (p, d) = (engine("p1", p_flags), engine("d1", d_flags));
+        // P's side-channel port from a probe, whose lease the router's release ends at once.
+        let probe = prefill(&p, "probe").await;
+        let (status, body) = post(&format!("{}/kvlease/release", p.url), &json!({"kv_transfer_params": probe})).await;
+        assert_eq!(status, 200, "{body}");
+        let kv_port = probe["remote_port"].as_u64().expect("P's side-channel port");
+        until_nothing_held(&p.url, Duration::from_secs(5)).await;
+        net.throttle("p1", 16);
+        SlowLink { p, d, kv_port, net }
+    }
+
+    /// Both legs of a [`SLOW_TOKENS`]-token prompt at once, as vLLM's push router sends them;
+    /// once P's write into D's blocks is under way (P sent 300 KB of it), the decode leg's client
+    /// leaves: D releases the lease (U9) with the write in flight. Returns P's bytes sent before
+    /// the write, and the prefill leg.
+    async fn give_up_under_the_write(&self, router_id: &'static str) -> (u64, tokio::task::JoinHandle<u16>) {
+        let prompt = format!("{router_id}: {}", (0..SLOW_TOKENS).map(|k| char::from(b'0' + (k % 10) as u8)).collect::<String>());
+        let p_name = self.p.name.clone();
+        let params = router_params_at(&p_name, &self.net.host("p1").addr, self.kv_port, router_id);
+        let base = self.net.tx_bytes("p1");
+        let leg = decode_leg(&self.d, &prompt, 4, params);
+        let p_leg = prefill_leg(&self.p, &prompt, router_id);
+        until("P's write into D's blocks is under way (P sent 300 KB)", DEADLINE, || async { self.net.tx_bytes("p1") > base + 300_000 })
+            .await;
+        leg.abort(); // the decode leg's client goes away: D aborts and releases the lease
+        (base, p_leg)
+    }
+}
+
+/// SPEC U4 (second sentence), P5 with the roles swapped (vLLM #55470: "the reaper can expire a
+/// lease whose write is in flight", P's source blocks reused under the write): a lease that ends
+/// while P's write of its blocks is in flight keeps those blocks out of P's pool until the write
+/// has completed or failed. P's sending is throttled so its write of a 600-token prompt (5 MB)
+/// takes seconds; D's client leaves half-way, D releases the lease (U9), and P ends it as
+/// `released` at once — but in the same scrape of P's metrics its blocks are still held, while
+/// D (scraped after) still waits for P's word that the write stopped, so the write was in
+/// flight. Every block comes back once it ends. The lease here ends by D's release, not by
+/// expiry, so P's write timeout (< L) does not come first; D's gate does not apply (the write
+/// was admitted before D gave up), nor does the dead-lease completion rule (the bytes are P's
+/// own whether or not they are reused: what is at stake is P's pool). Fails with the table's
+/// parking removed (in `LeaseTable`'s release, a payload whose lease still has readers given
+/// back at once, as if it had none): P frees the 38 blocks at the release, under the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends() {
+    if !available() {
+        return;
+    }
+    let s = SlowLink::start("u4b", &["--num-gpu-blocks", "48"], &[]).await;
+    let released0 = released(&s.p.url, "released").await;
+    let (_, p_leg) = s.give_up_under_the_write("u4b-router-id").await;
+    let names = [
+        "kvlease_leases_released_total{reason=\"released\"}",
+        "kvlease_kv_blocks_free",
+        "kvlease_kv_blocks_total",
+        "kvlease_leases_active",
+    ];
+    let t0 = Instant::now();
+    let at_release = loop {
+        let now = scrape(&s.p.url, &names).await;
+        if now[0] == released0 + 1.0 {
+            break now;
+        }
+        assert!(t0.elapsed() < DEADLINE, "P never ended the lease D released");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // D frees its blocks only once P said no write of them is in flight any more (U8): D still
+    // holding them now means the write had not ended when P was scraped.
+    let d_now = scrape(&s.d.url, &["kvlease_kv_blocks_free", "kvlease_kv_blocks_total"]).await;
+    assert!(d_now[0] < d_now[1], "the write had already ended when P ended the lease: make it longer (D's blocks {d_now:?})");
+    let (free, total) = (at_release[1], at_release[2]);
+    eprintln!("lease released under its write: P's blocks {free} free of {total}, leases active {}", at_release[3]);
+    assert_eq!(at_release[3], 0.0, "the lease is ended");
+    assert!(
+        total - free >= (SLOW_TOKENS / 16) as f64,
+        "P's blocks came back while its write of them was in flight: {free} free of {total}"
+    );
+    assert_eq!(p_leg.await.expect("prefill leg"), 200);
+    until_nothing_held(&s.p.url, Duration::from_secs(15)).await;
+    until_nothing_held(&s.d.url, Duration::from_secs(15)).await;
+    assert_eq!(released(&s.p.url, "released").await, released0 + 1.0);
+    assert_eq!(released(&s.p.url, "expired").await, 0.0);
+    assert_eq!(released(&s.p.url, "transferred").await, 0.0);
+}
+
+/// SPEC U4 (first sentence: P posts a write only while the lease is live, checked at the moment
+/// of posting; vLLM #55470: a write posted after P retired the request): D runs two ranks
+/// (`--tp-size 2`), so P writes each half of the heads in turn, one write after the other, over
+/// a link throttled so each takes a second. D's client leaves during the first write: D releases
+/// the lease (U9). P ends it (held by the first write's blocks until that write ends) and must
+/// not post the second write: P sends no more than the first write's bytes, and D refuses no
+/// write. P's write timeout (< L) plays no part (the lease ends by D's release), nor does the
+/// dead-lease completion rule (the first write was posted live). Fails with P's posting gate
+/// removed (in `kvlease-engine`'s `push::write`, a write that `PushSource::begin_write`
+/// refuses as `NotLive` posted anyway): P posts the second write into the blocks of a request
+/// D gave up — on tcp D's own gate refuses it (`kvlease_writes_refused_total` 1), over NIXL
+/// nothing would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_no_write_is_posted_after_the_lease_ended() {
+    if !available() {
+        return;
+    }
+    let s = SlowLink::start("u4a", &[], &["--tp-size", "2"]).await;
+    let released0 = released(&s.p.url, "released").await;
+    let (base, p_leg) = s.give_up_under_the_write("u4a-router-id").await;
+    until("P ends the lease D released", DEADLINE, || async { released(&s.p.url, "released").await == released0 + 1.0 }).await;
+    assert_eq!(p_leg.await.expect("prefill leg"), 200);
+    // Every write stopped: P told D (PushLost), D freed its blocks.
+    until_nothing_held(&s.d.url, Duration::from_secs(15)).await;
+    until_nothing_held(&s.p.url, Duration::from_secs(15)).await;
+    let sent = s.net.tx_bytes("p1") - base;
+    let kv = (SLOW_TOKENS as u64).div_ceil(16) * 16 * KV_PER_TOKEN;
+    eprintln!("P sent {sent} bytes after the legs started; one rank's write is {} bytes", kv / 2);
+    // The first write whole, and the answers and metrics P sent (about 100 KB); a second write
+    // refused by D still sends part of its bytes before P hears the refusal.
+    assert!(sent < kv / 2 + 500_000, "P sent {sent} bytes: more than the first write (of {} bytes): it posted the second", kv / 2);
+    assert_eq!(metric(&s.d.url, "kvlease_writes_refused_total").await, 0.0, "a write posted after the lease ended reached D");
+    assert_eq!(released(&s.p.url, "expired").await, 0.0);
+    assert_eq!(released(&s.p.url, "transferred").await, 0.0);
 }
