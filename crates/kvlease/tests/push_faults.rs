@@ -468,3 +468,51 @@ async fn u4_no_write_is_posted_after_the_lease_ended() {
     assert_eq!(released(&s.p.url, "expired").await, 0.0);
     assert_eq!(released(&s.p.url, "transferred").await, 0.0);
 }
+
+/// SPEC U6, P3 (vLLM #48633's "D is left to wait a failure out", for P's shutdown): P answers a
+/// prefill (a sequential router's first leg: the lease is granted), and the decode leg queues on
+/// a busy D, which renews P's lease from admission (U2) but has registered nothing yet. P is
+/// then stopped gracefully (SIGTERM: it drains, then shuts down): it ends the lease as `shutdown`
+/// and tells D the key is gone, so D, once its slot frees, recomputes at once — not after its
+/// 10 s wait for writes from a P that is gone (U10). Fails without `push::shutdown_source` in
+/// `Engine::shutdown` (as it was: P never ended its push leases at shutdown, D was never told):
+/// D registers with the dead P and waits out its 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u6_p_shutting_down_tells_d_at_once() {
+    let cfg = push_config(6.0, 10.0);
+    let mut p = Proc::serve("u6s-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("u6s-d", &["--kv-transfer-config", &cfg, "--max-num-seqs", "1", "--decode-ms-per-token", "10"]);
+    let local = Proc::serve("u6s-local", &[]);
+    let prompt = "a decode leg whose prefill engine shuts down";
+    let want = local_text(&local, prompt, 4).await;
+    let params = prefill(&p, prompt).await;
+    let hog = occupy(&d, 3000).await;
+    let leg = {
+        let url = format!("{}/v1/completions", d.url);
+        let body =
+            json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "ignore_eos": true, "kv_transfer_params": params});
+        tokio::spawn(async move {
+            let r = client().post(url).json(&body).send().await.expect("decode leg");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.expect("JSON"), Instant::now())
+        })
+    };
+    until("D queues the leg and renews P's lease", DEADLINE, || async {
+        metric(&d.url, "kvlease_requests_waiting").await == 1.0 && metric(&p.url, "kvlease_heartbeats_received_total").await >= 1.0
+    })
+    .await;
+    p.signal("TERM");
+    let t0 = Instant::now();
+    while p.child.try_wait().expect("P's status").is_none() {
+        assert!(t0.elapsed() < DEADLINE, "P did not exit after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    hog.abort(); // D's slot frees: the leg is scheduled
+    let freed = Instant::now();
+    let (status, got, at) = leg.await.expect("decode leg");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), want, "recomputed: the local run's answer");
+    assert!(at - freed < Duration::from_secs(5), "D answered {:?} after its slot freed; its wait for writes was 10 s", at - freed);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    until_nothing_held(&d.url, Duration::from_secs(10)).await;
+}
