@@ -516,3 +516,42 @@ async fn u6_p_shutting_down_tells_d_at_once() {
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
     until_nothing_held(&d.url, Duration::from_secs(10)).await;
 }
+
+/// SPEC U8, U4 (D's write gate: not a byte lands outside the newest live registration; vLLM
+/// #55470's write landing where nobody waits for it any more): P's write of a long prompt `x`
+/// keeps its throttled link to D busy for seconds; meanwhile D registers a second request `y`,
+/// P prefills it and posts its write at once (P's gate passes: the lease is live), but that
+/// write's request waits behind `x`'s bytes already on the wire. The `y` decode leg's client
+/// leaves as soon as P answered its prefill: D gives `y` up before `y`'s write arrives, and
+/// refuses it (`kvlease_writes_refused_total` 1); every block comes back. Fails with D's gate
+/// removed (`push::Gate` allowing every write): the count stays 0. What that removal costs is
+/// not a wrong answer: D keeps the blocks of a request it gave up until P says its writes
+/// stopped (U8), so the bytes land in blocks nobody reads; the gate is D's own fence, the only
+/// one over a write P posted in good faith.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u8_d_refuses_a_write_for_blocks_it_gave_up() {
+    if !available() {
+        return;
+    }
+    let s = SlowLink::start("u8g", &[], &[]).await;
+    let host = s.net.host("p1").addr.clone();
+    let x = format!("u8g-x: {}", (0..SLOW_TOKENS).map(|k| char::from(b'0' + (k % 10) as u8)).collect::<String>());
+    let base = s.net.tx_bytes("p1");
+    let x_leg = decode_leg(&s.d, &x, 4, router_params_at(&s.p.name, &host, s.kv_port, "u8g-x"));
+    let x_p = prefill_leg(&s.p, &x, "u8g-x");
+    until("P's write of x is under way (P sent 300 KB)", DEADLINE, || async { s.net.tx_bytes("p1") > base + 300_000 }).await;
+    let y = "u8g-y: a short prompt whose write waits behind x's";
+    let y_leg = decode_leg(&s.d, y, 4, router_params_at(&s.p.name, &host, s.kv_port, "u8g-y"));
+    until("D registers y (x and y wait for writes)", DEADLINE, || async { metric(&s.d.url, "kvlease_requests_running").await == 2.0 })
+        .await;
+    // P answers y's prefill once it granted y's lease and posted y's write (D registered first).
+    assert_eq!(prefill_leg(&s.p, y, "u8g-y").await.expect("prefill leg"), 200);
+    y_leg.abort(); // y's client leaves: D gives y up, its write still on the wire
+    assert_eq!(x_p.await.expect("prefill leg"), 200);
+    until_nothing_held(&s.p.url, Duration::from_secs(15)).await;
+    until_nothing_held(&s.d.url, Duration::from_secs(15)).await;
+    x_leg.await.expect("x's decode leg");
+    assert_eq!(metric(&s.d.url, "kvlease_writes_refused_total").await, 1.0, "D refuses y's write, which arrived after D gave y up");
+    assert_eq!(released(&s.p.url, "transferred").await, 1.0, "x's write landed");
+    assert_eq!(released(&s.p.url, "expired").await, 0.0);
+}
