@@ -1,9 +1,23 @@
 //! Push mode (SPEC §13) under the faults of the vLLM push-mode issues (issue 24), between real
 //! `kvlease serve` processes driven by a real HTTP client: a decode leg given up on D (vLLM
-//! #46283), a write that fails between the processes (#48633 C2, #50754), leases ending while
-//! writes are in flight (#55470). Each test says which protection it proves: with that
-//! protection removed (a temporary local edit), the test was run and failed — except the
-//! #55470 one, which says why not.
+//! #46283), a write that fails between the processes (#48633 C2, #50754), P shutting down under
+//! a transfer, leases ending while writes are in flight (#55470). Each test says which protection
+//! it proves: with that protection removed (a temporary local edit), the test was run and
+//! failed — except the soak of #55470 under pauses, which says why not.
+//!
+//! #55470's protections stack, so each is proven where the others do not apply, across real
+//! hosts (network namespaces, `common::hosts`) with P's sending throttled so a write of a long
+//! prompt stays in flight for seconds while D runs and can give its request up: P's posting gate
+//! (`u4_no_write_is_posted_after_the_lease_ended`), a write in flight holding its source blocks
+//! (`u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends`), and D's write
+//! gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`). The fourth, a completion of a lease that
+//! ended counted failed (`PushSource::end_write`), has no test of its own that fails without
+//! it: such a completion's bytes were read from source blocks its ticket kept out of P's pool
+//! (the second protection) for a registration whose digest P checked (U11), so they are the
+//! prompt's KV, and taking them as done would still give the right answer: the rule only matters
+//! when the second protection is gone. (Besides, a lease ends under a write while D still waits
+//! for it only at P's shutdown: after D's release D waits for nothing, and expiry cannot come
+//! first, D renewing and P's write timeout being < L.)
 
 mod common;
 use common::hosts::{available, Net};
@@ -254,12 +268,13 @@ fn request(i: usize) -> (Value, bool, bool) {
 /// L = 2 s — its writes posted and unanswered, its renewals stopped, its leases expiring on P
 /// with writes in flight or about to be posted, the blocks going to the next prompts. Every
 /// answer is a local run's or a clean error, never a wrong 200; every lease P granted ended
-/// exactly once (P3) and nothing is left held. Weak: it does NOT yet fail with a protection
-/// removed — run with P's posting gate (a write refused as `NotLive` by
+/// exactly once (P3) and nothing is left held. A soak of the layers together, not the proof of
+/// any one: run with P's posting gate (a write refused as `NotLive` by
 /// `PushSource::begin_write` posted anyway) and D's write gate (`push::Gate` allowing every
 /// write) both removed, it still passed (39 of 39 answered right, 2 leases expired, 9 released):
 /// P's write timeout (at least 1 s, less than L) cancels every write before its lease can
-/// expire, so no write here outlives its lease or posts from reused blocks.
+/// expire, so no write here outlives its lease or posts from reused blocks. Each protection is
+/// proven alone by the tests across hosts below (see the module's documentation).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_leases_ending_under_writes_never_give_a_wrong_200() {
     const N: usize = 40;
