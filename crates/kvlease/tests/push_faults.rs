@@ -354,11 +354,12 @@ struct SlowLink {
 }
 
 impl SlowLink {
-    async fn start(tag: &str, p_flags: &[&str], d_flags: &[&str]) -> SlowLink {
+    /// Over `transport` (`tcp` or `nixl`).
+    async fn start(tag: &str, transport: &str, p_flags: &[&str], d_flags: &[&str]) -> SlowLink {
         let net = Net::new(&["p1", "d1"]);
         let cfg = push_config(24.0, 30.0);
         let engine = |host: &str, extra: &[&str]| {
-            let mut args = vec!["--kv-transfer-config", &cfg];
+            let mut args = vec!["--kv-transfer-config", &cfg, "--transport", transport];
             args.extend_from_slice(&SLOW_MODEL);
             args.extend_from_slice(extra);
             let h = net.host(host);
@@ -411,7 +412,7 @@ async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends
     if !available() {
         return;
     }
-    let s = SlowLink::start("u4b", &["--num-gpu-blocks", "48"], &[]).await;
+    let s = SlowLink::start("u4b", "tcp", &["--num-gpu-blocks", "48"], &[]).await;
     let released0 = released(&s.p.url, "released").await;
     let (_, p_leg) = s.give_up_under_the_write("u4b-router-id").await;
     let names = [
@@ -458,24 +459,50 @@ async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends
 /// dead-lease completion rule (the first write was posted live). Fails with P's posting gate
 /// removed (in `kvlease-engine`'s `push::write`, a write that `PushSource::begin_write`
 /// refuses as `NotLive` posted anyway): P posts the second write into the blocks of a request
-/// D gave up — on tcp D's own gate refuses it (`kvlease_writes_refused_total` 1), over NIXL
-/// nothing would.
+/// D gave up, and sends its bytes (on tcp D's own gate refuses it, and P stops part-way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_no_write_is_posted_after_the_lease_ended() {
-    if !available() {
-        return;
+    if available() {
+        no_write_after_the_lease_ended("tcp").await;
     }
-    let s = SlowLink::start("u4a", &[], &["--tp-size", "2"]).await;
+}
+
+/// The same over NIXL (UCX over TCP between the hosts), whose WRITE D cannot refuse: P's gate
+/// is the only fence there. Fails the same way with it removed: P sent 5.2 MB where the first
+/// write is 2.5 MB, the second write sent whole into blocks D had already given back to its pool
+/// (over tcp, 3.7 MB: D refused it and P stopped part-way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_u4_no_write_is_posted_after_the_lease_ended() {
+    if available() && nixl_or_skip() {
+        no_write_after_the_lease_ended("nixl").await;
+    }
+}
+
+async fn no_write_after_the_lease_ended(transport: &str) {
+    let s = SlowLink::start(&format!("u4a-{transport}"), transport, &[], &["--tp-size", "2"]).await;
     let released0 = released(&s.p.url, "released").await;
-    let (base, p_leg) = s.give_up_under_the_write("u4a-router-id").await;
+    let router_id = if transport == "nixl" { "u4a-nixl-router-id" } else { "u4a-tcp-router-id" };
+    let (base, p_leg) = s.give_up_under_the_write(router_id).await;
     until("P ends the lease D released", DEADLINE, || async { released(&s.p.url, "released").await == released0 + 1.0 }).await;
     assert_eq!(p_leg.await.expect("prefill leg"), 200);
     // Every write stopped: P told D (PushLost), D freed its blocks.
     until_nothing_held(&s.d.url, Duration::from_secs(15)).await;
     until_nothing_held(&s.p.url, Duration::from_secs(15)).await;
+    // P's link quiet (under 20 KB in half a second): a write posted late has been sent whole.
+    let t0 = Instant::now();
+    let mut last = s.net.tx_bytes("p1");
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = s.net.tx_bytes("p1");
+        if now - last < 20_000 {
+            break;
+        }
+        assert!(t0.elapsed() < DEADLINE, "P's link never went quiet");
+        last = now;
+    }
     let sent = s.net.tx_bytes("p1") - base;
     let kv = (SLOW_TOKENS as u64).div_ceil(16) * 16 * KV_PER_TOKEN;
-    eprintln!("P sent {sent} bytes after the legs started; one rank's write is {} bytes", kv / 2);
+    eprintln!("{transport}: P sent {sent} bytes after the legs started; one rank's write is {} bytes", kv / 2);
     // The first write whole, and the answers and metrics P sent (about 100 KB); a second write
     // refused by D still sends part of its bytes before P hears the refusal.
     assert!(sent < kv / 2 + 500_000, "P sent {sent} bytes: more than the first write (of {} bytes): it posted the second", kv / 2);
@@ -548,7 +575,7 @@ async fn u8_d_refuses_a_write_for_blocks_it_gave_up() {
     if !available() {
         return;
     }
-    let s = SlowLink::start("u8g", &[], &[]).await;
+    let s = SlowLink::start("u8g", "tcp", &[], &[]).await;
     let host = s.net.host("p1").addr.clone();
     let x = format!("u8g-x: {}", (0..SLOW_TOKENS).map(|k| char::from(b'0' + (k % 10) as u8)).collect::<String>());
     let base = s.net.tx_bytes("p1");
