@@ -8,9 +8,10 @@
 //! #55470's protections stack, so each is proven where the others do not apply, across real
 //! hosts (network namespaces, `common::hosts`) with P's sending throttled so a write of a long
 //! prompt stays in flight for seconds while D runs and can give its request up: P's posting gate
-//! (`u4_no_write_is_posted_after_the_lease_ended`), a write in flight holding its source blocks
-//! (`u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends`), and D's write
-//! gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`). The fourth, a completion of a lease that
+//! (`u4_no_write_is_posted_after_the_lease_ended`, over tcp and NIXL: over NIXL it is the only
+//! fence), a write in flight holding its source blocks
+//! (`u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends`, tcp and NIXL),
+//! and D's write gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`, tcp: NIXL has none). The fourth, a completion of a lease that
 //! ended counted failed (`PushSource::end_write`), has no test of its own that fails without
 //! it: such a completion's bytes were read from source blocks its ticket kept out of P's pool
 //! (the second protection) for a registration whose digest P checked (U11), so they are the
@@ -409,12 +410,25 @@ impl SlowLink {
 /// back at once, as if it had none): P frees the 38 blocks at the release, under the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends() {
-    if !available() {
-        return;
+    if available() {
+        blocks_held_under_the_write("tcp").await;
     }
-    let s = SlowLink::start("u4b", "tcp", &["--num-gpu-blocks", "48"], &[]).await;
+}
+
+/// The same over NIXL (UCX over TCP between the hosts). Fails the same way with the parking
+/// removed (48 of 48 blocks free at the release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends() {
+    if available() && nixl_or_skip() {
+        blocks_held_under_the_write("nixl").await;
+    }
+}
+
+async fn blocks_held_under_the_write(transport: &str) {
+    let s = SlowLink::start(&format!("u4b-{transport}"), transport, &["--num-gpu-blocks", "48"], &[]).await;
     let released0 = released(&s.p.url, "released").await;
-    let (_, p_leg) = s.give_up_under_the_write("u4b-router-id").await;
+    let router_id = if transport == "nixl" { "u4b-nixl-router-id" } else { "u4b-tcp-router-id" };
+    let (_, p_leg) = s.give_up_under_the_write(router_id).await;
     let names = [
         "kvlease_leases_released_total{reason=\"released\"}",
         "kvlease_kv_blocks_free",
@@ -435,7 +449,7 @@ async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends
     let d_now = scrape(&s.d.url, &["kvlease_kv_blocks_free", "kvlease_kv_blocks_total"]).await;
     assert!(d_now[0] < d_now[1], "the write had already ended when P ended the lease: make it longer (D's blocks {d_now:?})");
     let (free, total) = (at_release[1], at_release[2]);
-    eprintln!("lease released under its write: P's blocks {free} free of {total}, leases active {}", at_release[3]);
+    eprintln!("{transport}: lease released under its write: P's blocks {free} free of {total}, leases active {}", at_release[3]);
     assert_eq!(at_release[3], 0.0, "the lease is ended");
     assert!(
         total - free >= (SLOW_TOKENS / 16) as f64,
