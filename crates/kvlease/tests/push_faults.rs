@@ -404,10 +404,11 @@ impl SlowLink {
 /// D (scraped after) still waits for P's word that the write stopped, so the write was in
 /// flight. Every block comes back once it ends. The lease here ends by D's release, not by
 /// expiry, so P's write timeout (< L) does not come first; D's gate does not apply (the write
-/// was admitted before D gave up), nor does the dead-lease completion rule (the bytes are P's
-/// own whether or not they are reused: what is at stake is P's pool). Fails with the table's
-/// parking removed (in `LeaseTable`'s release, a payload whose lease still has readers given
-/// back at once, as if it had none): P frees the 38 blocks at the release, under the write.
+/// was admitted before D gave up), nor does the dead-lease completion rule (D gave the request
+/// up and uses nothing of it: what is at stake is P's pool, whose freed blocks the next prompt
+/// would take and overwrite under the write). Fails with the table's parking removed (in
+/// `LeaseTable`'s release, a payload whose lease still has readers given back at once, as if it
+/// had none): 48 of P's 48 blocks free at the release, under the write (9 with the parking).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends() {
     if available() {
