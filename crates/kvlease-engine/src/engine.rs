@@ -432,7 +432,8 @@ impl EngineHandle {
     }
 
     /// Graceful shutdown: refuse new requests, fail queued and running ones, release every
-    /// lease as `shutdown` (P) and every renewed lease explicitly (D), then stop every task.
+    /// lease as `shutdown` (P, pull and push: every D that renewed or registered a push lease is
+    /// told, U6) and every renewed lease explicitly (D), then stop every task.
     pub async fn shutdown(&self) {
         if self.owner.shutting_down.swap(true, Ordering::SeqCst) {
             return;
@@ -441,6 +442,7 @@ impl EngineHandle {
         let _ = self.owner.sched.send(SchedMsg::Shutdown);
         let _ = tokio::time::timeout(Duration::from_secs(10), stopped.wait_for(|s| *s)).await;
         lease_holder::shutdown(&self.inner);
+        push::shutdown_source(&self.inner);
         renewal::release_all(&self.inner);
         // The releases go out before the process does.
         for r in self.inner.ranks() {

@@ -261,6 +261,13 @@ pub(crate) async fn source_reaper(inner: Arc<Inner>) {
     .await;
 }
 
+/// SPEC U6, P3: engine shutdown: every push lease ends as `shutdown`, and every D that renewed
+/// or registered one is told at once (not left to wait out `push_registration_timeout`). Writes
+/// still in flight stop with the engine's tasks; D's blocks under them wait for its deadline (U8).
+pub(crate) fn shutdown_source(inner: &Arc<Inner>) {
+    with_source(inner, |s, now, out| s.shutdown(now, out));
+}
+
 /// P: a client that left, or a request aborted before its prefill ended: D is told (U6).
 pub(crate) fn abort_source(inner: &Arc<Inner>, key: &PushKey) {
     with_source(inner, |s, now, out| s.abort(key, now, out));
