@@ -260,7 +260,7 @@ impl Instance {
 
     /// A request for `path` on this engine (its URL parsed already when it is a leg's): a POST
     /// of `json`, or a GET without; with the request's id and the client's `Authorization`.
-    fn request(&self, path: &str, json: Option<Vec<u8>>, rid: Option<&str>, auth: Option<&HeaderValue>) -> Result<UpRequest, ApiError> {
+    fn request(&self, path: &str, json: Option<Bytes>, rid: Option<&str>, auth: Option<&HeaderValue>) -> Result<UpRequest, ApiError> {
         let parsed = self.legs.iter().find(|(p, _)| *p == path).and_then(|(_, uri)| uri.as_ref());
         self.up.request(parsed, path, json, rid, auth)
     }
@@ -272,7 +272,7 @@ impl Upstream {
         &self,
         parsed: Option<&Uri>,
         path: &str,
-        json: Option<Vec<u8>>,
+        json: Option<Bytes>,
         rid: Option<&str>,
         auth: Option<&HeaderValue>,
     ) -> Result<UpRequest, ApiError> {
@@ -921,7 +921,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     let mut routed = Routed { route, p: Arc::clone(p), rid: rid.to_owned(), p_json: Value::Null };
     // The decode leg built from P's answer; the answers relayed whole, by leg; D's answer to
     // stream; why the last prefill leg went wrong (for the log).
-    let mut d_request: Option<Map<String, Value>> = None;
+    let mut d_request: Option<Bytes> = None;
     let mut held_prefill: Option<(Upstream, UpResponse)> = None;
     let mut held_decode: Option<(Upstream, UpResponse)> = None;
     let mut answer: Option<(Outstanding, UpResponse)> = None;
@@ -942,12 +942,9 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     p.retries.inc();
                     tracing::info!(request_id = %rid, "{prefill_trouble}; retrying on {}", to.up);
                 }
-                let mut leg = prefill_leg(&request);
-                if let Some(t) = turn {
-                    leg.insert("kv_transfer_params".into(), t);
-                }
+                let leg = prefill_leg(&request, turn.as_ref());
                 let _busy = Outstanding::new(to.clone());
-                match within(deadline, send(p, &to, path, rid, auth, &leg)).await {
+                match within(deadline, send(p, &to, path, rid, auth, leg)).await {
                     None => Event::DeadlinePassed,
                     Some(Ok(r)) if r.status().is_success() => match within(deadline, read_p_answer(&to.up, r)).await {
                         None => Event::DeadlinePassed,
@@ -978,7 +975,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     p.retries.inc();
                     tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", to.up);
                 }
-                let leg = d_request.get_or_insert_with(|| decode_leg(std::mem::take(&mut request), &routed.p_json));
+                let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_json)).clone();
                 let busy = Outstanding::new(to.clone());
                 match within(deadline, send(p, &to, path, rid, auth, leg)).await {
                     None => Event::DeadlinePassed,
@@ -1002,9 +999,9 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             // Only a push dispatch has a decode leg out alongside the prefill leg.
             Action::CancelDecode => continue,
             Action::SendLocal { to } => {
-                request.remove("kv_transfer_params");
+                let whole = LegBody { request: &request, over: &[], omit: &["kv_transfer_params"] }.to_bytes();
                 let busy = Outstanding::new(to.clone());
-                match within(deadline, send(p, &to, path, rid, auth, &request)).await {
+                match within(deadline, send(p, &to, path, rid, auth, whole)).await {
                     None => Event::DeadlinePassed,
                     // Whatever it answers is the answer.
                     Some(Ok(r)) => {
@@ -1075,12 +1072,12 @@ struct Legs<'a> {
 impl Legs<'_> {
     /// Sends `body` to `to` in the background of the caller's loop: the answer's head (and,
     /// with `json`, its body) when polled.
-    fn send(&self, to: Arc<Instance>, body: Map<String, Value>) -> BoxFuture<'static, Result<UpResponse, ApiError>> {
+    fn send(&self, to: Arc<Instance>, body: Bytes) -> BoxFuture<'static, Result<UpResponse, ApiError>> {
         let (p, rid, path, auth) = (Arc::clone(self.p), self.rid.to_owned(), self.path.to_owned(), self.auth.cloned());
-        Box::pin(async move { send(&p, &to, &path, &rid, auth.as_ref(), &body).await })
+        Box::pin(async move { send(&p, &to, &path, &rid, auth.as_ref(), body).await })
     }
 
-    fn prefill(&self, to: Arc<Instance>, body: Map<String, Value>) -> InFlight<PrefillOutcome> {
+    fn prefill(&self, to: Arc<Instance>, body: Bytes) -> InFlight<PrefillOutcome> {
         let sent = self.send(to.clone(), body);
         let up = to.up.clone();
         let answer = Box::pin(async move {
@@ -1111,7 +1108,7 @@ impl Legs<'_> {
         let mut decode: Option<InFlight<Result<UpResponse, ApiError>>> = None;
         // The decode leg's body (the same for its retry); whether the prefill leg out is a push
         // dispatch's; the answers held.
-        let mut d_request: Option<Map<String, Value>> = None;
+        let mut d_request: Option<Bytes> = None;
         let mut pushed = false;
         let mut held_prefill: Option<(Upstream, UpResponse)> = None;
         let mut held_decode: Option<(Upstream, UpResponse)> = None;
@@ -1147,9 +1144,8 @@ impl Legs<'_> {
                         // SPEC U1: one random key per dispatch, named by both legs.
                         let transfer_id = format!("kvlease-{}", crate::ids::random_uuid_hex());
                         routed.p_json = json!({"kv_transfer_params": peer.decode_params(&transfer_id)});
-                        let d_leg = decode_leg(request.clone(), &routed.p_json);
-                        let mut p_leg = prefill_leg(&request);
-                        p_leg.insert("kv_transfer_params".into(), PushPeer::prefill_params(&transfer_id));
+                        let d_leg = decode_leg(&request, &routed.p_json);
+                        let p_leg = prefill_leg(&request, Some(&PushPeer::prefill_params(&transfer_id)));
                         prefill = Some(self.prefill(to_p, p_leg));
                         decode = Some(InFlight {
                             busy: Outstanding::new(to_d.clone()),
@@ -1164,11 +1160,7 @@ impl Legs<'_> {
                         if retry {
                             p.retries.inc();
                         }
-                        let mut leg = prefill_leg(&request);
-                        if let Some(t) = turn {
-                            leg.insert("kv_transfer_params".into(), t);
-                        }
-                        prefill = Some(self.prefill(to, leg));
+                        prefill = Some(self.prefill(to, prefill_leg(&request, turn.as_ref())));
                         d_request = None;
                         pushed = false;
                     }
@@ -1177,7 +1169,7 @@ impl Legs<'_> {
                             p.retries.inc();
                             tracing::info!(request_id = %self.rid, "decode leg failed before its first byte; retrying on {}", to.up);
                         }
-                        let leg = d_request.get_or_insert_with(|| decode_leg(request.clone(), &routed.p_json)).clone();
+                        let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_json)).clone();
                         decode = Some(InFlight { busy: Outstanding::new(to.clone()), answer: self.send(to.clone(), leg), to });
                     }
                     // SPEC U9: the decode leg's request (and its answer, if held) dropped: D sees
@@ -1373,7 +1365,7 @@ fn turned_away_unread(resp: &UpResponse) -> bool {
 /// lease then ends at its expiry.
 async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
     let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
-    let body = serde_json::to_vec(&json!({ "kv_transfer_params": params })).unwrap_or_default();
+    let body = Bytes::from(json!({ "kv_transfer_params": params }).to_string());
     let sent = match prefiller.request(None, "/kvlease/release", Some(body), Some(rid), None) {
         Ok(req) => exchange(&p.client.get(), req, Some(Duration::from_secs(2))).await,
         Err(e) => Err(e.message),
@@ -1408,44 +1400,80 @@ impl PAnswer {
     }
 }
 
-/// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder.
-fn prefill_leg(request: &Map<String, Value>) -> Map<String, Value> {
-    let mut r = request.clone();
-    r.insert(
-        "kv_transfer_params".into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null
-        }),
-    );
-    r.insert("stream".into(), Value::Bool(false));
-    r.insert("n".into(), json!(1));
+/// A leg's body: the client's request with `over` written over it and `omit` left out,
+/// serialized from the request as it is rather than from a copy of it (issue 27).
+struct LegBody<'a> {
+    request: &'a Map<String, Value>,
+    over: &'a [(&'a str, &'a Value)],
+    omit: &'a [&'a str],
+}
+
+impl serde::Serialize for LegBody<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        for (k, v) in self.request {
+            if !self.omit.contains(&k.as_str()) && !self.over.iter().any(|(o, _)| o == k) {
+                map.serialize_entry(k, v)?;
+            }
+        }
+        for (k, v) in self.over {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+impl LegBody<'_> {
+    fn to_bytes(&self) -> Bytes {
+        let mut out = Vec::with_capacity(1024);
+        // JSON values with string keys always serialize; an empty body would be refused by the
+        // engine as invalid JSON, never taken for a request.
+        match serde_json::to_writer(&mut out, self) {
+            Ok(()) => Bytes::from(out),
+            Err(_) => Bytes::new(),
+        }
+    }
+}
+
+/// The P leg's `kv_transfer_params` when the route gives none: keep the KV for a remote decoder.
+static PREFILL_PARAMS: std::sync::LazyLock<Value> = std::sync::LazyLock::new(|| {
+    json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null
+    })
+});
+
+/// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder (or with
+/// `params`: the route's turn, a push dispatch's key).
+fn prefill_leg(request: &Map<String, Value>, params: Option<&Value>) -> Bytes {
+    let (one, no) = (Value::from(1), Value::Bool(false));
     // P prefills and answers one token, as vLLM's toy proxy asks: a vLLM P generates up to
     // max_tokens before handing its blocks over, and then names the blocks of the prompt *and*
     // its answer, which a vLLM D reads as the prompt's (a wrong answer with HTTP 200). A request
     // D would refuse for its length is refused there, and P's lease released (O3).
-    r.insert("max_tokens".into(), json!(1));
-    if r.contains_key("max_completion_tokens") {
-        r.insert("max_completion_tokens".into(), json!(1));
-    }
-    r.remove("min_tokens");
-    r.remove("best_of");
-    r.remove("stream_options");
-    r
+    let over = [
+        ("kv_transfer_params", params.unwrap_or(&PREFILL_PARAMS)),
+        ("stream", &no),
+        ("n", &one),
+        ("max_tokens", &one),
+        ("max_completion_tokens", &one),
+    ];
+    let over = if request.contains_key("max_completion_tokens") { &over[..] } else { &over[..4] };
+    LegBody { request, over, omit: &["min_tokens", "best_of", "stream_options"] }.to_bytes()
 }
 
 /// The D leg: the client's request with P's `kv_transfer_params` (none if P gave none: D then
 /// runs the request itself).
-fn decode_leg(mut request: Map<String, Value>, p_response: &Value) -> Map<String, Value> {
+fn decode_leg(request: &Map<String, Value>, p_response: &Value) -> Bytes {
     match p_response.get("kv_transfer_params").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) {
-        Some(params) => request.insert("kv_transfer_params".into(), params.clone()),
-        None => request.remove("kv_transfer_params"),
-    };
-    request
+        Some(params) => LegBody { request, over: &[("kv_transfer_params", params)], omit: &[] }.to_bytes(),
+        None => LegBody { request, over: &[], omit: &["kv_transfer_params"] }.to_bytes(),
+    }
 }
 
 async fn send(
@@ -1454,10 +1482,9 @@ async fn send(
     path: &str,
     rid: &str,
     auth: Option<&HeaderValue>,
-    body: &Map<String, Value>,
+    body: Bytes,
 ) -> Result<UpResponse, ApiError> {
-    let json = serde_json::to_vec(body).map_err(|e| ApiError::bad_gateway(format!("cannot write the request for {}: {e}", to.up)))?;
-    let req = to.request(path, Some(json), Some(rid), auth)?;
+    let req = to.request(path, Some(body), Some(rid), auth)?;
     exchange(&p.client.get(), req, None).await.map_err(|why| {
         mark_down(to, &why);
         ApiError::bad_gateway(format!("upstream {} {why}", to.up))
@@ -1678,14 +1705,20 @@ mod tests {
         else {
             unreachable!()
         };
-        let leg = prefill_leg(&req);
+        let leg = parsed(prefill_leg(&req, None));
         assert_eq!(leg["max_tokens"], 1);
         assert_eq!((leg["stream"].clone(), leg["n"].clone()), (json!(false), json!(1)));
         assert!(!leg.contains_key("stream_options") && !leg.contains_key("max_completion_tokens") && !leg.contains_key("min_tokens"));
         assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(leg["kv_transfer_params"]["remote_engine_id"], Value::Null);
         let Value::Object(chat) = json!({"messages": [], "max_completion_tokens": 9}) else { unreachable!() };
-        assert_eq!(prefill_leg(&chat)["max_completion_tokens"], 1);
+        assert_eq!(parsed(prefill_leg(&chat, None))["max_completion_tokens"], 1);
+        let turn = json!({"remote_lease_id": 4});
+        assert_eq!(parsed(prefill_leg(&chat, Some(&turn)))["kv_transfer_params"], turn);
+    }
+
+    fn parsed(leg: Bytes) -> Map<String, Value> {
+        serde_json::from_slice(&leg).expect("a leg is a JSON object")
     }
 
     /// SPEC S1 through the proxy: D gets P's params or none, never what the client sent.
@@ -1695,9 +1728,9 @@ mod tests {
             unreachable!()
         };
         let p = json!({"kv_transfer_params": {"remote_lease_id": 3}});
-        assert_eq!(decode_leg(req.clone(), &p)["kv_transfer_params"], json!({"remote_lease_id": 3}));
+        assert_eq!(parsed(decode_leg(&req, &p))["kv_transfer_params"], json!({"remote_lease_id": 3}));
         for p in [json!({}), json!({"kv_transfer_params": null}), json!({"kv_transfer_params": {}})] {
-            let leg = decode_leg(req.clone(), &p);
+            let leg = parsed(decode_leg(&req, &p));
             assert!(!leg.contains_key("kv_transfer_params"), "{p}: {leg:?}");
             assert_eq!(leg["prompt"], "x");
         }
