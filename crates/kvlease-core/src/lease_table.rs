@@ -1,29 +1,30 @@
 //! P's leases (SPEC §4): grant, renew, complete, release, reap — exactly once each.
 //!
-//! Slots are addressed by the lease id through linear hashing (with `2^k ≤ capacity ≤
-//! 2^(k+1)`, lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` where that is past the
-//! end); the slot keeps the id's high bits (its generation), so finding a lease is one index and
-//! one comparison under any pattern of grants and releases, and an id whose slot has since been
-//! reused is lost, never another lease (ids are never handed out twice: SPEC §3). The table
-//! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
-//! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
-//! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
-//! sorted ids stay nearly consecutive on the wire; a bitmap of taken slots lets a grant skip a
-//! run of them a word at a time. A slot is a lease record (generation, deadline and grant time
-//! — times in milliseconds from a table epoch that moves forward every 12 days —, holder and
-//! block count in 16 bits each, larger values kept whole in a side map, and the payload: 16
-//! bytes and the payload, a vacant slot costing nothing more) and, beside it, the 8-byte links of
-//! the expiry index. A renewal reads and writes the record and never touches the index. The index
-//! is a timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded
-//! through the slots and remembering its earliest deadline, so an idle reaper tick is O(1) and
-//! a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work budget and
-//! carries the rest over. An index entry whose lease was renewed since is moved to the bucket
-//! of its current deadline when its old bucket comes due, at most once per extension period. A
-//! release leaves its entry in the list as a hole (its slot is free at once) that the reaper
-//! drops when it passes, or that a later grant due no earlier takes over as it is: a release
-//! touches its own slot, not its neighbours in the list. Per live lease: 24 B and the payload
-//! per slot, two bits of bitmaps, at 94–97 % fill; nothing else grows with the live count (but
-//! for a decoder's cached turns, SPEC B1, whose ids also sit in an ordered set for eviction).
+//! Slots are addressed by the lease id through linear hashing (with `2^k ≤ capacity ≤ 2^(k+1)`,
+//! lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` where that is past the end); the slot
+//! keeps the id's high bits (its generation), so finding a lease is one index and one comparison
+//! under any pattern of grants and releases, and an id whose slot has since been reused is lost,
+//! never another lease (ids are never handed out twice: SPEC §3). The table grows a few slots at a
+//! time, splitting one slot per new slot, so live leases fill 94–97 % of the slots at every size
+//! and no grant moves more than 2,048 leases. Ids are handed out in a row, skipping only ids whose
+//! slot a lease of an earlier turn still holds, so a heartbeat's sorted ids stay nearly consecutive
+//! on the wire; a bitmap of taken slots lets a grant skip a run of them a word at a time. A slot is
+//! a lease record (generation, deadline and grant time — times in milliseconds from a table epoch
+//! that moves forward every 12 days —, holder and block count in 16 bits each, larger values kept
+//! whole in a side map, and the payload: 16 bytes and the payload, a vacant slot costing nothing
+//! more) and, beside it, the 8-byte links of the expiry index. A renewal reads and writes the
+//! record and never touches the index (a heartbeat loads the records of its next 32 ids together
+//! before renewing them, so their cache misses overlap). The index is a timing wheel of buckets
+//! `min(I/10, 100 ms)` wide, each a doubly linked list threaded through the slots and remembering
+//! its earliest deadline, so an idle reaper tick is O(1) and a tick that expires k leases costs
+//! O(k) (SPEC P4); a tick can be given a work budget and carries the rest over. An index entry
+//! whose lease was renewed since is moved to the bucket of its current deadline when its old bucket
+//! comes due, at most once per extension period. A release leaves its entry in the list as a hole
+//! (its slot is free at once) that the reaper drops when it passes, or that a later grant due no
+//! earlier takes over as it is: a release touches its own slot, not its neighbours in the list. Per
+//! live lease: 24 B and the payload per slot, two bits of bitmaps, at 94–97 % fill; nothing else
+//! grows with the live count (but for a decoder's cached turns, SPEC B1, whose ids also sit in an
+//! ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
@@ -215,6 +216,7 @@ struct Wide {
 const WIDE: u16 = u16::MAX;
 
 /// The 16-bit form of a holder number or block count (`WIDE`: too large).
+#[inline]
 fn narrow(x: u32) -> u16 {
     u16::try_from(x).ok().filter(|&x| x != WIDE).unwrap_or(WIDE)
 }
@@ -256,6 +258,9 @@ type Parked<T> = HashMap<LeaseId, (T, u32)>;
 /// Expiry-index entries per [`LeaseTable::tick_budget`] that keep one tick well under SPEC P4's
 /// 100 µs at 10^6 leases on the benchmark machine (about 40 µs; see BENCHMARKS.md).
 pub const REAP_BUDGET: usize = 1024;
+
+/// Heartbeat ids whose records [`LeaseTable::renew`] loads ahead, together.
+const TOUCH: usize = 32;
 
 /// Live leases fill at most `1 - 1/FREE_SHARE` of the slots (31/32): the rest keeps the
 /// grant's search for a free slot short and ids nearly consecutive.
@@ -422,14 +427,18 @@ impl<T> LeaseTable<T> {
     /// names the prompt's digest, SPEC S4). The caller grants only for a request that finished
     /// prefill normally and holds ≥ 1 block.
     pub fn grant(&mut self, now: Nanos, blocks: u32, payload: T) -> LeaseId {
-        let lease = Duration::from_nanos(self.lease);
-        self.grant_for(now, lease, blocks, payload)
+        self.grant_ns(now, self.lease, blocks, payload)
     }
 
     /// SPEC B1: a grant whose first deadline is `lifetime` away rather than L (a decoder's
     /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
     /// lease.
     pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, payload: T) -> LeaseId {
+        self.grant_ns(now, u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX), blocks, payload)
+    }
+
+    /// [`LeaseTable::grant_for`] with the lifetime in nanoseconds.
+    fn grant_ns(&mut self, now: Nanos, lifetime: u64, blocks: u32, payload: T) -> LeaseId {
         self.rebase(now);
         while (self.live + 1) * FREE_SHARE > self.cap * (FREE_SHARE - 1) || self.live + 2 > self.cap {
             self.grow();
@@ -451,7 +460,7 @@ impl<T> LeaseTable<T> {
         };
         let id = self.next_id;
         self.next_id += 1;
-        let deadline_ns = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX));
+        let deadline_ns = now.0.saturating_add(lifetime);
         let deadline = self.ms_ceil(deadline_ns);
         let granted = self.ms_floor(now.0);
         let gen = (id >> self.width(s)) as u32;
@@ -510,46 +519,71 @@ impl<T> LeaseTable<T> {
         let mut renewed = 0;
         let (k, cap) = (self.k, self.cap);
         let (base, mask) = (1usize << k, (2u64 << k) - 1);
-        for &id in ids {
-            // `find`, written out: one record, indexed once.
-            let mut s = (id & mask) as usize;
-            if s >= cap {
-                s -= base;
-            }
-            let w = k + u32::from(s < cap - base || s >= base);
-            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
-                lost.push(id);
-                continue;
-            };
-            if u64::from(h.gen) != id >> w || id == 0 {
-                lost.push(id);
-                continue;
-            }
-            // SPEC S5: the first holder to name the lease owns it.
-            if h.holder == 0 {
-                h.holder = code;
-                if code == WIDE {
-                    self.wide.entry(id).or_default().holder = who;
+        // The slot of each id, and a load of its record, a chunk ahead of the renewals: loads
+        // independent of each other and of the renewing, so their cache misses overlap rather
+        // than follow one another (at 10^6 leases a record is one miss in 13 MB).
+        let touch = |t: &Self, at: &mut [usize; TOUCH], ids: &[LeaseId]| {
+            let mut seen = 0u32;
+            for (at, &id) in at.iter_mut().zip(ids) {
+                let mut s = (id & mask) as usize;
+                if s >= cap {
+                    s -= base;
                 }
-            } else if h.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
-                lost.push(id);
-                continue;
+                *at = s;
+                if let Some(Some(l)) = t.pages.get(s >> PAGE_BITS).and_then(|p| p.lease.get(s & (PAGE - 1))) {
+                    seen |= l.deadline.get() | u32::from(l.holder);
+                }
             }
-            if h.deadline.get() <= now_ms {
-                lost.push(id);
-                self.end(s, ReleaseReason::Expired, now, released);
-                continue;
+            std::hint::black_box(seen);
+        };
+        let mut at = [[0usize; TOUCH]; 2];
+        let mut chunks = ids.chunks(TOUCH).enumerate().peekable();
+        if let Some((_, first)) = chunks.peek() {
+            touch(self, &mut at[0], first);
+        }
+        while let Some((c, ids)) = chunks.next() {
+            if let Some((_, next)) = chunks.peek() {
+                touch(self, &mut at[(c + 1) % 2], next);
             }
-            let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
-            let want = target.min(cap);
-            if let Some(want) = NonZeroU32::new(want).filter(|&w| w > h.deadline) {
-                h.deadline = want;
+            let at = at[c % 2];
+            for (&s, &id) in at.iter().zip(ids) {
+                // `find`, written out: one record, indexed once.
+                let w = k + u32::from(s < cap - base || s >= base);
+                let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut)
+                else {
+                    lost.push(id);
+                    continue;
+                };
+                if u64::from(h.gen) != id >> w || id == 0 {
+                    lost.push(id);
+                    continue;
+                }
+                // SPEC S5: the first holder to name the lease owns it.
+                if h.holder == 0 {
+                    h.holder = code;
+                    if code == WIDE {
+                        self.wide.entry(id).or_default().holder = who;
+                    }
+                } else if h.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
+                    lost.push(id);
+                    continue;
+                }
+                if h.deadline.get() <= now_ms {
+                    lost.push(id);
+                    self.end(s, ReleaseReason::Expired, now, released);
+                    continue;
+                }
+                let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
+                let want = target.min(cap);
+                if let Some(want) = NonZeroU32::new(want).filter(|&w| w > h.deadline) {
+                    h.deadline = want;
+                }
+                if want < target {
+                    lost.push(id);
+                    continue;
+                }
+                renewed += 1;
             }
-            if want < target {
-                lost.push(id);
-                continue;
-            }
-            renewed += 1;
         }
         self.stats.renewals += renewed as u64;
         renewed
@@ -559,15 +593,45 @@ impl<T> LeaseTable<T> {
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         self.rebase(now);
+        let now_ms = self.ms_floor(now.0);
+        let hole_by = self.hole_by(now);
+        let who = holder.0.get();
+        let code = narrow(who);
+        let (k, cap) = (self.k, self.cap);
+        let (base, mask) = (1usize << k, (2u64 << k) - 1);
         for &id in ids {
-            match self.find(id) {
-                None => lost.push(id),
-                Some(s) if !self.admit(s, holder) => lost.push(id),
-                Some(s) if self.expired(s, now) => {
-                    lost.push(id);
-                    self.end(s, ReleaseReason::Expired, now, released);
+            // `find` and `admit`, written out: one record, indexed once.
+            let mut s = (id & mask) as usize;
+            if s >= cap {
+                s -= base;
+            }
+            let w = k + u32::from(s < cap - base || s >= base);
+            let Some(cell) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))) else {
+                lost.push(id);
+                continue;
+            };
+            let Some(l) = cell.as_mut().filter(|l| u64::from(l.gen) == id >> w && id != 0) else {
+                lost.push(id);
+                continue;
+            };
+            // SPEC S5: the first holder to name the lease owns it.
+            if l.holder == 0 {
+                l.holder = code;
+                if code == WIDE {
+                    self.wide.entry(id).or_default().holder = who;
                 }
-                Some(s) => self.end(s, ReleaseReason::Released, now, released),
+            } else if l.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
+                lost.push(id);
+                continue;
+            }
+            let reason = if l.deadline.get() <= now_ms {
+                lost.push(id);
+                ReleaseReason::Expired
+            } else {
+                ReleaseReason::Released
+            };
+            if let Some(l) = cell.take() {
+                self.finish(s, id, l, reason, now, hole_by, released);
             }
         }
     }
@@ -898,17 +962,25 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted up to the
-    /// end of `s`'s bitmap word, of the run of slots the next ids map to one by one, and of the
-    /// ids a slot's 32-bit generation can name: the grant's skip over taken slots.
+    /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted on through
+    /// the bitmap of taken slots, up to the end of the run of slots the next ids map to one by
+    /// one and of the ids a slot's 32-bit generation can name: the grant's skip over taken slots.
     fn taken_run(&self, id: LeaseId, s: usize) -> u64 {
         let word = self.used[s / 64] >> (s % 64);
-        let taken = u64::from((!word).trailing_zeros());
+        let mut taken = u64::from(word.trailing_ones());
         if taken == 0 {
             return 0;
         }
         let raw = id & ((2u64 << self.k) - 1);
         let in_row = if raw < self.cap as u64 { self.cap as u64 - raw } else { (2u64 << self.k) - raw };
+        if taken == 64 - (s % 64) as u64 {
+            for &w in self.used.iter().skip(s / 64 + 1) {
+                taken += u64::from(w.trailing_ones());
+                if w != u64::MAX || taken >= in_row {
+                    break;
+                }
+            }
+        }
         let gens = ((u64::from(u32::MAX) + 1) << self.k).saturating_sub(id);
         taken.min(in_row).min(gens).max(1)
     }
@@ -1002,15 +1074,39 @@ impl<T> LeaseTable<T> {
             return;
         }
         let id = self.id_of(s);
+        let hole_by = self.hole_by(now);
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
+        self.finish(s, id, l, reason, now, hole_by, released);
+    }
+
+    /// The latest deadline (table time) a lease released at `now` may have and leave its entry
+    /// as a hole (see `holes_until`): a grant from now on is due no earlier.
+    fn hole_by(&self, now: Nanos) -> u32 {
+        self.ms_ceil(now.0.saturating_add(self.lease))
+    }
+
+    /// [`LeaseTable::end`] once lease `id` is taken out of slot `s`: frees the slot, leaves or
+    /// removes its index entry, counts the release and hands the payload out.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &mut self,
+        s: usize,
+        id: LeaseId,
+        l: Lease<T>,
+        reason: ReleaseReason,
+        now: Nanos,
+        hole_by: u32,
+        released: &mut Vec<Released<T>>,
+    ) {
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
-        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
         self.used[s / 64] &= !(1 << (s % 64));
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
         let d = l.deadline.get();
-        if d <= self.ms_ceil(now.0.saturating_add(self.lease)) {
+        if d <= hole_by {
             self.holes_until = self.holes_until.max(d);
             self.holes[s / 64] |= 1 << (s % 64);
         } else {
