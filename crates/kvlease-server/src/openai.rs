@@ -75,12 +75,29 @@ impl Completion {
 }
 
 /// Typed access to the request's fields; every error names the field.
-struct Fields<'a>(&'a Map<String, Value>);
+struct Fields<'a> {
+    body: &'a Map<String, Value>,
+    /// Bit `n` set: some field's name is `n` bytes long (`n` < 64; bit 63 for longer ones). Most
+    /// of the dozens of names looked up are absent, and this answers most of those without a
+    /// search of the map (issue 27: the lookups were 5 % of the proxy's instructions).
+    lengths: u64,
+}
 
 impl<'a> Fields<'a> {
+    fn new(body: &'a Map<String, Value>) -> Fields<'a> {
+        Fields { body, lengths: body.keys().fold(0, |bits, k| bits | Fields::bit(k)) }
+    }
+
+    fn bit(name: &str) -> u64 {
+        1 << name.len().min(63)
+    }
+
     /// The field, with JSON `null` read as absent.
     fn get(&self, name: &str) -> Option<&'a Value> {
-        self.0.get(name).filter(|v| !v.is_null())
+        if self.lengths & Fields::bit(name) == 0 {
+            return None;
+        }
+        self.body.get(name).filter(|v| !v.is_null())
     }
 
     fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
@@ -395,7 +412,7 @@ fn common(
             if let Some(k) = o.keys().find(|k| *k != "include_usage" && *k != "continuous_usage_stats") {
                 return Err(ApiError::invalid("stream_options", format!("`stream_options.{k}` is not supported")));
             }
-            let so = Fields(o);
+            let so = Fields::new(o);
             if so
                 .bool("continuous_usage_stats")
                 .map_err(|_| ApiError::invalid("stream_options", "`continuous_usage_stats` must be a boolean"))?
@@ -427,7 +444,7 @@ fn common(
         }
     }
     let ignored = f
-        .0
+        .body
         .keys()
         .filter(|k| !COMMON_FIELDS.contains(&k.as_str()) && !REFUSED_FIELDS.contains(&k.as_str()) && !NEUTRAL_FIELDS.contains(&k.as_str()))
         .cloned()
@@ -468,7 +485,7 @@ fn logprob_count(f: &Fields, name: &str) -> Result<Option<u32>, ApiError> {
 
 /// `POST /v1/completions`.
 pub fn parse_completion(body: &Map<String, Value>) -> Result<Completion, ApiError> {
-    let f = Fields(body);
+    let f = Fields::new(body);
     let echo = f.bool("echo")?.unwrap_or(false);
     let logprobs = logprob_count(&f, "logprobs")?;
     if echo && logprobs.is_some() {
@@ -523,7 +540,7 @@ fn token_id(v: &Value) -> Result<u32, ApiError> {
 
 /// `POST /v1/chat/completions`: the messages become a prompt through the model's chat template.
 pub fn parse_chat(body: &Map<String, Value>) -> Result<Completion, ApiError> {
-    let f = Fields(body);
+    let f = Fields::new(body);
     let messages = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "`messages` is required: a non-empty list of {role, content}")),
         Some(Value::Array(m)) if m.is_empty() => return Err(ApiError::invalid("messages", "`messages` must not be empty")),

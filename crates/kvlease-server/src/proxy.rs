@@ -33,7 +33,7 @@ use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -49,6 +49,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
+use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::fmt;
 use std::future::Future;
@@ -229,8 +230,8 @@ impl Instance {
     }
 
     /// What P's answer says of its mode: a push answer's coordinates, or none (pull).
-    fn learn(&self, params: Option<&Value>) {
-        let peer = params.and_then(PushPeer::from_answer);
+    fn learn(&self, params: &PParams) {
+        let peer = params.push_peer();
         let mut known = self.push.lock().unwrap_or_else(|e| e.into_inner());
         if *known != peer {
             match &peer {
@@ -283,13 +284,15 @@ impl Upstream {
         };
         let mut req = axum::http::Request::builder().uri(uri);
         if let Some(rid) = rid {
-            req = req.header(REQUEST_ID, rid);
+            req = req.header(HeaderName::from_static(REQUEST_ID), rid);
         }
         if let Some(a) = auth {
             req = req.header(header::AUTHORIZATION, a.clone());
         }
         let req = match json {
-            Some(body) => req.method(Method::POST).header(header::CONTENT_TYPE, "application/json").body(Full::from(body)),
+            Some(body) => {
+                req.method(Method::POST).header(header::CONTENT_TYPE, HeaderValue::from_static("application/json")).body(Full::from(body))
+            }
             None => req.method(Method::GET).body(Full::default()),
         };
         req.map_err(|e| ApiError::bad_gateway(format!("upstream {self}: cannot make the request: {e}")))
@@ -480,10 +483,10 @@ async fn read_whole(from: &Upstream, resp: UpResponse) -> Result<Bytes, ApiError
 }
 
 /// What the proxy reads of P's answer ([`PAnswer`]), or why it cannot.
-async fn read_p_answer(from: &Upstream, resp: UpResponse) -> Result<Value, ApiError> {
+async fn read_p_answer(from: &Upstream, resp: UpResponse) -> Result<PParams, ApiError> {
     let bytes = read_whole(from, resp).await?;
     match serde_json::from_slice::<PAnswer>(&bytes) {
-        Ok(v) => Ok(v.into_json()),
+        Ok(v) => Ok(PParams(v.kv_transfer_params)),
         Err(e) => Err(ApiError::bad_gateway(format!("prefiller {from} answered with invalid JSON: {e}"))),
     }
 }
@@ -918,7 +921,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
     if route.has_turn() {
         p.turns_used.inc();
     }
-    let mut routed = Routed { route, p: Arc::clone(p), rid: rid.to_owned(), p_json: Value::Null };
+    let mut routed = Routed { route, p: Arc::clone(p), rid: rid.to_owned(), p_params: PParams::default() };
     // The decode leg built from P's answer; the answers relayed whole, by leg; D's answer to
     // stream; why the last prefill leg went wrong (for the log).
     let mut d_request: Option<Bytes> = None;
@@ -948,12 +951,12 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     None => Event::DeadlinePassed,
                     Some(Ok(r)) if r.status().is_success() => match within(deadline, read_p_answer(&to.up, r)).await {
                         None => Event::DeadlinePassed,
-                        Some(Ok(v)) => {
-                            let lease = v.get("kv_transfer_params").is_some_and(Value::is_object);
+                        Some(Ok(params)) => {
+                            let lease = params.object().is_some();
                             if p.transfer_mode != TransferMode::Pull {
-                                to.learn(v.get("kv_transfer_params"));
+                                to.learn(&params);
                             }
-                            routed.p_json = v;
+                            routed.p_params = params;
                             Event::PrefillAnswered(PrefillAnswer::Params { lease })
                         }
                         Some(Err(e)) => Event::PrefillAnswered(PrefillAnswer::Unreadable(e)),
@@ -975,7 +978,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
                     p.retries.inc();
                     tracing::info!(request_id = %rid, "decode leg failed before its first byte; retrying on {}", to.up);
                 }
-                let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_json)).clone();
+                let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_params)).clone();
                 let busy = Outstanding::new(to.clone());
                 match within(deadline, send(p, &to, path, rid, auth, leg)).await {
                     None => Event::DeadlinePassed,
@@ -1014,7 +1017,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
             // Bounded by its own timeout, and carried out even when the deadline has passed: the
             // lease ends now rather than at its expiry.
             Action::Release { on } => {
-                release_on_p(p, &on.up, rid, &routed.p_json).await;
+                release_on_p(p, &on.up, rid, &routed.p_params).await;
                 continue;
             }
             // Carried out by `settle`.
@@ -1046,7 +1049,7 @@ async fn route(p: &Arc<Proxy>, rid: &str, parts: &Parts, body: Body, deadline: t
 /// What the prefill leg came to.
 enum PrefillOutcome {
     /// 2xx, its body read.
-    Json(Value),
+    Json(PParams),
     Unreadable(ApiError),
     /// Any other answer, held to be relayed whole.
     Other(Answer, UpResponse),
@@ -1143,8 +1146,8 @@ impl Legs<'_> {
                         };
                         // SPEC U1: one random key per dispatch, named by both legs.
                         let transfer_id = format!("kvlease-{}", crate::ids::random_uuid_hex());
-                        routed.p_json = json!({"kv_transfer_params": peer.decode_params(&transfer_id)});
-                        let d_leg = decode_leg(&request, &routed.p_json);
+                        routed.p_params = PParams::of(&peer.decode_params(&transfer_id));
+                        let d_leg = decode_leg(&request, &routed.p_params);
                         let p_leg = prefill_leg(&request, Some(&PushPeer::prefill_params(&transfer_id)));
                         prefill = Some(self.prefill(to_p, p_leg));
                         decode = Some(InFlight {
@@ -1169,7 +1172,7 @@ impl Legs<'_> {
                             p.retries.inc();
                             tracing::info!(request_id = %self.rid, "decode leg failed before its first byte; retrying on {}", to.up);
                         }
-                        let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_json)).clone();
+                        let leg = d_request.get_or_insert_with(|| decode_leg(&request, &routed.p_params)).clone();
                         decode = Some(InFlight { busy: Outstanding::new(to.clone()), answer: self.send(to.clone(), leg), to });
                     }
                     // SPEC U9: the decode leg's request (and its answer, if held) dropped: D sees
@@ -1178,7 +1181,7 @@ impl Legs<'_> {
                         decode = None;
                         answer = None;
                     }
-                    Action::Release { on } => release_on_p(p, &on.up, self.rid, &routed.p_json).await,
+                    Action::Release { on } => release_on_p(p, &on.up, self.rid, &routed.p_params).await,
                     Action::RelayStream => {
                         let Some((busy, resp)) = answer.take() else {
                             return Err(ApiError::bad_gateway("the proxy lost the decoder's answer (a bug: please report it)"));
@@ -1210,19 +1213,18 @@ impl Legs<'_> {
                 outcome = async { prefill.as_mut().expect("guarded").answer.as_mut().await }, if prefill.is_some() => {
                     let Some(InFlight { to, .. }) = prefill.take() else { unreachable!() };
                     match outcome {
-                        PrefillOutcome::Json(v) => {
-                            let params = v.get("kv_transfer_params").filter(|v| v.is_object());
+                        PrefillOutcome::Json(params) => {
+                            let lease = params.object().is_some();
                             if p.transfer_mode != TransferMode::Pull {
-                                to.learn(params);
+                                to.learn(&params);
                             }
                             if !pushed {
-                                let lease = params.is_some();
-                                routed.p_json = v;
+                                routed.p_params = params;
                                 Event::PrefillAnswered(PrefillAnswer::Params { lease })
-                            } else if params.is_some_and(|v| PushPeer::from_answer(v).is_none()) {
+                            } else if lease && params.push_peer().is_none() {
                                 // It answered a push dispatch as a pull engine: its lease is
                                 // released with its own params, and D's leg dropped (the route).
-                                release_on_p(p, &to.up, self.rid, &v).await;
+                                release_on_p(p, &to.up, self.rid, &params).await;
                                 Event::PrefillAnswered(PrefillAnswer::Unreadable(ApiError::bad_gateway(format!(
                                     "prefiller {} answered a push dispatch as a pull engine; try again",
                                     to.up
@@ -1293,8 +1295,8 @@ struct Routed {
     route: Route,
     p: Arc<Proxy>,
     rid: String,
-    /// P's answer, with the params a release names.
-    p_json: Value,
+    /// P's params, which a release names.
+    p_params: PParams,
 }
 
 impl Routed {
@@ -1329,9 +1331,9 @@ impl Drop for Routed {
                 None => {}
                 // The request is gone; the release outlives it, bounded by its own timeout.
                 Some(Action::Release { on }) => {
-                    let (p, rid, p_json) = (Arc::clone(&self.p), self.rid.clone(), std::mem::take(&mut self.p_json));
+                    let (p, rid, p_params) = (Arc::clone(&self.p), self.rid.clone(), std::mem::take(&mut self.p_params));
                     if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                        rt.spawn(async move { release_on_p(&p, &on.up, &rid, &p_json).await });
+                        rt.spawn(async move { release_on_p(&p, &on.up, &rid, &p_params).await });
                     }
                 }
                 Some(_) => {
@@ -1363,9 +1365,9 @@ fn turned_away_unread(resp: &UpResponse) -> bool {
 /// the decode leg failed): named by P's params, or in push mode by the dispatch's decode-leg
 /// params (P's coordinates and the transfer's key, SPEC U1). A failure here is logged: the
 /// lease then ends at its expiry.
-async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &Value) {
-    let Some(params) = p_response.get("kv_transfer_params").filter(|v| v.is_object()) else { return };
-    let body = Bytes::from(json!({ "kv_transfer_params": params }).to_string());
+async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_params: &PParams) {
+    let Some(params) = p_params.object() else { return };
+    let body = Bytes::from(format!("{{\"kv_transfer_params\":{}}}", params.get()));
     let sent = match prefiller.request(None, "/kvlease/release", Some(body), Some(rid), None) {
         Ok(req) => exchange(&p.client.get(), req, Some(Duration::from_secs(2))).await,
         Err(e) => Err(e.message),
@@ -1387,15 +1389,62 @@ async fn release_on_p(p: &Proxy, prefiller: &Upstream, rid: &str, p_response: &V
 #[derive(serde::Deserialize)]
 struct PAnswer {
     #[serde(default)]
-    kv_transfer_params: Value,
+    kv_transfer_params: Option<Box<RawValue>>,
 }
 
-impl PAnswer {
-    /// `{"kv_transfer_params": …}`, or `{}` when P gave none.
-    fn into_json(self) -> Value {
-        match self.kv_transfer_params {
-            Value::Null => Value::Object(Map::new()),
-            params => json!({ "kv_transfer_params": params }),
+/// P's `kv_transfer_params` as P wrote them: relayed to D as they are rather than parsed into a
+/// tree and written out again (issue 27); parsed only where the proxy needs what they say.
+#[derive(Debug, Default)]
+struct PParams(Option<Box<RawValue>>);
+
+impl PParams {
+    fn of(params: &Value) -> PParams {
+        PParams(RawValue::from_string(params.to_string()).ok())
+    }
+
+    /// The params if they are a JSON object (P leased the KV).
+    fn object(&self) -> Option<&RawValue> {
+        self.0.as_deref().filter(|r| r.get().starts_with('{'))
+    }
+
+    /// The params if they are an object with fields (a decoder can use them).
+    fn fields(&self) -> Option<&RawValue> {
+        self.object().filter(|r| r.get().len() > 2 && !r.get()[1..r.get().len() - 1].trim().is_empty())
+    }
+
+    /// SPEC §13: a push prefiller's coordinates, if these are a push engine's.
+    fn push_peer(&self) -> Option<PushPeer> {
+        /// Only the mode, read without building the rest.
+        #[derive(serde::Deserialize)]
+        struct Mode<'a> {
+            #[serde(borrow, default)]
+            transfer_mode: Option<std::borrow::Cow<'a, str>>,
+        }
+        let raw = self.object()?;
+        // A pull engine's params do not name the field at all: no need to read them for it.
+        if !raw.get().contains("\"transfer_mode\"") {
+            return None;
+        }
+        let mode = serde_json::from_str::<Mode>(raw.get()).ok()?;
+        if mode.transfer_mode.as_deref() != Some("push") {
+            return None;
+        }
+        serde_json::from_str::<Value>(raw.get()).ok().as_ref().and_then(PushPeer::from_answer)
+    }
+}
+
+/// A field a leg writes over the client's: a value, or P's params as P wrote them.
+#[derive(Clone, Copy)]
+enum Field<'a> {
+    Json(&'a Value),
+    Raw(&'a RawValue),
+}
+
+impl serde::Serialize for Field<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Field::Json(v) => v.serialize(s),
+            Field::Raw(r) => r.serialize(s),
         }
     }
 }
@@ -1404,7 +1453,7 @@ impl PAnswer {
 /// serialized from the request as it is rather than from a copy of it (issue 27).
 struct LegBody<'a> {
     request: &'a Map<String, Value>,
-    over: &'a [(&'a str, &'a Value)],
+    over: &'a [(&'a str, Field<'a>)],
     omit: &'a [&'a str],
 }
 
@@ -1437,15 +1486,10 @@ impl LegBody<'_> {
 }
 
 /// The P leg's `kv_transfer_params` when the route gives none: keep the KV for a remote decoder.
-static PREFILL_PARAMS: std::sync::LazyLock<Value> = std::sync::LazyLock::new(|| {
-    json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": null,
-        "remote_block_ids": null,
-        "remote_host": null,
-        "remote_port": null
-    })
+/// Written out once (the unit tests read them back).
+static PREFILL_PARAMS: std::sync::LazyLock<Box<RawValue>> = std::sync::LazyLock::new(|| {
+    let text = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+    RawValue::from_string(text.to_owned()).expect("a constant that is JSON")
 });
 
 /// The P leg: one choice, not streamed, asking P to keep the KV for a remote decoder (or with
@@ -1457,11 +1501,11 @@ fn prefill_leg(request: &Map<String, Value>, params: Option<&Value>) -> Bytes {
     // its answer, which a vLLM D reads as the prompt's (a wrong answer with HTTP 200). A request
     // D would refuse for its length is refused there, and P's lease released (O3).
     let over = [
-        ("kv_transfer_params", params.unwrap_or(&PREFILL_PARAMS)),
-        ("stream", &no),
-        ("n", &one),
-        ("max_tokens", &one),
-        ("max_completion_tokens", &one),
+        ("kv_transfer_params", params.map_or(Field::Raw(&PREFILL_PARAMS), Field::Json)),
+        ("stream", Field::Json(&no)),
+        ("n", Field::Json(&one)),
+        ("max_tokens", Field::Json(&one)),
+        ("max_completion_tokens", Field::Json(&one)),
     ];
     let over = if request.contains_key("max_completion_tokens") { &over[..] } else { &over[..4] };
     LegBody { request, over, omit: &["min_tokens", "best_of", "stream_options"] }.to_bytes()
@@ -1469,21 +1513,14 @@ fn prefill_leg(request: &Map<String, Value>, params: Option<&Value>) -> Bytes {
 
 /// The D leg: the client's request with P's `kv_transfer_params` (none if P gave none: D then
 /// runs the request itself).
-fn decode_leg(request: &Map<String, Value>, p_response: &Value) -> Bytes {
-    match p_response.get("kv_transfer_params").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) {
-        Some(params) => LegBody { request, over: &[("kv_transfer_params", params)], omit: &[] }.to_bytes(),
+fn decode_leg(request: &Map<String, Value>, p_params: &PParams) -> Bytes {
+    match p_params.fields() {
+        Some(params) => LegBody { request, over: &[("kv_transfer_params", Field::Raw(params))], omit: &[] }.to_bytes(),
         None => LegBody { request, over: &[], omit: &["kv_transfer_params"] }.to_bytes(),
     }
 }
 
-async fn send(
-    p: &Proxy,
-    to: &Instance,
-    path: &str,
-    rid: &str,
-    auth: Option<&HeaderValue>,
-    body: Bytes,
-) -> Result<UpResponse, ApiError> {
+async fn send(p: &Proxy, to: &Instance, path: &str, rid: &str, auth: Option<&HeaderValue>, body: Bytes) -> Result<UpResponse, ApiError> {
     let req = to.request(path, Some(body), Some(rid), auth)?;
     exchange(&p.client.get(), req, None).await.map_err(|why| {
         mark_down(to, &why);
@@ -1727,11 +1764,13 @@ mod tests {
         let Value::Object(req) = json!({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [7]}}) else {
             unreachable!()
         };
-        let p = json!({"kv_transfer_params": {"remote_lease_id": 3}});
+        let answer = |a: &str| PParams(serde_json::from_str::<PAnswer>(a).expect("an answer").kv_transfer_params);
+        let p = answer(r#"{"kv_transfer_params": {"remote_lease_id": 3}}"#);
         assert_eq!(parsed(decode_leg(&req, &p))["kv_transfer_params"], json!({"remote_lease_id": 3}));
-        for p in [json!({}), json!({"kv_transfer_params": null}), json!({"kv_transfer_params": {}})] {
+        for a in [r#"{}"#, r#"{"kv_transfer_params": null}"#, r#"{"kv_transfer_params": {}}"#, r#"{"kv_transfer_params": { }}"#] {
+            let p = answer(a);
             let leg = parsed(decode_leg(&req, &p));
-            assert!(!leg.contains_key("kv_transfer_params"), "{p}: {leg:?}");
+            assert!(!leg.contains_key("kv_transfer_params"), "{a}: {leg:?}");
             assert_eq!(leg["prompt"], "x");
         }
     }
