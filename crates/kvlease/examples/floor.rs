@@ -1,8 +1,8 @@
 //! The floor of a disaggregated request on this HTTP stack (issue 15): what three HTTP hops and
 //! one transfer cost with no engine in them, next to what one hop costs.
 //!
-//! Null processes built from what `kvlease serve` and `kvlease proxy` are built from (mimalloc;
-//! tokio's default runtime for an engine and one thread for the proxy; axum on hyper with
+//! Null processes built from what `kvlease serve` and `kvlease proxy` are built from (tokio's
+//! default runtime for an engine and one thread for the proxy; axum on hyper with
 //! `TCP_NODELAY`; the proxy's keep-alive hyper client; a kept-open TCP connection for the
 //! transfer), with every engine part left out: no tokenizer, no scheduler, no KV written or
 //! checked, no lease, no signature, no metrics.
@@ -36,9 +36,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 const READ: u8 = b'R';
 const DONE: u8 = b'D';
-
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 type HttpClient = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
 

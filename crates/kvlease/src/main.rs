@@ -22,11 +22,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// mimalloc, not glibc's malloc: the request path allocates and frees many small objects (HTTP
-/// heads, JSON), and glibc's allocator was 17 % of the proxy's CPU a request (issue 27).
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Environment variable holding the transfer secret when no `--kv-transfer-secret-file` is given.
 const SECRET_ENV: &str = "KVLEASE_TRANSFER_SECRET";
 
