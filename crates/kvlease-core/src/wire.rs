@@ -188,10 +188,15 @@ pub enum PushFailure {
     Shutdown = 8,
     /// D registered again (a higher attempt): this registration's writes stop (SPEC U11).
     Superseded = 9,
+    /// A posted write outlived P's write timeout and was given up on, over a transport that
+    /// cannot cancel it (NIXL): counted failed, but it may still land (SPEC U4, U8). D must not
+    /// reuse the registration's blocks until P's `PushLost` says every write of it stopped, or
+    /// its own bound passes.
+    TimedOut = 10,
 }
 
 impl PushFailure {
-    pub const ALL: [PushFailure; 9] = [
+    pub const ALL: [PushFailure; 10] = [
         PushFailure::WriteError,
         PushFailure::NotPosted,
         PushFailure::Deadline,
@@ -201,6 +206,7 @@ impl PushFailure {
         PushFailure::Aborted,
         PushFailure::Shutdown,
         PushFailure::Superseded,
+        PushFailure::TimedOut,
     ];
 
     /// A label for logs and metrics.
@@ -215,6 +221,7 @@ impl PushFailure {
             PushFailure::Aborted => "aborted",
             PushFailure::Shutdown => "shutdown",
             PushFailure::Superseded => "superseded",
+            PushFailure::TimedOut => "timed_out",
         }
     }
 
