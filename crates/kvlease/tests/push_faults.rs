@@ -613,19 +613,17 @@ async fn u8_d_refuses_a_write_for_blocks_it_gave_up() {
     assert_eq!(released(&s.p.url, "expired").await, 0.0);
 }
 
-/// KNOWN BUG, ignored until fixed — SPEC U4 (second sentence) and U8 over NIXL (vLLM #55470:
-/// source blocks reused under a write in flight): a NIXL WRITE cannot be cancelled (its dropped
-/// future does not stop it), yet P's write timeout counts it failed at once: `push::write` drops
-/// the future and hands the ticket to `PushSource::end_write`, the lease ends `released` and its
-/// source blocks go back to P's pool, while the WRITE still reads them; D, told the write
-/// failed, recomputes into the very blocks it still lands in (pull mode quarantines blocks a
-/// READ may still touch; push mode does neither side). Here D is stopped past P's write
-/// timeout (2 s at L = 12 s) under a 16 MB WRITE and resumed 4 s later: P's 126 blocks are
-/// back in its pool before D resumes (another prompt could take them, and did in a manual run),
-/// and then P sends the whole 16 MB of the WRITE from them. (D's answer stayed right in the runs
-/// seen: UCX landed the WRITE before D's recompute.)
+/// SPEC U4 (second sentence) and U8 over NIXL (vLLM #55470: source blocks reused under a write
+/// in flight): a NIXL WRITE cannot be cancelled (its dropped future does not stop it), so a
+/// write P's timeout gives up on (`PushSource::abandon_write`) keeps its source blocks out of
+/// P's pool — held by the quarantine — until NIXL says the transfer ended or the quarantine
+/// passes; D, told `TimedOut`, recomputes into other blocks and reuses the registered ones only
+/// once P says nothing more lands. Here D is stopped past P's write timeout (2 s at L = 12 s)
+/// under a 16 MB WRITE and resumed 4 s later: P's blocks are still held when D resumes, and the
+/// WRITE then sends its bytes from them. Failed before that fix (the write's ticket ended at the
+/// timeout): P's 126 blocks were back in its pool before D resumed (another prompt could take
+/// them, and did in a manual run), then P sent the whole 16 MB of the WRITE from them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: over NIXL a write P gave up on still reads its freed source blocks (U4), see the doc comment"]
 async fn nixl_u4_a_write_given_up_on_p_reads_no_freed_block() {
     if !(available() && nixl_or_skip()) {
         return;
