@@ -902,7 +902,7 @@ mod tests {
         assert_eq!(with(tag::PUSH_HEARTBEAT, &[1, 0xff, 0xff, 0x03, 2, 0, 0]), Err(WireError::Body("count exceeds message")));
         assert_eq!(with(tag::PUSH_REGISTER_ACK, &[2, 1, 0, 2]), Err(WireError::Body("bool")));
         assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 0]), Err(WireError::Body("unknown push failure")));
-        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 10]), Err(WireError::Body("unknown push failure")));
+        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 11]), Err(WireError::Body("unknown push failure")));
         assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0, 0xff, 0xff, 0xff, 0xff, 0x1f, 0]), Err(WireError::Body("u32 out of range")));
         assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0]), Err(WireError::Truncated));
         let too_many = PushRegistration { dst_ranks: 1 << 9, stages: 1 << 8, ..registration() };
