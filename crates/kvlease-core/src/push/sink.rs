@@ -551,7 +551,7 @@ impl PushSink {
                     s.done = true;
                     s.released = true;
                     out.push(PushAction::Ready { request_id: req.to_owned() });
-                } else if (t.p_failed > 0 || t.lost) && (t.lost || t.ended()) {
+                } else if t.lost || (t.p_failed > 0 && t.ended()) {
                     // Every write stopped, or P gave up on those still landing (U4): the policy
                     // now, in other blocks if some may still land ([`PushSink::fail`]).
                     let why = if t.lost && t.p_failed == 0 {
