@@ -11,7 +11,9 @@
 //! (`u4_no_write_is_posted_after_the_lease_ended`, over tcp and NIXL: over NIXL it is the only
 //! fence), a write in flight holding its source blocks
 //! (`u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends`, tcp and NIXL),
-//! and D's write gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`, tcp: NIXL has none). The fourth, a completion of a lease that
+//! and D's write gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`, tcp: NIXL has none); over
+//! NIXL, where a write P gave up on runs on, its source blocks held until it ends
+//! (`nixl_u4_a_write_given_up_on_p_reads_no_freed_block`). Another, a completion of a lease that
 //! ended counted failed (`PushSource::end_write`), has no test of its own that fails without
 //! it: such a completion's bytes were read from source blocks its ticket kept out of P's pool
 //! (the second protection) for a registration whose digest P checked (U11), so they are the
