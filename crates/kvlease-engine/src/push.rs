@@ -220,7 +220,11 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                 writes.push(async move { agent.write(&to, op).await });
             }
             if writes.is_empty() {
-                with_source(&inner, |s, now, out| s.end_write(ticket, false, now, out));
+                if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
+                    drop(ticket);
+                } else {
+                    with_source(&inner, |s, now, out| s.end_write(ticket, false, now, out));
+                }
                 continue;
             }
             let mut all = futures_util::future::join_all(writes);
@@ -234,15 +238,18 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                 },
                 Err(_) if planted(&inner, PlantedBug::PushFailureOnlyLogged) => false,
                 Err(_) => {
-                    // SPEC U4: given up on. Fenced, dropping it stops it; else it runs on and
-                    // its source blocks stay held until it ends (or the quarantine passes).
+                    // SPEC U4: given up on. Over a fenced transport dropping the write stops it
+                    // (so it is dropped before its source blocks may go back); else it runs on,
+                    // and its source blocks stay held until it ends (or the quarantine passes).
+                    let running = if writes_are_fenced(inner.ranks()) {
+                        drop(all);
+                        None
+                    } else {
+                        Some(all)
+                    };
                     let held = with_source(&inner, |s, now, out| s.abandon_write(ticket, now, out));
-                    match held {
-                        None => {
-                            drop(all);
-                            tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; cancelled");
-                        }
-                        Some(id) => {
+                    match (held, running) {
+                        (Some(id), Some(all)) => {
                             tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; given up on, its source blocks held until it ends");
                             let inner2 = inner.clone();
                             inner.tasks.spawn(async move {
@@ -250,6 +257,9 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                                 with_source(&inner2, |s, _, out| s.abandoned_write_ended(id, out));
                             });
                         }
+                        // Stopped already (dropped above).
+                        (Some(id), None) => with_source(&inner, |s, _, out| s.abandoned_write_ended(id, out)),
+                        (None, _) => tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; cancelled"),
                     }
                     continue;
                 }
