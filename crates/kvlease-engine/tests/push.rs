@@ -237,4 +237,7 @@ async fn u4_u8_an_uncancellable_write_given_up_on_holds_both_sides_blocks_until_
     })
     .await;
     assert!(t0.elapsed() >= Duration::from_secs(5), "not before the write ended: {:?}", t0.elapsed());
+    // Back when the transport said the write ended, not only when the quarantine's bound passed.
+    let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
+    assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
 }

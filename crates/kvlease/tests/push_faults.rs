@@ -667,4 +667,7 @@ async fn nixl_u4_a_write_given_up_on_p_reads_no_freed_block() {
         free < total || after < 1_000_000,
         "P's blocks were back in its pool while its NIXL WRITE still read them: {after} bytes sent from them"
     );
+    // Held, not leaked: back once NIXL said the WRITE ended; D answered from its own prefill.
+    until_nothing_held(&p.url, Duration::from_secs(15)).await;
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
 }
