@@ -37,11 +37,11 @@
 //! | U1 | pairing by key, duplicate acknowledged, a key granted once | the key in every message |
 //! | U2 | renewal and registration kept before the grant, applied at it | heartbeats from admission |
 //! | U3 | `PushLost` at once for an ended or foreign key (once no write is in flight) | a lost key fails over; the registration sent again until P pairs it |
-//! | U4 | the write gate; blocks held by writes in flight | |
+//! | U4 | the write gate; blocks held by writes in flight, also by one given up on that the transport cannot cancel (until it ends or the quarantine passes) | |
 //! | U5 | `transferred` on the last write of every rank × stage | |
 //! | U6 | `PushWriteFailed` with totals (again to a duplicate registration), `PushLost` | the tally closes on them |
 //! | U7 | | ready only when all done and none failed; policy after all stopped |
-//! | U8 | no write posted within the margin of D's deadline | blocks reused only when safe |
+//! | U8 | no write posted within the margin of D's deadline | blocks reused only when safe (after a `TimedOut` write: recompute elsewhere, reuse on `PushLost` or the deadline plus the quarantine) |
 //! | U9 | a release ends the lease (after writes in flight) | `PushRelease` on any abort |
 //! | U10 | | D's deadline, pushed back by P's progress |
 //! | U11 | digest and incarnation checked; a newer registration supersedes | old completions ignored |

@@ -1,5 +1,7 @@
 //! SPEC P5, D6 where the transport cannot fence reads (NIXL): blocks a READ may still target sit
-//! out for a while before they are used again.
+//! out for a while before they are used again. Push mode holds here the same way a WRITE that P
+//! gave up on but the transport cannot cancel (SPEC U4: its source blocks, until the transport
+//! says it ended or the hold passes, [`crate::push::source::PushSource::abandon_write`]).
 //!
 //! A READ is posted only within the read budget of an acknowledged deadline and abandoned after
 //! the read timeout; [`LeaseConfig::quarantine`] outlasts both with a margin. Where the transport
@@ -44,6 +46,13 @@ impl<T> Quarantine<T> {
                 out.push(item);
             }
         }
+    }
+
+    /// Takes out, before its hold ended, the first item `pred` picks (what it guarded is known
+    /// to be safe now: the transfer it waited for ended).
+    pub fn take(&mut self, mut pred: impl FnMut(&T) -> bool) -> Option<T> {
+        let i = self.held.iter().position(|(_, item)| pred(item))?;
+        self.held.remove(i).map(|(_, item)| item)
     }
 
     /// When the next item comes out.

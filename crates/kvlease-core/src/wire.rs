@@ -188,10 +188,15 @@ pub enum PushFailure {
     Shutdown = 8,
     /// D registered again (a higher attempt): this registration's writes stop (SPEC U11).
     Superseded = 9,
+    /// A posted write outlived P's write timeout and was given up on, over a transport that
+    /// cannot cancel it (NIXL): counted failed, but it may still land (SPEC U4, U8). D must not
+    /// reuse the registration's blocks until P's `PushLost` says every write of it stopped, or
+    /// its own bound passes.
+    TimedOut = 10,
 }
 
 impl PushFailure {
-    pub const ALL: [PushFailure; 9] = [
+    pub const ALL: [PushFailure; 10] = [
         PushFailure::WriteError,
         PushFailure::NotPosted,
         PushFailure::Deadline,
@@ -201,6 +206,7 @@ impl PushFailure {
         PushFailure::Aborted,
         PushFailure::Shutdown,
         PushFailure::Superseded,
+        PushFailure::TimedOut,
     ];
 
     /// A label for logs and metrics.
@@ -215,6 +221,7 @@ impl PushFailure {
             PushFailure::Aborted => "aborted",
             PushFailure::Shutdown => "shutdown",
             PushFailure::Superseded => "superseded",
+            PushFailure::TimedOut => "timed_out",
         }
     }
 
@@ -895,7 +902,7 @@ mod tests {
         assert_eq!(with(tag::PUSH_HEARTBEAT, &[1, 0xff, 0xff, 0x03, 2, 0, 0]), Err(WireError::Body("count exceeds message")));
         assert_eq!(with(tag::PUSH_REGISTER_ACK, &[2, 1, 0, 2]), Err(WireError::Body("bool")));
         assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 0]), Err(WireError::Body("unknown push failure")));
-        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 10]), Err(WireError::Body("unknown push failure")));
+        assert_eq!(with(tag::PUSH_WRITE_FAILED, &[2, 1, 0, 0, 0, 11]), Err(WireError::Body("unknown push failure")));
         assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0, 0xff, 0xff, 0xff, 0xff, 0x1f, 0]), Err(WireError::Body("u32 out of range")));
         assert_eq!(with(tag::PUSH_WRITE_DONE, &[2, 1, 0]), Err(WireError::Truncated));
         let too_many = PushRegistration { dst_ranks: 1 << 9, stages: 1 << 8, ..registration() };

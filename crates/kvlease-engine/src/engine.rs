@@ -125,6 +125,10 @@ impl EngineHandle {
         let fenced = crate::pull::reads_are_fenced(&ranks);
         inner.holder.lock().set_fenced_reads(fenced);
         inner.renewer.lock().set_fenced_reads(fenced);
+        // SPEC U4, U8: whether a write given up on stops (tcp, mem) or runs on (NIXL).
+        let fenced_writes = crate::push::writes_are_fenced(&ranks);
+        inner.push_source.lock().set_fenced_writes(fenced_writes);
+        inner.push_sink.lock().set_fenced_writes(fenced_writes);
         let _ = inner.ranks.set(ranks);
         let cfg = &inner.cfg;
         let (listener, local) = Listener::bind(&cfg.transport, &cfg.host, cfg.kv_port)

@@ -159,10 +159,19 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: P
     }
 }
 
+/// Whether our agents stop a write whose future is dropped: read none of its source blocks and
+/// land no byte more after that (tcp: under the write's cancel lock, then `WriteCancel`; mem).
+/// NIXL cannot: a posted WRITE runs to its end, whatever its caller does (SPEC U4).
+pub(crate) fn writes_are_fenced(ranks: &[crate::state::Rank]) -> bool {
+    ranks.iter().all(|r| r.agent.can_refuse_writes())
+}
+
 /// SPEC U4, U5, U6, U8, T1: the writes of one transfer, one per destination rank and
 /// pipeline stage, each from every P rank whose heads overlap that D rank's. Each asks the
-/// source's gate right before it is posted; a write that outlives the read timeout is dropped
-/// (which cancels it on a fenced transport) and counted failed.
+/// source's gate right before it is posted; a write that outlives the read timeout is given up
+/// on ([`PushSource::abandon_write`]): D is told at once. On a fenced transport dropping it
+/// cancels it; on NIXL it runs on, so it is awaited in the background and the source learns
+/// when it ended (its source blocks held until then, or until the quarantine passes).
 async fn write(inner: Arc<Inner>, job: WriteJob) {
     let m = &inner.cfg.model;
     let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else {
@@ -210,20 +219,51 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                 let (agent, to) = (rank.agent.clone(), to.clone());
                 writes.push(async move { agent.write(&to, op).await });
             }
-            let ok = !writes.is_empty()
-                && match tokio::time::timeout(timeout, futures_util::future::join_all(writes)).await {
-                    Ok(results) => match results.iter().find_map(|r| r.as_ref().err()) {
-                        Some(e) => {
-                            tracing::info!(request = %job.request, "a push write to {to} failed: {e}");
-                            false
-                        }
-                        None => true,
-                    },
-                    Err(_) => {
-                        tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; cancelled");
+            if writes.is_empty() {
+                if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
+                    drop(ticket);
+                } else {
+                    with_source(&inner, |s, now, out| s.end_write(ticket, false, now, out));
+                }
+                continue;
+            }
+            let mut all = futures_util::future::join_all(writes);
+            let ok = match tokio::time::timeout(timeout, &mut all).await {
+                Ok(results) => match results.iter().find_map(|r| r.as_ref().err()) {
+                    Some(e) => {
+                        tracing::info!(request = %job.request, "a push write to {to} failed: {e}");
                         false
                     }
-                };
+                    None => true,
+                },
+                Err(_) if planted(&inner, PlantedBug::PushFailureOnlyLogged) => false,
+                Err(_) => {
+                    // SPEC U4: given up on. Over a fenced transport dropping the write stops it
+                    // (so it is dropped before its source blocks may go back); else it runs on,
+                    // and its source blocks stay held until it ends (or the quarantine passes).
+                    let running = if writes_are_fenced(inner.ranks()) {
+                        drop(all);
+                        None
+                    } else {
+                        Some(all)
+                    };
+                    let held = with_source(&inner, |s, now, out| s.abandon_write(ticket, now, out));
+                    match (held, running) {
+                        (Some(id), Some(all)) => {
+                            tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; given up on, its source blocks held until it ends");
+                            let inner2 = inner.clone();
+                            inner.tasks.spawn(async move {
+                                all.await;
+                                with_source(&inner2, |s, _, out| s.abandoned_write_ended(id, out));
+                            });
+                        }
+                        // Stopped already (dropped above).
+                        (Some(id), None) => with_source(&inner, |s, _, out| s.abandoned_write_ended(id, out)),
+                        (None, _) => tracing::info!(request = %job.request, "a push write to {to} outlived {timeout:?}; cancelled"),
+                    }
+                    continue;
+                }
+            };
             if !ok && planted(&inner, PlantedBug::PushFailureOnlyLogged) {
                 // vLLM #48633, planted: the failure above was only logged.
                 drop(ticket);

@@ -203,3 +203,41 @@ async fn push_and_pull_params_are_refused_by_the_other_mode() {
     assert_eq!(err.status, 400);
     assert!(err.message.contains("pull mode") && err.message.contains("NixlPushConnector"), "{}", err.message);
 }
+
+/// SPEC U4, U8, D7 (vLLM #55470 over NIXL, with the mem transport's unfenced writes standing in
+/// for NIXL's: a write once posted runs to its end whatever its caller does): P's write outlives
+/// P's write timeout (2 s at L = 12 s; the write takes 5 s). P gives it up — D hears at once and
+/// recomputes, into other blocks — but P's source blocks stay out of its pool until the write
+/// ended (it reads them until then), and D's registered blocks out of its own until P says so.
+/// The answer equals a local run. Fails with the source told writes are fenced (P's blocks all
+/// free while the write still reads them), and with D's sink deaf to `TimedOut` (D's registered
+/// blocks free while the write may still land in them).
+#[tokio::test(start_paused = true)]
+async fn u4_u8_an_uncancellable_write_given_up_on_holds_both_sides_blocks_until_it_ends() {
+    let net = kvlease_transport::mem::MemNetwork::default();
+    let local = engine(on_mem(config(12.0, 1), &net)).await;
+    let want = run(&local, PROMPT, 8, None).await.expect("local run").0;
+    net.set_faults(kvlease_transport::mem::Faults {
+        unfenced: true,
+        write_delay: (Duration::from_secs(5), Duration::from_secs(5)),
+        ..Default::default()
+    });
+    let p = engine(on_mem(push_config(12.0, 1, 30.0), &net)).await;
+    let d = engine(on_mem(push_config(12.0, 1, 30.0), &net)).await;
+    let (_, params) = run_as(&p, "u4m", PROMPT, 1, prefill_params()).await.expect("prefill");
+    let t0 = tokio::time::Instant::now();
+    let (got, _) = run_as(&d, "d-u4m", PROMPT, 8, params).await.expect("recomputed");
+    assert_eq!(got, want, "recomputed: the local run's answer");
+    assert!(t0.elapsed() < Duration::from_secs(5), "D failed over when P gave up, not when the write ended: {:?}", t0.elapsed());
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    assert!(p.metrics().kv_blocks_free.get() < 256, "P's source blocks are held while the write still reads them");
+    assert!(d.metrics().kv_blocks_free.get() < 256, "D's registered blocks are held while the write may still land");
+    until("both sides' blocks come back once the write ended", Duration::from_secs(10), || {
+        p.metrics().kv_blocks_free.get() == 256 && d.metrics().kv_blocks_free.get() == 256
+    })
+    .await;
+    assert!(t0.elapsed() >= Duration::from_secs(5), "not before the write ended: {:?}", t0.elapsed());
+    // Back when the transport said the write ended, not only when the quarantine's bound passed.
+    let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
+    assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
+}

@@ -69,7 +69,7 @@ impl Seeded for PushCluster {
             loss: if noisy { r.unit() * 0.1 } else { 0.0 },
             duplicate: if noisy { r.unit() * 0.1 } else { 0.0 },
             delay: (Duration::ZERO, if r.chance(0.5) { r.secs(0.0, 0.05) } else { Duration::ZERO }),
-            write_delay: (Duration::ZERO, if noisy && r.chance(0.4) { r.secs(0.0, 1.0) } else { r.secs(0.0, 0.05) }),
+            write_delay: (Duration::ZERO, if noisy && r.chance(0.4) { r.secs(0.0, 2.5) } else { r.secs(0.0, 0.05) }),
             write_fail: if noisy && r.chance(0.5) { r.unit() * 0.2 } else { 0.0 },
             refuse_handshake: if noisy && r.chance(0.3) { r.unit() * 0.3 } else { 0.0 },
             hang_handshake: if noisy && r.chance(0.2) { r.unit() * 0.1 } else { 0.0 },

@@ -17,7 +17,9 @@
 //! every write until [`MemAgent::set_write_gate`]) and copies arena to arena, then delivers its
 //! notification. Their faults: [`Faults::write_delay`] (slow writes) and [`Faults::write_fail`]
 //! (a write that lands only its first half and fails, as a broken link leaves one); unfenced, the
-//! gate is not asked, as NIXL's WRITE does not ask D.
+//! gate is not asked, as NIXL's WRITE does not ask D, and a write once posted runs to its end
+//! even if its caller gave up on it (dropped its future): it reads P's source blocks and lands in
+//! D's when its delay is over, whatever either side did with them meanwhile (SPEC U4, U8).
 
 use crate::{Agent, AgentEvent, BlockArena, BoxFuture, ReadGate, ReadOp, RefuseWrites, Segment, TransportError, WriteGate, WriteOp};
 use std::collections::{BTreeMap, BTreeSet};
@@ -410,6 +412,17 @@ impl MemAgent {
                     .ok_or_else(|| TransportError::WriteRefused { peer: peer.to_owned() })?,
             )
         };
+        if fate.unfenced {
+            // As NIXL: posted now, lands after the delay whether or not anyone still waits.
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+            let (me, name, net) = (Arc::clone(&self.arena), self.name.clone(), Arc::clone(&self.net));
+            let peer_name = peer.to_owned();
+            tokio::spawn(async move {
+                tokio::time::sleep(fate.delay).await;
+                let _ = done_tx.send(land_write_unfenced(&me, &name, &net, &other, &peer_name, op, fate.fail));
+            });
+            return done_rx.await.unwrap_or_else(|_| Err(TransportError::Disconnected(peer.to_owned())));
+        }
         if !fate.delay.is_zero() {
             tokio::time::sleep(fate.delay).await;
         }
@@ -442,6 +455,33 @@ fn copy_to_peer(ours: &BlockArena, theirs: &BlockArena, segments: &[Segment]) {
             theirs.copy_in(s.remote_block, s.remote_offset as usize, &tmp);
         }
     }
+}
+
+/// An unfenced write lands: our source bytes as they are now (P may have reused the blocks),
+/// into the peer's blocks (D may have reused them too); then its notification, as NIXL's that
+/// follows the WRITE. A peer that went away takes nothing.
+fn land_write_unfenced(
+    ours: &BlockArena,
+    name: &str,
+    net: &Net,
+    other: &MemAgent,
+    peer: &str,
+    op: WriteOp,
+    fail: bool,
+) -> Result<(), TransportError> {
+    if !other.knows(name) || net.is_cut(name, peer) {
+        return Err(TransportError::Disconnected(peer.to_owned()));
+    }
+    let landing = if fail { &op.segments[..op.segments.len() / 2] } else { &op.segments[..] };
+    copy_to_peer(ours, &other.arena, landing);
+    if fail {
+        return Err(TransportError::Disconnected(peer.to_owned()));
+    }
+    lock(&net.state).writes_landed += 1;
+    if let Some(bytes) = op.notif {
+        let _ = other.events.send(AgentEvent::Notification { from: name.to_owned(), bytes });
+    }
+    Ok(())
 }
 
 /// An unfenced read lands: P's bytes, whatever they are now, into our blocks; then its

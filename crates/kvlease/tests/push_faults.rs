@@ -11,7 +11,9 @@
 //! (`u4_no_write_is_posted_after_the_lease_ended`, over tcp and NIXL: over NIXL it is the only
 //! fence), a write in flight holding its source blocks
 //! (`u4_a_lease_released_under_a_write_keeps_its_blocks_until_the_write_ends`, tcp and NIXL),
-//! and D's write gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`, tcp: NIXL has none). The fourth, a completion of a lease that
+//! and D's write gate (`u8_d_refuses_a_write_for_blocks_it_gave_up`, tcp: NIXL has none); over
+//! NIXL, where a write P gave up on runs on, its source blocks held until it ends
+//! (`nixl_u4_a_write_given_up_on_p_reads_no_freed_block`). Another, a completion of a lease that
 //! ended counted failed (`PushSource::end_write`), has no test of its own that fails without
 //! it: such a completion's bytes were read from source blocks its ticket kept out of P's pool
 //! (the second protection) for a registration whose digest P checked (U11), so they are the
@@ -613,19 +615,17 @@ async fn u8_d_refuses_a_write_for_blocks_it_gave_up() {
     assert_eq!(released(&s.p.url, "expired").await, 0.0);
 }
 
-/// KNOWN BUG, ignored until fixed — SPEC U4 (second sentence) and U8 over NIXL (vLLM #55470:
-/// source blocks reused under a write in flight): a NIXL WRITE cannot be cancelled (its dropped
-/// future does not stop it), yet P's write timeout counts it failed at once: `push::write` drops
-/// the future and hands the ticket to `PushSource::end_write`, the lease ends `released` and its
-/// source blocks go back to P's pool, while the WRITE still reads them; D, told the write
-/// failed, recomputes into the very blocks it still lands in (pull mode quarantines blocks a
-/// READ may still touch; push mode does neither side). Here D is stopped past P's write
-/// timeout (2 s at L = 12 s) under a 16 MB WRITE and resumed 4 s later: P's 126 blocks are
-/// back in its pool before D resumes (another prompt could take them, and did in a manual run),
-/// and then P sends the whole 16 MB of the WRITE from them. (D's answer stayed right in the runs
-/// seen: UCX landed the WRITE before D's recompute.)
+/// SPEC U4 (second sentence) and U8 over NIXL (vLLM #55470: source blocks reused under a write
+/// in flight): a NIXL WRITE cannot be cancelled (its dropped future does not stop it), so a
+/// write P's timeout gives up on (`PushSource::abandon_write`) keeps its source blocks out of
+/// P's pool — held by the quarantine — until NIXL says the transfer ended or the quarantine
+/// passes; D, told `TimedOut`, recomputes into other blocks and reuses the registered ones only
+/// once P says nothing more lands. Here D is stopped past P's write timeout (2 s at L = 12 s)
+/// under a 16 MB WRITE and resumed 4 s later: P's blocks are still held when D resumes, and the
+/// WRITE then sends its bytes from them. Failed before that fix (the write's ticket ended at the
+/// timeout): P's 126 blocks were back in its pool before D resumed (another prompt could take
+/// them, and did in a manual run), then P sent the whole 16 MB of the WRITE from them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: over NIXL a write P gave up on still reads its freed source blocks (U4), see the doc comment"]
 async fn nixl_u4_a_write_given_up_on_p_reads_no_freed_block() {
     if !(available() && nixl_or_skip()) {
         return;
@@ -667,4 +667,7 @@ async fn nixl_u4_a_write_given_up_on_p_reads_no_freed_block() {
         free < total || after < 1_000_000,
         "P's blocks were back in its pool while its NIXL WRITE still read them: {after} bytes sent from them"
     );
+    // Held, not leaked: back once NIXL said the WRITE ended; D answered from its own prefill.
+    until_nothing_held(&p.url, Duration::from_secs(15)).await;
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
 }

@@ -17,7 +17,12 @@
 //!   heartbeat tells P how long D still waits, and P posts nothing after that (U8).
 //! * **Block reuse** (U8): destination blocks come back ([`PushAction::BlocksFree`]) only after
 //!   their writes finished or failed, or P answered a release (`PushLost`), or the write deadline
-//!   P was told passed, plus a grace for a write posted at its very end.
+//!   P was told passed, plus a grace for a write posted at its very end. A write P gave up on
+//!   over a transport that cannot cancel it (`PushFailure::TimedOut`, NIXL) has not stopped: the
+//!   request fails over at once, into other blocks (`blocks_reusable: false`), and the registered
+//!   ones wait for P's `PushLost` (sent once the write ended) or the deadline's bound, which
+//!   over such a transport adds the pull mode's quarantine
+//!   ([`crate::config::LeaseConfig::quarantine`]) to cover a write P gave up on at its end.
 //! * **Aborts** (U9): any abort, before allocation, after registration or on a full prefix hit,
 //!   sends `PushRelease` at once.
 //! * **Superseded registrations** (U11): a request registered again (new blocks) counts only its
@@ -125,6 +130,9 @@ struct Tally {
     why: Option<PushFailure>,
     /// P said it holds nothing: every write stopped.
     lost: bool,
+    /// P gave a write up that its transport cannot cancel (`PushFailure::TimedOut`): counted
+    /// failed, it may still land until P's `PushLost` (U4, U8).
+    landing: bool,
     /// The latest write deadline P was told (U8), on D's clock.
     told_until: Nanos,
     /// D answered for this registration already (ready or failed).
@@ -148,9 +156,15 @@ impl Tally {
         (self.done.len() as u32).max(self.p_done)
     }
 
-    /// Every write stopped: done or failed, or P holds nothing.
+    /// Every write stopped: done or failed (none given up on but still landing), or P holds
+    /// nothing.
     fn stopped(&self) -> bool {
-        self.lost || self.done() + self.p_failed >= self.expected()
+        self.lost || (!self.landing && self.ended())
+    }
+
+    /// Every write is accounted for by P: done, failed or given up on (some may still land).
+    fn ended(&self) -> bool {
+        self.done() + self.p_failed >= self.expected()
     }
 
     fn complete(&self) -> bool {
@@ -187,11 +201,33 @@ pub struct PushSink {
     /// Per P engine: when its next heartbeat is due.
     due: BTreeMap<String, Nanos>,
     seq: u64,
+    /// SPEC U8: whether a write P gave up on stops at once (tcp, mem) or may run on (NIXL).
+    fenced_writes: bool,
 }
 
 impl PushSink {
     pub fn new(cfg: &LeaseConfig) -> PushSink {
-        PushSink { cfg: cfg.clone(), requests: BTreeMap::new(), by_key: BTreeMap::new(), due: BTreeMap::new(), seq: 0 }
+        PushSink { cfg: cfg.clone(), requests: BTreeMap::new(), by_key: BTreeMap::new(), due: BTreeMap::new(), seq: 0, fenced_writes: true }
+    }
+
+    /// SPEC U8: whether the transport stops a write its writer gave up on (tcp, mem) or not
+    /// (NIXL): then a write P posted just before the deadline and gave up on may land for a
+    /// quarantine more, and blocks past the deadline wait that long too. Fenced until told
+    /// otherwise; set once the transfer agents are known.
+    pub fn set_fenced_writes(&mut self, fenced: bool) {
+        self.fenced_writes = fenced;
+    }
+
+    /// SPEC U8: how long past the write deadline P was told the blocks of a registration whose
+    /// writes did not all stop are kept: [`PushSink::write_grace`], plus the quarantine where
+    /// writes are not fenced.
+    fn hold_past_deadline(&self) -> Duration {
+        let grace = Self::write_grace(&self.cfg);
+        if self.fenced_writes {
+            grace
+        } else {
+            grace + self.cfg.quarantine()
+        }
     }
 
     /// SPEC U8: how long past the write deadline P was told D still keeps the blocks: for a
@@ -266,6 +302,7 @@ impl PushSink {
             p_failed: 0,
             why: None,
             lost: false,
+            landing: false,
             told_until: until,
             settled: false,
             reg: PushRegistration {
@@ -321,6 +358,7 @@ impl PushSink {
                     t.heard = true;
                     t.p_done = t.p_done.max(*done);
                     t.p_failed = t.p_failed.max(*failed);
+                    t.landing |= *why == PushFailure::TimedOut;
                     t.why.get_or_insert(*why);
                     false
                 });
@@ -417,7 +455,7 @@ impl PushSink {
 
     /// When [`PushSink::poll`] must run next.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        let grace = Self::write_grace(&self.cfg);
+        let grace = self.hold_past_deadline();
         let mut next = self.due.values().min().copied();
         for s in self.requests.values() {
             let mut at = |t: Nanos| next = Some(next.map_or(t, |n| n.min(t)));
@@ -467,7 +505,7 @@ impl PushSink {
 
     fn reusable(&self, s: &Sink, t: &Tally, now: Nanos) -> bool {
         let superseded = s.tallies.last().is_some_and(|last| last.attempt != t.attempt);
-        (s.done || superseded) && (t.stopped() || now >= t.told_until + Self::write_grace(&self.cfg))
+        (s.done || superseded) && (t.stopped() || now >= t.told_until + self.hold_past_deadline())
     }
 
     /// Applies news from P to the registration `attempt` of `key` (every registration of it
@@ -513,7 +551,9 @@ impl PushSink {
                     s.done = true;
                     s.released = true;
                     out.push(PushAction::Ready { request_id: req.to_owned() });
-                } else if (t.p_failed > 0 || t.lost) && t.stopped() {
+                } else if t.lost || (t.p_failed > 0 && t.ended()) {
+                    // Every write stopped, or P gave up on those still landing (U4): the policy
+                    // now, in other blocks if some may still land ([`PushSink::fail`]).
                     let why = if t.lost && t.p_failed == 0 {
                         WriteLost::LeaseLost
                     } else {

@@ -23,6 +23,15 @@
 //!   P's prefill, and D's write deadline is at least the write margin away. A write in flight
 //!   holds the source blocks (the table's read ticket, P5 with the roles swapped) until
 //!   [`PushSource::end_write`].
+//! * **A write given up on** (U4, U8): a write that outlives P's write timeout is failed toward
+//!   D at once ([`PushSource::abandon_write`]: D fails over, the lease ends, nothing more is
+//!   posted), but where the transport cannot cancel a write (NIXL: a dropped future does not
+//!   stop the WRITE) it is still in flight: its source blocks stay out of the pool, held by the
+//!   pull mode's [`Quarantine`], until the transport says it ended
+//!   ([`PushSource::abandoned_write_ended`]) or the quarantine passes; D is told `TimedOut`
+//!   (not stopped) and hears `PushLost` only then, so it recomputes into other blocks and reuses
+//!   the registered ones only after that. Where writes are fenced (tcp, mem: a dropped write
+//!   reads no source block and lands no byte more), giving up is ending it.
 //! * **Completion** (U5, P3, P8): each write (destination rank × pipeline stage) is reported to D;
 //!   the last success of every expected write ends the lease as `transferred`, exactly once; a
 //!   late completion changes nothing.
@@ -51,6 +60,7 @@ use crate::config::LeaseConfig;
 use crate::digest::PromptDigest;
 use crate::holder::{BlockGuard, Ended, GrantError};
 use crate::lease_table::{Holder, LeasePayload, LeaseTable, ReadTicket, ReleaseReason, Released, REAP_BUDGET};
+use crate::quarantine::Quarantine;
 use crate::wire::{Message, PushFailure, PushKey, PushRegistration};
 use crate::{LeaseId, Nanos};
 use std::collections::hash_map::Entry;
@@ -85,6 +95,9 @@ enum Write {
     Posted,
     Done,
     Failed,
+    /// Given up on (counted failed, D told) but still in flight: the transport cannot cancel it
+    /// (U4). Stops when the transport says so or its quarantine ends.
+    Abandoned,
 }
 
 /// One registration of D's destination blocks.
@@ -107,8 +120,9 @@ impl Reg {
         self.reg.dst_ranks.saturating_mul(self.reg.stages)
     }
 
+    /// A write is posted and has not stopped (one given up on but uncancellable included).
     fn in_flight(&self) -> bool {
-        self.writes.values().any(|w| *w == Write::Posted)
+        self.writes.values().any(|w| matches!(w, Write::Posted | Write::Abandoned))
     }
 
     /// Every expected write stopped (done or failed): nothing can land in D's blocks any more.
@@ -238,6 +252,18 @@ impl WriteTicket {
     }
 }
 
+/// A write given up on that the transport cannot cancel: held in the quarantine with its
+/// ticket's hold on the source blocks (U4).
+#[derive(Debug)]
+struct Abandoned {
+    id: u64,
+    key: PushKey,
+    attempt: u32,
+    dst_rank: u32,
+    stage: u32,
+    read: ReadTicket,
+}
+
 /// Why a write may not be posted now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum WriteRefused {
@@ -294,6 +320,11 @@ pub struct PushSource<B> {
     /// When keys must be looked at again (a pending key nobody renews, a posting deadline);
     /// entries may be stale and are checked when due.
     timers: BTreeSet<(Nanos, PushKey)>,
+    /// SPEC U4: whether a dropped write stops at once (tcp, mem) or runs on (NIXL).
+    fenced_writes: bool,
+    /// SPEC U4: writes given up on that may still read their source blocks.
+    abandoned: Quarantine<Abandoned>,
+    next_abandoned: u64,
 }
 
 impl<B: BlockGuard> PushSource<B> {
@@ -309,7 +340,19 @@ impl<B: BlockGuard> PushSource<B> {
             ended: HashMap::new(),
             ended_order: VecDeque::new(),
             timers: BTreeSet::new(),
+            fenced_writes: true,
+            abandoned: Quarantine::new(cfg, true),
+            next_abandoned: 1,
         }
+    }
+
+    /// SPEC U4: whether the transport stops a write whose future is dropped — reads none of its
+    /// source blocks and lands no byte more after that (tcp, mem); NIXL cannot (its WRITE runs to
+    /// its end). Fenced until told otherwise; set once the transfer agents are known, before any
+    /// write is posted.
+    pub fn set_fenced_writes(&mut self, fenced: bool) {
+        self.fenced_writes = fenced;
+        self.abandoned = Quarantine::new(&self.cfg, fenced);
     }
 
     /// SPEC U8: how far before D's write deadline P posts no more writes: a write posted at
@@ -467,48 +510,115 @@ impl<B: BlockGuard> PushSource<B> {
         if let Some(source) = self.table.end_read(ticket.read) {
             out.freed.push(source.blocks);
         }
-        let key = ticket.key;
+        let end = if ok { Write::Done } else { Write::Failed };
+        self.write_ended(ticket.key, ticket.attempt, ticket.dst_rank, ticket.stage, end, now, out);
+    }
+
+    /// SPEC U4, U6, U8: P gives up on a posted write (it outlived the write timeout). D is told
+    /// at once that it failed and the transfer ends (the writes not posted never will be, the
+    /// lease ends). Where writes are fenced that is all: the write stopped when its future was
+    /// dropped ([`PushSource::end_write`] with `ok = false`). Where they are not (NIXL), the write
+    /// still reads the source blocks and lands in D's: its ticket is held in the quarantine,
+    /// the source blocks with it, until [`PushSource::abandoned_write_ended`] or the quarantine
+    /// passes ([`PushSource::poll`]); D hears `TimedOut` (it fails over but keeps its blocks) and
+    /// `PushLost` only once the write stopped. Returns the id to tell the write's end by, or
+    /// `None` when nothing is held.
+    pub fn abandon_write(&mut self, ticket: WriteTicket, now: Nanos, out: &mut PushSettled<B>) -> Option<u64> {
+        if self.fenced_writes {
+            self.end_write(ticket, false, now, out);
+            return None;
+        }
+        let id = self.next_abandoned;
+        self.next_abandoned += 1;
+        let WriteTicket { key, attempt, dst_rank, stage, read } = ticket;
+        self.write_ended(key.clone(), attempt, dst_rank, stage, Write::Abandoned, now, out);
+        let held = Abandoned { id, key, attempt, dst_rank, stage, read };
+        if let Some(a) = self.abandoned.hold(now, held) {
+            self.stopped(a, out);
+        }
+        out.rearm = true;
+        Some(id)
+    }
+
+    /// SPEC U4: the transport says the write given up on as `id` ended (done or failed): its
+    /// source blocks come back now, and D hears the transfer stopped.
+    pub fn abandoned_write_ended(&mut self, id: u64, out: &mut PushSettled<B>) {
+        if let Some(a) = self.abandoned.take(|a| a.id == id) {
+            self.stopped(a, out);
+        }
+    }
+
+    /// Writes given up on that are still held (their transport has not said they ended).
+    pub fn abandoned_writes(&self) -> usize {
+        self.abandoned.len()
+    }
+
+    /// A write given up on stopped (the transport said so, or its quarantine passed).
+    fn stopped(&mut self, a: Abandoned, out: &mut PushSettled<B>) {
+        if let Some(source) = self.table.end_read(a.read) {
+            out.freed.push(source.blocks);
+        }
+        if let Some(w) = self
+            .keys
+            .get_mut(&a.key)
+            .and_then(|t| t.regs.iter_mut().find(|r| r.reg.attempt == a.attempt))
+            .and_then(|r| r.writes.get_mut(&(a.dst_rank, a.stage)))
+            .filter(|w| **w == Write::Abandoned)
+        {
+            *w = Write::Failed;
+        }
+        self.tidy(&a.key, out);
+    }
+
+    /// A posted write ended as `end`: done, failed, or abandoned (failed, still in flight).
+    #[allow(clippy::too_many_arguments)]
+    fn write_ended(&mut self, key: PushKey, attempt: u32, dst_rank: u32, stage: u32, end: Write, now: Nanos, out: &mut PushSettled<B>) {
+        let ok = end == Write::Done;
+        let ticket = (attempt, dst_rank, stage);
         let Some(t) = self.keys.get_mut(&key) else { return };
         let live = t.lease.is_some_and(|id| self.table.get(id).is_some()) && !t.ending;
         let newest = t.regs.last().map(|r| r.reg.attempt);
         let Some(to) = t.holder.as_ref().map(|(_, n)| n.clone()) else { return };
-        let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == ticket.attempt) else { return };
-        let Some(w) = reg.writes.get_mut(&(ticket.dst_rank, ticket.stage)).filter(|w| **w == Write::Posted) else { return };
-        let good = ok && live && newest == Some(ticket.attempt);
+        let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == ticket.0) else { return };
+        let Some(w) = reg.writes.get_mut(&(ticket.1, ticket.2)).filter(|w| **w == Write::Posted) else { return };
+        let good = ok && live && newest == Some(ticket.0);
         if good {
             *w = Write::Done;
             reg.done += 1;
             out.send.push(Outgoing {
                 to: to.clone(),
-                msg: Message::PushWriteDone { key: key.clone(), attempt: ticket.attempt, dst_rank: ticket.dst_rank, stage: ticket.stage },
+                msg: Message::PushWriteDone { key: key.clone(), attempt: ticket.0, dst_rank: ticket.1, stage: ticket.2 },
             });
         } else {
-            *w = Write::Failed;
+            *w = end;
             reg.failed += 1;
-            let why = if !ok {
+            let why = if end == Write::Abandoned {
+                PushFailure::TimedOut
+            } else if !ok {
                 PushFailure::WriteError
-            } else if newest != Some(ticket.attempt) {
+            } else if newest != Some(ticket.0) {
                 PushFailure::Superseded
             } else {
                 PushFailure::LeaseLost
             };
             // A failed write ends the transfer: the writes not posted yet will not be.
-            if live && newest == Some(ticket.attempt) {
+            if live && newest == Some(ticket.0) {
                 reg.fail_unposted();
             }
             out.send.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
         }
         let (done, closed, failed) = (reg.done >= reg.expected(), reg.closed(), reg.failed > 0);
-        if good && done && newest == Some(ticket.attempt) {
+        if good && done && newest == Some(ticket.0) {
             // U5, P3, P8: the last expected write landed.
-            t.transferred = Some(Landed { holder: to, attempt: ticket.attempt, dst_ranks: reg.reg.dst_ranks, stages: reg.reg.stages });
+            t.transferred = Some(Landed { holder: to, attempt: ticket.0, dst_ranks: reg.reg.dst_ranks, stages: reg.reg.stages });
             if let Some(id) = t.lease {
                 let mut released = Vec::new();
                 self.table.end_lease(id, ReleaseReason::Transferred, now, &mut released);
                 self.settle(now, released, out);
             }
-        } else if closed && failed && live && newest == Some(ticket.attempt) {
-            // Every write stopped and the transfer failed: nothing will be written, free now.
+        } else if closed && failed && live && newest == Some(ticket.0) {
+            // Every write stopped (or was given up on) and the transfer failed: nothing more will
+            // be posted; the lease ends (blocks under a write still in flight stay held, U4).
             if let Some(id) = t.lease {
                 let mut released = Vec::new();
                 self.table.end_lease(id, ReleaseReason::Released, now, &mut released);
@@ -559,13 +669,19 @@ impl<B: BlockGuard> PushSource<B> {
         }
     }
 
-    /// SPEC P4, U6, U8: the reaper's turn. Ends leases past their deadline as `expired` (D told
-    /// what failed), fails writes whose posting deadline passed, forgets keys not granted yet
-    /// that D stopped renewing. Returns whether work is left (poll again at once).
+    /// SPEC P4, U4, U6, U8: the reaper's turn. Ends leases past their deadline as `expired`
+    /// (D told what failed), fails writes whose posting deadline passed, forgets keys not granted
+    /// yet that D stopped renewing, lets out the source blocks of writes given up on whose
+    /// quarantine passed. Returns whether work is left (poll again at once).
     pub fn poll(&mut self, now: Nanos, out: &mut PushSettled<B>) -> bool {
         let mut released = Vec::new();
         let more = self.table.tick_budget(now, REAP_BUDGET, &mut released);
         self.settle(now, released, out);
+        let mut over = Vec::new();
+        self.abandoned.poll(now, &mut over);
+        for a in over {
+            self.stopped(a, out);
+        }
         let margin = Self::write_margin(&self.cfg);
         while let Some((at, key)) = self.timers.first().cloned() {
             if at > now {
@@ -593,10 +709,8 @@ impl<B: BlockGuard> PushSource<B> {
 
     /// When [`PushSource::poll`] must run next.
     pub fn poll_timeout(&self, now: Nanos) -> Option<Nanos> {
-        let next = match (self.table.next_expiry(), self.timers.first().map(|(t, _)| *t)) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next =
+            [self.table.next_expiry(), self.timers.first().map(|(t, _)| *t), self.abandoned.next_release()].into_iter().flatten().min();
         next.map(|t| t.max(now + self.cfg.reap_granularity() / 4))
     }
 
@@ -607,6 +721,11 @@ impl<B: BlockGuard> PushSource<B> {
         keys.sort();
         for k in &keys {
             self.fail_transfer(k, PushFailure::Shutdown, Some(ReleaseReason::Shutdown), now, out);
+        }
+        // Writes given up on stop with the process.
+        let held: Vec<Abandoned> = self.abandoned.drain().collect();
+        for a in held {
+            self.stopped(a, out);
         }
         let mut released = Vec::new();
         self.table.shutdown(now, &mut released);

@@ -666,3 +666,116 @@ fn o4_a_routers_release_ends_an_unheld_push_lease_but_never_a_decoders() {
     assert!(!p.release_unheld(&key("pending"), T0, &mut out), "held before the grant too (U2)");
     assert!(p.grant(at(1), Some(key("pending")), "r", Ids(vec![5]), &TOKENS, &mut out).is_ok());
 }
+
+/// SPEC U4 (vLLM #55470 over NIXL): a write P gives up on (it outlived the write timeout) over a
+/// transport that cannot cancel it still reads its source blocks: D is told at once (`TimedOut`,
+/// its tally closes) and the lease ends, but the blocks stay out of the pool — held by the pull
+/// mode's quarantine — until the transport says the write ended, or the quarantine passes; only
+/// then does D hear `PushLost` (nothing more lands). Over a fenced transport giving up is ending:
+/// the blocks come back at once.
+#[test]
+fn u4_a_write_given_up_on_keeps_its_source_blocks_until_it_ended_or_the_quarantine_passed() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let hb = Message::PushHeartbeat { seq: 9, renewals: vec![PushRenewal { key: k.clone(), window_ns: 30 * SEC }] };
+    for transport_says_ended in [true, false] {
+        let (mut p, job) = paired(&k, 1, 1);
+        p.set_fenced_writes(false);
+        let mut out = PushSettled::default();
+        let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+        let mut out = PushSettled::default();
+        let id = p.abandon_write(w, at(3), &mut out).expect("held: the write runs on");
+        assert_eq!(last_failure(&out), Some((0, 1, PushFailure::TimedOut)), "D is told at once, and that it may still land");
+        assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released], "the lease ends");
+        assert!(out.freed.is_empty(), "the WRITE still reads the source blocks");
+        assert!(!msgs(&out).contains(&&lost(&k)), "no PushLost while it may land: {:?}", msgs(&out));
+        assert_eq!(p.abandoned_writes(), 1);
+        assert!(!p.is_live(job.lease_id));
+        assert_eq!(p.begin_write(&k, job.attempt, 0, 0, at(3), &mut out).err(), Some(WriteRefused::NotLive), "nothing more is posted");
+        let mut out = PushSettled::default();
+        p.on_message(D, &hb, at(4), &mut out);
+        p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(4), &mut out);
+        assert!(!msgs(&out).contains(&&lost(&k)), "still in flight: {:?}", msgs(&out));
+        let until = at(3) + cfg.quarantine();
+        assert!(p.poll_timeout(at(4)).is_some_and(|t| t <= until), "the reaper wakes for the quarantine");
+        p.poll(until - Duration::from_nanos(1), &mut out);
+        assert!(out.freed.is_empty(), "held for the whole quarantine");
+        let mut out = PushSettled::default();
+        if transport_says_ended {
+            p.abandoned_write_ended(id, &mut out);
+        } else {
+            p.poll(until, &mut out);
+        }
+        assert_eq!(out.freed, vec![Ids(vec![1, 2])], "back once the write ended (or the quarantine passed)");
+        assert_eq!(msgs(&out), vec![&lost(&k)], "D hears that nothing more lands");
+        assert_eq!(p.abandoned_writes(), 0);
+        let mut out = PushSettled::default();
+        p.abandoned_write_ended(id, &mut out);
+        p.poll(until + Duration::from_secs(60), &mut out);
+        assert!(out.freed.is_empty() && out.send.is_empty(), "once only");
+    }
+    // Fenced (tcp, mem): the dropped write stopped; giving up is ending it.
+    let (mut p, job) = paired(&k, 1, 1);
+    let mut out = PushSettled::default();
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    let mut out = PushSettled::default();
+    assert_eq!(p.abandon_write(w, at(3), &mut out), None);
+    assert_eq!(last_failure(&out), Some((0, 1, PushFailure::WriteError)));
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+    assert!(msgs(&out).contains(&&lost(&k)));
+}
+
+/// SPEC U8, U7, U10 (vLLM #55470 over NIXL, D's side): told a write was given up on but may still
+/// land (`TimedOut`), D fails over at once, into other blocks (`blocks_reusable: false`), and
+/// reuses the registered ones only when P says nothing more lands (`PushLost`). Where writes are
+/// not fenced, D's own deadline keeps the blocks a quarantine longer too: a write P posted at the
+/// deadline's edge and gave up on may land that long.
+#[test]
+fn u8_blocks_a_write_given_up_on_may_still_land_in_wait_for_it_to_stop() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let timed_out = Message::PushWriteFailed { key: k.clone(), attempt: 1, done: 0, failed: 1, why: PushFailure::TimedOut };
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    d.set_fenced_writes(false);
+    let mut acts = Vec::new();
+    d.on_message("p", &timed_out, at(3), &mut acts);
+    assert!(
+        acts.iter().any(|a| matches!(
+            a,
+            PushAction::Failed { verdict: PushVerdict::Recompute(WriteLost::Failed(PushFailure::TimedOut)), blocks_reusable: false, .. }
+        )),
+        "fails over at once, not in these blocks: {acts:?}"
+    );
+    assert!(acts.iter().any(|a| matches!(a, PushAction::Send { msg: Message::PushRelease { .. }, .. })), "P is told (U9)");
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })));
+    assert!(!d.blocks_reusable("req", 1, at(4)));
+    let mut acts = Vec::new();
+    d.on_message("p", &lost(&k), at(5), &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }], "P says the write stopped");
+
+    // P's PushLost lost: D's bound, past its deadline by the grace and the quarantine.
+    let grace = PushSink::write_grace(&cfg);
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    d.set_fenced_writes(false);
+    let mut acts = Vec::new();
+    d.on_message("p", &timed_out, at(3), &mut acts);
+    d.poll(at(30) + grace, &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })), "unfenced: the write may still land");
+    let bound = at(30) + grace + cfg.quarantine();
+    assert!(d.poll_timeout().is_some_and(|t| t <= bound));
+    let mut acts = Vec::new();
+    d.poll(bound, &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }]);
+
+    // D's own deadline passes with a write in flight, unfenced: the same bound.
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    d.set_fenced_writes(false);
+    let mut acts = Vec::new();
+    d.poll(at(30), &mut acts);
+    assert!(acts.iter().any(|a| matches!(a, PushAction::Failed { blocks_reusable: false, .. })), "{acts:?}");
+    let mut acts = Vec::new();
+    d.poll(bound - Duration::from_nanos(1), &mut acts);
+    assert!(!acts.iter().any(|a| matches!(a, PushAction::BlocksFree { .. })));
+    d.poll(bound, &mut acts);
+    assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }]);
+}
