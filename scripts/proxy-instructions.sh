@@ -33,10 +33,10 @@ for _ in $(seq 600); do grep -q "listening on" "$WORK/proxy.out" 2>/dev/null && 
 PROXY=$(url_of proxy "kvlease proxy listening on ")
 load() { "$BIN" load --url "$PROXY" --requests "$1" --concurrency 16 --max-tokens 8 --prompt-words 32 --timeout-secs 60 --max-run-secs 600 ${STREAM:-}; }
 load 200 >/dev/null
-callgrind_control -i on "${PID[proxy]}" >/dev/null
+callgrind_control -i on "${PID[proxy]}" >/dev/null 2>&1
 load "$N" >/dev/null
-callgrind_control -i off "${PID[proxy]}" >/dev/null
-callgrind_control -d "${PID[proxy]}" >/dev/null
+callgrind_control -i off "${PID[proxy]}" >/dev/null 2>&1
+callgrind_control -d "${PID[proxy]}" >/dev/null 2>&1
 for _ in $(seq 100); do ls "$out".* >/dev/null 2>&1 && break; sleep 0.1; done
 total=$(awk '/^totals:/ { print $2; exit }' "$(ls -t "$out".* | head -n 1)")
 echo "kvlease proxy ${STREAM:-(not streamed)}: $((total / N)) instructions a request (user space; $N requests at concurrency 16, max_tokens 8)"
