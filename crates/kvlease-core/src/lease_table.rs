@@ -1,30 +1,29 @@
 //! P's leases (SPEC §4): grant, renew, complete, release, reap — exactly once each.
 //!
-//! Slots are addressed by the lease id through linear hashing (with `2^k ≤ capacity ≤ 2^(k+1)`,
-//! lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` where that is past the end); the slot
-//! keeps the id's high bits (its generation), so finding a lease is one index and one comparison
-//! under any pattern of grants and releases, and an id whose slot has since been reused is lost,
-//! never another lease (ids are never handed out twice: SPEC §3). The table grows a few slots at a
-//! time, splitting one slot per new slot, so live leases fill 94–97 % of the slots at every size
-//! and no grant moves more than 2,048 leases. Ids are handed out in a row, skipping only ids whose
-//! slot a lease of an earlier turn still holds, so a heartbeat's sorted ids stay nearly consecutive
-//! on the wire; a bitmap of taken slots lets a grant skip a run of them a word at a time. A slot is
-//! a lease record (generation, deadline and grant time — times in milliseconds from a table epoch
-//! that moves forward every 12 days —, holder and block count in 16 bits each, larger values kept
-//! whole in a side map, and the payload: 16 bytes and the payload, a vacant slot costing nothing
-//! more) and, beside it, the 8-byte links of the expiry index. A renewal reads and writes the
-//! record and never touches the index (a heartbeat loads the records of its next 32 ids together
-//! before renewing them, so their cache misses overlap). The index is a timing wheel of buckets
-//! `min(I/10, 100 ms)` wide, each a doubly linked list threaded through the slots and remembering
-//! its earliest deadline, so an idle reaper tick is O(1) and a tick that expires k leases costs
-//! O(k) (SPEC P4); a tick can be given a work budget and carries the rest over. An index entry
-//! whose lease was renewed since is moved to the bucket of its current deadline when its old bucket
-//! comes due, at most once per extension period. A release leaves its entry in the list as a hole
-//! (its slot is free at once) that the reaper drops when it passes, or that a later grant due no
-//! earlier takes over as it is: a release touches its own slot, not its neighbours in the list. Per
-//! live lease: 24 B and the payload per slot, two bits of bitmaps, at 94–97 % fill; nothing else
-//! grows with the live count (but for a decoder's cached turns, SPEC B1, whose ids also sit in an
-//! ordered set for eviction).
+//! Slots are addressed by the lease id through linear hashing (with `2^k ≤ capacity ≤
+//! 2^(k+1)`, lease `id` lives in slot `id mod 2^(k+1)`, or `id mod 2^k` where that is past the
+//! end); the slot keeps the id's high bits (its generation), so finding a lease is one index and
+//! one comparison under any pattern of grants and releases, and an id whose slot has since been
+//! reused is lost, never another lease (ids are never handed out twice: SPEC §3). The table
+//! grows a few slots at a time, splitting one slot per new slot, so live leases fill 94–97 % of
+//! the slots at every size and no grant moves more than 2,048 leases. Ids are handed out in
+//! a row, skipping only ids whose slot a lease of an earlier turn still holds, so a heartbeat's
+//! sorted ids stay nearly consecutive on the wire; a bitmap of taken slots lets a grant skip a
+//! run of them a word at a time. A slot is a lease record (generation, deadline and grant time
+//! — times in milliseconds from a table epoch that moves forward every 12 days —, holder and
+//! block count in 16 bits each, larger values kept whole in a side map, and the payload: 16
+//! bytes and the payload, a vacant slot costing nothing more) and, beside it, the 8-byte links of
+//! the expiry index. A renewal reads and writes the record and never touches the index. The index
+//! is a timing wheel of buckets `min(I/10, 100 ms)` wide, each a doubly linked list threaded
+//! through the slots and remembering its earliest deadline, so an idle reaper tick is O(1) and
+//! a tick that expires k leases costs O(k) (SPEC P4); a tick can be given a work budget and
+//! carries the rest over. An index entry whose lease was renewed since is moved to the bucket
+//! of its current deadline when its old bucket comes due, at most once per extension period. A
+//! release leaves its entry in the list as a hole (its slot is free at once) that the reaper
+//! drops when it passes, or that a later grant due no earlier takes over as it is: a release
+//! touches its own slot, not its neighbours in the list. Per live lease: 24 B and the payload
+//! per slot, two bits of bitmaps, at 94–97 % fill; nothing else grows with the live count (but
+//! for a decoder's cached turns, SPEC B1, whose ids also sit in an ordered set for eviction).
 //!
 //! The table owns a payload per lease (the engine's block guards) and hands it back when the
 //! lease is released; if a read of the lease is in progress (SPEC P5) the payload is held until
