@@ -258,9 +258,6 @@ type Parked<T> = HashMap<LeaseId, (T, u32)>;
 /// 100 µs at 10^6 leases on the benchmark machine (about 40 µs; see BENCHMARKS.md).
 pub const REAP_BUDGET: usize = 1024;
 
-/// Heartbeat ids whose records [`LeaseTable::renew`] loads ahead, together.
-const TOUCH: usize = 32;
-
 /// Live leases fill at most `1 - 1/FREE_SHARE` of the slots (31/32): the rest keeps the
 /// grant's search for a free slot short and ids nearly consecutive.
 const FREE_SHARE: usize = 32;
@@ -518,71 +515,46 @@ impl<T> LeaseTable<T> {
         let mut renewed = 0;
         let (k, cap) = (self.k, self.cap);
         let (base, mask) = (1usize << k, (2u64 << k) - 1);
-        // The slot of each id, and a load of its record, a chunk ahead of the renewals: loads
-        // independent of each other and of the renewing, so their cache misses overlap rather
-        // than follow one another (at 10^6 leases a record is one miss in 13 MB).
-        let touch = |t: &Self, at: &mut [usize; TOUCH], ids: &[LeaseId]| {
-            let mut seen = 0u32;
-            for (at, &id) in at.iter_mut().zip(ids) {
-                let mut s = (id & mask) as usize;
-                if s >= cap {
-                    s -= base;
-                }
-                *at = s;
-                if let Some(Some(l)) = t.pages.get(s >> PAGE_BITS).and_then(|p| p.lease.get(s & (PAGE - 1))) {
-                    seen |= l.deadline.get() | u32::from(l.holder);
-                }
+        for &id in ids {
+            // `find`, written out: one record, indexed once.
+            let mut s = (id & mask) as usize;
+            if s >= cap {
+                s -= base;
             }
-            std::hint::black_box(seen);
-        };
-        let mut at = [[0usize; TOUCH]; 2];
-        let mut chunks = ids.chunks(TOUCH).enumerate().peekable();
-        if let Some((_, first)) = chunks.peek() {
-            touch(self, &mut at[0], first);
-        }
-        while let Some((c, ids)) = chunks.next() {
-            if let Some((_, next)) = chunks.peek() {
-                touch(self, &mut at[(c + 1) % 2], next);
+            let w = k + u32::from(s < cap - base || s >= base);
+            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
+                lost.push(id);
+                continue;
+            };
+            if u64::from(h.gen) != id >> w || id == 0 {
+                lost.push(id);
+                continue;
             }
-            let at = at[c % 2];
-            for (&s, &id) in at.iter().zip(ids) {
-                // `find`, written out: one record, indexed once.
-                let w = k + u32::from(s < cap - base || s >= base);
-                let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut)
-                else {
-                    lost.push(id);
-                    continue;
-                };
-                if u64::from(h.gen) != id >> w || id == 0 {
-                    lost.push(id);
-                    continue;
+            // SPEC S5: the first holder to name the lease owns it.
+            if h.holder == 0 {
+                h.holder = code;
+                if code == WIDE {
+                    self.wide.entry(id).or_default().holder = who;
                 }
-                // SPEC S5: the first holder to name the lease owns it.
-                if h.holder == 0 {
-                    h.holder = code;
-                    if code == WIDE {
-                        self.wide.entry(id).or_default().holder = who;
-                    }
-                } else if h.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
-                    lost.push(id);
-                    continue;
-                }
-                if h.deadline.get() <= now_ms {
-                    lost.push(id);
-                    self.end(s, ReleaseReason::Expired, now, released);
-                    continue;
-                }
-                let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
-                let want = target.min(cap);
-                if let Some(want) = NonZeroU32::new(want).filter(|&w| w > h.deadline) {
-                    h.deadline = want;
-                }
-                if want < target {
-                    lost.push(id);
-                    continue;
-                }
-                renewed += 1;
+            } else if h.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
+                lost.push(id);
+                continue;
             }
+            if h.deadline.get() <= now_ms {
+                lost.push(id);
+                self.end(s, ReleaseReason::Expired, now, released);
+                continue;
+            }
+            let cap = life.map_or(u32::MAX, |m| h.granted.saturating_add(m));
+            let want = target.min(cap);
+            if let Some(want) = NonZeroU32::new(want).filter(|&w| w > h.deadline) {
+                h.deadline = want;
+            }
+            if want < target {
+                lost.push(id);
+                continue;
+            }
+            renewed += 1;
         }
         self.stats.renewals += renewed as u64;
         renewed
