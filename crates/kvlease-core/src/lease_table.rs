@@ -215,7 +215,6 @@ struct Wide {
 const WIDE: u16 = u16::MAX;
 
 /// The 16-bit form of a holder number or block count (`WIDE`: too large).
-#[inline]
 fn narrow(x: u32) -> u16 {
     u16::try_from(x).ok().filter(|&x| x != WIDE).unwrap_or(WIDE)
 }
@@ -423,18 +422,14 @@ impl<T> LeaseTable<T> {
     /// names the prompt's digest, SPEC S4). The caller grants only for a request that finished
     /// prefill normally and holds ≥ 1 block.
     pub fn grant(&mut self, now: Nanos, blocks: u32, payload: T) -> LeaseId {
-        self.grant_ns(now, self.lease, blocks, payload)
+        let lease = Duration::from_nanos(self.lease);
+        self.grant_for(now, lease, blocks, payload)
     }
 
     /// SPEC B1: a grant whose first deadline is `lifetime` away rather than L (a decoder's
     /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
     /// lease.
     pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, payload: T) -> LeaseId {
-        self.grant_ns(now, u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX), blocks, payload)
-    }
-
-    /// [`LeaseTable::grant_for`] with the lifetime in nanoseconds.
-    fn grant_ns(&mut self, now: Nanos, lifetime: u64, blocks: u32, payload: T) -> LeaseId {
         self.rebase(now);
         while (self.live + 1) * FREE_SHARE > self.cap * (FREE_SHARE - 1) || self.live + 2 > self.cap {
             self.grow();
@@ -456,7 +451,7 @@ impl<T> LeaseTable<T> {
         };
         let id = self.next_id;
         self.next_id += 1;
-        let deadline_ns = now.0.saturating_add(lifetime);
+        let deadline_ns = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX));
         let deadline = self.ms_ceil(deadline_ns);
         let granted = self.ms_floor(now.0);
         let gen = (id >> self.width(s)) as u32;
@@ -564,45 +559,15 @@ impl<T> LeaseTable<T> {
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         self.rebase(now);
-        let now_ms = self.ms_floor(now.0);
-        let hole_by = self.hole_by(now);
-        let who = holder.0.get();
-        let code = narrow(who);
-        let (k, cap) = (self.k, self.cap);
-        let (base, mask) = (1usize << k, (2u64 << k) - 1);
         for &id in ids {
-            // `find` and `admit`, written out: one record, indexed once.
-            let mut s = (id & mask) as usize;
-            if s >= cap {
-                s -= base;
-            }
-            let w = k + u32::from(s < cap - base || s >= base);
-            let Some(cell) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))) else {
-                lost.push(id);
-                continue;
-            };
-            let Some(l) = cell.as_mut().filter(|l| u64::from(l.gen) == id >> w && id != 0) else {
-                lost.push(id);
-                continue;
-            };
-            // SPEC S5: the first holder to name the lease owns it.
-            if l.holder == 0 {
-                l.holder = code;
-                if code == WIDE {
-                    self.wide.entry(id).or_default().holder = who;
+            match self.find(id) {
+                None => lost.push(id),
+                Some(s) if !self.admit(s, holder) => lost.push(id),
+                Some(s) if self.expired(s, now) => {
+                    lost.push(id);
+                    self.end(s, ReleaseReason::Expired, now, released);
                 }
-            } else if l.holder != code || (code == WIDE && self.wide.get(&id).map(|x| x.holder) != Some(who)) {
-                lost.push(id);
-                continue;
-            }
-            let reason = if l.deadline.get() <= now_ms {
-                lost.push(id);
-                ReleaseReason::Expired
-            } else {
-                ReleaseReason::Released
-            };
-            if let Some(l) = cell.take() {
-                self.finish(s, id, l, reason, now, hole_by, released);
+                Some(s) => self.end(s, ReleaseReason::Released, now, released),
             }
         }
     }
@@ -933,25 +898,17 @@ impl<T> LeaseTable<T> {
         }
     }
 
-    /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted on through
-    /// the bitmap of taken slots, up to the end of the run of slots the next ids map to one by
-    /// one and of the ids a slot's 32-bit generation can name: the grant's skip over taken slots.
+    /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted up to the
+    /// end of `s`'s bitmap word, of the run of slots the next ids map to one by one, and of the
+    /// ids a slot's 32-bit generation can name: the grant's skip over taken slots.
     fn taken_run(&self, id: LeaseId, s: usize) -> u64 {
         let word = self.used[s / 64] >> (s % 64);
-        let mut taken = u64::from(word.trailing_ones());
+        let taken = u64::from((!word).trailing_zeros());
         if taken == 0 {
             return 0;
         }
         let raw = id & ((2u64 << self.k) - 1);
         let in_row = if raw < self.cap as u64 { self.cap as u64 - raw } else { (2u64 << self.k) - raw };
-        if taken == 64 - (s % 64) as u64 {
-            for &w in self.used.iter().skip(s / 64 + 1) {
-                taken += u64::from(w.trailing_ones());
-                if w != u64::MAX || taken >= in_row {
-                    break;
-                }
-            }
-        }
         let gens = ((u64::from(u32::MAX) + 1) << self.k).saturating_sub(id);
         taken.min(in_row).min(gens).max(1)
     }
@@ -1045,39 +1002,15 @@ impl<T> LeaseTable<T> {
             return;
         }
         let id = self.id_of(s);
-        let hole_by = self.hole_by(now);
-        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
-        self.finish(s, id, l, reason, now, hole_by, released);
-    }
-
-    /// The latest deadline (table time) a lease released at `now` may have and leave its entry
-    /// as a hole (see `holes_until`): a grant from now on is due no earlier.
-    fn hole_by(&self, now: Nanos) -> u32 {
-        self.ms_ceil(now.0.saturating_add(self.lease))
-    }
-
-    /// [`LeaseTable::end`] once lease `id` is taken out of slot `s`: frees the slot, leaves or
-    /// removes its index entry, counts the release and hands the payload out.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn finish(
-        &mut self,
-        s: usize,
-        id: LeaseId,
-        l: Lease<T>,
-        reason: ReleaseReason,
-        now: Nanos,
-        hole_by: u32,
-        released: &mut Vec<Released<T>>,
-    ) {
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
+        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
         self.used[s / 64] &= !(1 << (s % 64));
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
         let d = l.deadline.get();
-        if d <= hole_by {
+        if d <= self.ms_ceil(now.0.saturating_add(self.lease)) {
             self.holes_until = self.holes_until.max(d);
             self.holes[s / 64] |= 1 << (s % 64);
         } else {
