@@ -22,6 +22,20 @@ async fn nixl_fifty_requests_through_the_proxy_match_local_and_release_every_lea
     }
 }
 
+/// `kvlease proxy --threads 2` (the relaying spread over two threads, not the one-thread
+/// default every other test runs): the same answers as a single engine, every lease
+/// `transferred` (SPEC D7, P3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_on_two_threads_answers_as_local() {
+    let p = Proc::serve("threads-p", &[]);
+    let d = Proc::serve("threads-d", &[]);
+    let local = Proc::serve("threads-local", &[]);
+    let proxy = Proc::proxy_with(&[&p], &[&d], &["--threads", "2"]);
+    answers_equal_local(&proxy.url, &local.url, 16, 8).await;
+    until("P holds no lease", Duration::from_secs(10), || async { metric(&p.url, "kvlease_leases_active").await == 0.0 }).await;
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, 16.0);
+}
+
 /// Without libnixl_capi.so, `serve --transport nixl` stops at start-up saying how to get it:
 /// no silent fallback to tcp, no abort from inside the library.
 #[test]
