@@ -926,7 +926,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 del self._kvlease_confirming[wire_id]
                 if verdict is None:
                     verdict = pull.on_deadline()
-                if verdict[0] == "use":
+                if req_id not in self._recving_metadata or req_id in self._recv_failures:
+                    # Failed meanwhile through vLLM's own path (a transfer error): reported once.
+                    logger.debug("kvlease: the read of request %s was failed meanwhile; its ReadDone answer is moot", req_id)
+                    self._kvlease_landed.discard(req_id)
+                elif verdict[0] == "use":
                     done.add(req_id)
                 else:
                     why = f"kvlease_{verdict[1]}"
@@ -989,17 +993,19 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self.kvlease_lost.difference_update(req_ids)
 
     def _kvlease_lost_request(self, req_id: str) -> None:
-        if req_id in self._kvlease_landed:
-            # Its read landed and P ended the lease on that read's completion: not a loss. P's
-            # answer to our ReadDone decides whether the bytes are used.
-            logger.debug("kvlease: the lease of request %s ended after its read landed", req_id)
+        """The renewer's thread (under the lock): P does not hold ``req_id``'s lease. A read not
+        posted yet is never posted (its load fails at the gate). A read already posted is left
+        to its ``ReadDone``: P answers live when the lease ended on that very read (vLLM's P
+        frees on D's completion notification, which can reach P before D's engine thread sees
+        its own read land) and lost otherwise, and only then is the load failed or used. (Failing
+        it here as well reported the request twice, and vLLM's worker asserted and took D's
+        engine down.)"""
+        if req_id in self._kvlease_landed or req_id in self._recving_metadata:
+            logger.debug("kvlease: the lease of request %s ended with its read posted; its ReadDone decides", req_id)
             return
         logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
         self._kvlease_lost_count += 1
-        if req_id in self._recving_metadata:
-            self._failed_recv_reqs.put(req_id)
-        else:
-            self.kvlease_lost.add(req_id)
+        self.kvlease_lost.add(req_id)
 
     def shutdown(self) -> None:
         self._kvlease_stop.set()

@@ -923,6 +923,39 @@ def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create,
     assert {3, 4} <= d.get_block_ids_with_load_errors()
 
 
+def test_d6_a_lease_ended_by_its_own_read_before_d_saw_it_land_is_used_once(create, p_workers, p_side_channels):
+    """SPEC D6/P5 inside vLLM, the order a queue on D produces (real-vLLM fault (b) took D's
+    engine down with it): P's worker sees D's read complete and ends the lease (transferred)
+    before D's engine thread polls that read; D's next heartbeat names it, and P answers it lost.
+    The read's ReadDone decides: P confirms it (the lease ended on that read), and the request
+    is reported once, received, never also failed (reported twice, vLLM's worker asserts
+    "not found in recving_metadata list" and its engine dies)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    kv, _, _ = p_workers
+    W, p_req, d_req = (47 << 32) + 1, "p-ownread-1", "d-ownread-1"
+    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-ownread", W, p_req, d_req, p_ttl=30)
+    d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
+    wait_for(lambda: d_req in d._recving_transfers, "the read to be posted",
+             step=lambda: (kv._get_new_notifs(), time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
+    kv._reqs_to_send.pop(p_req)  # P ends the lease on the read's completion...
+    with d._kvlease_lock:
+        d._kvlease_lost_request(d_req)  # ... and answers D's next heartbeat naming it: lost
+    reported: list[tuple[str, bool]] = []
+
+    def step():
+        kv._get_new_notifs()
+        time.sleep(0.05)
+        res = d.get_transfer_results()
+        reported.extend((r, r in res.failed_recving) for r in res.finished_recving if r == d_req)
+        d.start_load_kv(NixlConnectorMetadata())
+
+    wait_for(lambda: reported, "the load to end", step=step)
+    for _ in range(5):
+        step()
+    assert reported == [(d_req, False)], reported
+
+
 def test_p5_lease_book_confirms_only_reads_of_held_leases():
     """SPEC P5 inside vLLM, P's side of the read confirmation: a read is confirmed while its lease
     is held, and after vLLM ended the lease because that read completed; never after the lease
