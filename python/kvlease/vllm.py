@@ -230,7 +230,7 @@ class LeaseBook:
     stops a router's or an operator's mistake, not an insider.
     """
 
-    __slots__ = ("lock", "table", "_holder", "_lease_of", "_due", "unknown_text")
+    __slots__ = ("lock", "table", "_holder", "_lease_of", "_due", "unknown_text", "granted_at")
 
     #: The holder vLLM's text heartbeats act as.
     TEXT_HOLDER = "vllm"
@@ -247,6 +247,9 @@ class LeaseBook:
         self._due: list[str] = []
         #: SPEC P6: names in vLLM's text heartbeats that are not live.
         self.unknown_text = 0
+        #: When each live lease was granted (monotonic ns): an expiry's warning says how long
+        #: it lived; the worker takes the entry of each lease expired() hands out.
+        self.granted_at: dict[str, int] = {}
 
     @property
     def unknown_renewals(self) -> int:
@@ -292,6 +295,7 @@ class LeaseBook:
             self._end(req_id, "released")
         lifetime = max(deadline - time.perf_counter(), 1e-9)
         self._lease_of[req_id] = self.table.grant(now, 1, payload=req_id, lifetime=lifetime)
+        self.granted_at[req_id] = now
 
     @_locked
     def __delitem__(self, req_id: str) -> None:
@@ -314,6 +318,7 @@ class LeaseBook:
         return default
 
     def _end(self, req_id: str, reason: Literal["transferred", "released"]) -> None:
+        self.granted_at.pop(req_id, None)
         lease = self._lease_of.pop(req_id, None)
         if lease is not None:
             self.table.end(lease, reason, time.monotonic_ns())
@@ -354,6 +359,7 @@ class LeaseBook:
                 continue
             if self._lease_of.get(req_id) == r.lease_id:
                 del self._lease_of[req_id]
+                self.granted_at.pop(req_id, None)
             freed.append(req_id)
         return freed
 
@@ -538,6 +544,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         self._kvlease_landed: set[str] = set()
         self._kvlease_hs_pending: set[str] = set()
         self.kvlease_lost: set[str] = set()
+        # What a failed load's warning tells: when each request reached this worker and its
+        # read was posted and landed, when each P engine's link came up and first answered.
+        self._kvlease_seen: dict[str, dict[str, int]] = {}
+        self._kvlease_engine_seen: dict[str, dict[str, int]] = {}
 
     def _handle_heartbeat(self, payload: str) -> None:
         """vLLM's ``HB:req1,req2`` heartbeat, applied by kvlease's table (SPEC P2, P6)."""
@@ -646,13 +656,14 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         step, at, _, verdict = pull.check(self._kvlease_renewer.read_check(req_id, pull.read_budget, now), now)
         if step == "read" and pull.reading(now) is not None:
             self._kvlease_pulls[req_id] = pull
+            self._kvlease_seen.setdefault(req_id, {})["read posted"] = now
             return True
         if step == "wait" and at is not None:
             logger.debug("kvlease: the read of %s waits for an acknowledged renewal", req_id)
             self._kvlease_deferred[req_id] = (meta, pull, at)
             return False
         kind, why = (verdict[1], verdict[2]) if verdict is not None else ("lease_lost", "")
-        logger.warning("kvlease: the lease of %s cannot be shown live (%s); its load fails", req_id, why)
+        logger.warning("kvlease: the lease of %s cannot be shown live (%s); its load fails (%s)", req_id, why, self._kvlease_story(req_id, now))
         self._kvlease_fail_load(req_id, meta, f"kvlease_{kind}")
         return False
 
@@ -773,8 +784,10 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             # and their loads fail (_kvlease_lost_request).
             logger.debug("kvlease: %s from %s", kind, engine_id)
             with self._kvlease_lock:
-                self._kvlease_renewer.on_message(engine_id, data, time.monotonic_ns())
+                now = time.monotonic_ns()
+                self._kvlease_renewer.on_message(engine_id, data, now)
                 self._kvlease_news += 1
+                self._kvlease_engine_seen.setdefault(engine_id, {}).setdefault("P first answered", now)
             self._kvlease_wake.set()
         else:
             logger.debug("kvlease: a %s from P %s is not a message a D takes; dropped", kind, engine_id)
@@ -797,9 +810,11 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 self._kvlease_reqs.pop(req_id, None)
                 self._kvlease_pulls.pop(req_id, None)
                 self._kvlease_landed.discard(req_id)
+                self._kvlease_seen.pop(req_id, None)
             for req_id, (engine_id, host, port, wire_id, control) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
                 self._kvlease_reqs[req_id] = (engine_id, wire_id)
+                self._kvlease_seen[req_id] = {"arrived": now}
                 ports = {(pp, tp): cport for pp, tp, cport in control}
                 if self._kvlease_control.get(engine_id) != (host, ports):
                     # A P restarted on new ports: connections to its old ones are done with.
@@ -820,6 +835,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             self._kvlease_hs_pending.discard(engine_id)
             agents = [str(a) for a in self._remote_agents[engine_id].values()]
             self._kvlease_renewer.handshake_done(engine_id, now, incarnation=0, agents=agents)
+            self._kvlease_engine_seen.setdefault(engine_id, {})["link to P up"] = now
             logger.debug("kvlease: linked to engine %s (agents %s)", engine_id, agents)
 
     def _kvlease_run(self) -> None:
@@ -911,6 +927,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 what, until, verdict = pull.reads_done(True, max(ranks, 1), now)
                 self._kvlease_confirming[wire_id] = [req_id, pull, until or now, verdict]
                 self._kvlease_landed.add(req_id)
+                self._kvlease_seen.setdefault(req_id, {})["landed"] = now
                 self._kvlease_renewer.untrack(req_id)
             sent = self._kvlease_send(engine_id, msg)
             if sent < ranks or not sent:
@@ -934,7 +951,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                     done.add(req_id)
                 else:
                     why = f"kvlease_{verdict[1]}"
-                    logger.warning("kvlease: the read of request %s is not used (%s): %s", req_id, why, verdict[2])
+                    logger.warning("kvlease: the read of request %s is not used (%s): %s (%s)", req_id, why, verdict[2], self._kvlease_story(req_id, now))
                     self._kvlease_lost_count += 1
                     self._log_failure(failure_type=why, req_id=req_id)
                     failed.add(req_id)
@@ -992,6 +1009,15 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         with self._kvlease_lock:
             self.kvlease_lost.difference_update(req_ids)
 
+    def _kvlease_story(self, req_id: str, now: int) -> str:
+        """When, before ``now``, the request reached this worker, its P engine's link came up and
+        first answered, and its read was posted and landed: what a failed load's warning says
+        (a lease that lapsed before the link came up reads differently from one P dropped)."""
+        engine = self._kvlease_reqs.get(req_id, ("", 0))[0]
+        marks = {**self._kvlease_engine_seen.get(engine, {}), **self._kvlease_seen.get(req_id, {})}
+        said = [f"{what} {(now - at) / 1e9:.2f} s ago" for what, at in sorted(marks.items(), key=lambda m: m[1])]
+        return "; ".join(said) if said else "nothing recorded"
+
     def _kvlease_lost_request(self, req_id: str) -> None:
         """The renewer's thread (under the lock): P does not hold ``req_id``'s lease. A read not
         posted yet is never posted (its load fails at the gate). A read already posted is left
@@ -1003,7 +1029,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         if req_id in self._kvlease_landed or req_id in self._recving_metadata:
             logger.debug("kvlease: the lease of request %s ended with its read posted; its ReadDone decides", req_id)
             return
-        logger.warning("kvlease: P reports the lease of request %s lost; its load fails", req_id)
+        logger.warning("kvlease: P reports the lease of request %s lost; its load fails (%s)", req_id, self._kvlease_story(req_id, time.monotonic_ns()))
         self._kvlease_lost_count += 1
         self.kvlease_lost.add(req_id)
 
@@ -1050,14 +1076,17 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         """SPEC P4: expired leases, in deadline order, O(1) when none is due. The bookkeeping
         per expired request is vLLM's (counters, stats, ``done_sending``)."""
         self._kvlease_answer_early()
-        for req_id in self._reqs_to_send.expired():  # type: ignore[attr-defined]
+        book = self._reqs_to_send
+        for req_id in book.expired():  # type: ignore[attr-defined]
             count = self.consumer_notification_counts_by_req.pop(req_id, 0)
             self.expected_consumer_notifications_by_req.pop(req_id, None)
             self.xfer_stats.record_kv_expired_req()
+            granted = book.granted_at.pop(req_id, None)  # type: ignore[attr-defined]
             logger.warning(
-                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.",
+                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.%s",
                 req_id,
                 count,
+                "" if granted is None else f" (kvlease: granted {(time.monotonic_ns() - granted) / 1e9:.2f} s ago; {self._kvlease_hb_received} heartbeats received in all)",
             )
             self._reqs_to_process.discard(req_id)
             done_sending.add(req_id)
