@@ -814,7 +814,7 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
             for req_id, (engine_id, host, port, wire_id, control) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
                 self._kvlease_reqs[req_id] = (engine_id, wire_id)
-                self._kvlease_seen[req_id] = {"arrived": now}
+                self._kvlease_seen[req_id] = {"reached D's worker": now}
                 ports = {(pp, tp): cport for pp, tp, cport in control}
                 if self._kvlease_control.get(engine_id) != (host, ports):
                     # A P restarted on new ports: connections to its old ones are done with.

@@ -923,9 +923,9 @@ def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create,
     assert {3, 4} <= d.get_block_ids_with_load_errors()
     # The failed load's warning tells its request's story, oldest first.
     story = d._kvlease_story(d_req, time.monotonic_ns())
-    marks = ["arrived", "link to P up", "P first answered", "read posted", "landed"]
+    marks = ["reached D's worker", "link to P up", "P first answered", "read posted", "landed"]
     assert all(m in story for m in marks), story
-    assert story.index("arrived") < story.index("read posted") < story.index("landed"), story
+    assert story.index("reached D's worker") < story.index("read posted") < story.index("landed"), story
 
 
 def test_d6_a_lease_ended_by_its_own_read_before_d_saw_it_land_is_used_once(create, p_workers, p_side_channels):
