@@ -892,21 +892,21 @@ def test_s5_lease_book_holders_are_the_tables_and_a_question_claims_nothing():
     assert _read_live(book, "d-one", 7) and not _read_live(book, "d-two", 7)
 
 
-def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create, p_workers, p_side_channels):
-    """SPEC D6 inside vLLM: P reports a lease lost while D's READ of it is already posted. The
-    load fails through vLLM's failure path once the READ is over (its blocks marked invalid, the
-    request reported once, as failed), and the landed bytes are never reported as received, not
-    even after P answers the read's ReadDone."""
+def _lost_after_d_posted_its_read(create, kv, port, name, W, p_req, d_req, end):
+    """D posts its READ of P's lease; P then ends the lease (``end``: ``"release"``, nobody
+    read it; ``"pop"``, ended on that read's completion) and answers D's next heartbeat naming
+    it lost before D's engine thread saw the read land. Steps both sides until D reported the
+    request and P answered the read's ReadDone; returns D's worker and what it reported,
+    ``(request, failed)`` each time."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-    kv, _, _ = p_workers
-    W, p_req, d_req = (43 << 32) + 1, "p-inflight-1", "d-inflight-1"
-    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-inflight", W, p_req, d_req, p_ttl=30)
-    d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
+    d = kvlease_d_linked_to_p(create, kv, port, name, W, p_req, d_req, p_ttl=30)
+    d.start_load_kv(to_recv(d_req, p_req, port))
     wait_for(lambda: d_req in d._recving_transfers, "the read to be posted",
              step=lambda: (kv._get_new_notifs(), time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
-    kv._reqs_to_send.release(p_req)  # P ends the lease...
-    d._kvlease_lost_request(d_req)  # ... and D's renewer hears of it before D saw the read land
+    getattr(kv._reqs_to_send, end)(p_req)
+    with d._kvlease_lock:  # as the renewer's thread hears it
+        d._kvlease_lost_request(d_req)
     reported: list[tuple[str, bool]] = []
 
     def step():
@@ -918,7 +918,18 @@ def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create,
 
     wait_for(lambda: reported, "the load to end", step=step)
     wait_for(lambda: W not in d._kvlease_confirming, "P's answer to the read's ReadDone", step=step)
-    step()
+    step()  # nothing more is reported after it
+    return d, reported
+
+
+def test_d6_a_lease_lost_while_its_read_is_in_flight_fails_the_load_once(create, p_workers, p_side_channels):
+    """SPEC D6 inside vLLM: P reports a lease lost while D's READ of it is already posted. The
+    load fails through vLLM's failure path once the READ is over (its blocks marked invalid, the
+    request reported once, as failed), and the landed bytes are never reported as received, not
+    even after P answers the read's ReadDone."""
+    kv, _, _ = p_workers
+    d_req = "d-inflight-1"
+    d, reported = _lost_after_d_posted_its_read(create, kv, p_side_channels["p-kv"], "d-inflight", (43 << 32) + 1, "p-inflight-1", d_req, "release")
     assert reported == [(d_req, True)], reported
     assert {3, 4} <= d.get_block_ids_with_load_errors()
     # The failed load's warning tells its request's story, oldest first.
@@ -935,29 +946,9 @@ def test_d6_a_lease_ended_by_its_own_read_before_d_saw_it_land_is_used_once(crea
     The read's ReadDone decides: P confirms it (the lease ended on that read), and the request
     is reported once, received, never also failed (reported twice, vLLM's worker asserts
     "not found in recving_metadata list" and its engine dies)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
-
     kv, _, _ = p_workers
-    W, p_req, d_req = (47 << 32) + 1, "p-ownread-1", "d-ownread-1"
-    d = kvlease_d_linked_to_p(create, kv, p_side_channels["p-kv"], "d-ownread", W, p_req, d_req, p_ttl=30)
-    d.start_load_kv(to_recv(d_req, p_req, p_side_channels["p-kv"]))
-    wait_for(lambda: d_req in d._recving_transfers, "the read to be posted",
-             step=lambda: (kv._get_new_notifs(), time.sleep(0.05), d._get_new_notifs(), d.start_load_kv(NixlConnectorMetadata())))
-    kv._reqs_to_send.pop(p_req)  # P ends the lease on the read's completion...
-    with d._kvlease_lock:
-        d._kvlease_lost_request(d_req)  # ... and answers D's next heartbeat naming it: lost
-    reported: list[tuple[str, bool]] = []
-
-    def step():
-        kv._get_new_notifs()
-        time.sleep(0.05)
-        res = d.get_transfer_results()
-        reported.extend((r, r in res.failed_recving) for r in res.finished_recving if r == d_req)
-        d.start_load_kv(NixlConnectorMetadata())
-
-    wait_for(lambda: reported, "the load to end", step=step)
-    for _ in range(5):
-        step()
+    d_req = "d-ownread-1"
+    _, reported = _lost_after_d_posted_its_read(create, kv, p_side_channels["p-kv"], "d-ownread", (47 << 32) + 1, "p-ownread-1", d_req, "pop")
     assert reported == [(d_req, False)], reported
 
 
