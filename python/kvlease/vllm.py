@@ -540,8 +540,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         # SPEC P5/D6: reads landed and waiting for P's confirmation, by wire id:
         # [request, its pull, give up at (ns), the verdict once decided].
         self._kvlease_confirming: dict[int, list[Any]] = {}
-        # Requests whose read landed (confirming or confirmed): no longer renewed.
-        self._kvlease_landed: set[str] = set()
         self._kvlease_hs_pending: set[str] = set()
         self.kvlease_lost: set[str] = set()
         # What a failed load's warning tells: when each request reached this worker and its
@@ -809,7 +807,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 r.untrack(req_id)
                 self._kvlease_reqs.pop(req_id, None)
                 self._kvlease_pulls.pop(req_id, None)
-                self._kvlease_landed.discard(req_id)
                 self._kvlease_seen.pop(req_id, None)
             for req_id, (engine_id, host, port, wire_id, control) in new.items():
                 r.track(req_id, engine_id, host, port, wire_id, now)
@@ -926,7 +923,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 # more (P ends it on the read's completion).
                 what, until, verdict = pull.reads_done(True, max(ranks, 1), now)
                 self._kvlease_confirming[wire_id] = [req_id, pull, until or now, verdict]
-                self._kvlease_landed.add(req_id)
                 self._kvlease_seen.setdefault(req_id, {})["landed"] = now
                 self._kvlease_renewer.untrack(req_id)
             sent = self._kvlease_send(engine_id, msg)
@@ -946,7 +942,6 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
                 if req_id not in self._recving_metadata or req_id in self._recv_failures:
                     # Failed meanwhile through vLLM's own path (a transfer error): reported once.
                     logger.debug("kvlease: the read of request %s was failed meanwhile; its ReadDone answer is moot", req_id)
-                    self._kvlease_landed.discard(req_id)
                 elif verdict[0] == "use":
                     done.add(req_id)
                 else:
@@ -1019,14 +1014,19 @@ class KvleaseConnectorWorker(NixlPullConnectorWorker):
         return "; ".join(said) if said else "nothing recorded"
 
     def _kvlease_lost_request(self, req_id: str) -> None:
-        """The renewer's thread (under the lock): P does not hold ``req_id``'s lease. A read not
-        posted yet is never posted (its load fails at the gate). A read already posted is left
-        to its ``ReadDone``: P answers live when the lease ended on that very read (vLLM's P
-        frees on D's completion notification, which can reach P before D's engine thread sees
-        its own read land) and lost otherwise, and only then is the load failed or used. (Failing
-        it here as well reported the request twice, and vLLM's worker asserted and took D's
-        engine down.)"""
-        if req_id in self._kvlease_landed or req_id in self._recving_metadata:
+        """The renewer's thread (under the lock): P does not hold ``req_id``'s lease. What that
+        means for the request is its Pull's to say (kvlease-core, SPEC D6/P5): a read not posted
+        yet is never posted (its load fails at the gate); a read posted, or landed and awaiting
+        P's confirmation, is left to its ``ReadDone`` (P ends a lease on its read's own
+        completion, which can reach P before this engine's thread sees the read land)."""
+        wire_id = self._kvlease_reqs.get(req_id, ("", 0))[1]
+        pull = self._kvlease_pulls.get(req_id)
+        if pull is None:
+            entry = self._kvlease_confirming.get(wire_id)
+            pull = entry[1] if entry is not None and entry[0] == req_id else None
+        if pull is None and req_id in self._kvlease_deferred:
+            pull = self._kvlease_deferred[req_id][1]
+        if pull is not None and pull.lease_lost() is None:
             logger.debug("kvlease: the lease of request %s ended with its read posted; its ReadDone decides", req_id)
             return
         logger.warning("kvlease: P reports the lease of request %s lost; its load fails (%s)", req_id, self._kvlease_story(req_id, time.monotonic_ns()))

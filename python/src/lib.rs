@@ -11,7 +11,7 @@ use kvlease_core::config::{ConfigError, KvRole, KvTransferConfig, LeaseConfig, L
 use kvlease_core::digest::PromptDigest;
 use kvlease_core::issued::{IssuedLeases, Issuer};
 use kvlease_core::lease_table::{Answer, Completion, Holder, LeaseTable, ReleaseReason, Released};
-use kvlease_core::pull::{AfterReads, Pull, PullLost, ReadFailure, Step, Verdict};
+use kvlease_core::pull::{AfterReads, Pull, ReadFailure, Step, Verdict};
 use kvlease_core::renewer::{Action, Handshook, ReadCheck, Remote, Renewer, SendKind, Untrack};
 use kvlease_core::wire::{self, Hello, Message, WireError};
 use kvlease_core::{LeaseId, Nanos};
@@ -605,9 +605,11 @@ impl PyPull {
         verdict_of(self.pull.on_deadline())
     }
 
-    /// The lease was reported lost: the verdict.
-    fn lease_lost(&mut self) -> PyVerdict {
-        verdict_of(self.pull.finish(Err(PullLost::LeaseLost)))
+    /// SPEC D6, P5: the renewer reported the lease lost. The verdict while no read was posted
+    /// (never read); ``None`` once the reads were posted or the pull was decided: their
+    /// ``ReadDone`` decides (P also ends a lease on its read's own completion).
+    fn lease_lost(&mut self) -> Option<PyVerdict> {
+        self.pull.on_lease_lost().map(verdict_of)
     }
 }
 

@@ -238,6 +238,20 @@ def test_d6_pull_decides_when_to_read_and_whether_to_use_it():
         Pull(cfg, "p0", 0).check("maybe", 0)
 
 
+def test_d6_a_loss_reported_after_the_read_was_posted_is_left_to_its_read_done():
+    """kvlease-core's Pull decides what a lease reported lost means (the vLLM connector asks it):
+    before the read, the load fails; once the read is posted or landed, P's answer to its
+    ReadDone decides (P may have ended the lease on that very read)."""
+    cfg = LeaseConfig(30)
+    assert Pull(cfg, "p0", 0).lease_lost() == ("recompute", "lease_lost", "the prefill engine reported the lease lost")
+    p = Pull(cfg, "p0", 0)
+    assert p.check("safe", 0)[0] == "read" and p.reading(0) is not None
+    assert p.lease_lost() is None
+    p.reads_done(True, 1, 1)
+    assert p.lease_lost() is None
+    assert p.on_read_done_ack(True) == ("use", None, None)
+
+
 def test_p7_malformed_message_raises_wire_error_table_unchanged():
     t = table()
     h = t.holder("d0")

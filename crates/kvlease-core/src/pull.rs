@@ -399,6 +399,22 @@ impl Pull {
         (got >= want).then(|| self.finish(Ok(())))
     }
 
+    /// The renewer reported the lease lost (P answered a heartbeat or renewal naming it lost).
+    /// `Some(verdict)` while no read was posted: the bytes will never be read, the request
+    /// recomputes or fails now. `None` once the reads were posted (or the pull was decided):
+    /// their `ReadDone`s decide. P also ends a lease *on* its read (vLLM's P frees the blocks
+    /// when D's transfer notification arrives, which can reach P before D's own engine sees its
+    /// read land), so a loss reported then may be the read's own completion: P answers that
+    /// read's `ReadDone` live if the lease was still held when it completed, lost otherwise
+    /// (SPEC D6, P5). Failing the load on the report as well decided the request twice (inside
+    /// vLLM, its worker asserted and D's engine died).
+    pub fn on_lease_lost(&mut self) -> Option<Verdict> {
+        match self.state {
+            State::AwaitLive { .. } => Some(self.finish(Err(PullLost::LeaseLost))),
+            State::Reading { .. } | State::AwaitAcks { .. } | State::Done => None,
+        }
+    }
+
     /// Whether the pull still waits for `ReadDoneAck`s. With the planted bug
     /// [`PlantedBug::SkipReadDoneAck`] it never does.
     pub fn awaits_acks(&self) -> bool {
@@ -614,6 +630,29 @@ mod tests {
         let mut p = start(2);
         assert_eq!(p.on_read_done_ack(true), None);
         assert_eq!(p.on_deadline(), Verdict::Recompute(PullLost::NoReadDoneAck));
+    }
+
+    /// SPEC D6, P5: a loss reported before the read was posted decides the pull (never read);
+    /// once the read is posted, or landed and awaits P's confirmation, the read's `ReadDone`
+    /// decides: P answers it live when the lease ended on that very read.
+    #[test]
+    fn d6_a_loss_reported_after_the_read_was_posted_is_decided_by_its_read_done() {
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
+        assert_eq!(p.on_lease_lost(), Some(Verdict::Recompute(PullLost::LeaseLost)));
+        assert_eq!(p.check(ReadCheck::Safe, T0), Step::Lost(PullLost::LeaseLost), "decided: never read");
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
+        assert_eq!(p.check(ReadCheck::Safe, T0), Step::Read);
+        p.reading(T0).unwrap();
+        assert_eq!(p.on_lease_lost(), None, "posted: its ReadDone decides");
+        assert!(matches!(p.reads_done(Ok(1), false, T0), AfterReads::AwaitAcks { .. }));
+        assert_eq!(p.on_lease_lost(), None, "landed: its ReadDone decides");
+        assert_eq!(p.on_read_done_ack(true), Some(Verdict::Use), "the lease ended on this read: used, once");
+        assert_eq!(p.on_lease_lost(), None, "decided already");
+        let mut p = Pull::new(&cfg(), "p", 7, false, T0);
+        p.begin_read(Some((7, 1)), 8, 1, T0).unwrap();
+        assert!(matches!(p.reads_done(Ok(1), false, T0), AfterReads::AwaitAcks { .. }));
+        assert_eq!(p.on_lease_lost(), None);
+        assert_eq!(p.on_read_done_ack(false), Some(Verdict::Recompute(PullLost::EndedUnderRead)), "ended under the read: not used");
     }
 
     /// SPEC D6: a read that fails or outlives the read timeout is never used; under

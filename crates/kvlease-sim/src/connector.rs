@@ -21,8 +21,9 @@
 //!   slot (it may queue), gated by the pull (held back and asked again on news or every 100 ms,
 //!   or failed), and vLLM's handshake with P is made on D's heartbeat steps (every I). A read
 //!   that landed is seen at D's next step: D stops renewing, asks P with a `ReadDone` and uses
-//!   the bytes only on P's confirmation. A lease reported lost fails a read in flight or a read
-//!   to come. Some D engines are kvlease's own (an abort sends a `Release`, SPEC D4); vLLM's
+//!   the bytes only on P's confirmation. A lease reported lost fails a read to come; a read
+//!   already posted is left to its `ReadDone` (its Pull says so: P may end the lease on that
+//!   very read). Some D engines are kvlease's own (an abort sends a `Release`, SPEC D4); vLLM's
 //!   tells P nothing.
 //! * **Faults**: every message is encoded and decoded ([`Message`]) and may be lost, duplicated,
 //!   delayed and so reordered; a D engine may crash, or pause (its process stalls, sometimes
@@ -389,9 +390,7 @@ struct DEngine {
     pulls: BTreeMap<usize, Pull>,
     landed_unseen: Vec<usize>,
     confirming: BTreeMap<(usize, u64), Confirming>,
-    landed: BTreeSet<usize>,
     lost: BTreeSet<usize>,
-    failed_recv: Vec<usize>,
     reqs: BTreeMap<String, usize>,
     copies: Vec<usize>,
     news: u64,
@@ -473,9 +472,7 @@ impl World {
                 pulls: BTreeMap::new(),
                 landed_unseen: Vec::new(),
                 confirming: BTreeMap::new(),
-                landed: BTreeSet::new(),
                 lost: BTreeSet::new(),
-                failed_recv: Vec::new(),
                 reqs: BTreeMap::new(),
                 copies: Vec::new(),
                 news: 0,
@@ -1152,13 +1149,7 @@ impl World {
                 self.handshakes_done(d, t);
             }
         }
-        // get_finished: loads failed under a read, reads landed, confirmations decided.
-        for c in std::mem::take(&mut self.ds[d].failed_recv) {
-            if self.copies[c].state == State::Reading {
-                self.ds[d].pulls.remove(&c);
-                self.fail_by_policy(c, "lease_lost", t);
-            }
-        }
+        // get_finished: reads landed, confirmations decided.
         for c in std::mem::take(&mut self.ds[d].landed_unseen) {
             if self.copies[c].state == State::Reading {
                 self.landed(d, c, t);
@@ -1257,7 +1248,6 @@ impl World {
         let (p, w) = (self.reqs[r].p, self.reqs[r].w);
         let Some(mut pull) = self.ds[d].pulls.remove(&c) else { return };
         let rid = self.copies[c].rid.clone();
-        self.ds[d].landed.insert(c);
         self.ds[d].renewer.untrack(&rid, Untrack::Transferred);
         match pull.reads_done(Ok(1), false, t) {
             AfterReads::AwaitAcks { until } => {
@@ -1306,16 +1296,20 @@ impl World {
 
     /// The connector's `_kvlease_lost_request`.
     fn lost_request(&mut self, d: usize, c: usize, _t: Nanos) {
-        if self.ds[d].landed.contains(&c) {
+        // What the loss means is the request's Pull's to say (SPEC D6, P5): a read posted, or
+        // landed and awaiting P's confirmation, is left to its `ReadDone`.
+        let de = &mut self.ds[d];
+        let pull = match de.pulls.get_mut(&c) {
+            Some(pull) => Some(pull),
+            None => de.confirming.values_mut().find(|e| e.0 == c).map(|e| &mut e.1),
+        };
+        if pull.is_some_and(|pull| pull.on_lease_lost().is_none()) {
+            self.note(format!("d{d}: req {}'s lease reported lost with its read posted; its ReadDone decides", self.copies[c].r));
             return;
         }
         self.note(format!("d{d}: req {}'s lease reported lost", self.copies[c].r));
-        match self.copies[c].state {
-            State::Reading => self.ds[d].failed_recv.push(c),
-            State::Queued | State::Deferred => {
-                self.ds[d].lost.insert(c);
-            }
-            _ => {}
+        if matches!(self.copies[c].state, State::Queued | State::Deferred) {
+            self.ds[d].lost.insert(c);
         }
     }
 
