@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Live leases across real processes (issue 27): N requests in flight at once through a
-# `kvlease proxy`, each holding a lease on P while it waits in D's queue, renewed by D's heartbeats
+# Live leases across real processes (issue 27): N requests in flight at once through
+# `kvlease proxy` (PROXIES of them side by side, as router replicas), each holding a lease on P while it waits in D's queue, renewed by D's heartbeats
 # for HOLD seconds; then D is SIGKILLed and P must take every lease back by itself.
 #
 # One P (kv_producer) and one D (kv_consumer), synthetic engine on loopback, lease L = 30 s
@@ -18,14 +18,15 @@
 # bytes_received), so heartbeat bytes per lease per interval = D->P bytes / renewals.
 #
 #   N=1000 HOLD=60 scripts/bench-scale.sh       # a first try (~2 min)
-#   scripts/bench-scale.sh                      # N=10000, HOLD=300 (needs ~20300 open files)
-#   N=9500 scripts/bench-scale.sh               # the most that fits a 20000 open-file limit
+#   scripts/bench-scale.sh                      # N=10000, HOLD=300, two proxies (see below)
+#   N=9500 PROXIES=1 scripts/bench-scale.sh     # the most one proxy takes under 20000 open files
 #   KVLEASE_BIN=target/release/kvlease N=5000 scripts/bench-scale.sh   # no cargo build
 #
 # Environment: N (10000), HOLD (300 s), SAMPLE (5 s), LEASE (30 s), DECODE_MS (1000),
 # PROMPT_WORDS (8), RATE (250), RAMP_TIMEOUT (300 s: give up waiting for N leases after this),
-# RECLAIM_TIMEOUT (120 s), OUT (a directory for the samples' CSV and the processes' logs;
-# default target/bench-scale).
+# RECLAIM_TIMEOUT (120 s), PROXIES (how many proxies share the requests, round robin; default:
+# as few as fit the open-file limit), OUT (a directory for the samples' CSV and the processes'
+# logs; default target/bench-scale).
 #
 # The client: by default a paced one (RATE new requests a second, 250; raw HTTP/1.1 from Python's
 # asyncio), because every kvlease listener has an accept backlog of 128 (tokio's
@@ -36,7 +37,8 @@
 # Limits on the shared 2-core test machine: the open-file hard limit (20000 there, not raisable
 # in its container) bounds the proxy, which holds a socket per client and one per decode leg
 # (about 2N; 3N in a burst, with a P-leg socket per request kept in its pool), so N=9500 is the
-# most that fits: see BENCHMARKS.md.
+# most one proxy takes; more requests are spread over PROXIES proxies (each holds its share, and D
+# one socket per request: N=10000 fits D's limit). See BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,9 +67,14 @@ mkdir -p "$OUT"
 ulimit -n "$(ulimit -Hn)"
 NOFILE=$(ulimit -n)
 CONNS=$((N + 1024))
-echo "== N=$N HOLD=${HOLD}s lease ${LEASE}s, open files $NOFILE, HTTP connection caps $CONNS"
-if ((2 * N + 256 > NOFILE)); then
-  echo "warning: the proxy needs about 2N+256 = $((2 * N + 256)) open files (a client socket and a decode-leg socket per request); the limit is $NOFILE" >&2
+# A proxy holds about 2 open files per request (its client's socket, the decode leg's) plus 256.
+PROXIES=${PROXIES:-$(((2 * N + 256 + NOFILE - 257) / (NOFILE - 256)))}
+echo "== N=$N HOLD=${HOLD}s lease ${LEASE}s, open files $NOFILE, HTTP connection caps $CONNS, $PROXIES proxies"
+if ((2 * N / PROXIES + 256 > NOFILE)); then
+  echo "warning: each proxy needs about 2N/PROXIES+256 = $((2 * N / PROXIES + 256)) open files (a client socket and a decode-leg socket per request); the limit is $NOFILE" >&2
+fi
+if ((N + 512 > NOFILE)); then
+  echo "warning: D holds a socket per queued request: N+512 = $((N + 512)) open files; the limit is $NOFILE" >&2
 fi
 
 export KVLEASE_TRANSFER_SECRET="scale-$$-$RANDOM$RANDOM"
@@ -87,12 +94,17 @@ P_URL=$(url_of p "kvlease serve listening on ")
 D_URL=$(url_of d "kvlease serve listening on ")
 p_hp=${P_URL#http://}
 d_hp=${D_URL#http://}
-launch proxy proxy --host 127.0.0.1 --port 0 \
-  --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
-  --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}" \
-  --http-max-connections "$CONNS" --request-timeout $((RAMP_TIMEOUT + HOLD + 3600))
-PROXY_URL=$(url_of proxy "kvlease proxy listening on ")
-echo "P $P_URL (pid ${PID[p]}) | D $D_URL (pid ${PID[d]}) | proxy $PROXY_URL (pid ${PID[proxy]})"
+PROXY_URLS=() PROXY_PIDS=()
+for i in $(seq "$PROXIES"); do
+  launch "proxy$i" proxy --host 127.0.0.1 --port 0 \
+    --prefiller-hosts "${p_hp%:*}" --prefiller-ports "${p_hp##*:}" \
+    --decoder-hosts "${d_hp%:*}" --decoder-ports "${d_hp##*:}" \
+    --http-max-connections "$CONNS" --request-timeout $((RAMP_TIMEOUT + HOLD + 3600))
+  PROXY_URLS+=("$(url_of "proxy$i" "kvlease proxy listening on ")")
+  PROXY_PIDS+=("${PID[proxy$i]}")
+done
+PROXY_URL=$(IFS=,; echo "${PROXY_URLS[*]}")
+echo "P $P_URL (pid ${PID[p]}) | D $D_URL (pid ${PID[d]}) | proxies $PROXY_URL (pids ${PROXY_PIDS[*]})"
 
 # Keep the logs when the script ends, whatever happens.
 save_logs() {
@@ -126,10 +138,10 @@ if ((RATE > 0)); then
   # raw HTTP/1.1, `Connection: close`; it prints a status tally when every request has ended.
   cat >"$WORK/client.py" <<'CLIENT'
 import asyncio, collections, json, sys, time
-url, n, rate, words = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-host, port = url.removeprefix("http://").split(":")
+urls, n, rate, words = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 tally = collections.Counter()
 async def one(i):
+    host, port = urls[i % len(urls)].removeprefix("http://").split(":")
     prompt = " ".join(f"w{i}x{j}" for j in range(words))
     body = json.dumps({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -156,10 +168,11 @@ async def main():
     print(f"requests={n} " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
 asyncio.run(main())
 CLIENT
-  echo "== paced client: $N requests through the proxy, $RATE new a second, all held open (max_tokens 1, $PROMPT_WORDS-word prompts)"
+  echo "== paced client: $N requests through the proxies (round robin), $RATE new a second, all held open (max_tokens 1, $PROMPT_WORDS-word prompts)"
   "$PY" "$WORK/client.py" "$PROXY_URL" "$N" "$RATE" "$PROMPT_WORDS" >"$WORK/load.out" 2>"$WORK/load.err" &
 else
   echo "== kvlease load: $N requests at once through the proxy (max_tokens 1, $PROMPT_WORDS-word prompts)"
+  ((PROXIES == 1)) || { echo "error: RATE=0 (kvlease load) drives one proxy: set PROXIES=1" >&2; exit 1; }
   "$BIN" load --url "$PROXY_URL" --requests "$N" --concurrency "$N" --max-tokens 1 \
     --prompt-words "$PROMPT_WORDS" --timeout-secs $((RAMP_TIMEOUT + HOLD + 3600)) \
     --max-run-secs $((RAMP_TIMEOUT + HOLD + 3600)) --log-level warn >"$WORK/load.out" 2>"$WORK/load.err" &
@@ -168,14 +181,15 @@ PID[load]=$!
 
 # The rest (ramp, hold, kill, reclaim, table) in Python: it polls, parses and times better.
 "$PY" - "$N" "$HOLD" "$SAMPLE" "$LEASE" "$RAMP_TIMEOUT" "$RECLAIM_TIMEOUT" "$OUT" "$P_RSS0" \
-  "$P_URL" "$D_URL" "$PROXY_URL" "${PID[p]}" "${PID[d]}" "${PID[proxy]}" "${PID[load]}" <<'PY'
+  "$P_URL" "$D_URL" "$PROXY_URL" "${PID[p]}" "${PID[d]}" "$(IFS=,; echo "${PROXY_PIDS[*]}")" "${PID[load]}" <<'PY'
 import os, re, signal, subprocess, sys, time, urllib.request
 
 (n, hold, sample, lease, ramp_timeout, reclaim_timeout, out, p_rss0,
  p_url, d_url, proxy_url, p_pid, d_pid, proxy_pid, load_pid) = sys.argv[1:]
 n, hold, sample, lease = int(n), float(hold), float(sample), float(lease)
 ramp_timeout, reclaim_timeout, p_rss0 = float(ramp_timeout), float(reclaim_timeout), int(p_rss0)
-p_pid, d_pid, proxy_pid, load_pid = int(p_pid), int(d_pid), int(proxy_pid), int(load_pid)
+p_pid, d_pid, load_pid = int(p_pid), int(d_pid), int(load_pid)
+proxy_pids = [int(x) for x in proxy_pid.split(",")]
 HZ = os.sysconf("SC_CLK_TCK")
 LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 
@@ -252,12 +266,13 @@ def snap(t0):
                 hb_recv=pm.get("kvlease_heartbeats_received_total", 0),
                 hb_sent=dm.get("kvlease_heartbeats_sent_total", 0),
                 d_waiting=dm.get("kvlease_requests_waiting", 0), d_lost=dm.get("kvlease_lease_lost_total", 0),
-                p_cpu=cpu_s(p_pid), d_cpu=cpu_s(d_pid), proxy_cpu=cpu_s(proxy_pid),
-                p_rss=rss_kib(p_pid), d_rss=rss_kib(d_pid), proxy_fds=fds(proxy_pid),
+                p_cpu=cpu_s(p_pid), d_cpu=cpu_s(d_pid), proxy_cpu=sum(cpu_s(x) for x in proxy_pids),
+                p_rss=rss_kib(p_pid), d_rss=rss_kib(d_pid), proxy_fds=max(fds(x) for x in proxy_pids),
+                d_fds=fds(d_pid),
                 hb_bytes=s, ack_bytes=r)
 
 COLS = ["t", "active", "blocks", "granted", "expired", "renewals", "hb_sent", "hb_recv", "d_waiting", "d_lost",
-        "p_cpu", "d_cpu", "proxy_cpu", "p_rss", "d_rss", "proxy_fds", "hb_bytes", "ack_bytes"]
+        "p_cpu", "d_cpu", "proxy_cpu", "p_rss", "d_rss", "proxy_fds", "d_fds", "hb_bytes", "ack_bytes"]
 csv = open(os.path.join(out, "samples.csv"), "w")
 csv.write("phase," + ",".join(COLS) + "\n")
 def log(phase, s):
@@ -266,7 +281,7 @@ def log(phase, s):
     print(f"  [{phase:6}] t={s['t']:6.1f}s leases={int(s['active']):6d} granted={int(s['granted']):6d} "
           f"expired={int(s['expired'])} renewals={int(s['renewals']):8d} D waiting={int(s['d_waiting']):6d} "
           f"P cpu={s['p_cpu']:7.2f}s rss={s['p_rss']//1024}MiB | D cpu={s['d_cpu']:7.2f}s rss={s['d_rss']//1024}MiB "
-          f"| proxy fds={s['proxy_fds']} | D->P {s['hb_bytes']} B", flush=True)
+          f"| proxy fds={s['proxy_fds']} D fds={s['d_fds']} | D->P {s['hb_bytes']} B", flush=True)
 
 def load_alive():
     try:
@@ -353,21 +368,21 @@ median = steady[len(steady) // 2] if steady else float("nan")
 # A pinned KV block's bytes: 2 (K, V) x layers x heads x head_dim x dtype bytes x block size.
 block_bytes = int(os.environ.get("BLOCK_BYTES", "8192"))
 rows = [
-    ("N (requests in flight through the proxy)", f"{n}"),
+    ("N (requests in flight through the proxies)", f"{n} through {len(proxy_pids)} prox{'y' if len(proxy_pids) == 1 else 'ies'}"),
     ("live leases reached on P (min-max during the hold)", f"{live_min}-{live_max} (ramp {ramp_s:.0f} s)"),
     ("premature expirations during the hold", f"{int(h1['expired'] - h0['expired'])} (D lease_lost +{int(h1['d_lost'] - h0['d_lost'])})"),
     (f"hold measured", f"{hold_secs:.0f} s, {len(samples)} samples"),
     ("renewals during the hold (expected: live leases x time / I)", f"{int(renew)} ({expected:.0f}); heartbeat messages D sent {int(h1['hb_sent'] - h0['hb_sent'])} / P received {int(h1['hb_recv'] - h0['hb_recv'])}"),
     ("P CPU during the hold, % of a core", f"{100 * (h1['p_cpu'] - h0['p_cpu']) / hold_secs:.2f}"),
     ("D CPU during the hold, % of a core", f"{100 * (h1['d_cpu'] - h0['d_cpu']) / hold_secs:.2f}"),
-    ("proxy CPU during the hold, % of a core", f"{100 * (h1['proxy_cpu'] - h0['proxy_cpu']) / hold_secs:.2f}"),
+    ("proxies' CPU during the hold, % of a core (together)", f"{100 * (h1['proxy_cpu'] - h0['proxy_cpu']) / hold_secs:.2f}"),
     ("heartbeat bytes per lease per interval (D->P payload / renewals)",
      f"{hbb / renew:.2f} mean, {median:.3f} median interval (acks P->D {ackb / renew:.3f})" if renew else "n/a"),
     ("P RSS growth per live lease", f"{(h1['p_rss'] - p_rss0) * 1024 / max(live_max, 1):.0f} B ({p_rss0 // 1024} -> {h1['p_rss'] // 1024} MiB)"),
     ("  of which the lease's pinned KV blocks", f"{h0['blocks'] / max(h0['active'], 1):.2f} blocks x {block_bytes} B = {h0['blocks'] * block_bytes / max(h0['active'], 1):.0f} B; the rest {((h1['p_rss'] - p_rss0) * 1024 - h0['blocks'] * block_bytes) / max(live_max, 1):.0f} B"),
     ("P RSS growth during the hold", f"{(h1['p_rss'] - h0['p_rss'])} KiB"),
     ("D RSS at the end of the hold", f"{h1['d_rss'] // 1024} MiB"),
-    ("proxy open files at the end of the hold", f"{h1['proxy_fds']}"),
+    ("open files at the end of the hold: the busiest proxy, D", f"{h1['proxy_fds']}, {h1['d_fds']}"),
     ("reclaim after SIGKILL of D (P leases_active -> 0)", f"{reclaim:.1f} s (bound 2L/3 = {2 * lease / 3:.0f} s after the last renewal)" if reclaim is not None else f"not within {reclaim_timeout:.0f} s ({int(pm.get('kvlease_leases_active', 0))} left)"),
     ("TcpExt counters, load start to end of hold (machine-wide)", ", ".join(f"{k} +{net1[k] - net0[k]}" for k in net0)),
     ("P leases released by reason (whole run)", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))),
@@ -389,7 +404,7 @@ echo "== the client's summary (its requests failed when D was killed, as expecte
 tail -n 5 "$WORK/load.out" || true
 grep -v '^\s*$' "$WORK/load.err" | tail -n 5 || true
 echo "== warnings and errors logged by P, D and the proxy (first lines):"
-for name in p d proxy; do
+for name in p d $(seq -f 'proxy%g' "$PROXIES"); do
   echo "-- $name: $(wc -l <"$WORK/$name.err") lines"
   head -n 5 "$WORK/$name.err" | cut -c1-300
 done
