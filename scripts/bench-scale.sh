@@ -83,10 +83,11 @@ cfg() { printf '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_ext
 BLOCK_TOKENS=$(((RAMP_TIMEOUT + HOLD + 300) * 1000 / DECODE_MS))
 MAX_MODEL_LEN=$((BLOCK_TOKENS + 512))
 
-# P: a lease pins the prompt's blocks (one or two 16-token blocks at PROMPT_WORDS=8): a pool of
-# 4 blocks per request, so no request ever waits for P's blocks.
+# P: a lease pins its prompt's 16-token blocks: 4 at PROMPT_WORDS=8 (63 tokens) while request
+# numbers have up to four digits, 5 past 10,000 (the words are longer): a pool of 6 blocks per
+# request, so no request waits for P's blocks (one that does queues on P, and holds no lease).
 launch p serve --host 127.0.0.1 --port 0 --engine-id scale-p --kv-transfer-config "$(cfg kv_producer)" \
-  --num-gpu-blocks $((4 * N + 1024)) --max-num-seqs 256 --http-max-connections "$CONNS"
+  --num-gpu-blocks $((6 * N + 1024)) --max-num-seqs 256 --http-max-connections "$CONNS"
 launch d serve --host 127.0.0.1 --port 0 --engine-id scale-d --kv-transfer-config "$(cfg kv_consumer)" \
   --max-num-seqs 1 --decode-ms-per-token "$DECODE_MS" --max-model-len "$MAX_MODEL_LEN" \
   --num-gpu-blocks $((MAX_MODEL_LEN / 16 + 1024)) --http-max-connections "$CONNS"
@@ -232,21 +233,26 @@ HTTP_PORT = int(p_url.rsplit(":", 1)[1])
 KV_PORTS = p_ports() - {HTTP_PORT}
 
 def d_to_p_bytes():
-    """Payload bytes (sent acked, received) on D's sockets to P's non-HTTP ports."""
+    """Payload bytes (sent acked, received) on D's sockets to P's side channel and transfer agent,
+    whichever side dialled (P may dial D's agent: then the peer is one of P's own ports)."""
     txt = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+    def ends(line):
+        parts = line.split()
+        try:
+            return int(parts[2].rsplit(":", 1)[1]), int(parts[3].rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            return None
+    p_ports = set(KV_PORTS)
+    for line in txt.splitlines():
+        if not line[:1].isspace() and f"pid={p_pid}," in line and (e := ends(line)) and e[0] != HTTP_PORT:
+            p_ports.add(e[0])
     sent = recv = 0
     cur = None
     for line in txt.splitlines():
         if not line[:1].isspace():
             cur = None
-            parts = line.split()
-            if f"pid={d_pid}," in line and len(parts) >= 4:
-                try:
-                    peer = int(parts[3].rsplit(":", 1)[1])
-                except ValueError:
-                    continue
-                if peer in KV_PORTS:
-                    cur = True
+            if f"pid={d_pid}," in line and (e := ends(line)) and e[1] in p_ports:
+                cur = True
         elif cur:
             a = re.search(r"bytes_acked:(\d+)", line)
             r = re.search(r"bytes_received:(\d+)", line)
