@@ -24,7 +24,9 @@
 #
 # Environment: N (10000), HOLD (300 s), SAMPLE (5 s), LEASE (30 s), DECODE_MS (1000),
 # PROMPT_WORDS (8), RATE (250), RAMP_TIMEOUT (300 s: give up waiting for N leases after this),
-# RECLAIM_TIMEOUT (120 s), PROXIES (how many proxies share the requests, round robin; default:
+# RECLAIM_TIMEOUT (120 s), CHURN (requests a second whose client leaves, each replaced by a new
+# one, from CHURN_AFTER (20) s after the last request started: leases end and new ones are granted
+# under N live; default 0, none; paced client only), PROXIES (how many proxies share the requests, round robin; default:
 # as few as fit the open-file limit), OUT (a directory for the samples' CSV and the processes'
 # logs; default target/bench-scale).
 #
@@ -49,6 +51,8 @@ LEASE=${LEASE:-30}
 DECODE_MS=${DECODE_MS:-1000}
 PROMPT_WORDS=${PROMPT_WORDS:-8}
 RATE=${RATE:-250}
+CHURN=${CHURN:-0}
+CHURN_AFTER=${CHURN_AFTER:-20}
 RAMP_TIMEOUT=${RAMP_TIMEOUT:-300}
 RECLAIM_TIMEOUT=${RECLAIM_TIMEOUT:-120}
 OUT=${OUT:-target/bench-scale}
@@ -139,7 +143,9 @@ if ((RATE > 0)); then
   # raw HTTP/1.1, `Connection: close`; it prints a status tally when every request has ended.
   cat >"$WORK/client.py" <<'CLIENT'
 import asyncio, collections, json, sys, time
+import random
 urls, n, rate, words = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+churn, churn_after = float(sys.argv[5]), float(sys.argv[6])
 tally = collections.Counter()
 async def one(i):
     host, port = urls[i % len(urls)].removeprefix("http://").split(":")
@@ -147,16 +153,21 @@ async def one(i):
     body = json.dumps({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 1}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    w = None
     try:
         r, w = await asyncio.open_connection(host, int(port))
         w.write(head + body)
         await w.drain()
         line = await r.readline()
         await r.read()
-        w.close()
         tally["http_" + (line.split()[1].decode() if line else "eof")] += 1
+    except asyncio.CancelledError:
+        tally["left (churn)"] += 1
     except Exception as e:
         tally[type(e).__name__] += 1
+    finally:
+        if w is not None:
+            w.close()
 async def main():
     t0, tasks = time.monotonic(), []
     for i in range(n):
@@ -165,15 +176,30 @@ async def main():
         if delay > 0:
             await asyncio.sleep(delay)
     print(f"started {n} requests in {time.monotonic() - t0:.1f} s", flush=True)
+    if churn > 0:
+        # Churn: from churn_after s on, `churn` times a second a random request's client leaves
+        # (its connection closes: the proxy drops the decode leg, D gives the request up and
+        # releases its lease) and a new request takes its place, so N stay in flight while
+        # leases end and new ones are granted.
+        await asyncio.sleep(churn_after)
+        print(f"churn: {churn:g} requests a second replaced from now on", flush=True)
+        i, t1 = n, time.monotonic()
+        while True:
+            k = random.randrange(n)
+            tasks[k].cancel()
+            tasks[k] = asyncio.create_task(one(i))
+            i += 1
+            await asyncio.sleep(max(0.0, t1 + (i - n) / churn - time.monotonic()))
     await asyncio.gather(*tasks)
     print(f"requests={n} " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
 asyncio.run(main())
 CLIENT
   echo "== paced client: $N requests through the proxies (round robin), $RATE new a second, all held open (max_tokens 1, $PROMPT_WORDS-word prompts)"
-  "$PY" "$WORK/client.py" "$PROXY_URL" "$N" "$RATE" "$PROMPT_WORDS" >"$WORK/load.out" 2>"$WORK/load.err" &
+  "$PY" "$WORK/client.py" "$PROXY_URL" "$N" "$RATE" "$PROMPT_WORDS" "$CHURN" "$CHURN_AFTER" >"$WORK/load.out" 2>"$WORK/load.err" &
 else
   echo "== kvlease load: $N requests at once through the proxy (max_tokens 1, $PROMPT_WORDS-word prompts)"
   ((PROXIES == 1)) || { echo "error: RATE=0 (kvlease load) drives one proxy: set PROXIES=1" >&2; exit 1; }
+  [[ $CHURN == 0 ]] || { echo "error: CHURN needs the paced client (RATE > 0)" >&2; exit 1; }
   "$BIN" load --url "$PROXY_URL" --requests "$N" --concurrency "$N" --max-tokens 1 \
     --prompt-words "$PROMPT_WORDS" --timeout-secs $((RAMP_TIMEOUT + HOLD + 3600)) \
     --max-run-secs $((RAMP_TIMEOUT + HOLD + 3600)) --log-level warn >"$WORK/load.out" 2>"$WORK/load.err" &
@@ -181,7 +207,7 @@ fi
 PID[load]=$!
 
 # The rest (ramp, hold, kill, reclaim, table) in Python: it polls, parses and times better.
-"$PY" - "$N" "$HOLD" "$SAMPLE" "$LEASE" "$RAMP_TIMEOUT" "$RECLAIM_TIMEOUT" "$OUT" "$P_RSS0" \
+CHURN=$CHURN "$PY" - "$N" "$HOLD" "$SAMPLE" "$LEASE" "$RAMP_TIMEOUT" "$RECLAIM_TIMEOUT" "$OUT" "$P_RSS0" \
   "$P_URL" "$D_URL" "$PROXY_URL" "${PID[p]}" "${PID[d]}" "$(IFS=,; echo "${PROXY_PIDS[*]}")" "${PID[load]}" <<'PY'
 import os, re, signal, subprocess, sys, time, urllib.request
 
@@ -267,6 +293,7 @@ def snap(t0):
     s, r = d_to_p_bytes()
     return dict(t=time.monotonic() - t0, active=pm.get("kvlease_leases_active", 0),
                 granted=pm.get("kvlease_leases_granted_total", 0), expired=pm.get(EXP, 0),
+                released=pm.get(REL, 0),
                 blocks=pm.get("kvlease_leased_blocks", 0),
                 renewals=pm.get("kvlease_lease_renewals_total", 0),
                 hb_recv=pm.get("kvlease_heartbeats_received_total", 0),
@@ -277,7 +304,7 @@ def snap(t0):
                 d_fds=fds(d_pid),
                 hb_bytes=s, ack_bytes=r)
 
-COLS = ["t", "active", "blocks", "granted", "expired", "renewals", "hb_sent", "hb_recv", "d_waiting", "d_lost",
+COLS = ["t", "active", "blocks", "granted", "released", "expired", "renewals", "hb_sent", "hb_recv", "d_waiting", "d_lost",
         "p_cpu", "d_cpu", "proxy_cpu", "p_rss", "d_rss", "proxy_fds", "d_fds", "hb_bytes", "ack_bytes"]
 csv = open(os.path.join(out, "samples.csv"), "w")
 csv.write("phase," + ",".join(COLS) + "\n")
@@ -337,7 +364,12 @@ while time.monotonic() < end - 0.01:
 h1 = samples[-1]
 net1 = tcpext()
 
-# Kill D, time P's reclaim.
+# Kill D, time P's reclaim. A churning client is paused first (SIGSTOP: its requests stay open),
+# or its new requests would get new leases after the kill, each with its own bound.
+churning = float(os.environ.get("CHURN", "0")) > 0
+if churning:
+    os.kill(load_pid, signal.SIGSTOP)
+    time.sleep(1)
 print("== SIGKILL D", flush=True)
 os.kill(d_pid, signal.SIGKILL)
 k0 = time.monotonic()
@@ -355,6 +387,8 @@ while time.monotonic() - k0 < reclaim_timeout:
         reclaim = el
         break
     time.sleep(0.1)
+if churning:
+    os.kill(load_pid, signal.SIGCONT)
 pm = metrics(p_url)
 reasons = {k.split('"')[1]: int(v) for k, v in pm.items() if k.startswith("kvlease_leases_released_total{")}
 hold_secs = h1["t"] - h0["t"]
@@ -376,20 +410,21 @@ block_bytes = int(os.environ.get("BLOCK_BYTES", "8192"))
 rows = [
     ("N (requests in flight through the proxies)", f"{n} through {len(proxy_pids)} prox{'y' if len(proxy_pids) == 1 else 'ies'}"),
     ("live leases reached on P (min-max during the hold)", f"{live_min}-{live_max} (ramp {ramp_s:.0f} s)"),
+    ("churn during the hold: leases granted / released", f"{int(h1['granted'] - h0['granted'])} / {int(h1['released'] - h0['released'])}"),
     ("premature expirations during the hold", f"{int(h1['expired'] - h0['expired'])} (D lease_lost +{int(h1['d_lost'] - h0['d_lost'])})"),
     (f"hold measured", f"{hold_secs:.0f} s, {len(samples)} samples"),
     ("renewals during the hold (expected: live leases x time / I)", f"{int(renew)} ({expected:.0f}); heartbeat messages D sent {int(h1['hb_sent'] - h0['hb_sent'])} / P received {int(h1['hb_recv'] - h0['hb_recv'])}"),
     ("P CPU during the hold, % of a core", f"{100 * (h1['p_cpu'] - h0['p_cpu']) / hold_secs:.2f}"),
     ("D CPU during the hold, % of a core", f"{100 * (h1['d_cpu'] - h0['d_cpu']) / hold_secs:.2f}"),
     ("proxies' CPU during the hold, % of a core (together)", f"{100 * (h1['proxy_cpu'] - h0['proxy_cpu']) / hold_secs:.2f}"),
-    ("heartbeat bytes per lease per interval (D->P payload / renewals)",
+    ("heartbeat bytes per lease per interval (D->P payload / renewals; with churn D's releases too)",
      f"{hbb / renew:.2f} mean, {median:.3f} median interval (acks P->D {ackb / renew:.3f})" if renew else "n/a"),
     ("P RSS growth per live lease", f"{(h1['p_rss'] - p_rss0) * 1024 / max(live_max, 1):.0f} B ({p_rss0 // 1024} -> {h1['p_rss'] // 1024} MiB)"),
-    ("  of which the lease's pinned KV blocks", f"{h0['blocks'] / max(h0['active'], 1):.2f} blocks x {block_bytes} B = {h0['blocks'] * block_bytes / max(h0['active'], 1):.0f} B; the rest {((h1['p_rss'] - p_rss0) * 1024 - h0['blocks'] * block_bytes) / max(live_max, 1):.0f} B"),
-    ("P RSS growth during the hold", f"{(h1['p_rss'] - h0['p_rss'])} KiB"),
+    ("  of which the lease's pinned KV blocks", f"{h1['blocks'] / max(h1['active'], 1):.2f} blocks x {block_bytes} B = {h1['blocks'] * block_bytes / max(h1['active'], 1):.0f} B; the rest {((h1['p_rss'] - p_rss0) * 1024 - h1['blocks'] * block_bytes) / max(live_max, 1):.0f} B"),
+    ("P RSS growth during the hold", f"{(h1['p_rss'] - h0['p_rss'])} KiB (pinned KV blocks {int(h1['blocks'] - h0['blocks']):+d} x {block_bytes // 1024} KiB)"),
     ("D RSS at the end of the hold", f"{h1['d_rss'] // 1024} MiB"),
     ("open files at the end of the hold: the busiest proxy, D", f"{h1['proxy_fds']}, {h1['d_fds']}"),
-    ("reclaim after SIGKILL of D (P leases_active -> 0)", f"{reclaim:.1f} s (bound 2L/3 = {2 * lease / 3:.0f} s after the last renewal)" if reclaim is not None else f"not within {reclaim_timeout:.0f} s ({int(pm.get('kvlease_leases_active', 0))} left)"),
+    ("reclaim after SIGKILL of D (P leases_active -> 0)", (f"{reclaim:.1f} s (bound: L = {lease:.0f} s with churn: a lease granted less than L/3 before the kill keeps its first deadline, grant + L; older ones 2L/3 = {2 * lease / 3:.0f} s after their last renewal)" if churning else f"{reclaim:.1f} s (bound 2L/3 = {2 * lease / 3:.0f} s after the last renewal)") if reclaim is not None else f"not within {reclaim_timeout:.0f} s ({int(pm.get('kvlease_leases_active', 0))} left)"),
     ("TcpExt counters, load start to end of hold (machine-wide)", ", ".join(f"{k} +{net1[k] - net0[k]}" for k in net0)),
     ("P leases released by reason (whole run)", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))),
 ]
