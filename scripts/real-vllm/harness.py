@@ -612,6 +612,21 @@ def equivalence(tag: str, proxies: dict[str, Engine], p: Engine, d: Engine, prom
         rep.line(False, f"{tag}: equivalence", "not one check passed")
 
 
+def warm_up(tag: str, px: Engine, p: Engine, d: Engine, rep: Report) -> None:
+    """One request through the cluster before any judged check; reported, not judged. The first
+    NIXL READ between two freshly started engines once took 8.1 s here, with D's heartbeats not
+    reaching P meanwhile (RELIABILITY.md, eighth round): longer than the harness's 6 s lease, so
+    kvlease refused the read's bytes (as it must: P had expired the lease) and that request
+    failed. What this request met is printed, with what each process warned of meanwhile."""
+    procs = [p.proc, d.proc, px.proc]
+    offsets = [x.log_size() for x in procs]
+    a = ask(px.url, "completions", "warm-up: one request through P and D before the judged checks", 4, False)
+    rep.line(None, f"{tag}: warm-up request through {px.proc.name} (not judged)", f"{'answered' if a.complete else f'failed: {a.error}'} in {a.elapsed:.1f} s")
+    if not a.complete:
+        for x in [x for proc, off in zip(procs, offsets) for x in proc.said_since(off, 6)]:
+            print(x, flush=True)
+
+
 def quiesce(p: Engine, d: Engine | None, timeout: float = 120) -> None:
     """Waits until D runs nothing and P holds no KV block (leases ended)."""
     if d is not None and d.proc.alive():
@@ -785,6 +800,8 @@ def run_connector(cl: Cluster, tag: str, connector: dict[str, Any], prompts: Pro
         missing = [x.proc.name for x in (p, d) if not x.proc.log_count(re.escape(f"Creating v1 connector with name: {loaded} "))]
         rep.line(not missing, f"{tag}: P and D loaded {loaded}", f"not named in the log of {missing}" if missing else "")
         proxies = {"toy": cl.proxy("toy", p, d, tag), "kvlease": cl.proxy("kvlease", p, d, tag)}
+        warm_up(tag, proxies["toy"], p, d, rep)
+        quiesce(p, d)
         equivalence(tag, proxies, p, d, prompts, refs, rep)
         if a.faults:
             px = proxies[a.fault_proxy]
