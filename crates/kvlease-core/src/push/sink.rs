@@ -477,14 +477,18 @@ impl PushSink {
 
     /// SPEC U4, U8, U11, S4: D's write gate. May P engine `engine_id` write `blocks` (in the
     /// order its write names them) of registration `attempt` of `key`, showing `digest`? Only
-    /// into the newest registration of a request still waiting for it, exactly its blocks in
-    /// their order, for its prompt, before the write deadline P was told (plus the grace a
-    /// write posted at its end needs to land).
+    /// into the newest registration of a request still waiting for it, a run of its blocks in
+    /// their order (all of them, or the part an early write fills while P still prefills), for
+    /// its prompt, before the write deadline P was told (plus the grace a write posted at its
+    /// end needs to land).
     pub fn may_write(&self, engine_id: &str, key: &PushKey, attempt: u32, blocks: &[u32], digest: &[u8], now: Nanos) -> bool {
         let Some(id) = self.by_key.get(&(engine_id.to_owned(), key.clone())) else { return false };
         let Some(s) = self.requests.get(id).filter(|s| !s.done && !s.released) else { return false };
         let Some(t) = s.tallies.last().filter(|t| t.attempt == attempt && !t.settled && !t.stopped()) else { return false };
-        t.reg.block_ids == blocks && t.reg.digest.0[..] == *digest && now < t.told_until + Self::write_grace(&self.cfg)
+        let run = blocks.first().and_then(|first| t.reg.block_ids.iter().position(|b| b == first));
+        run.is_some_and(|i| t.reg.block_ids[i..].starts_with(blocks))
+            && t.reg.digest.0[..] == *digest
+            && now < t.told_until + Self::write_grace(&self.cfg)
     }
 
     /// SPEC U1: whether another request here already waits for P engine `engine_id`'s writes

@@ -113,16 +113,38 @@ struct Reg {
     announced: bool,
     /// Why its writes failed, as first reported to D (told again to a duplicate, U6).
     why: Option<PushFailure>,
+    /// Early writes (of blocks already computed, before the grant) posted and not ended.
+    early: u32,
+    /// Handed to the driver as an [`EarlyJob`] already.
+    early_announced: bool,
+    /// A failure report held back while early writes were in flight (U7): sent when the last
+    /// of them ends.
+    deferred: bool,
 }
 
 impl Reg {
+    fn new(reg: PushRegistration, post_until: Nanos) -> Reg {
+        Reg {
+            reg,
+            post_until,
+            writes: BTreeMap::new(),
+            done: 0,
+            failed: 0,
+            announced: false,
+            why: None,
+            early: 0,
+            early_announced: false,
+            deferred: false,
+        }
+    }
+
     fn expected(&self) -> u32 {
         self.reg.dst_ranks.saturating_mul(self.reg.stages)
     }
 
     /// A write is posted and has not stopped (one given up on but uncancellable included).
     fn in_flight(&self) -> bool {
-        self.writes.values().any(|w| matches!(w, Write::Posted | Write::Abandoned))
+        self.early > 0 || self.writes.values().any(|w| matches!(w, Write::Posted | Write::Abandoned))
     }
 
     /// Every expected write stopped (done or failed): nothing can land in D's blocks any more.
@@ -130,10 +152,17 @@ impl Reg {
         self.done + self.failed >= self.expected()
     }
 
-    /// The failure report to D (U6), remembered to be told again.
-    fn failed_msg(&mut self, why: PushFailure) -> Message {
+    /// The failure report to D (U6), remembered to be told again. Held back while early writes
+    /// are in flight (U7: D acts on a failure as "nothing more lands in these blocks"; it is
+    /// sent when the last of them ends), except `TimedOut`, which tells D exactly that a write
+    /// may still land (it fails over elsewhere and keeps the blocks until `PushLost`).
+    fn failed_msg(&mut self, why: PushFailure) -> Option<Message> {
         self.why.get_or_insert(why);
-        self.report(why)
+        if self.early > 0 && why != PushFailure::TimedOut {
+            self.deferred = true;
+            return None;
+        }
+        Some(self.report(why))
     }
 
     fn report(&self, why: PushFailure) -> Message {
@@ -158,7 +187,7 @@ impl Reg {
 
 /// Everything P knows of one key.
 #[derive(Debug)]
-struct Transfer {
+struct Transfer<B> {
     /// SPEC S5: the engine that renewed or registered first, and its name, to address it.
     holder: Option<(Holder, String)>,
     lease: Option<LeaseId>,
@@ -171,6 +200,30 @@ struct Transfer {
     ending: bool,
     /// U5: every expected write of this registration landed and the lease ended `transferred`.
     transferred: Option<Landed>,
+    /// U4: source blocks that came back (an abort, a refused grant) while early writes of the key
+    /// were in flight: out of the pool until the last of them ends.
+    held: Vec<B>,
+    /// U4: the lease's blocks held for early writes still in flight when it was granted.
+    early_reads: Vec<ReadTicket>,
+}
+
+impl<B> Transfer<B> {
+    fn new(holder: Option<(Holder, String)>, now: Nanos) -> Self {
+        Transfer {
+            holder,
+            lease: None,
+            seen: now,
+            regs: Vec::new(),
+            ending: false,
+            transferred: None,
+            held: Vec::new(),
+            early_reads: Vec::new(),
+        }
+    }
+
+    fn in_flight(&self) -> bool {
+        self.regs.iter().any(Reg::in_flight)
+    }
 }
 
 /// A transfer whose every write landed (U5): what its holder is told again if its renewal of
@@ -205,6 +258,33 @@ pub struct WriteJob {
     pub request: String,
 }
 
+/// A transfer whose registration came while P still prefills (SPEC U4, early writes): the
+/// driver may write the blocks its prefill has computed so far, each through
+/// [`PushSource::begin_early_write`], before the grant. Early writes count toward nothing: the
+/// transfer completes only by the [`WriteJob`] after the grant, whose writes carry at least the
+/// last block, so a completion always follows the prefill's end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EarlyJob {
+    pub key: PushKey,
+    pub attempt: u32,
+    /// The D engine to write to (its holder name, as the transport authenticated it).
+    pub to: String,
+    pub dst_ranks: u32,
+    /// D's destination blocks, in order.
+    pub block_ids: Vec<u32>,
+    /// The prompt's digest, shown to D's write gate with every write (SPEC S4, U11).
+    pub digest: PromptDigest,
+}
+
+/// An early write posted (SPEC U4): hand it back to [`PushSource::end_early_write`]. Until then
+/// the source blocks are not reused and no failure is reported to D as final.
+#[derive(Debug)]
+#[must_use = "an early write ticket must be ended, or the key's blocks are never reused"]
+pub struct EarlyTicket {
+    key: PushKey,
+    attempt: u32,
+}
+
 /// A message for the D engine named `to` (as its holder name came to
 /// [`PushSource::on_message`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,13 +304,15 @@ pub struct PushSettled<B> {
     pub freed: Vec<B>,
     /// Transfers now ready to write.
     pub ready: Vec<WriteJob>,
+    /// Transfers whose blocks may be written as P's prefill computes them (before the grant).
+    pub early: Vec<EarlyJob>,
     /// [`PushSource::poll_timeout`] may have moved earlier.
     pub rearm: bool,
 }
 
 impl<B> Default for PushSettled<B> {
     fn default() -> Self {
-        PushSettled { send: Vec::new(), ended: Vec::new(), freed: Vec::new(), ready: Vec::new(), rearm: false }
+        PushSettled { send: Vec::new(), ended: Vec::new(), freed: Vec::new(), ready: Vec::new(), early: Vec::new(), rearm: false }
     }
 }
 
@@ -311,7 +393,10 @@ pub struct PushSource<B> {
     table: LeaseTable<Source<B>>,
     cfg: LeaseConfig,
     incarnation: u64,
-    keys: HashMap<PushKey, Transfer>,
+    keys: HashMap<PushKey, Transfer<B>>,
+    /// SPEC U4: keys whose prefill runs here now (early writes allowed), with the request and
+    /// the digest of its tokens.
+    prefilling: HashMap<PushKey, (String, PromptDigest)>,
     by_lease: HashMap<LeaseId, PushKey>,
     pending: usize,
     /// Keys that ended, and for those whose every write landed, what was written (U3, U5).
@@ -335,6 +420,7 @@ impl<B: BlockGuard> PushSource<B> {
             cfg: cfg.clone(),
             incarnation,
             keys: HashMap::new(),
+            prefilling: HashMap::new(),
             by_lease: HashMap::new(),
             pending: 0,
             ended: HashMap::new(),
@@ -379,13 +465,21 @@ impl<B: BlockGuard> PushSource<B> {
             return Err(GrantError::NoBlocks.into());
         }
         if let Some(k) = &key {
+            if self.prefilling.get(k).is_some_and(|(r, _)| r == request) {
+                self.prefilling.remove(k);
+            }
             if self.ended.contains_key(k) {
                 out.freed.push(blocks);
                 return Err(PushGrantError::Released(k.clone()));
             }
             if self.keys.get(k).is_some_and(|t| t.lease.is_some()) {
-                out.freed.push(blocks);
+                self.free_or_hold(k, blocks, out);
                 return Err(PushGrantError::KeyTaken(k.clone()));
+            }
+            if self.keys.get(k).is_some_and(|t| t.ending) {
+                // Released (or given up) while early writes were in flight: it ends with them.
+                self.free_or_hold(k, blocks, out);
+                return Err(PushGrantError::Released(k.clone()));
             }
         }
         let digest = PromptDigest::of(tokens);
@@ -398,20 +492,19 @@ impl<B: BlockGuard> PushSource<B> {
                 self.pending -= 1;
                 t
             }
-            None => self.keys.entry(key.clone()).or_insert(Transfer {
-                holder: None,
-                lease: None,
-                seen: now,
-                regs: Vec::new(),
-                ending: false,
-                transferred: None,
-            }),
+            None => self.keys.entry(key.clone()).or_insert(Transfer::new(None, now)),
         };
         t.lease = Some(lease_id);
         // U2: the renewal D sent before the grant was acknowledged as kept: it holds now.
         let mut released = Vec::new();
         if let Some((h, _)) = &t.holder {
             self.table.renew(*h, &[lease_id], now, &mut Vec::new(), &mut released);
+            // U4: early writes still in flight read these blocks: each holds them like a read.
+            for _ in 0..t.regs.iter().map(|r| r.early).sum::<u32>() {
+                if let Some(read) = self.table.begin_read(*h, lease_id, Some(digest), now, &mut released) {
+                    t.early_reads.push(read);
+                }
+            }
         }
         self.settle(now, released, out);
         self.pair(&key, now, out);
@@ -483,7 +576,7 @@ impl<B: BlockGuard> PushSource<B> {
             // U8, U6: too late for this write; D learns it will not come.
             reg.writes.insert((dst_rank, stage), Write::Failed);
             reg.failed += 1;
-            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+            out.send.extend(reg.failed_msg(PushFailure::Deadline).map(|msg| Outgoing { to, msg }));
             return Err(WriteRefused::Deadline);
         }
         let digest = reg.reg.digest;
@@ -605,7 +698,7 @@ impl<B: BlockGuard> PushSource<B> {
             if live && newest == Some(ticket.0) {
                 reg.fail_unposted();
             }
-            out.send.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+            out.send.extend(reg.failed_msg(why).map(|msg| Outgoing { to: to.clone(), msg }));
         }
         let (done, closed, failed) = (reg.done >= reg.expected(), reg.closed(), reg.failed > 0);
         if good && done && newest == Some(ticket.0) {
@@ -632,6 +725,125 @@ impl<B: BlockGuard> PushSource<B> {
     /// transport refused them): D is told, with P's totals. The writes in flight end as they end.
     pub fn fail_writes(&mut self, key: &PushKey, why: PushFailure, now: Nanos, out: &mut PushSettled<B>) {
         self.fail_transfer(key, why, None, now, out);
+    }
+
+    /// SPEC U4 (early writes): P's prefill of `request` under `key` started, of `tokens`. From
+    /// now until its grant ([`PushSource::grant`]) or abort ([`PushSource::abort_prefill`]), a
+    /// registration of `key` from D (come already, or still to come) is handed to the driver as
+    /// an [`EarlyJob`], so the blocks the prefill has computed can be written while it computes
+    /// the rest. Returns false (no early writes for this prefill) when the key ended, is
+    /// granted, or another prefill here runs under it (two dispatches never share one).
+    pub fn prefill_started(&mut self, key: &PushKey, request: &str, tokens: &[u32], out: &mut PushSettled<B>) -> bool {
+        if self.ended.contains_key(key) || self.keys.get(key).is_some_and(|t| t.lease.is_some() || t.ending) {
+            return false;
+        }
+        match self.prefilling.entry(key.clone()) {
+            Entry::Occupied(_) => return false,
+            Entry::Vacant(v) => {
+                v.insert((request.to_owned(), PromptDigest::of(tokens)));
+            }
+        }
+        self.announce_early(key, out);
+        true
+    }
+
+    /// SPEC U4, U8, U11: may an early write (blocks the prefill under `key` computed, before the
+    /// grant) into registration `attempt` be posted now? The prefill runs, the key is not
+    /// granted, ending or another engine's, the registration is D's newest and still open, its
+    /// digest is the prefill's, and D's write deadline is at least the write margin away. On
+    /// `Ok`, no failure of the key is reported to D as final and no source block of it is
+    /// reused until the ticket comes back to [`PushSource::end_early_write`]. A refusal changes
+    /// nothing: the transfer's [`WriteJob`] after the grant writes what the early writes did not.
+    pub fn begin_early_write(&mut self, key: &PushKey, attempt: u32, now: Nanos) -> Result<EarlyTicket, WriteRefused> {
+        let margin = Self::write_margin(&self.cfg);
+        let Some((_, digest)) = self.prefilling.get(key) else { return Err(WriteRefused::NotLive) };
+        let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
+        if t.lease.is_some() || t.ending || t.holder.is_none() {
+            return Err(WriteRefused::NotLive);
+        }
+        let Some(reg) = t.regs.last_mut().filter(|r| r.reg.attempt == attempt && !r.closed() && r.reg.digest == *digest) else {
+            return Err(WriteRefused::NotRegistered);
+        };
+        if now + margin > reg.post_until {
+            return Err(WriteRefused::Deadline);
+        }
+        reg.early += 1;
+        Ok(EarlyTicket { key: key.clone(), attempt })
+    }
+
+    /// SPEC U4, U7: an early write ended (landed or not: it counts toward nothing). When it was
+    /// the key's last in flight, a failure held back meanwhile goes to D now, source blocks that
+    /// came back meanwhile go to the pool, and an ended key is forgotten.
+    pub fn end_early_write(&mut self, ticket: EarlyTicket, out: &mut PushSettled<B>) {
+        let Some(t) = self.keys.get_mut(&ticket.key) else { return };
+        if let Some(read) = t.early_reads.pop() {
+            if let Some(source) = self.table.end_read(read) {
+                out.freed.push(source.blocks);
+            }
+        }
+        let to = t.holder.as_ref().map(|(_, n)| n.clone());
+        if let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == ticket.attempt) {
+            reg.early = reg.early.saturating_sub(1);
+            if reg.early == 0 && reg.deferred {
+                reg.deferred = false;
+                if let (Some(why), Some(to)) = (reg.why, to) {
+                    out.send.push(Outgoing { to, msg: reg.report(why) });
+                }
+            }
+        }
+        if !t.in_flight() {
+            out.freed.append(&mut t.held);
+        }
+        self.tidy(&ticket.key, out);
+    }
+
+    /// SPEC U4, U6, U8: P gives up on an early write the transport cannot cancel (NIXL: it
+    /// outlived the write timeout and runs on). The transfer fails toward D as `TimedOut` at
+    /// once (D fails over into other blocks and keeps these until `PushLost`); the ticket stays
+    /// out, holding the source blocks, until the transport says the write ended
+    /// ([`PushSource::end_early_write`]).
+    pub fn abandon_early_write(&mut self, ticket: &EarlyTicket, now: Nanos, out: &mut PushSettled<B>) {
+        self.fail_transfer(&ticket.key, PushFailure::TimedOut, Some(ReleaseReason::Released), now, out);
+    }
+
+    /// SPEC P1, U4, U6: P's prefill under `key` was aborted, its source blocks `blocks` (early
+    /// writes may be reading them) come back: D is told (once no early write is in flight), and
+    /// the blocks go to the pool once the last early write ended.
+    pub fn abort_prefill(&mut self, key: &PushKey, request: &str, blocks: Option<B>, now: Nanos, out: &mut PushSettled<B>) {
+        if self.prefilling.get(key).is_some_and(|(r, _)| r == request) {
+            self.prefilling.remove(key);
+        }
+        self.abort(key, now, out);
+        if let Some(blocks) = blocks {
+            self.free_or_hold(key, blocks, out);
+        }
+    }
+
+    /// Source blocks back from P's own request under `key`: to the pool now, or held while
+    /// early writes of `key` may still read them (U4).
+    fn free_or_hold(&mut self, key: &PushKey, blocks: B, out: &mut PushSettled<B>) {
+        match self.keys.get_mut(key) {
+            Some(t) if t.in_flight() => t.held.push(blocks),
+            _ => out.freed.push(blocks),
+        }
+    }
+
+    /// SPEC U4: hands `key`'s newest registration to the driver for early writes, if P prefills
+    /// the key now, D registered it for that prompt, and it was not handed over already.
+    fn announce_early(&mut self, key: &PushKey, out: &mut PushSettled<B>) {
+        let Some((_, digest)) = self.prefilling.get(key) else { return };
+        let Some(t) = self.keys.get_mut(key) else { return };
+        let Some((_, to)) = t.holder.clone().filter(|_| t.lease.is_none() && !t.ending) else { return };
+        let Some(reg) = t.regs.last_mut().filter(|r| !r.early_announced && !r.closed() && r.reg.digest == *digest) else { return };
+        reg.early_announced = true;
+        out.early.push(EarlyJob {
+            key: key.clone(),
+            attempt: reg.reg.attempt,
+            to,
+            dst_ranks: reg.reg.dst_ranks,
+            block_ids: reg.reg.block_ids.clone(),
+            digest: *digest,
+        });
     }
 
     /// SPEC P1, U6: P's request under `key` was aborted: no lease (or its lease released), and
@@ -690,7 +902,7 @@ impl<B: BlockGuard> PushSource<B> {
             self.timers.pop_first();
             let Some(t) = self.keys.get_mut(&key) else { continue };
             if t.lease.is_none() {
-                if now.since(t.seen) >= self.cfg.extension {
+                if now.since(t.seen) >= self.cfg.extension && !t.in_flight() {
                     // Nobody renewed it for E: D is gone; what it said goes with it.
                     self.keys.remove(&key);
                     self.pending -= 1;
@@ -700,7 +912,7 @@ impl<B: BlockGuard> PushSource<B> {
             let Some(to) = t.holder.as_ref().map(|(_, n)| n.clone()) else { continue };
             if let Some(reg) = t.regs.last_mut().filter(|r| !r.closed() && now + margin > r.post_until) {
                 if reg.fail_unposted() > 0 {
-                    out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+                    out.send.extend(reg.failed_msg(PushFailure::Deadline).map(|msg| Outgoing { to, msg }));
                 }
             }
         }
@@ -784,7 +996,7 @@ impl<B: BlockGuard> PushSource<B> {
                 // its writes failed, the acknowledgement is the failure, told again (the first
                 // report may have been lost, and D sends its registration until it hears).
                 if reg.attempt == last.reg.attempt {
-                    let msg = match last.why.filter(|_| last.failed > 0) {
+                    let msg = match last.why.filter(|_| last.failed > 0 && !last.deferred) {
                         Some(why) => last.report(why),
                         None => Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
                     };
@@ -797,13 +1009,13 @@ impl<B: BlockGuard> PushSource<B> {
             let mut msgs = Vec::new();
             for old in t.regs.iter_mut().filter(|r| !r.closed()) {
                 old.fail_unposted();
-                msgs.push(Outgoing { to: to.clone(), msg: old.failed_msg(PushFailure::Superseded) });
+                msgs.extend(old.failed_msg(PushFailure::Superseded).map(|msg| Outgoing { to: to.clone(), msg }));
             }
             out.send.extend(msgs);
             t.regs.retain(|r| r.in_flight());
         }
         let post_until = now + Duration::from_nanos(reg.window_ns);
-        t.regs.push(Reg { reg: reg.clone(), post_until, writes: BTreeMap::new(), done: 0, failed: 0, announced: false, why: None });
+        t.regs.push(Reg::new(reg.clone(), post_until));
         self.timers.insert((post_until - Self::write_margin(&self.cfg), reg.key.clone()));
         if granted {
             self.pair(&reg.key, now, out);
@@ -812,6 +1024,7 @@ impl<B: BlockGuard> PushSource<B> {
                 to: from.to_owned(),
                 msg: Message::PushRegisterAck { key: reg.key.clone(), attempt: reg.attempt, granted },
             });
+            self.announce_early(&reg.key, out);
         }
         out.rearm = true;
     }
@@ -869,17 +1082,7 @@ impl<B: BlockGuard> PushSource<B> {
             None if self.pending >= PENDING_MEMORY => false,
             None => {
                 self.pending += 1;
-                self.keys.insert(
-                    key.clone(),
-                    Transfer {
-                        holder: Some((holder, from.to_owned())),
-                        lease: None,
-                        seen: now,
-                        regs: Vec::new(),
-                        ending: false,
-                        transferred: None,
-                    },
-                );
+                self.keys.insert(key.clone(), Transfer::new(Some((holder, from.to_owned())), now));
                 self.timers.insert((now + self.cfg.extension, key.clone()));
                 true
             }
@@ -947,7 +1150,7 @@ impl<B: BlockGuard> PushSource<B> {
         for reg in t.regs.iter_mut().filter(|r| !r.closed()) {
             reg.fail_unposted();
             if let Some(to) = &to {
-                msgs.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+                msgs.extend(reg.failed_msg(why).map(|msg| Outgoing { to: to.clone(), msg }));
             }
         }
         if msgs.is_empty() && end.is_some() && t.regs.is_empty() {
@@ -959,7 +1162,12 @@ impl<B: BlockGuard> PushSource<B> {
         out.send.extend(msgs);
         let Some(id) = t.lease else {
             if end.is_some() {
-                self.forget(key);
+                if t.in_flight() {
+                    // U4: early writes still run; the key ends when the last of them does.
+                    t.ending = true;
+                } else {
+                    self.forget(key);
+                }
             }
             return;
         };
@@ -987,13 +1195,13 @@ impl<B: BlockGuard> PushSource<B> {
         if reg.reg.digest != digest {
             // U11, S4: D registered for another prompt: nothing is written into its blocks.
             reg.fail_unposted();
-            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Digest) });
+            out.send.extend(reg.failed_msg(PushFailure::Digest).map(|msg| Outgoing { to, msg }));
             return;
         }
         if now + margin > reg.post_until {
             // U8: D's deadline passed while P prefilled: no write may be posted.
             reg.fail_unposted();
-            out.send.push(Outgoing { to, msg: reg.failed_msg(PushFailure::Deadline) });
+            out.send.extend(reg.failed_msg(PushFailure::Deadline).map(|msg| Outgoing { to, msg }));
             return;
         }
         reg.announced = true;
@@ -1036,7 +1244,7 @@ impl<B: BlockGuard> PushSource<B> {
                 for reg in t.regs.iter_mut().filter(|r| !r.closed()) {
                     reg.fail_unposted();
                     if let Some(to) = &to {
-                        out.send.push(Outgoing { to: to.clone(), msg: reg.failed_msg(why) });
+                        out.send.extend(reg.failed_msg(why).map(|msg| Outgoing { to: to.clone(), msg }));
                     }
                 }
             }

@@ -779,3 +779,123 @@ fn u8_blocks_a_write_given_up_on_may_still_land_in_wait_for_it_to_stop() {
     d.poll(bound, &mut acts);
     assert_eq!(acts, vec![PushAction::BlocksFree { request_id: "req".into(), attempt: 1 }]);
 }
+
+/// P prefilling `k` (request "r") with D's registration of one rank and stage come first: the
+/// early job is out.
+fn prefilling_registered(k: &PushKey) -> PushSource<Ids> {
+    let mut p = source();
+    let mut out = PushSettled::default();
+    assert!(p.prefill_started(k, "r", &TOKENS, &mut out));
+    assert!(out.early.is_empty(), "no registration yet: nothing to write into");
+    p.on_message(D, &Message::PushRegister(reg(k, 1, 1, 1)), T0, &mut out);
+    let job = out.early.pop().expect("a registration while P prefills makes an early job");
+    assert_eq!((job.attempt, job.to.as_str(), job.block_ids.clone()), (1, D, vec![4, 5]));
+    assert_eq!(msgs(&out), vec![&Message::PushRegisterAck { key: k.clone(), attempt: 1, granted: false }]);
+    p
+}
+
+/// SPEC U4 (early writes), U5: while P still prefills, the blocks it computed may be written
+/// into D's registration; those writes count toward nothing (no `PushWriteDone`, no lease
+/// ended), and the transfer completes only by the writes after the grant.
+#[test]
+fn u4_early_writes_fill_computed_blocks_before_the_grant_and_count_toward_nothing() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    assert_eq!(p.begin_early_write(&k, 2, at(1)).err(), Some(WriteRefused::NotRegistered), "only the newest registration");
+    p.end_early_write(e, &mut out);
+    assert!(out.send.is_empty() && out.ended.is_empty() && out.freed.is_empty(), "an early write counts toward nothing");
+    p.grant(at(2), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    let job = out.ready.pop().expect("paired at the grant");
+    assert_eq!(p.begin_early_write(&k, 1, at(2)).err(), Some(WriteRefused::NotLive), "no early write once granted");
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(2), &mut out).unwrap();
+    p.end_write(w, true, at(2), &mut out);
+    assert!(msgs(&out).contains(&&done(&k, 1, 0, 0)));
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Transferred]);
+
+    // A registration that came first is announced when the prefill starts; one for another
+    // prompt never is (U11), and a second prefill under the same key gets no early writes.
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), T0, &mut out);
+    assert!(p.prefill_started(&k, "r", &TOKENS, &mut out));
+    assert_eq!(out.early.len(), 1);
+    assert!(!p.prefill_started(&k, "r2", &TOKENS, &mut out), "two dispatches never share early writes");
+    let mut p = source();
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), T0, &mut out);
+    assert!(p.prefill_started(&k, "r", &[9, 9], &mut out));
+    assert!(out.early.is_empty(), "registered for another prompt: nothing written early");
+    assert_eq!(p.begin_early_write(&k, 1, at(1)).err(), Some(WriteRefused::NotRegistered));
+}
+
+/// SPEC U4, U7: P's prefill aborted while an early write is in flight: its source blocks stay
+/// out of the pool and D hears the failure only once the write ended (D takes a failure as
+/// "nothing more lands in these blocks").
+#[test]
+fn u4_u7_an_abort_during_an_early_write_holds_the_blocks_and_the_failure_until_it_ended() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    p.abort_prefill(&k, "r", Some(Ids(vec![1, 2])), at(1), &mut out);
+    assert!(out.freed.is_empty(), "an early write reads the blocks");
+    assert!(out.send.is_empty(), "no failure while a write may still land: {:?}", msgs(&out));
+    assert!(p.grant(at(1), Some(k.clone()), "r", Ids(vec![3]), &TOKENS, &mut out).is_err(), "an aborted key is never granted");
+    let mut out = PushSettled::default();
+    p.end_early_write(e, &mut out);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2]), Ids(vec![3])], "back once the write ended");
+    assert_eq!(last_failure(&out).map(|(_, _, why)| why), Some(PushFailure::Aborted));
+    assert!(msgs(&out).contains(&&lost(&k)), "and the key is gone");
+}
+
+/// SPEC U4: a grant while an early write is in flight: the lease's blocks stay held by it, also
+/// if the lease ends first.
+#[test]
+fn u4_a_lease_granted_during_an_early_write_keeps_its_blocks_until_it_ended() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    p.grant(at(1), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(2), &mut out);
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released]);
+    assert!(out.freed.is_empty(), "the early write still reads them");
+    assert!(!msgs(&out).contains(&&lost(&k)), "not answered while a write is in flight");
+    let mut out = PushSettled::default();
+    p.end_early_write(e, &mut out);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+    assert!(msgs(&out).contains(&&lost(&k)));
+}
+
+/// SPEC U4, U6: an early write the transport cannot cancel, given up on: D is told `TimedOut`
+/// at once (it fails over elsewhere, keeping its blocks), and `PushLost` only once it ended.
+#[test]
+fn u4_an_early_write_given_up_on_is_told_timed_out_at_once_and_lost_when_it_ended() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    p.abandon_early_write(&e, at(5), &mut out);
+    assert_eq!(last_failure(&out).map(|(_, _, why)| why), Some(PushFailure::TimedOut));
+    assert!(!msgs(&out).contains(&&lost(&k)));
+    p.abort_prefill(&k, "r", Some(Ids(vec![1])), at(6), &mut out);
+    assert!(out.freed.is_empty());
+    let mut out = PushSettled::default();
+    p.end_early_write(e, &mut out);
+    assert_eq!(out.freed, vec![Ids(vec![1])]);
+    assert!(msgs(&out).contains(&&lost(&k)));
+}
+
+/// SPEC U4, U8: D's gate lets a write fill a run of the registration's blocks in their order
+/// (an early write fills a prefix) and nothing else.
+#[test]
+fn u4_ds_gate_takes_a_run_of_the_registered_blocks_in_order() {
+    let k = key("t");
+    let d = d_registered(&LeaseConfig::default(), &k, 1, 1);
+    let digest = PromptDigest::of(&TOKENS);
+    let may = |blocks: &[u32]| d.may_write("p", &k, 1, blocks, &digest.0, T0);
+    assert!(may(&[4, 5]) && may(&[4]) && may(&[5]));
+    assert!(!may(&[5, 4]) && !may(&[4, 6]) && !may(&[6]) && !may(&[]));
+}
