@@ -108,6 +108,7 @@ impl EngineHandle {
             push_actions: OnceLock::new(),
             push_parked: Mutex::new(BTreeMap::new()),
             push_linked: Mutex::new(BTreeMap::new()),
+            push_prefills: Mutex::new(Default::default()),
             tasks: Tasks::default(),
             cfg,
         });

@@ -114,6 +114,9 @@ pub struct Metrics {
     /// D (push mode): writes the transfer agent refused: no live registration of those blocks
     /// for that prompt from that engine (SPEC U4, U8, U11).
     pub writes_refused: Counter,
+    /// P (push mode): blocks written into D's registration while the prefill still computed the
+    /// rest (SPEC U4, early writes).
+    pub push_early_blocks: Counter,
     /// D (multi-turn): finished turns kept under a cached-turn lease (SPEC B1).
     pub turns_kept: Counter,
     /// D (multi-turn): cached turns ended early because new requests needed their blocks.
@@ -159,6 +162,7 @@ impl Default for Metrics {
             recomputed_requests: Counter::default(),
             reads_refused: Counter::default(),
             writes_refused: Counter::default(),
+            push_early_blocks: Counter::default(),
             turns_kept: Counter::default(),
             turns_evicted: Counter::default(),
             turn_tokens_read: Counter::default(),
@@ -231,6 +235,11 @@ impl Metrics {
             "kvlease_writes_refused",
             "Push mode: writes the transfer agent refused: no live registration of those blocks for that prompt from that engine (D)",
             self.writes_refused.clone(),
+        );
+        r.register(
+            "kvlease_push_early_blocks",
+            "Push mode: blocks written into the decoder's registration while the prefill still computed the rest (P)",
+            self.push_early_blocks.clone(),
         );
         r.register(
             "kvlease_turns_kept",

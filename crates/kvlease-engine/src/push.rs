@@ -25,12 +25,13 @@ use kvlease_core::params::{PushAnswer, PushRemote};
 use kvlease_core::peers::{agent_holder, holder_agent};
 use kvlease_core::pull::PlantedBug;
 use kvlease_core::push::sink::{PushAction, PushSink};
-use kvlease_core::push::source::{PushGrantError, PushSettled, PushSource, WriteJob};
+use kvlease_core::push::source::{EarlyJob, PushGrantError, PushSettled, PushSource, WriteJob};
 use kvlease_core::push::PushFailure;
 use kvlease_core::wire::{Message, PushKey, PushRenewal};
 use kvlease_core::Nanos;
 use kvlease_transport::{Segment, WriteGate, WriteOp, WritePermit};
 use std::sync::{Arc, Weak};
+use tokio::sync::{oneshot, watch};
 
 /// Messages kept per P engine while its handshake is under way.
 const PARKED_PER_ENGINE: usize = 4096;
@@ -65,6 +66,9 @@ fn carry_out_source(inner: &Arc<Inner>, out: PushSettled<Blocks>) {
     for job in out.ready {
         spawn_write(inner, job);
     }
+    for job in out.early {
+        spawn_early(inner, job);
+    }
     if out.rearm {
         inner.push_source.wake();
     }
@@ -73,7 +77,181 @@ fn carry_out_source(inner: &Arc<Inner>, out: PushSettled<Blocks>) {
 /// Starts the writes of one transfer ([`write`]) as a task of their own.
 fn spawn_write(inner: &Arc<Inner>, job: WriteJob) {
     let inner2 = inner.clone();
-    inner.tasks.spawn(async move { write(inner2, job).await });
+    inner.tasks.spawn(async move { write(inner2, job, 0).await });
+}
+
+/// P, push mode: a prefill running under a push key (SPEC U4, early writes): how many of its
+/// blocks it has computed so far, its source blocks, and the early writer waiting for the
+/// transfer's [`WriteJob`] (the one of D's newest registration), to write what is left.
+pub(crate) struct Prefilling {
+    progress: watch::Receiver<usize>,
+    src: Vec<u32>,
+    writer: Option<oneshot::Sender<WriteJob>>,
+}
+
+/// P: the prefill of `request` under `key` starts (SPEC U4): from now on a registration from D
+/// starts an early writer ([`write_early`]), which writes each block into D's blocks as the
+/// prefill computes it. Returns where the scheduler tells how many blocks are computed; `None`
+/// when this prefill may not write early (another one here runs under the same key, or the key
+/// ended or is granted).
+pub(crate) fn prefill_started(inner: &Arc<Inner>, key: &PushKey, request: &str, prompt: &[u32], src: &Blocks) -> Option<watch::Sender<usize>> {
+    let (tx, progress) = watch::channel(0);
+    {
+        let mut prefills = lock(&inner.push_prefills);
+        if prefills.contains_key(key) {
+            return None;
+        }
+        prefills.insert(key.clone(), Prefilling { progress, src: src.ids().to_vec(), writer: None });
+    }
+    if with_source(inner, |s, _, out| s.prefill_started(key, request, prompt, out)) {
+        Some(tx)
+    } else {
+        lock(&inner.push_prefills).remove(key);
+        None
+    }
+}
+
+/// P: a prefill that may write early (it got a progress sender from [`prefill_started`]) is
+/// over: its early writer, if any, is handed the transfer's writes (or, dropped, stops).
+fn prefill_over(inner: &Inner, key: &PushKey) -> Option<oneshot::Sender<WriteJob>> {
+    lock(&inner.push_prefills).remove(key).and_then(|p| p.writer)
+}
+
+/// P: the prefill under `key` was aborted (its client left, the engine stops): D is told, and
+/// its source blocks go back once no early write reads them (SPEC U4, U6).
+pub(crate) fn abort_prefill(inner: &Arc<Inner>, key: &PushKey, request: &str, wrote_early: bool, blocks: Option<Blocks>) {
+    if wrote_early {
+        drop(prefill_over(inner, key));
+    }
+    with_source(inner, |s, now, out| s.abort_prefill(key, request, blocks, now, out));
+}
+
+/// Starts the early writer of a registration that came while P prefills (SPEC U4). A newer
+/// registration's writer replaces an older one's, which then stops.
+fn spawn_early(inner: &Arc<Inner>, job: EarlyJob) {
+    let (tx, final_job) = oneshot::channel();
+    let (progress, src) = {
+        let mut prefills = lock(&inner.push_prefills);
+        let Some(p) = prefills.get_mut(&job.key) else { return };
+        p.writer = Some(tx);
+        (p.progress.clone(), p.src.clone())
+    };
+    let inner2 = inner.clone();
+    inner.tasks.spawn(async move { write_early(inner2, job, progress, src, final_job).await });
+}
+
+/// SPEC U4 (early writes): while P prefills, writes each block it computed into D's
+/// registration (all but the last: the transfer's completion goes with the writes after the
+/// grant), each write through the source's early gate; then, handed the transfer's
+/// [`WriteJob`], writes the rest ([`write`]) — everything if an early write failed or D
+/// registered again meanwhile. An early write that fails or is refused only stops the early
+/// writes.
+async fn write_early(
+    inner: Arc<Inner>,
+    job: EarlyJob,
+    mut progress: watch::Receiver<usize>,
+    src: Vec<u32>,
+    mut final_job: oneshot::Receiver<WriteJob>,
+) {
+    let last = src.len().min(job.block_ids.len()).saturating_sub(1);
+    let (mut landed, mut early) = (0, true);
+    loop {
+        let upto = (*progress.borrow_and_update()).min(last);
+        if early && upto > landed {
+            early = write_blocks_early(&inner, &job, &src, landed..upto).await;
+            if early {
+                inner.metrics.push_early_blocks.inc_by((upto - landed) as u64);
+                landed = upto;
+            }
+            continue;
+        }
+        tokio::select! {
+            w = &mut final_job => {
+                if let Ok(w) = w {
+                    let from = if w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src { landed } else { 0 };
+                    write(inner, w, from).await;
+                }
+                return;
+            }
+            changed = progress.changed(), if early => early = changed.is_ok(),
+        }
+    }
+}
+
+/// One early write of source blocks `range` into D's blocks at the same places, to every D rank
+/// (each from the P ranks whose heads overlap its own, T1). Whether every write landed.
+async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], range: std::ops::Range<usize>) -> bool {
+    let Some(plan) = kvlease_core::tp::read_plan(inner.cfg.model.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else { return false };
+    let timeout = inner.cfg.transfer.lease.read_timeout();
+    let until = tokio::time::Instant::now() + timeout;
+    let key = job.key.write_key(job.attempt);
+    for dst_rank in 0..job.dst_ranks {
+        let to = holder_agent(&job.to, dst_rank as usize);
+        if !introduced(inner, &to, until).await {
+            return false;
+        }
+        let Ok(ticket) = with_source(inner, |s, now, _| s.begin_early_write(&job.key, job.attempt, now)) else { return false };
+        let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &src[range.clone()], &job.block_ids[range.clone()]);
+        let mut all = futures_util::future::join_all(writes);
+        let ok = match tokio::time::timeout(timeout, &mut all).await {
+            Ok(results) => !results.is_empty() && results.iter().all(Result::is_ok),
+            Err(_) if writes_are_fenced(inner.ranks()) => {
+                drop(all);
+                false
+            }
+            Err(_) => {
+                // SPEC U4: it runs on; D fails over now, the blocks stay held until it ends.
+                tracing::info!(key = %job.key, "an early push write outlived {timeout:?}; given up on, its source blocks held until it ends");
+                with_source(inner, |s, now, out| s.abandon_early_write(&ticket, now, out));
+                let inner2 = inner.clone();
+                inner.tasks.spawn(async move {
+                    all.await;
+                    with_source(&inner2, |s, _, out| s.end_early_write(ticket, out));
+                });
+                return false;
+            }
+        };
+        with_source(inner, |s, _, out| s.end_early_write(ticket, out));
+        if !ok {
+            return false;
+        }
+    }
+    true
+}
+
+/// The writes to D rank `dst_rank` of source blocks `src` into D's blocks `dst` (in order): one
+/// per P rank whose heads overlap that D rank's (T1), each its heads' part of every block.
+#[allow(clippy::too_many_arguments)]
+fn rank_writes(
+    inner: &Inner,
+    plan: &[kvlease_core::tp::ReadPair],
+    dst_rank: u32,
+    to: &str,
+    key: &[u8],
+    digest: &PromptDigest,
+    src: &[u32],
+    dst: &[u32],
+) -> Vec<impl std::future::Future<Output = Result<(), kvlease_transport::TransportError>>> {
+    let hbb = inner.cfg.model.head_block_bytes() as u32;
+    let mut writes = Vec::new();
+    for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
+        let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
+        let segments = src
+            .iter()
+            .zip(dst)
+            .map(|(&src, &dst)| Segment {
+                remote_block: dst,
+                remote_offset: pair.d_head_offset * hbb,
+                local_block: src,
+                local_offset: pair.p_head_offset * hbb,
+                len: (pair.heads.end - pair.heads.start) * hbb,
+            })
+            .collect();
+        let op = WriteOp { key: key.to_vec(), segments, notif: None, tag: digest.0.to_vec() };
+        let (agent, to) = (rank.agent.clone(), to.to_owned());
+        writes.push(async move { agent.write(&to, op).await });
+    }
+    writes
 }
 
 /// A message for the engine whose holder name (as the transport authenticated it) is `holder`:
@@ -89,13 +267,14 @@ fn send_to_holder(inner: &Inner, holder: &str, msg: &Message) {
 /// SPEC P1, U1, U2: a `do_remote_decode` prefill of a push engine finished: grant the lease
 /// under the transfer's key and answer with P's coordinates and the key (no blocks: D
 /// registers its own). A registration D sent before is paired now and the writes start.
-pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: PushKey) {
+pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: PushKey, wrote_early: bool) {
     let Some(blocks) = done.blocks.take() else { return };
     if done.tx.is_closed() {
-        drop(blocks);
-        with_source(inner, |s, now, out| s.abort(&key, now, out));
+        abort_prefill(inner, &key, &done.client_id, wrote_early, Some(blocks));
         return;
     }
+    // SPEC U4: the early writer, if this prefill had one, writes what is left.
+    let mut early_writer = if wrote_early { prefill_over(inner, &key) } else { None };
     // The writes a registration that came first makes ready start once the answer is handed
     // over (below), not before: the task a spawn wakes runs first on this thread, and the answer's
     // wake-up would push the writes behind the HTTP answer's serialization. Spawned after it, the
@@ -151,7 +330,14 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: P
     }
     let sent = crate::lease_holder::answer_prefill(&done, params);
     for job in ready {
-        spawn_write(inner, job);
+        match early_writer.take() {
+            Some(writer) if job.key == key => {
+                if let Err(job) = writer.send(job) {
+                    spawn_write(inner, job);
+                }
+            }
+            _ => spawn_write(inner, job),
+        }
     }
     if !sent {
         // The client left between the check and now: nobody will read; D is told.
@@ -171,14 +357,15 @@ pub(crate) fn writes_are_fenced(ranks: &[crate::state::Rank]) -> bool {
 /// source's gate right before it is posted; a write that outlives the read timeout is given up
 /// on ([`PushSource::abandon_write`]): D is told at once. On a fenced transport dropping it
 /// cancels it; on NIXL it runs on, so it is awaited in the background and the source learns
-/// when it ended (its source blocks held until then, or until the quarantine passes).
-async fn write(inner: Arc<Inner>, job: WriteJob) {
+/// when it ended (its source blocks held until then, or until the quarantine passes). Blocks
+/// before `from` landed already by early writes ([`write_early`]); the last block is always
+/// written here.
+async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
     let m = &inner.cfg.model;
     let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else {
         with_source(&inner, |s, now, out| s.fail_writes(&job.key, PushFailure::NotPosted, now, out));
         return;
     };
-    let hbb = m.head_block_bytes() as u32;
     let key = job.key.write_key(job.attempt);
     let timeout = inner.cfg.transfer.lease.read_timeout();
     // D's agents reach ours by the handshake D made; ours may still be adding them (it answers
@@ -200,25 +387,8 @@ async fn write(inner: Arc<Inner>, job: WriteJob) {
                 continue;
             };
             let to = holder_agent(&job.to, dst_rank as usize);
-            let mut writes = Vec::new();
-            for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
-                let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
-                let segments = job
-                    .src_blocks
-                    .iter()
-                    .zip(&job.block_ids)
-                    .map(|(&src, &dst)| Segment {
-                        remote_block: dst,
-                        remote_offset: pair.d_head_offset * hbb,
-                        local_block: src,
-                        local_offset: pair.p_head_offset * hbb,
-                        len: (pair.heads.end - pair.heads.start) * hbb,
-                    })
-                    .collect();
-                let op = WriteOp { key: key.clone(), segments, notif: None, tag: job.digest.0.to_vec() };
-                let (agent, to) = (rank.agent.clone(), to.clone());
-                writes.push(async move { agent.write(&to, op).await });
-            }
+            let from = from.min(job.src_blocks.len().saturating_sub(1));
+            let writes = rank_writes(&inner, &plan, dst_rank, &to, &key, &job.digest, &job.src_blocks[from..], job.block_ids.get(from..).unwrap_or_default());
             if writes.is_empty() {
                 if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
                     drop(ticket);
@@ -306,11 +476,6 @@ pub(crate) async fn source_reaper(inner: Arc<Inner>) {
 /// still in flight stop with the engine's tasks; D's blocks under them wait for its deadline (U8).
 pub(crate) fn shutdown_source(inner: &Arc<Inner>) {
     with_source(inner, |s, now, out| s.shutdown(now, out));
-}
-
-/// P: a client that left, or a request aborted before its prefill ended: D is told (U6).
-pub(crate) fn abort_source(inner: &Arc<Inner>, key: &PushKey) {
-    with_source(inner, |s, now, out| s.abort(key, now, out));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -72,6 +72,9 @@ pub(crate) struct Seq {
     output: Vec<u32>,
     /// P, push mode (SPEC U1): the key D's registration pairs this prefill's lease by.
     push_key: Option<PushKey>,
+    /// P, push mode (SPEC U4): where this prefill tells its early writer how many of its blocks
+    /// are computed, while it may write early.
+    push_progress: Option<tokio::sync::watch::Sender<usize>>,
     /// D, push mode: the sink is done with this request (ready, or failed over).
     push_done: bool,
 }
@@ -111,6 +114,7 @@ impl Seq {
             reused: 0,
             output: Vec::new(),
             push_key: None,
+            push_progress: None,
             push_done: false,
         }
     }
@@ -362,7 +366,7 @@ impl Pushed {
     /// and blocks it registered wait until no write can land in them (U8).
     fn abort(&mut self, inner: &Arc<Inner>, mut seq: Seq) {
         if let Some(key) = seq.push_key.take() {
-            push::abort_source(inner, &key);
+            push::abort_prefill(inner, &key, &seq.client_id, seq.push_progress.take().is_some(), seq.blocks.take());
         }
         if seq.push_from().is_none() {
             return;
@@ -523,7 +527,19 @@ fn lost(inner: &Inner, seq: &Seq, why: &PullLost) {
 /// that falls a whole step behind starts the pace again from now.
 async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
     let m = &inner.cfg.model;
-    running.retain(|s| !s.tx.is_closed());
+    let mut i = 0;
+    while i < running.len() {
+        if !running[i].tx.is_closed() {
+            i += 1;
+            continue;
+        }
+        // The client left. A push prefill's decoder is told, and its blocks wait for any early
+        // write still reading them (SPEC U4, U6).
+        let mut seq = running.remove(i);
+        if let Some(key) = seq.push_key.take() {
+            push::abort_prefill(inner, &key, &seq.client_id, seq.push_progress.take().is_some(), seq.blocks.take());
+        }
+    }
     let prefilling = running.iter().any(|s| s.state == State::Prefill);
     if prefilling {
         // Tokens whose KV was read back from a cached turn are not computed again (SPEC B4).
@@ -539,8 +555,12 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
                     write_kv(inner.ranks(), m, blocks, pos, prefix);
                 }
             }
+            // SPEC U4: a push prefill's blocks may go to D as they are computed.
+            if let (KvRole::PrefillForRemote(_), Some(key), None) = (&seq.role, &seq.push_key, &seq.push_progress) {
+                seq.push_progress = push::prefill_started(inner, key, &seq.client_id, &seq.prompt, blocks);
+            }
         }
-        pace.compute(m.prefill_time(prefill_tokens)).await;
+        prefill_compute(running, m, pace).await;
         pace.due = None;
         let mut i = 0;
         while i < running.len() {
@@ -551,7 +571,8 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
             let mut seq = running.swap_remove(i);
             prompt_ready(inner, &mut seq);
             if let (KvRole::PrefillForRemote(_), Some(key)) = (&seq.role, seq.push_key.take()) {
-                push::grant_and_finish(inner, PrefillDone::from(seq), key);
+                let wrote_early = seq.push_progress.take().is_some();
+                push::grant_and_finish(inner, PrefillDone::from(seq), key, wrote_early);
             } else if matches!(seq.role, KvRole::PrefillForRemote(_)) {
                 lease_holder::grant_and_finish(inner, PrefillDone::from(seq));
             } else {
@@ -735,6 +756,33 @@ impl Pace {
             tokio::task::coop::consume_budget().await;
         }
     }
+}
+
+/// The emulated compute of a prefill step: the prefilling requests' tokens, one request after
+/// the other. A push prefill that may write early (SPEC U4) is told each of its blocks as the
+/// compute passes the block's last token, so its early writer sends it to D while the rest is
+/// computed (chunked prefill); the step still ends when the whole compute has passed.
+async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pace) {
+    let prefilling = || running.iter().filter(|s| s.state == State::Prefill);
+    let total = m.prefill_time(prefilling().map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum());
+    if total.is_zero() || prefilling().all(|s| s.push_progress.is_none()) {
+        return pace.compute(total).await;
+    }
+    let start = tokio::time::Instant::now();
+    let bs = m.block_size.max(1) as usize;
+    let mut before = 0;
+    for seq in prefilling() {
+        let computed = |end: usize| before + end.saturating_sub(seq.reused);
+        if let Some(progress) = &seq.push_progress {
+            for block in 1..=seq.prompt.len().div_ceil(bs) {
+                tokio::time::sleep_until(start + m.prefill_time(computed((block * bs).min(seq.prompt.len())))).await;
+                progress.send_replace(block);
+            }
+        }
+        before = computed(seq.prompt.len());
+    }
+    tokio::time::sleep_until(start + total).await;
+    pace.yielded = Instant::now();
 }
 
 /// Writes the KV of the token at `pos` (prefix hash `prefix`) into every rank's shard.

@@ -19,10 +19,10 @@ use kvlease_core::params::Admission;
 use kvlease_core::push::sink::{PushAction, PushSink};
 use kvlease_core::push::source::PushSource;
 use kvlease_core::renewer::Renewer;
-use kvlease_core::wire::Message;
+use kvlease_core::wire::{Message, PushKey};
 use kvlease_core::Nanos;
 use kvlease_transport::{Agent, BlockArena};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -143,6 +143,8 @@ pub(crate) struct Inner {
     pub push_parked: Mutex<BTreeMap<String, Vec<Message>>>,
     /// D, push mode: requests the sink tracks, with the P engine whose link each keeps up.
     pub push_linked: Mutex<BTreeMap<String, String>>,
+    /// P, push mode: prefills running under a push key, for early writes (SPEC U4).
+    pub push_prefills: Mutex<HashMap<PushKey, crate::push::Prefilling>>,
     pub tasks: Tasks,
 }
 

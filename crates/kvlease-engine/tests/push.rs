@@ -105,6 +105,82 @@ async fn u2_both_legs_at_once_pair_by_the_routers_id() {
     assert_eq!(d.metrics().recomputed_requests.get(), 0);
 }
 
+/// SPEC U4 (early writes), U5, D7: both legs at once and a prefill that takes time: P writes
+/// each block into D's registration as its prefill computes it (all but the last, which goes
+/// with the transfer's completion after the grant). The answer equals local, every lease ends
+/// `transferred`, nothing is recomputed, D refuses no write, every block is back on P.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_early_writes_overlap_the_prefill_and_the_answer_equals_local() {
+    for (p_tp, d_tp) in [(1, 1), (2, 1), (1, 2)] {
+        early_writes_overlap_the_prefill(TransportKind::Tcp, p_tp, d_tp).await;
+    }
+}
+
+/// The same over NIXL: early writes are NIXL WRITEs of the computed blocks.
+#[cfg(feature = "nixl")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_u4_early_writes_overlap_the_prefill_and_the_answer_equals_local() {
+    if nixl_or_skip() {
+        early_writes_overlap_the_prefill(TransportKind::Nixl, 1, 1).await;
+    }
+}
+
+async fn early_writes_overlap_the_prefill(transport: TransportKind, p_tp: u32, d_tp: u32) {
+    // Several blocks (16 tokens each), so there is something to write before the last.
+    let prompt = [PROMPT; 4].join(" ");
+    let want = run(&engine(config(30.0, 1)).await, &prompt, 16, None).await.expect("local run").0;
+    let mut pcfg = on(push_config(30.0, p_tp, 30.0), transport.clone());
+    pcfg.model.prefill_ms_per_token = 4.0;
+    let (p, d) = (engine(pcfg).await, engine(on(push_config(30.0, d_tp, 30.0), transport)).await);
+    for i in 0..3 {
+        let id = format!("early-{p_tp}-{d_tp}-{i}");
+        let decode = {
+            let (d, params, prompt) = (d.clone(), router_params(&p, &id), prompt.clone());
+            tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 16, Some(params)).await })
+        };
+        let (_, params) = run_as(&p, &id, &prompt, 1, prefill_params()).await.expect("prefill");
+        assert_eq!(params.expect("params")["transfer_mode"], "push");
+        let (got, _) = decode.await.expect("joins").expect("decode");
+        assert_eq!(got, want, "P tp {p_tp}, D tp {d_tp}, request {i}");
+    }
+    until("P ends the leases and has every block back", Duration::from_secs(5), || {
+        p.live_leases() == 0 && p.metrics().released(ReleaseReason::Transferred).get() >= 3 && p.metrics().kv_blocks_free.get() == 256
+    })
+    .await;
+    assert_eq!(p.metrics().released(ReleaseReason::Transferred).get(), 3);
+    assert!(p.metrics().push_early_blocks.get() > 0, "P tp {p_tp}, D tp {d_tp}: no block was written before the prefill ended");
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
+    assert_eq!(d.metrics().writes_refused.get(), 0);
+}
+
+/// SPEC U4, U6, U7: P's client leaves while its prefill writes early: D hears the transfer
+/// failed (once no early write is in flight) and computes the prompt itself (the default
+/// policy), with the answer equal to local; P grants nothing and has every block back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u4_u6_a_prefill_abandoned_while_it_writes_early_fails_over_d_and_frees_p() {
+    let prompt = [PROMPT; 4].join(" ");
+    let want = run(&engine(config(30.0, 1)).await, &prompt, 8, None).await.expect("local run").0;
+    let mut pcfg = push_config(30.0, 1, 30.0);
+    pcfg.model.prefill_ms_per_token = 20.0;
+    let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
+    let decode = {
+        let (d, params, prompt) = (d.clone(), router_params(&p, "left"), prompt.clone());
+        tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 8, Some(params)).await })
+    };
+    let prefill = {
+        let (p, prompt) = (p.clone(), prompt.clone());
+        tokio::spawn(async move { run_as(&p, "left", &prompt, 1, prefill_params()).await })
+    };
+    until("P writes a block early", Duration::from_secs(10), || p.metrics().push_early_blocks.get() > 0).await;
+    prefill.abort();
+    let (got, _) = decode.await.expect("joins").expect("D computes the prompt itself");
+    assert_eq!(got, want);
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    until("P has every block back", Duration::from_secs(10), || p.metrics().kv_blocks_free.get() == 256).await;
+    assert_eq!(p.metrics().leases_granted.get(), 0, "nobody takes the KV: no lease");
+    assert_eq!(p.live_leases(), 0);
+}
+
 /// SPEC T1 with push: P and D of different TP sizes; each D rank is written by every P rank
 /// whose heads overlap its own, and the answer equals local.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
