@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Push against pull through P/D (issue #24): time to first token, in the same run, as a ratio.
 #
-# For each compute setting {zero compute, --prefill-ms-per-token $PREFILL_MS} this starts two
-# clusters side by side, each a P, a D and a proxy in front of them:
+# For each case in CASES (default: zero, prefill, large) this starts two clusters side by side,
+# each a P, a D and a proxy in front of them. zero: no compute; prefill: --prefill-ms-per-token
+# $PREFILL_MS; large: the same prefill compute with a model whose KV is large ($LARGE_FLAGS: 16
+# layers, 8 KV heads of 128, 1 MiB blocks, about 16 MiB of KV per request), where the transfer
+# is a real share of the time to first token. The clusters:
 #
 #   pull: engines with the default connector, `proxy --transfer-mode pull` (P leg, then D leg;
 #         D reads the KV from P after P answered);
@@ -39,6 +42,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ROUNDS=${ROUNDS:-2}
+read -r -a CASES <<<"${CASES:-zero prefill large}"
+LARGE_FLAGS=${LARGE_FLAGS:---num-layers 16 --num-kv-heads 8 --head-dim 128 --num-gpu-blocks 512}
 PREFILL_MS=${PREFILL_MS:-0.5}
 PROMPT_WORDS=${PROMPT_WORDS:-62}
 MAX_TOKENS=${MAX_TOKENS:-8}
@@ -58,9 +63,9 @@ build_kvlease --quiet
 export KVLEASE_TRANSFER_SECRET="bench-$$-$RANDOM$RANDOM"
 PUSH_CONFIG='{"kv_connector":"NixlPushConnector","kv_role":"kv_both"}'
 
-# cluster NAME MODE PREFILL_MS: P, D and a proxy; sets P_NAME, D_NAME, PROXY_NAME.
+# cluster NAME MODE PREFILL_MS [ENGINE FLAGS...]: P, D and a proxy; sets P_NAME, D_NAME, PROXY_NAME.
 cluster() {
-  local name=$1 mode=$2 engine=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token "$3" --decode-ms-per-token 0)
+  local name=$1 mode=$2 engine=(serve --host 127.0.0.1 --port 0 --prefill-ms-per-token "$3" --decode-ms-per-token 0 "${@:4}")
   [[ $mode == push ]] && engine+=(--kv-transfer-config "$PUSH_CONFIG")
   launch "p_$name" "${engine[@]}" --engine-id "bench-p-$name"
   launch "d_$name" "${engine[@]}" --engine-id "bench-d-$name"
@@ -93,11 +98,12 @@ load() {
 echo "== start: $(uptime)"
 trap 'echo "== end: $(uptime)"; stop_all' EXIT
 
-CASES=(zero prefill)
-declare -A CASE_MS=([zero]=0 [prefill]=$PREFILL_MS)
+declare -A CASE_MS=([zero]=0 [prefill]=$PREFILL_MS [large]=$PREFILL_MS)
+declare -A CASE_FLAGS=([zero]= [prefill]= [large]=$LARGE_FLAGS)
 for c in "${CASES[@]}"; do
-  cluster "${c}_pull" pull "${CASE_MS[$c]}"
-  cluster "${c}_push" push "${CASE_MS[$c]}"
+  read -r -a flags <<<"${CASE_FLAGS[$c]}"
+  cluster "${c}_pull" pull "${CASE_MS[$c]}" "${flags[@]}"
+  cluster "${c}_push" push "${CASE_MS[$c]}" "${flags[@]}"
 done
 
 RUNS=$WORK/runs.jsonl
@@ -159,11 +165,13 @@ cells = defaultdict(list)
 for r in runs:
     cells[(r["case"], r["c"], r["mode"])].append(r)
 mean = lambda xs: sum(xs) / len(xs)
-label = {"zero": "zero compute", "prefill": f"prefill {sys.argv[2]} ms/token"}
+label = {"zero": "zero compute", "prefill": f"prefill {sys.argv[2]} ms/token",
+         "large": f"prefill {sys.argv[2]} ms/token, 16 MiB KV"}
 print("| compute | c | TTFT p50 pull | TTFT p50 push | push/pull | TTFT p90 pull | TTFT p90 push | push/pull "
-      "| latency p50 pull | latency p50 push | push/pull | pull − push TTFT p50 | P lease hold pull / push |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-for case in ("zero", "prefill"):
+      "| latency p50 pull | latency p50 push | push/pull | pull − push TTFT p50 | P lease hold pull / push "
+      "| push ahead by pull's hold? |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for case in ("zero", "prefill", "large"):
     for c in (1, 16):
         pull, push = cells.get((case, c, "pull")), cells.get((case, c, "push"))
         if not pull or not push:
@@ -176,8 +184,13 @@ for case in ("zero", "prefill"):
         row.append(f"{mean([r['ttft_p50_ms'] for r in pull]) - mean([r['ttft_p50_ms'] for r in push]):+.2f}")
         hold = lambda rs: sum(r["hold_s"] for r in rs) * 1000 / max(1, sum(r["holds"] for r in rs))
         row.append(f"{hold(pull):.2f} / {hold(push):.2f}")
+        # Pull's lease hold is what comes after its prefill: P's answer through the proxy, D's
+        # leg (one HTTP round trip) and the read (the P→D transfer), up to D's release.
+        ahead = mean([r['ttft_p50_ms'] for r in pull]) - mean([r['ttft_p50_ms'] for r in push])
+        row.append("yes" if ahead >= hold(pull) else "no")
         print("| " + " | ".join(row) + " |")
-print("(push/pull: of the means; in brackets, each round's own ratio)")
+print("(push/pull: of the means; in brackets, each round's own ratio. Pull's P lease hold is what its")
+print(" legs' sequencing costs after the prefill: P's answer through the proxy, D's leg, the P→D read)")
 direct = cells.get(("zero", 1, "direct"))
 if direct:
     print("direct to one engine, zero compute, c=1 (one HTTP round trip and the engine's steps): TTFT p50 "
@@ -203,7 +216,8 @@ for c in "${CASES[@]}"; do
     expired=$(metric "$p" 'kvlease_leases_released_total{reason="expired"}')
     recomputed=$(metric "$d" kvlease_recomputed_requests_total)
     dispatches=$(metric "$proxy" kvlease_proxy_push_dispatches_total)
-    echo "$name: P kvlease_leases_active $active, granted $granted, released transferred $transferred, expired $expired | D recomputed $recomputed | proxy push dispatches ${dispatches:-?}"
+    early=$(metric "$p" kvlease_push_early_blocks_total)
+    echo "$name: P kvlease_leases_active $active, granted $granted, released transferred $transferred, expired $expired, blocks written early ${early:-0} | D recomputed $recomputed | proxy push dispatches ${dispatches:-?}"
     if [[ $active != 0 ]]; then echo "FAIL: $name's P still holds $active leases" >&2; status=1; fi
     if [[ $transferred != "$granted" ]]; then
       echo "FAIL: $name's P granted $granted leases but released $transferred as transferred" >&2

@@ -94,7 +94,13 @@ pub(crate) struct Prefilling {
 /// prefill computes it. Returns where the scheduler tells how many blocks are computed; `None`
 /// when this prefill may not write early (another one here runs under the same key, or the key
 /// ended or is granted).
-pub(crate) fn prefill_started(inner: &Arc<Inner>, key: &PushKey, request: &str, prompt: &[u32], src: &Blocks) -> Option<watch::Sender<usize>> {
+pub(crate) fn prefill_started(
+    inner: &Arc<Inner>,
+    key: &PushKey,
+    request: &str,
+    prompt: &[u32],
+    src: &Blocks,
+) -> Option<watch::Sender<usize>> {
     let (tx, progress) = watch::channel(0);
     {
         let mut prefills = lock(&inner.push_prefills);
@@ -388,7 +394,16 @@ async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
             };
             let to = holder_agent(&job.to, dst_rank as usize);
             let from = from.min(job.src_blocks.len().saturating_sub(1));
-            let writes = rank_writes(&inner, &plan, dst_rank, &to, &key, &job.digest, &job.src_blocks[from..], job.block_ids.get(from..).unwrap_or_default());
+            let writes = rank_writes(
+                &inner,
+                &plan,
+                dst_rank,
+                &to,
+                &key,
+                &job.digest,
+                &job.src_blocks[from..],
+                job.block_ids.get(from..).unwrap_or_default(),
+            );
             if writes.is_empty() {
                 if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
                     drop(ticket);

@@ -52,7 +52,7 @@ use kvlease_core::digest::PromptDigest;
 use kvlease_core::holder::BlockGuard;
 use kvlease_core::lease_table::ReleaseReason;
 use kvlease_core::push::sink::{PushAction, PushSink, PushVerdict};
-use kvlease_core::push::source::{PushSettled, PushSource, WriteJob, WriteRefused, WriteTicket};
+use kvlease_core::push::source::{EarlyJob, EarlyTicket, PushSettled, PushSource, WriteJob, WriteRefused, WriteTicket};
 use kvlease_core::wire::{Message, PushKey};
 use kvlease_core::{LeaseId, Nanos};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -277,6 +277,13 @@ enum Ev {
         rank: u32,
         stage: u32,
     },
+    /// P's driver posts an early write (SPEC U4: blocks its prefill computed, before the grant).
+    EarlyPost {
+        p: usize,
+        inc: u64,
+        r: usize,
+        attempt: u32,
+    },
     /// A posted write lands (or fails).
     Land {
         w: usize,
@@ -400,6 +407,8 @@ struct Write {
     d: usize,
     dst: Vec<(u32, u64)>,
     ticket: Option<WriteTicket>,
+    /// An early write (SPEC U4): it fills every rank and stage and counts toward nothing.
+    early: Option<EarlyTicket>,
     landed: bool,
     dropped: bool,
 }
@@ -418,6 +427,9 @@ struct PEngine {
     free: Vec<u32>,
     waiting: VecDeque<usize>,
     gen: u64,
+    /// When the armed reaper turn runs: a later one does not replace it (the engine's reaper
+    /// sleeps until its next deadline and is woken only when that moved earlier).
+    armed: Option<Nanos>,
 }
 
 struct DSlot {
@@ -481,6 +493,7 @@ impl World {
                 free: (0..c.p_blocks).rev().collect(),
                 waiting: VecDeque::new(),
                 gen: 0,
+                armed: None,
             })
             .collect();
         let ds = (0..c.d_engines)
@@ -665,9 +678,11 @@ impl World {
             Ev::ArriveD { r } => self.arrive_d(r),
             Ev::PrefillDone { r, inc } => self.prefill_done(r, inc),
             Ev::Post { p, inc, r, attempt, rank, stage } => self.post(p, inc, r, attempt, rank, stage),
+            Ev::EarlyPost { p, inc, r, attempt } => self.early_post(p, inc, r, attempt),
             Ev::Land { w } => self.land(w),
             Ev::PPoll { p, gen } => {
                 if self.ps[p].alive && self.ps[p].gen == gen {
+                    self.ps[p].armed = None;
                     let mut out = PushSettled::default();
                     while self.ps[p].src.poll(self.now, &mut out) {}
                     self.p_settled(p, out);
@@ -764,7 +779,66 @@ impl World {
             self.reqs[r].src = ids;
             let done = self.now + self.reqs[r].prefill;
             self.push(done, Ev::PrefillDone { r, inc });
+            // SPEC U4: from now on D's registration may be written early.
+            let (key, tokens) = (self.reqs[r].key.clone(), self.reqs[r].tokens.clone());
+            let mut out = PushSettled::default();
+            self.ps[p].src.prefill_started(&key, &format!("p-req-{r}"), &tokens, &mut out);
+            for job in out.early {
+                self.early_job(p, inc, r, job);
+            }
         }
+    }
+
+    /// An early job: one early write posted some time into the prefill (or after it, when the
+    /// source refuses it).
+    fn early_job(&mut self, p: usize, inc: u64, r: usize, job: EarlyJob) {
+        if self.by_key.get(&(p, job.key.clone())) != Some(&r) {
+            self.violation(format!("U1: p{p} made an early job of {} for req {r}", job.key));
+            return;
+        }
+        let delay = self.rng.secs(0.0, self.reqs[r].prefill.as_secs_f64() * 1.2);
+        self.push(self.now + delay, Ev::EarlyPost { p, inc, r, attempt: job.attempt });
+    }
+
+    /// SPEC U4: an early write, if the source lets it be posted now.
+    fn early_post(&mut self, p: usize, inc: u64, r: usize, attempt: u32) {
+        if !self.ps[p].alive || self.ps[p].inc != inc || self.link_down(p, self.reqs[r].d, self.now) {
+            return;
+        }
+        let key = self.reqs[r].key.clone();
+        let ticket = match self.ps[p].src.begin_early_write(&key, attempt, self.now) {
+            Ok(t) => t,
+            Err(e) => return self.note(format!("p{p}: req {r}'s early write of attempt {attempt} not posted: {e}")),
+        };
+        if self.reqs[r].p_aborted || self.reqs[r].prefilled {
+            self.violation_once(format!("U4 early {r}"), format!("U4: p{p} posted an early write of req {r} outside its prefill"));
+        }
+        let d = self.reqs[r].d;
+        let dst = match self.reqs[r].allocs.iter().find(|a| a.attempt == attempt) {
+            Some(a) => a.blocks.iter().copied().zip(a.gens.iter().copied()).collect(),
+            None => Vec::new(),
+        };
+        let longest = if self.rng.chance(self.c.slow_write.0) { self.c.slow_write.1 } else { self.c.write_time };
+        let time = self.rng.secs(0.0, longest.as_secs_f64());
+        let w = self.writes.len();
+        let src = self.reqs[r].src.clone();
+        self.writes.push(Write {
+            r,
+            p,
+            inc,
+            attempt,
+            rank: 0,
+            stage: 0,
+            src,
+            d,
+            dst,
+            ticket: None,
+            early: Some(ticket),
+            landed: false,
+            dropped: false,
+        });
+        self.note(format!("p{p}: req {r}'s early write of attempt {attempt} posted (w{w}, lands in {:.3} s)", time.as_secs_f64()));
+        self.push(self.now + time, Ev::Land { w });
     }
 
     fn prefill_done(&mut self, r: usize, inc: u64) {
@@ -803,12 +877,13 @@ impl World {
         self.note(format!("p{p}: req {r} aborted on P"));
         let mut out = PushSettled::default();
         let key = self.reqs[r].key.clone();
-        self.ps[p].src.abort(&key, self.now, &mut out);
         if !self.reqs[r].prefilled {
-            // Not granted: its blocks (if any) come back at once (P1).
+            // Not granted: its blocks (if any) come back (P1), once no early write reads them (U4).
             self.ps[p].waiting.retain(|&x| x != r);
             let ids = std::mem::take(&mut self.reqs[r].src);
-            out.freed.push(Src(ids));
+            self.ps[p].src.abort_prefill(&key, &format!("p-req-{r}"), Some(Src(ids)), self.now, &mut out);
+        } else {
+            self.ps[p].src.abort(&key, self.now, &mut out);
         }
         self.p_settled(p, out);
     }
@@ -829,6 +904,11 @@ impl World {
                 self.ps[p].src.fail_writes(&key, kvlease_core::wire::PushFailure::NotPosted, now, &mut out);
             }
             self.p_settled(p, out);
+            return;
+        }
+        if self.writes.iter().any(|w| w.r == r && w.early.is_some() && !w.landed && !w.dropped) {
+            // The engine's writer posts a transfer's writes once its early writes ended.
+            self.push(now + MS, Ev::Post { p, inc, r, attempt, rank, stage });
             return;
         }
         let ticket = match self.ps[p].src.begin_write(&key, attempt, rank, stage, now, &mut out) {
@@ -879,6 +959,7 @@ impl World {
             d,
             dst,
             ticket,
+            early: None,
             landed: false,
             dropped: false,
         });
@@ -919,20 +1000,39 @@ impl World {
                     }
                     continue;
                 }
+                let src = self.writes[w].src.get(i).map(|s| &self.ps[p].slots[*s as usize]);
                 let kv = if garbage {
                     Kv::Garbage
+                } else if self.writes[w].early.is_some() {
+                    // The prefill computed the block: it holds req r's KV while not given back.
+                    match src {
+                        Some(s) if !s.free && s.kv.is_none_or(|x| x == r) => Kv::Of(r),
+                        _ => Kv::Garbage,
+                    }
                 } else {
-                    match self.writes[w].src.get(i).and_then(|s| self.ps[p].slots[*s as usize].kv) {
+                    match src.and_then(|s| s.kv) {
                         Some(x) => Kv::Of(x),
                         None => Kv::Garbage,
                     }
                 };
-                self.ds[d].slots[b as usize].parts.insert((rank, stage), kv);
+                if self.writes[w].early.is_some() {
+                    let (ranks, stages) = (self.reqs[r].ranks, self.reqs[r].stages);
+                    for part in (0..ranks).flat_map(|x| (0..stages).map(move |y| (x, y))) {
+                        self.ds[d].slots[b as usize].parts.insert(part, kv);
+                    }
+                } else {
+                    self.ds[d].slots[b as usize].parts.insert((rank, stage), kv);
+                }
             }
         }
         self.note(format!("w{w} (req {r}, ({rank},{stage})) lands in d{d}: {}", if ok { "ok" } else { "error" }));
         if !self.ps[p].alive || self.ps[p].inc != inc {
             return;
+        }
+        if let Some(early) = self.writes[w].early.take() {
+            let mut out = PushSettled::default();
+            self.ps[p].src.end_early_write(early, &mut out);
+            return self.p_settled(p, out);
         }
         let Some(ticket) = self.writes[w].ticket.take() else {
             // Planted #55470: the transport's notification reports the ungated write done.
@@ -1008,6 +1108,11 @@ impl World {
         let inc = self.ps[p].inc;
         for job in out.ready {
             self.job(p, inc, job);
+        }
+        for job in out.early {
+            if let Some(&r) = self.by_key.get(&(p, job.key.clone())) {
+                self.early_job(p, inc, r, job);
+            }
         }
         self.alloc_p(p);
         self.arm_p(p);
@@ -1087,11 +1192,14 @@ impl World {
         if !self.ps[p].alive {
             return;
         }
-        self.ps[p].gen += 1;
-        if let Some(t) = self.ps[p].src.poll_timeout(self.now) {
-            let gen = self.ps[p].gen;
-            self.push(t.max(self.now), Ev::PPoll { p, gen });
+        let Some(t) = self.ps[p].src.poll_timeout(self.now).map(|t| t.max(self.now)) else { return };
+        if self.ps[p].armed.is_some_and(|at| at >= self.now && at <= t) {
+            return;
         }
+        self.ps[p].gen += 1;
+        self.ps[p].armed = Some(t);
+        let gen = self.ps[p].gen;
+        self.push(t, Ev::PPoll { p, gen });
     }
 
     fn deliver_to_p(&mut self, p: usize, d: usize, bytes: &[u8]) {
@@ -1164,6 +1272,7 @@ impl World {
             s.free = true;
         }
         e.waiting.clear();
+        e.armed = None;
         let inc = e.inc;
         self.note(format!("p{p} restarts as incarnation {inc}"));
     }
