@@ -87,6 +87,8 @@ pub struct ClusterCounts {
     /// client left before the answer ended.
     pub transferred: u64,
     pub left: usize,
+    /// Push mode: blocks P wrote into D's registration while its prefill computed the rest (U4).
+    pub early_blocks: u64,
 }
 
 impl Counts for ClusterCounts {
@@ -98,6 +100,7 @@ impl Counts for ClusterCounts {
         self.turns += o.turns;
         self.transferred += o.transferred;
         self.left += o.left;
+        self.early_blocks += o.early_blocks;
     }
 }
 
@@ -1134,10 +1137,19 @@ fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
     with(w, |w| {
         let recomputed = recomputed(w);
         let transferred = released(w, ReleaseReason::Transferred);
+        let early_blocks = w.all_p.iter().map(|(_, h, _)| h.metrics().push_early_blocks.get()).sum();
         Outcome {
             seed: c.seed,
             requests: c.requests,
-            counts: ClusterCounts { answered: w.answered, failed: w.failed, recomputed, turns: w.turns, transferred, left: w.left },
+            counts: ClusterCounts {
+                answered: w.answered,
+                failed: w.failed,
+                recomputed,
+                turns: w.turns,
+                transferred,
+                left: w.left,
+                early_blocks,
+            },
             violations: std::mem::take(&mut w.violations),
             trace: std::mem::take(&mut w.trace),
             simulated: Duration::from_nanos(simulated),

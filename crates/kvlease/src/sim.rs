@@ -196,22 +196,24 @@ fn push_cluster(a: &SimArgs) -> anyhow::Result<()> {
         |out| {
             let n = &out.counts.0;
             format!(
-                "{} requests, {} answered, {} failed cleanly, {} left by their client, {} recomputed, {} transferred; {:.1} s simulated",
+                "{} requests, {} answered, {} failed cleanly, {} left by their client, {} recomputed, {} transferred, {} blocks written early; {:.1} s simulated",
                 out.requests,
                 n.answered,
                 n.failed,
                 n.left,
                 n.recomputed,
                 n.transferred,
+                n.early_blocks,
                 out.simulated.as_secs_f64()
             )
         },
         |all, wall| {
             format!(
-                "{} simulated requests ({} transferred, {} recomputed; {:.0} s simulated) in {wall:.2} s of wall time",
+                "{} simulated requests ({} transferred, {} recomputed, {} blocks written early; {:.0} s simulated) in {wall:.2} s of wall time",
                 all.requests,
                 all.counts.0.transferred,
                 all.counts.0.recomputed,
+                all.counts.0.early_blocks,
                 all.simulated.as_secs_f64()
             )
         },
