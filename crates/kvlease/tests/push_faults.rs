@@ -272,7 +272,8 @@ fn request(i: usize) -> (Value, bool, bool) {
 /// with writes in flight or about to be posted, the blocks going to the next prompts. Every
 /// answer is a local run's or a clean error, never a wrong 200; every lease P granted ended
 /// exactly once (P3) and nothing is left held. A soak of the layers together, not the proof of
-/// any one: run with P's posting gate (a write refused as `NotLive` by
+/// any one (early writes included: P's prefills write their computed blocks into D's
+/// registrations while D is paused under them): run with P's posting gate (a write refused as `NotLive` by
 /// `PushSource::begin_write` posted anyway) and D's write gate (`push::Gate` allowing every
 /// write) both removed, it still passed (39 of 39 answered right, 2 leases expired, 9 released):
 /// P's write timeout (at least 1 s, less than L) cancels every write before its lease can
@@ -316,8 +317,15 @@ async fn u4_leases_ending_under_writes_never_give_a_wrong_200() {
     for r in reasons {
         ended.push(released(&p.url, r).await);
     }
-    eprintln!("D paused twice past L: {ok} answered, {failed} failed; P's leases ended {:?} as {reasons:?}", ended);
+    let early = metric(&p.url, "kvlease_push_early_blocks_total").await;
+    eprintln!(
+        "D paused twice past L: {ok} answered, {failed} failed; P's leases ended {:?} as {reasons:?}; {early} blocks written early",
+        ended
+    );
     assert!(ok >= N / 2, "most requests still answered ({ok} of {N})");
+    // SPEC U4: P's prefills wrote blocks into D's registrations as they computed them, under
+    // the pauses too (early writes are part of what this soaks).
+    assert!(early > 0.0, "no block was written early");
     until_nothing_held(&p.url, Duration::from_secs(10)).await;
     let mut total = 0.0;
     for r in reasons {
