@@ -103,6 +103,8 @@ pub struct Metrics {
     pub heartbeats_received: Counter,
     pub heartbeat_lateness: Histogram,
     pub lease_hold: Histogram,
+    /// D: a request's KV reads, posted to landed (the P→D transfer), when every one landed.
+    pub read_time: Histogram,
     pub messages_rejected: [Counter; REJECT_REASONS.len()],
     pub kv_blocks_free: Gauge,
     pub kv_blocks_total: Gauge,
@@ -154,6 +156,7 @@ impl Default for Metrics {
             heartbeats_received: Counter::default(),
             heartbeat_lateness: Histogram::new(&[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             lease_hold: Histogram::new(&[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0]),
+            read_time: Histogram::new(&[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0]),
             messages_rejected,
             kv_blocks_free: Gauge::default(),
             kv_blocks_total: Gauge::default(),
@@ -276,6 +279,11 @@ impl Metrics {
         );
         r.register("kvlease_heartbeat_lateness_seconds", "Heartbeat send time minus due time (D)", self.heartbeat_lateness.inner.clone());
         r.register("kvlease_lease_hold_seconds", "Lease grant to release (P)", self.lease_hold.inner.clone());
+        r.register(
+            "kvlease_read_seconds",
+            "A request's KV reads, posted to landed: the P-to-D transfer, when every read landed (D)",
+            self.read_time.inner.clone(),
+        );
     }
 
     /// The engine's metrics alone, as [`exposition`] renders them.

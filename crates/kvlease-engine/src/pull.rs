@@ -97,12 +97,16 @@ pub(crate) async fn pull(inner: &Arc<Inner>, internal: &str, rk: &RemoteKv, loca
     }
     // Awaited here, not spawned: on timeout they are dropped, which cancels them (a fenced
     // transport then writes nothing more into our blocks).
+    let posted = tokio::time::Instant::now();
     let done = tokio::time::timeout_at(inner.instant(read_until), futures_util::future::join_all(reads)).await;
     let result = match &done {
         Err(_) => Ok(n),
         Ok(results) => match results.iter().find_map(|r| r.as_ref().err()) {
             Some(e) => Err(ReadFailure::Transport(e.to_string())),
-            None => Ok(n),
+            None => {
+                inner.metrics.read_time.observe(posted.elapsed().as_secs_f64());
+                Ok(n)
+            }
         },
     };
     let acks_until = match pull.reads_done(result, done.is_err(), inner.now()) {

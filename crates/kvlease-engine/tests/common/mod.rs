@@ -117,6 +117,8 @@ pub async fn disaggregated_output_equals_local(transport: TransportKind) {
     assert_eq!(m.released(kvlease_core::lease_table::ReleaseReason::Transferred).get(), 3);
     assert_eq!(m.kv_blocks_free.get(), 256, "every block back on P");
     assert_eq!(d.metrics().recomputed_requests.get(), 0);
+    // kvlease_read_seconds: each request's reads, posted to landed, once.
+    assert_eq!(d.metrics().read_time.count(), 3, "every transfer timed");
 }
 
 /// SPEC P5, D6, D7: the lease ends while D is about to read (capped by kv_lease_max_lifetime
