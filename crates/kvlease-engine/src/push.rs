@@ -206,14 +206,16 @@ async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], ran
                 false
             }
             Err(_) => {
-                // SPEC U4: it runs on; D fails over now, the blocks stay held until it ends.
+                // SPEC U4: it runs on; D fails over now, the blocks stay held until it ends (or
+                // the quarantine passes).
                 tracing::info!(key = %job.key, "an early push write outlived {timeout:?}; given up on, its source blocks held until it ends");
-                with_source(inner, |s, now, out| s.abandon_early_write(&ticket, now, out));
-                let inner2 = inner.clone();
-                inner.tasks.spawn(async move {
-                    all.await;
-                    with_source(&inner2, |s, _, out| s.end_early_write(ticket, out));
-                });
+                if let Some(id) = with_source(inner, |s, now, out| s.abandon_early_write(ticket, now, out)) {
+                    let inner2 = inner.clone();
+                    inner.tasks.spawn(async move {
+                        all.await;
+                        with_source(&inner2, |s, _, out| s.abandoned_write_ended(id, out));
+                    });
+                }
                 return false;
             }
         };

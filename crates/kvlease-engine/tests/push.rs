@@ -317,3 +317,46 @@ async fn u4_u8_an_uncancellable_write_given_up_on_holds_both_sides_blocks_until_
     let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
     assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
 }
+
+/// SPEC U4, U6, U8 with early writes, over a transport that cannot cancel a write (the mem
+/// transport standing in for NIXL): P's first early write (a block its prefill computed, both
+/// legs at once) outlives P's write timeout (2 s at L = 12 s; the write takes 5 s). P gives it up:
+/// D hears `TimedOut` at once and computes the prompt itself into other blocks, and the answer
+/// equals local; P's source blocks and D's registered ones stay out of their pools until the
+/// write ended, not longer (the quarantine's bound is not waited out).
+#[tokio::test(start_paused = true)]
+async fn u4_u8_an_uncancellable_early_write_given_up_on_holds_both_sides_blocks_until_it_ends() {
+    let net = kvlease_transport::mem::MemNetwork::default();
+    let prompt = [PROMPT; 4].join(" ");
+    let want = run(&engine(on_mem(config(12.0, 1), &net)).await, &prompt, 8, None).await.expect("local run").0;
+    net.set_faults(kvlease_transport::mem::Faults {
+        unfenced: true,
+        write_delay: (Duration::from_secs(5), Duration::from_secs(5)),
+        ..Default::default()
+    });
+    let mut pcfg = on_mem(push_config(12.0, 1, 30.0), &net);
+    pcfg.model.prefill_ms_per_token = 20.0;
+    let p = engine(pcfg).await;
+    let d = engine(on_mem(push_config(12.0, 1, 30.0), &net)).await;
+    let t0 = tokio::time::Instant::now();
+    let decode = {
+        let (d, params, prompt) = (d.clone(), router_params(&p, "u4e"), prompt.clone());
+        tokio::spawn(async move { run_as(&d, "d-u4e", &prompt, 8, Some(params)).await })
+    };
+    let (_, params) = run_as(&p, "u4e", &prompt, 1, prefill_params()).await.expect("prefill");
+    assert_eq!(params.expect("params")["transfer_mode"], "push");
+    let (got, _) = decode.await.expect("joins").expect("recomputed");
+    assert_eq!(got, want, "recomputed: the local run's answer");
+    assert!(t0.elapsed() < Duration::from_secs(5), "D failed over when P gave up, not when the write ended: {:?}", t0.elapsed());
+    assert_eq!(d.metrics().recomputed_requests.get(), 1);
+    assert!(p.metrics().kv_blocks_free.get() < 256, "P's source blocks are held while the early write still reads them");
+    assert!(d.metrics().kv_blocks_free.get() < 256, "D's registered blocks are held while the early write may still land");
+    until("both sides' blocks come back once the write ended", Duration::from_secs(10), || {
+        p.metrics().kv_blocks_free.get() == 256 && d.metrics().kv_blocks_free.get() == 256
+    })
+    .await;
+    assert!(t0.elapsed() >= Duration::from_secs(5), "not before the write ended: {:?}", t0.elapsed());
+    let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
+    assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
+    assert_eq!(p.live_leases(), 0);
+}

@@ -341,9 +341,15 @@ struct Abandoned {
     id: u64,
     key: PushKey,
     attempt: u32,
-    dst_rank: u32,
-    stage: u32,
-    read: ReadTicket,
+    /// An early write (before the grant: its hold is the key's early count), or the transfer's
+    /// write of this destination rank and stage, holding the lease's blocks with its ticket.
+    write: AbandonedWrite,
+}
+
+#[derive(Debug)]
+enum AbandonedWrite {
+    Early,
+    Transfer { dst_rank: u32, stage: u32, read: ReadTicket },
 }
 
 /// Why a write may not be posted now.
@@ -621,16 +627,20 @@ impl<B: BlockGuard> PushSource<B> {
             self.end_write(ticket, false, now, out);
             return None;
         }
-        let id = self.next_abandoned;
-        self.next_abandoned += 1;
         let WriteTicket { key, attempt, dst_rank, stage, read } = ticket;
         self.write_ended(key.clone(), attempt, dst_rank, stage, Write::Abandoned, now, out);
-        let held = Abandoned { id, key, attempt, dst_rank, stage, read };
-        if let Some(a) = self.abandoned.hold(now, held) {
+        Some(self.quarantine(key, attempt, AbandonedWrite::Transfer { dst_rank, stage, read }, now, out))
+    }
+
+    /// Holds a write given up on in the quarantine; returns the id to tell its end by.
+    fn quarantine(&mut self, key: PushKey, attempt: u32, write: AbandonedWrite, now: Nanos, out: &mut PushSettled<B>) -> u64 {
+        let id = self.next_abandoned;
+        self.next_abandoned += 1;
+        if let Some(a) = self.abandoned.hold(now, Abandoned { id, key, attempt, write }) {
             self.stopped(a, out);
         }
         out.rearm = true;
-        Some(id)
+        id
     }
 
     /// SPEC U4: the transport says the write given up on as `id` ended (done or failed): its
@@ -648,14 +658,18 @@ impl<B: BlockGuard> PushSource<B> {
 
     /// A write given up on stopped (the transport said so, or its quarantine passed).
     fn stopped(&mut self, a: Abandoned, out: &mut PushSettled<B>) {
-        if let Some(source) = self.table.end_read(a.read) {
+        let (dst_rank, stage, read) = match a.write {
+            AbandonedWrite::Early => return self.early_ended(&a.key, a.attempt, out),
+            AbandonedWrite::Transfer { dst_rank, stage, read } => (dst_rank, stage, read),
+        };
+        if let Some(source) = self.table.end_read(read) {
             out.freed.push(source.blocks);
         }
         if let Some(w) = self
             .keys
             .get_mut(&a.key)
             .and_then(|t| t.regs.iter_mut().find(|r| r.reg.attempt == a.attempt))
-            .and_then(|r| r.writes.get_mut(&(a.dst_rank, a.stage)))
+            .and_then(|r| r.writes.get_mut(&(dst_rank, stage)))
             .filter(|w| **w == Write::Abandoned)
         {
             *w = Write::Failed;
@@ -775,14 +789,18 @@ impl<B: BlockGuard> PushSource<B> {
     /// the key's last in flight, a failure held back meanwhile goes to D now, source blocks that
     /// came back meanwhile go to the pool, and an ended key is forgotten.
     pub fn end_early_write(&mut self, ticket: EarlyTicket, out: &mut PushSettled<B>) {
-        let Some(t) = self.keys.get_mut(&ticket.key) else { return };
+        self.early_ended(&ticket.key, ticket.attempt, out);
+    }
+
+    fn early_ended(&mut self, key: &PushKey, attempt: u32, out: &mut PushSettled<B>) {
+        let Some(t) = self.keys.get_mut(key) else { return };
         if let Some(read) = t.early_reads.pop() {
             if let Some(source) = self.table.end_read(read) {
                 out.freed.push(source.blocks);
             }
         }
         let to = t.holder.as_ref().map(|(_, n)| n.clone());
-        if let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == ticket.attempt) {
+        if let Some(reg) = t.regs.iter_mut().find(|r| r.reg.attempt == attempt) {
             reg.early = reg.early.saturating_sub(1);
             if reg.early == 0 && reg.deferred {
                 reg.deferred = false;
@@ -794,16 +812,22 @@ impl<B: BlockGuard> PushSource<B> {
         if !t.in_flight() {
             out.freed.append(&mut t.held);
         }
-        self.tidy(&ticket.key, out);
+        self.tidy(key, out);
     }
 
-    /// SPEC U4, U6, U8: P gives up on an early write the transport cannot cancel (NIXL: it
-    /// outlived the write timeout and runs on). The transfer fails toward D as `TimedOut` at
-    /// once (D fails over into other blocks and keeps these until `PushLost`); the ticket stays
-    /// out, holding the source blocks, until the transport says the write ended
-    /// ([`PushSource::end_early_write`]).
-    pub fn abandon_early_write(&mut self, ticket: &EarlyTicket, now: Nanos, out: &mut PushSettled<B>) {
+    /// SPEC U4, U6, U8: P gives up on an early write (it outlived the write timeout). Where
+    /// writes are fenced, dropping it stopped it: it ends now. Where they are not (NIXL: it runs
+    /// on), the transfer fails toward D as `TimedOut` at once (D fails over into other blocks and
+    /// keeps these until `PushLost`), and the write holds the source blocks in the quarantine,
+    /// as a transfer's write given up on does, until the transport says it ended
+    /// ([`PushSource::abandoned_write_ended`] with the id returned) or the quarantine passes.
+    pub fn abandon_early_write(&mut self, ticket: EarlyTicket, now: Nanos, out: &mut PushSettled<B>) -> Option<u64> {
+        if self.fenced_writes {
+            self.end_early_write(ticket, out);
+            return None;
+        }
         self.fail_transfer(&ticket.key, PushFailure::TimedOut, Some(ReleaseReason::Released), now, out);
+        Some(self.quarantine(ticket.key, ticket.attempt, AbandonedWrite::Early, now, out))
     }
 
     /// SPEC P1, U4, U6: P's prefill under `key` was aborted, its source blocks `blocks` (early

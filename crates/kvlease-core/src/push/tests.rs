@@ -869,23 +869,40 @@ fn u4_a_lease_granted_during_an_early_write_keeps_its_blocks_until_it_ended() {
     assert!(msgs(&out).contains(&&lost(&k)));
 }
 
-/// SPEC U4, U6: an early write the transport cannot cancel, given up on: D is told `TimedOut`
-/// at once (it fails over elsewhere, keeping its blocks), and `PushLost` only once it ended.
+/// SPEC U4, U6: an early write the transport cannot cancel (NIXL), given up on: D is told
+/// `TimedOut` at once (it fails over elsewhere, keeping its blocks), and `PushLost` only once the
+/// write ended — or, if the transport never says so, once the quarantine passed; the source
+/// blocks are held until then. Over a fenced transport giving up is ending it.
 #[test]
 fn u4_an_early_write_given_up_on_is_told_timed_out_at_once_and_lost_when_it_ended() {
     let k = key("t");
+    for told in [true, false] {
+        let mut p = prefilling_registered(&k);
+        p.set_fenced_writes(false);
+        let mut out = PushSettled::default();
+        let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+        let id = p.abandon_early_write(e, at(5), &mut out).expect("held: the transport cannot cancel it");
+        assert_eq!(last_failure(&out).map(|(_, _, why)| why), Some(PushFailure::TimedOut));
+        assert!(!msgs(&out).contains(&&lost(&k)));
+        p.abort_prefill(&k, "r", Some(Ids(vec![1])), at(6), &mut out);
+        assert!(out.freed.is_empty(), "the write may still read them");
+        let mut out = PushSettled::default();
+        if told {
+            p.abandoned_write_ended(id, &mut out);
+        } else {
+            let release = p.poll_timeout(at(6)).expect("the quarantine's end is a deadline");
+            assert!(release > at(6) && release <= at(5) + LeaseConfig::default().quarantine());
+            while p.poll(release, &mut out) {}
+        }
+        assert_eq!(out.freed, vec![Ids(vec![1])], "told {told}");
+        assert!(msgs(&out).contains(&&lost(&k)), "told {told}");
+        assert_eq!(p.abandoned_writes(), 0);
+    }
     let mut p = prefilling_registered(&k);
     let mut out = PushSettled::default();
     let e = p.begin_early_write(&k, 1, at(1)).unwrap();
-    p.abandon_early_write(&e, at(5), &mut out);
-    assert_eq!(last_failure(&out).map(|(_, _, why)| why), Some(PushFailure::TimedOut));
-    assert!(!msgs(&out).contains(&&lost(&k)));
-    p.abort_prefill(&k, "r", Some(Ids(vec![1])), at(6), &mut out);
-    assert!(out.freed.is_empty());
-    let mut out = PushSettled::default();
-    p.end_early_write(e, &mut out);
-    assert_eq!(out.freed, vec![Ids(vec![1])]);
-    assert!(msgs(&out).contains(&&lost(&k)));
+    assert_eq!(p.abandon_early_write(e, at(5), &mut out), None, "fenced: dropping it stopped it");
+    assert!(out.send.is_empty(), "nothing to tell: the transfer's writes carry the blocks");
 }
 
 /// SPEC U4, U8: D's gate lets a write fill a run of the registration's blocks in their order
