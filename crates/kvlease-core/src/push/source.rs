@@ -224,6 +224,10 @@ impl<B> Transfer<B> {
     fn in_flight(&self) -> bool {
         self.regs.iter().any(Reg::in_flight)
     }
+
+    fn early_in_flight(&self) -> bool {
+        self.regs.iter().any(|r| r.early > 0)
+    }
 }
 
 /// A transfer whose every write landed (U5): what its holder is told again if its renewal of
@@ -466,14 +470,16 @@ impl<B: BlockGuard> PushSource<B> {
         tokens: &[u32],
         out: &mut PushSettled<B>,
     ) -> Result<PushGranted, PushGrantError> {
+        if let Some(k) = &key {
+            if self.prefilling.get(k).is_some_and(|(r, _)| r == request) {
+                self.prefilling.remove(k);
+            }
+        }
         if blocks.ids().is_empty() {
             out.freed.push(blocks);
             return Err(GrantError::NoBlocks.into());
         }
         if let Some(k) = &key {
-            if self.prefilling.get(k).is_some_and(|(r, _)| r == request) {
-                self.prefilling.remove(k);
-            }
             if self.ended.contains_key(k) {
                 out.freed.push(blocks);
                 return Err(PushGrantError::Released(k.clone()));
@@ -809,7 +815,7 @@ impl<B: BlockGuard> PushSource<B> {
                 }
             }
         }
-        if !t.in_flight() {
+        if !t.early_in_flight() {
             out.freed.append(&mut t.held);
         }
         self.tidy(key, out);
@@ -844,10 +850,11 @@ impl<B: BlockGuard> PushSource<B> {
     }
 
     /// Source blocks back from P's own request under `key`: to the pool now, or held while
-    /// early writes of `key` may still read them (U4).
+    /// early writes of `key` may still read them (U4; a transfer's writes read the lease's
+    /// blocks, not these).
     fn free_or_hold(&mut self, key: &PushKey, blocks: B, out: &mut PushSettled<B>) {
         match self.keys.get_mut(key) {
-            Some(t) if t.in_flight() => t.held.push(blocks),
+            Some(t) if t.early_in_flight() => t.held.push(blocks),
             _ => out.freed.push(blocks),
         }
     }
