@@ -293,16 +293,29 @@ async fn u4_u8_an_uncancellable_write_given_up_on_holds_both_sides_blocks_until_
     let net = kvlease_transport::mem::MemNetwork::default();
     let local = engine(on_mem(config(12.0, 1), &net)).await;
     let want = run(&local, PROMPT, 8, None).await.expect("local run").0;
-    net.set_faults(kvlease_transport::mem::Faults {
-        unfenced: true,
-        write_delay: (Duration::from_secs(5), Duration::from_secs(5)),
-        ..Default::default()
-    });
+    slow_uncancellable_writes(&net);
     let p = engine(on_mem(push_config(12.0, 1, 30.0), &net)).await;
     let d = engine(on_mem(push_config(12.0, 1, 30.0), &net)).await;
     let (_, params) = run_as(&p, "u4m", PROMPT, 1, prefill_params()).await.expect("prefill");
     let t0 = tokio::time::Instant::now();
     let (got, _) = run_as(&d, "d-u4m", PROMPT, 8, params).await.expect("recomputed");
+    failed_over_and_held_until_the_write_ended(&p, &d, &got, &want, t0).await;
+}
+
+/// Every write takes 5 s and cannot be cancelled (the mem transport standing in for NIXL).
+fn slow_uncancellable_writes(net: &kvlease_transport::mem::MemNetwork) {
+    net.set_faults(kvlease_transport::mem::Faults {
+        unfenced: true,
+        write_delay: (Duration::from_secs(5), Duration::from_secs(5)),
+        ..Default::default()
+    });
+}
+
+/// SPEC U4, U8, after P (L = 12 s) gave up on a write of [`slow_uncancellable_writes`] that
+/// started about `t0`: D answered the local run's `want` by computing the prompt itself as soon
+/// as P gave up, not when the write ended; both sides' blocks stayed out of their pools until
+/// the write ended, and came back then, not only when the quarantine's bound passed.
+async fn failed_over_and_held_until_the_write_ended(p: &EngineHandle, d: &EngineHandle, got: &str, want: &str, t0: tokio::time::Instant) {
     assert_eq!(got, want, "recomputed: the local run's answer");
     assert!(t0.elapsed() < Duration::from_secs(5), "D failed over when P gave up, not when the write ended: {:?}", t0.elapsed());
     assert_eq!(d.metrics().recomputed_requests.get(), 1);
@@ -313,7 +326,6 @@ async fn u4_u8_an_uncancellable_write_given_up_on_holds_both_sides_blocks_until_
     })
     .await;
     assert!(t0.elapsed() >= Duration::from_secs(5), "not before the write ended: {:?}", t0.elapsed());
-    // Back when the transport said the write ended, not only when the quarantine's bound passed.
     let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
     assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
 }
@@ -329,11 +341,7 @@ async fn u4_u8_an_uncancellable_early_write_given_up_on_holds_both_sides_blocks_
     let net = kvlease_transport::mem::MemNetwork::default();
     let prompt = [PROMPT; 4].join(" ");
     let want = run(&engine(on_mem(config(12.0, 1), &net)).await, &prompt, 8, None).await.expect("local run").0;
-    net.set_faults(kvlease_transport::mem::Faults {
-        unfenced: true,
-        write_delay: (Duration::from_secs(5), Duration::from_secs(5)),
-        ..Default::default()
-    });
+    slow_uncancellable_writes(&net);
     let mut pcfg = on_mem(push_config(12.0, 1, 30.0), &net);
     pcfg.model.prefill_ms_per_token = 20.0;
     let p = engine(pcfg).await;
@@ -346,17 +354,6 @@ async fn u4_u8_an_uncancellable_early_write_given_up_on_holds_both_sides_blocks_
     let (_, params) = run_as(&p, "u4e", &prompt, 1, prefill_params()).await.expect("prefill");
     assert_eq!(params.expect("params")["transfer_mode"], "push");
     let (got, _) = decode.await.expect("joins").expect("recomputed");
-    assert_eq!(got, want, "recomputed: the local run's answer");
-    assert!(t0.elapsed() < Duration::from_secs(5), "D failed over when P gave up, not when the write ended: {:?}", t0.elapsed());
-    assert_eq!(d.metrics().recomputed_requests.get(), 1);
-    assert!(p.metrics().kv_blocks_free.get() < 256, "P's source blocks are held while the early write still reads them");
-    assert!(d.metrics().kv_blocks_free.get() < 256, "D's registered blocks are held while the early write may still land");
-    until("both sides' blocks come back once the write ended", Duration::from_secs(10), || {
-        p.metrics().kv_blocks_free.get() == 256 && d.metrics().kv_blocks_free.get() == 256
-    })
-    .await;
-    assert!(t0.elapsed() >= Duration::from_secs(5), "not before the write ended: {:?}", t0.elapsed());
-    let lease = kvlease_core::config::LeaseConfig::with_lease_secs(12.0).unwrap();
-    assert!(t0.elapsed() < lease.read_timeout() + lease.quarantine(), "{:?}", t0.elapsed());
+    failed_over_and_held_until_the_write_ended(&p, &d, &got, &want, t0).await;
     assert_eq!(p.live_leases(), 0);
 }

@@ -933,10 +933,15 @@ impl<B: BlockGuard> PushSource<B> {
             self.timers.pop_first();
             let Some(t) = self.keys.get_mut(&key) else { continue };
             if t.lease.is_none() {
-                if now.since(t.seen) >= self.cfg.extension && !t.in_flight() {
-                    // Nobody renewed it for E: D is gone; what it said goes with it.
-                    self.keys.remove(&key);
-                    self.pending -= 1;
+                if now.since(t.seen) >= self.cfg.extension {
+                    if t.in_flight() {
+                        // Early writes still read its prefill's blocks: looked at again later.
+                        self.timers.insert((now + self.cfg.extension, key));
+                    } else {
+                        // Nobody renewed it for E: D is gone; what it said goes with it.
+                        self.keys.remove(&key);
+                        self.pending -= 1;
+                    }
                 }
                 continue;
             }

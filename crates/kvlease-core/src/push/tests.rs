@@ -916,3 +916,21 @@ fn u4_ds_gate_takes_a_run_of_the_registered_blocks_in_order() {
     assert!(may(&[4, 5]) && may(&[4]) && may(&[5]));
     assert!(!may(&[5, 4]) && !may(&[4, 6]) && !may(&[6]) && !may(&[]));
 }
+
+/// SPEC U2, U4: a key not granted yet that D stopped renewing is forgotten after E — also when an
+/// early write was in flight at that moment: then once it has ended (never while it runs).
+#[test]
+fn u4_a_forsaken_key_with_an_early_write_in_flight_is_forgotten_once_it_ended() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    let mut out = PushSettled::default();
+    // Past E and past the registration's deadline: every timer of the key has come due once.
+    let late = at(LeaseConfig::default().extension.as_secs() + 31);
+    while p.poll(late, &mut out) {}
+    assert_eq!(p.pending(), 1, "kept while the early write runs");
+    p.end_early_write(e, &mut out);
+    let next = p.poll_timeout(late).expect("looked at again");
+    while p.poll(next, &mut out) {}
+    assert_eq!(p.pending(), 0, "forgotten once it ended");
+}
