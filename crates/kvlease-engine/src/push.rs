@@ -147,11 +147,11 @@ fn spawn_early(inner: &Arc<Inner>, job: EarlyJob) {
 }
 
 /// SPEC U4 (early writes): while P prefills, writes each block it computed into D's
-/// registration (all but the last: the transfer's completion goes with the writes after the
-/// grant), each write through the source's early gate; then, handed the transfer's
-/// [`WriteJob`], writes the rest ([`write`]) — everything if an early write failed or D
-/// registered again meanwhile. An early write that fails or is refused only stops the early
-/// writes.
+/// registration, each write through the source's early gate — the last one too, while P
+/// computes its first token before the grant; then, handed the transfer's [`WriteJob`], writes
+/// the rest ([`write`]): nothing when every block landed early (the transfer's completion is
+/// then reported right after the grant), everything if an early write failed or D registered
+/// again meanwhile. An early write that fails or is refused only stops the early writes.
 async fn write_early(
     inner: Arc<Inner>,
     job: EarlyJob,
@@ -159,10 +159,10 @@ async fn write_early(
     src: Vec<u32>,
     mut final_job: oneshot::Receiver<WriteJob>,
 ) {
-    let last = src.len().min(job.block_ids.len()).saturating_sub(1);
+    let all = src.len().min(job.block_ids.len());
     let (mut landed, mut early) = (0, true);
     loop {
-        let upto = (*progress.borrow_and_update()).min(last);
+        let upto = (*progress.borrow_and_update()).min(all);
         if early && upto > landed {
             early = write_blocks_early(&inner, &job, &src, landed..upto).await;
             if early {
@@ -172,6 +172,11 @@ async fn write_early(
             continue;
         }
         tokio::select! {
+            // Blocks computed go first: the last one is computed before the grant hands the job
+            // over, and written early it is off the transfer's path (P computes its first token
+            // meanwhile).
+            biased;
+            changed = progress.changed(), if early => early = changed.is_ok(),
             w = &mut final_job => {
                 if let Ok(w) = w {
                     let from = if w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src { landed } else { 0 };
@@ -179,7 +184,6 @@ async fn write_early(
                 }
                 return;
             }
-            changed = progress.changed(), if early => early = changed.is_ok(),
         }
     }
 }
@@ -196,7 +200,7 @@ async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], ran
         if !introduced(inner, &to, until).await {
             return false;
         }
-        let Ok(ticket) = with_source(inner, |s, now, _| s.begin_early_write(&job.key, job.attempt, now)) else { return false };
+        let Ok(ticket) = with_source(inner, |s, now, out| s.begin_early_write(&job.key, job.attempt, now, out)) else { return false };
         let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &src[range.clone()], &job.block_ids[range.clone()]);
         let mut all = futures_util::future::join_all(writes);
         let ok = match tokio::time::timeout(timeout, &mut all).await {
@@ -366,8 +370,9 @@ pub(crate) fn writes_are_fenced(ranks: &[crate::state::Rank]) -> bool {
 /// on ([`PushSource::abandon_write`]): D is told at once. On a fenced transport dropping it
 /// cancels it; on NIXL it runs on, so it is awaited in the background and the source learns
 /// when it ended (its source blocks held until then, or until the quarantine passes). Blocks
-/// before `from` landed already by early writes ([`write_early`]); the last block is always
-/// written here.
+/// before `from` landed already by early writes ([`write_early`]), which ended before this
+/// runs; when that is all of them, each write is done as soon as the gate lets it be posted
+/// (it carries no byte: U5 counts it after the grant, as any write).
 async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
     let m = &inner.cfg.model;
     let Some(plan) = kvlease_core::tp::read_plan(m.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else {
@@ -394,8 +399,12 @@ async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
             let Ok(ticket) = with_source(&inner, |s, now, out| s.begin_write(&job.key, job.attempt, dst_rank, stage, now, out)) else {
                 continue;
             };
+            if from >= job.src_blocks.len() && !job.src_blocks.is_empty() {
+                // Every block landed early, into this registration (U4): nothing left to post.
+                with_source(&inner, |s, now, out| s.end_write(ticket, true, now, out));
+                continue;
+            }
             let to = holder_agent(&job.to, dst_rank as usize);
-            let from = from.min(job.src_blocks.len().saturating_sub(1));
             let writes = rank_writes(
                 &inner,
                 &plan,
@@ -403,7 +412,7 @@ async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
                 &to,
                 &key,
                 &job.digest,
-                &job.src_blocks[from..],
+                job.src_blocks.get(from..).unwrap_or_default(),
                 job.block_ids.get(from..).unwrap_or_default(),
             );
             if writes.is_empty() {

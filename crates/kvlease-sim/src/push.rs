@@ -409,6 +409,8 @@ struct Write {
     ticket: Option<WriteTicket>,
     /// An early write (SPEC U4): it fills every rank and stage and counts toward nothing.
     early: Option<EarlyTicket>,
+    /// Whether it was an early write (`early` is taken when it lands).
+    was_early: bool,
     landed: bool,
     dropped: bool,
 }
@@ -806,12 +808,21 @@ impl World {
             return;
         }
         let key = self.reqs[r].key.clone();
-        let ticket = match self.ps[p].src.begin_early_write(&key, attempt, self.now) {
+        let mut out = PushSettled::default();
+        let ticket = self.ps[p].src.begin_early_write(&key, attempt, self.now, &mut out);
+        self.p_settled(p, out);
+        let ticket = match ticket {
             Ok(t) => t,
             Err(e) => return self.note(format!("p{p}: req {r}'s early write of attempt {attempt} not posted: {e}")),
         };
-        if self.reqs[r].p_aborted || self.reqs[r].prefilled {
-            self.violation_once(format!("U4 early {r}"), format!("U4: p{p} posted an early write of req {r} outside its prefill"));
+        // After the prefill, only under its live lease, before the transfer's writes.
+        let req = &self.reqs[r];
+        let posted = self.writes.iter().any(|w| w.r == r && !w.was_early && w.attempt == attempt);
+        if req.p_aborted || (req.prefilled && (req.lease.is_none() || !req.ended.is_empty() || posted)) {
+            self.violation_once(
+                format!("U4 early {r}"),
+                format!("U4: p{p} posted an early write of req {r} outside its prefill and its live lease"),
+            );
         }
         let d = self.reqs[r].d;
         let dst = match self.reqs[r].allocs.iter().find(|a| a.attempt == attempt) {
@@ -834,10 +845,12 @@ impl World {
             dst,
             ticket: None,
             early: Some(ticket),
+            was_early: true,
             landed: false,
             dropped: false,
         });
-        self.note(format!("p{p}: req {r}'s early write of attempt {attempt} posted (w{w}, lands in {:.3} s)", time.as_secs_f64()));
+        let when = if self.reqs[r].prefilled { ", after the grant" } else { "" };
+        self.note(format!("p{p}: req {r}'s early write of attempt {attempt} posted (w{w}, lands in {:.3} s{when})", time.as_secs_f64()));
         self.push(self.now + time, Ev::Land { w });
     }
 
@@ -960,6 +973,7 @@ impl World {
             dst,
             ticket,
             early: None,
+            was_early: false,
             landed: false,
             dropped: false,
         });

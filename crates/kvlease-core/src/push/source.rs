@@ -265,8 +265,9 @@ pub struct WriteJob {
 /// A transfer whose registration came while P still prefills (SPEC U4, early writes): the
 /// driver may write the blocks its prefill has computed so far, each through
 /// [`PushSource::begin_early_write`], before the grant. Early writes count toward nothing: the
-/// transfer completes only by the [`WriteJob`] after the grant, whose writes carry at least the
-/// last block, so a completion always follows the prefill's end.
+/// transfer completes only by the [`WriteJob`]'s writes after the grant (which carry what the
+/// early writes did not, possibly nothing), each through [`PushSource::begin_write`], so a
+/// completion always follows the prefill's end and the grant's checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EarlyJob {
     pub key: PushKey,
@@ -767,26 +768,54 @@ impl<B: BlockGuard> PushSource<B> {
         true
     }
 
-    /// SPEC U4, U8, U11: may an early write (blocks the prefill under `key` computed, before the
-    /// grant) into registration `attempt` be posted now? The prefill runs, the key is not
-    /// granted, ending or another engine's, the registration is D's newest and still open, its
-    /// digest is the prefill's, and D's write deadline is at least the write margin away. On
-    /// `Ok`, no failure of the key is reported to D as final and no source block of it is
-    /// reused until the ticket comes back to [`PushSource::end_early_write`]. A refusal changes
-    /// nothing: the transfer's [`WriteJob`] after the grant writes what the early writes did not.
-    pub fn begin_early_write(&mut self, key: &PushKey, attempt: u32, now: Nanos) -> Result<EarlyTicket, WriteRefused> {
+    /// SPEC U4, U8, U11: may an early write (blocks the prefill under `key` computed) into
+    /// registration `attempt` be posted now? Before the grant: the prefill runs, the key is not
+    /// ending or another engine's, the registration is D's newest and still open, and its digest
+    /// is the prefill's. After the grant (the prefill's last blocks, computed as it ended): the
+    /// lease is live, this engine's and for this prompt — the table's gate, as for a write —, the
+    /// registration is the newest and none of the transfer's writes is posted yet; the early
+    /// write holds the lease's blocks like a read until it ends. Both: D's write deadline is at
+    /// least the write margin away. On `Ok`, no failure of the key is reported to D as final and
+    /// no source block of it is reused until the ticket comes back to
+    /// [`PushSource::end_early_write`]. A refusal changes nothing: the transfer's [`WriteJob`]
+    /// writes what the early writes did not.
+    pub fn begin_early_write(
+        &mut self,
+        key: &PushKey,
+        attempt: u32,
+        now: Nanos,
+        out: &mut PushSettled<B>,
+    ) -> Result<EarlyTicket, WriteRefused> {
         let margin = Self::write_margin(&self.cfg);
-        let Some((_, digest)) = self.prefilling.get(key) else { return Err(WriteRefused::NotLive) };
+        let prefilling = self.prefilling.get(key).map(|(_, d)| *d);
         let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
-        if t.lease.is_some() || t.ending || t.holder.is_none() {
-            return Err(WriteRefused::NotLive);
-        }
-        let Some(reg) = t.regs.last_mut().filter(|r| r.reg.attempt == attempt && !r.closed() && r.reg.digest == *digest) else {
+        let Some((holder, _)) = t.holder.clone().filter(|_| !t.ending) else { return Err(WriteRefused::NotLive) };
+        let granted = match (t.lease, prefilling) {
+            (None, Some(_)) => None,
+            (Some(id), None) => Some(id),
+            _ => return Err(WriteRefused::NotLive),
+        };
+        let Some(reg) =
+            t.regs.last_mut().filter(|r| r.reg.attempt == attempt && !r.closed() && prefilling.is_none_or(|d| r.reg.digest == d))
+        else {
             return Err(WriteRefused::NotRegistered);
         };
+        if granted.is_some() && !reg.writes.is_empty() {
+            return Err(WriteRefused::NotExpected);
+        }
         if now + margin > reg.post_until {
             return Err(WriteRefused::Deadline);
         }
+        let digest = reg.reg.digest;
+        if let Some(id) = granted {
+            let mut released = Vec::new();
+            let read = self.table.begin_read(holder, id, Some(digest), now, &mut released);
+            self.settle(now, released, out);
+            let Some(read) = read else { return Err(WriteRefused::NotLive) };
+            let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
+            t.early_reads.push(read);
+        }
+        let Some(reg) = self.keys.get_mut(key).and_then(|t| t.regs.last_mut()) else { return Err(WriteRefused::NotLive) };
         reg.early += 1;
         Ok(EarlyTicket { key: key.clone(), attempt })
     }

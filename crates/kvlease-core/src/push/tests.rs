@@ -802,14 +802,14 @@ fn u4_early_writes_fill_computed_blocks_before_the_grant_and_count_toward_nothin
     let k = key("t");
     let mut p = prefilling_registered(&k);
     let mut out = PushSettled::default();
-    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
-    assert_eq!(p.begin_early_write(&k, 2, at(1)).err(), Some(WriteRefused::NotRegistered), "only the newest registration");
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
+    assert_eq!(p.begin_early_write(&k, 2, at(1), &mut out).err(), Some(WriteRefused::NotRegistered), "only the newest registration");
     p.end_early_write(e, &mut out);
     assert!(out.send.is_empty() && out.ended.is_empty() && out.freed.is_empty(), "an early write counts toward nothing");
     p.grant(at(2), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
     let job = out.ready.pop().expect("paired at the grant");
-    assert_eq!(p.begin_early_write(&k, 1, at(2)).err(), Some(WriteRefused::NotLive), "no early write once granted");
     let w = p.begin_write(&k, job.attempt, 0, 0, at(2), &mut out).unwrap();
+    assert_eq!(p.begin_early_write(&k, 1, at(2), &mut out).err(), Some(WriteRefused::NotExpected), "none once the transfer writes");
     p.end_write(w, true, at(2), &mut out);
     assert!(msgs(&out).contains(&&done(&k, 1, 0, 0)));
     assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Transferred]);
@@ -827,7 +827,7 @@ fn u4_early_writes_fill_computed_blocks_before_the_grant_and_count_toward_nothin
     p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), T0, &mut out);
     assert!(p.prefill_started(&k, "r", &[9, 9], &mut out));
     assert!(out.early.is_empty(), "registered for another prompt: nothing written early");
-    assert_eq!(p.begin_early_write(&k, 1, at(1)).err(), Some(WriteRefused::NotRegistered));
+    assert_eq!(p.begin_early_write(&k, 1, at(1), &mut out).err(), Some(WriteRefused::NotRegistered));
 }
 
 /// SPEC U4, U7: P's prefill aborted while an early write is in flight: its source blocks stay
@@ -838,7 +838,7 @@ fn u4_u7_an_abort_during_an_early_write_holds_the_blocks_and_the_failure_until_i
     let k = key("t");
     let mut p = prefilling_registered(&k);
     let mut out = PushSettled::default();
-    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
     p.abort_prefill(&k, "r", Some(Ids(vec![1, 2])), at(1), &mut out);
     assert!(out.freed.is_empty(), "an early write reads the blocks");
     assert!(out.send.is_empty(), "no failure while a write may still land: {:?}", msgs(&out));
@@ -850,6 +850,44 @@ fn u4_u7_an_abort_during_an_early_write_holds_the_blocks_and_the_failure_until_i
     assert!(msgs(&out).contains(&&lost(&k)), "and the key is gone");
 }
 
+/// SPEC U4, U5: the prefill's last blocks, computed as it ended, may still be written early
+/// after the grant, before the transfer's first write: under the live lease (its blocks held by
+/// the write like a read, also if the lease ends under it), into D's newest registration. The
+/// transfer's writes then carry no byte and complete it. Never once the lease ended.
+#[test]
+fn u4_u5_an_early_write_after_the_grant_holds_the_lease_and_the_transfer_completes_after_it() {
+    let k = key("t");
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    p.grant(at(1), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    let job = out.ready.pop().expect("paired at the grant");
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).expect("the last block, after the grant");
+    assert_eq!(p.begin_early_write(&k, 2, at(1), &mut out).err(), Some(WriteRefused::NotRegistered), "only the newest registration");
+    p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(2), &mut out);
+    assert!(out.freed.is_empty(), "the early write reads the lease's blocks");
+    assert!(!msgs(&out).contains(&&lost(&k)), "not answered while a write is in flight");
+    let mut out = PushSettled::default();
+    p.end_early_write(e, &mut out);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])], "back once it ended");
+    assert_eq!(p.begin_early_write(&k, 1, at(2), &mut out).err(), Some(WriteRefused::NotLive), "never after the lease ended");
+    assert!(p.begin_write(&k, job.attempt, 0, 0, at(2), &mut out).is_err());
+
+    // Landed whole early: the transfer's write (no byte) completes it, exactly once.
+    let mut p = prefilling_registered(&k);
+    let mut out = PushSettled::default();
+    p.grant(at(1), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
+    let job = out.ready.pop().expect("paired at the grant");
+    let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
+    p.end_early_write(e, &mut out);
+    assert!(out.send.is_empty() && out.ended.is_empty() && out.freed.is_empty(), "it counts toward nothing");
+    let w = p.begin_write(&k, job.attempt, 0, 0, at(1), &mut out).unwrap();
+    p.end_write(w, true, at(1), &mut out);
+    assert!(msgs(&out).contains(&&done(&k, 1, 0, 0)));
+    assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Transferred]);
+    assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+}
+
 /// SPEC U4: a grant while an early write is in flight: the lease's blocks stay held by it, also
 /// if the lease ends first.
 #[test]
@@ -857,7 +895,7 @@ fn u4_a_lease_granted_during_an_early_write_keeps_its_blocks_until_it_ended() {
     let k = key("t");
     let mut p = prefilling_registered(&k);
     let mut out = PushSettled::default();
-    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
     p.grant(at(1), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out).unwrap();
     p.on_message(D, &Message::PushRelease { keys: vec![k.clone()] }, at(2), &mut out);
     assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Released]);
@@ -880,7 +918,7 @@ fn u4_an_early_write_given_up_on_is_told_timed_out_at_once_and_lost_when_it_ende
         let mut p = prefilling_registered(&k);
         p.set_fenced_writes(false);
         let mut out = PushSettled::default();
-        let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+        let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
         let id = p.abandon_early_write(e, at(5), &mut out).expect("held: the transport cannot cancel it");
         assert_eq!(last_failure(&out).map(|(_, _, why)| why), Some(PushFailure::TimedOut));
         assert!(!msgs(&out).contains(&&lost(&k)));
@@ -900,7 +938,7 @@ fn u4_an_early_write_given_up_on_is_told_timed_out_at_once_and_lost_when_it_ende
     }
     let mut p = prefilling_registered(&k);
     let mut out = PushSettled::default();
-    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
     assert_eq!(p.abandon_early_write(e, at(5), &mut out), None, "fenced: dropping it stopped it");
     assert!(out.send.is_empty(), "nothing to tell: the transfer's writes carry the blocks");
 }
@@ -923,8 +961,8 @@ fn u4_ds_gate_takes_a_run_of_the_registered_blocks_in_order() {
 fn u4_a_forsaken_key_with_an_early_write_in_flight_is_forgotten_once_it_ended() {
     let k = key("t");
     let mut p = prefilling_registered(&k);
-    let e = p.begin_early_write(&k, 1, at(1)).unwrap();
     let mut out = PushSettled::default();
+    let e = p.begin_early_write(&k, 1, at(1), &mut out).unwrap();
     // Past E and past the registration's deadline: every timer of the key has come due once.
     let late = at(LeaseConfig::default().extension.as_secs() + 31);
     while p.poll(late, &mut out) {}
