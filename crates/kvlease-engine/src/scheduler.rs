@@ -782,6 +782,10 @@ async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pac
         before = computed(seq.prompt.len());
     }
     tokio::time::sleep_until(start + total).await;
+    // The last blocks' early writers were woken from this task, into this worker's LIFO slot,
+    // which no other worker may take: without a yield here they would wait out the rest of the
+    // step (the first tokens, the grants) instead of posting their writes beside it.
+    tokio::task::yield_now().await;
     pace.yielded = Instant::now();
 }
 
