@@ -80,18 +80,24 @@ fn spawn_write(inner: &Arc<Inner>, job: WriteJob) {
     inner.tasks.spawn(async move { write(inner2, job, 0).await });
 }
 
-/// P, push mode: a prefill running under a push key (SPEC U4, early writes): how many of its
-/// blocks it has computed so far, its source blocks, and the early writer waiting for the
-/// transfer's [`WriteJob`] (the one of D's newest registration), to write what is left.
+/// When each block of a prefill is computed: block `i` at `times[i]` (empty until its step
+/// starts). The scheduler says it once, as the step starts; the early writer waits on its own
+/// timers, so no block's write waits for the scheduler's thread (a task the scheduler woke would
+/// sit in its worker's LIFO slot, which no other worker may take, until the step's end).
+pub(crate) type BlockTimes = Vec<tokio::time::Instant>;
+
+/// P, push mode: a prefill running under a push key (SPEC U4, early writes): when its blocks
+/// are computed, its source blocks, and the early writer waiting for the transfer's
+/// [`WriteJob`] (the one of D's newest registration), to write what is left.
 pub(crate) struct Prefilling {
-    progress: watch::Receiver<usize>,
+    progress: watch::Receiver<BlockTimes>,
     src: Vec<u32>,
     writer: Option<oneshot::Sender<WriteJob>>,
 }
 
 /// P: the prefill of `request` under `key` starts (SPEC U4): from now on a registration from D
 /// starts an early writer ([`write_early`]), which writes each block into D's blocks as the
-/// prefill computes it. Returns where the scheduler tells how many blocks are computed; `None`
+/// prefill computes it. Returns where the scheduler tells when the blocks are computed; `None`
 /// when this prefill may not write early (another one here runs under the same key, or the key
 /// ended or is granted).
 pub(crate) fn prefill_started(
@@ -100,8 +106,8 @@ pub(crate) fn prefill_started(
     request: &str,
     prompt: &[u32],
     src: &Blocks,
-) -> Option<watch::Sender<usize>> {
-    let (tx, progress) = watch::channel(0);
+) -> Option<watch::Sender<BlockTimes>> {
+    let (tx, progress) = watch::channel(Vec::new());
     {
         let mut prefills = lock(&inner.push_prefills);
         if prefills.contains_key(key) {
@@ -155,14 +161,21 @@ fn spawn_early(inner: &Arc<Inner>, job: EarlyJob) {
 async fn write_early(
     inner: Arc<Inner>,
     job: EarlyJob,
-    mut progress: watch::Receiver<usize>,
+    mut progress: watch::Receiver<BlockTimes>,
     src: Vec<u32>,
     mut final_job: oneshot::Receiver<WriteJob>,
 ) {
     let all = src.len().min(job.block_ids.len());
-    let (mut landed, mut early) = (0, true);
+    // `open`: the scheduler may still say when the blocks are computed (the times it said stay
+    // true once it is gone: the source's gate refuses what the prefill's end made too late).
+    let (mut landed, mut early, mut open) = (0, true, true);
     loop {
-        let upto = (*progress.borrow_and_update()).min(all);
+        let (upto, next) = {
+            let times = progress.borrow_and_update();
+            let now = tokio::time::Instant::now();
+            let upto = times.iter().take_while(|&&t| t <= now).count().min(all);
+            (upto, times.get(upto).copied().filter(|_| early && upto < all))
+        };
         if early && upto > landed {
             early = write_blocks_early(&inner, &job, &src, landed..upto).await;
             if early {
@@ -176,7 +189,8 @@ async fn write_early(
             // over, and written early it is off the transfer's path (P computes its first token
             // meanwhile).
             biased;
-            changed = progress.changed(), if early => early = changed.is_ok(),
+            changed = progress.changed(), if open => open = changed.is_ok(),
+            () = sleep_until(next), if next.is_some() => {}
             w = &mut final_job => {
                 if let Ok(w) = w {
                     let from = if w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src { landed } else { 0 };
@@ -185,6 +199,13 @@ async fn write_early(
                 return;
             }
         }
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -74,7 +74,7 @@ pub(crate) struct Seq {
     push_key: Option<PushKey>,
     /// P, push mode (SPEC U4): where this prefill tells its early writer how many of its blocks
     /// are computed, while it may write early.
-    push_progress: Option<tokio::sync::watch::Sender<usize>>,
+    push_progress: Option<tokio::sync::watch::Sender<push::BlockTimes>>,
     /// D, push mode: the sink is done with this request (ready, or failed over).
     push_done: bool,
 }
@@ -759,34 +759,24 @@ impl Pace {
 }
 
 /// The emulated compute of a prefill step: the prefilling requests' tokens, one request after
-/// the other. A push prefill that may write early (SPEC U4) is told each of its blocks as the
-/// compute passes the block's last token, so its early writer sends it to D while the rest is
-/// computed (chunked prefill); the step still ends when the whole compute has passed.
+/// the other. A push prefill that may write early (SPEC U4) is told when each of its blocks is
+/// computed (the compute passes the block's last token), so its early writer sends it to D
+/// while the rest is computed (chunked prefill); the step ends when the whole compute has passed.
 async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pace) {
     let prefilling = || running.iter().filter(|s| s.state == State::Prefill);
     let total = m.prefill_time(prefilling().map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum());
-    if total.is_zero() || prefilling().all(|s| s.push_progress.is_none()) {
-        return pace.compute(total).await;
-    }
     let start = tokio::time::Instant::now();
     let bs = m.block_size.max(1) as usize;
     let mut before = 0;
     for seq in prefilling() {
         let computed = |end: usize| before + end.saturating_sub(seq.reused);
         if let Some(progress) = &seq.push_progress {
-            for block in 1..=seq.prompt.len().div_ceil(bs) {
-                tokio::time::sleep_until(start + m.prefill_time(computed((block * bs).min(seq.prompt.len())))).await;
-                progress.send_replace(block);
-            }
+            let blocks = seq.prompt.len().div_ceil(bs);
+            progress.send_replace((1..=blocks).map(|b| start + m.prefill_time(computed((b * bs).min(seq.prompt.len())))).collect());
         }
         before = computed(seq.prompt.len());
     }
-    tokio::time::sleep_until(start + total).await;
-    // The last blocks' early writers were woken from this task, into this worker's LIFO slot,
-    // which no other worker may take: without a yield here they would wait out the rest of the
-    // step (the first tokens, the grants) instead of posting their writes beside it.
-    tokio::task::yield_now().await;
-    pace.yielded = Instant::now();
+    pace.compute(total).await
 }
 
 /// Writes the KV of the token at `pos` (prefix hash `prefix`) into every rank's shard.
