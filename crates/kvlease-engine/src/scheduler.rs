@@ -546,6 +546,8 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
         let prefill_tokens: usize =
             running.iter().filter(|s| s.state == State::Prefill).map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum();
         inner.metrics.prefill_tokens.inc_by(prefill_tokens as u64);
+        // The emulated compute counts from here: writing the KV is part of it (below).
+        let started = tokio::time::Instant::now();
         for seq in running.iter_mut().filter(|s| s.state == State::Prefill) {
             let Some(blocks) = &seq.blocks else { continue };
             let mut prefix = model::PREFIX_SEED;
@@ -560,7 +562,7 @@ async fn step(inner: &Arc<Inner>, running: &mut Vec<Seq>, pace: &mut Pace) {
                 seq.push_progress = push::prefill_started(inner, key, &seq.client_id, &seq.prompt, blocks);
             }
         }
-        prefill_compute(running, m, pace).await;
+        prefill_compute(running, m, pace, started).await;
         pace.due = None;
         let mut i = 0;
         while i < running.len() {
@@ -758,25 +760,29 @@ impl Pace {
     }
 }
 
-/// The emulated compute of a prefill step: the prefilling requests' tokens, one request after
-/// the other. A push prefill that may write early (SPEC U4) is told when each of its blocks is
-/// computed (the compute passes the block's last token), so its early writer sends it to D
-/// while the rest is computed (chunked prefill); the step ends when the whole compute has passed.
-async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pace) {
+/// The emulated compute of a prefill step that `started` (before its KV was written): the
+/// prefilling requests' tokens, one request after the other. The step lasts the compute's time
+/// from `started`, writing the KV included (or as long as that took, if longer), so what the
+/// emulation costs the CPU does not add to the configured time. A push prefill that may write
+/// early (SPEC U4) is told when each of its blocks is computed (the compute passes the block's
+/// last token; never before now, when every block's KV is written), so its early writer sends
+/// it to D while the rest is computed (chunked prefill).
+async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pace, started: tokio::time::Instant) {
     let prefilling = || running.iter().filter(|s| s.state == State::Prefill);
     let total = m.prefill_time(prefilling().map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum());
-    let start = tokio::time::Instant::now();
+    let written = tokio::time::Instant::now();
     let bs = m.block_size.max(1) as usize;
     let mut before = 0;
     for seq in prefilling() {
         let computed = |end: usize| before + end.saturating_sub(seq.reused);
         if let Some(progress) = &seq.push_progress {
             let blocks = seq.prompt.len().div_ceil(bs);
-            progress.send_replace((1..=blocks).map(|b| start + m.prefill_time(computed((b * bs).min(seq.prompt.len())))).collect());
+            let at = |b: usize| (started + m.prefill_time(computed((b * bs).min(seq.prompt.len())))).max(written);
+            progress.send_replace((1..=blocks).map(at).collect());
         }
         before = computed(seq.prompt.len());
     }
-    pace.compute(total).await
+    pace.compute(total.saturating_sub(written - started)).await
 }
 
 /// Writes the KV of the token at `pos` (prefix hash `prefix`) into every rank's shard.

@@ -23,6 +23,10 @@
 //!   P's prefill, and D's write deadline is at least the write margin away. A write in flight
 //!   holds the source blocks (the table's read ticket, P5 with the roles swapped) until
 //!   [`PushSource::end_write`].
+//! * **Early writes** (U4): blocks P's prefill has computed may be written into D's newest
+//!   registration before the grant, and after it until the transfer's first write
+//!   ([`PushSource::begin_early_write`]); they count toward no completion, and while one is in
+//!   flight P's blocks stay out of the pool and no failure reaches D as final.
 //! * **A write given up on** (U4, U8): a write that outlives P's write timeout is failed toward
 //!   D at once ([`PushSource::abandon_write`]: D fails over, the lease ends, nothing more is
 //!   posted), but where the transport cannot cancel a write (NIXL: a dropped future does not
@@ -203,7 +207,8 @@ struct Transfer<B> {
     /// U4: source blocks that came back (an abort, a refused grant) while early writes of the key
     /// were in flight: out of the pool until the last of them ends.
     held: Vec<B>,
-    /// U4: the lease's blocks held for early writes still in flight when it was granted.
+    /// U4: the lease's blocks held for early writes in flight when it was granted or posted
+    /// after it.
     early_reads: Vec<ReadTicket>,
 }
 
@@ -264,7 +269,8 @@ pub struct WriteJob {
 
 /// A transfer whose registration came while P still prefills (SPEC U4, early writes): the
 /// driver may write the blocks its prefill has computed so far, each through
-/// [`PushSource::begin_early_write`], before the grant. Early writes count toward nothing: the
+/// [`PushSource::begin_early_write`], before the grant (and after it, until the transfer's
+/// first write: the blocks computed as the prefill ended). Early writes count toward nothing: the
 /// transfer completes only by the [`WriteJob`]'s writes after the grant (which carry what the
 /// early writes did not, possibly nothing), each through [`PushSource::begin_write`], so a
 /// completion always follows the prefill's end and the grant's checks.
