@@ -299,11 +299,15 @@ async fn d3_a_busy_scheduler_on_one_thread_delays_no_heartbeat() {
     let d = engine(dcfg).await;
     let (_, params) = run(&p, PROMPT, 1, prefill_params()).await.unwrap();
     let mut busy = Vec::new();
-    for i in 0..32 {
+    // 32 running and, in a release build (which decodes them about ten times faster), 480 more
+    // queued ahead: busy for several heartbeat intervals either way.
+    let queued_ahead = if cfg!(debug_assertions) { 0 } else { 15 * 32 };
+    for i in 0..32 + queued_ahead {
         let d = d.clone();
         busy.push(tokio::spawn(async move { run(&d, &format!("busy {i}"), 4000, None).await }));
     }
     until("D is full", Duration::from_secs(5), || d.metrics().requests_running.get() == 32).await;
+    until("the rest queued", Duration::from_secs(5), || d.metrics().requests_waiting.get() >= queued_ahead as i64).await;
     let busy_from = std::time::Instant::now();
     // Waits in the queue behind them, tracked (and heartbeating) from its arrival.
     let remote = {
