@@ -115,7 +115,7 @@ pub(crate) fn prefill_started(
         }
         prefills.insert(key.clone(), Prefilling { progress, src: src.ids().to_vec(), writer: None });
     }
-    if with_source(inner, |s, _, out| s.prefill_started(key, request, prompt, out)) {
+    if with_source(inner, |s, _, out| s.prefill_started(key, request, prompt, src.ids(), out)) {
         Some(tx)
     } else {
         lock(&inner.push_prefills).remove(key);

@@ -782,9 +782,9 @@ impl World {
             let done = self.now + self.reqs[r].prefill;
             self.push(done, Ev::PrefillDone { r, inc });
             // SPEC U4: from now on D's registration may be written early.
-            let (key, tokens) = (self.reqs[r].key.clone(), self.reqs[r].tokens.clone());
+            let (key, tokens, src) = (self.reqs[r].key.clone(), self.reqs[r].tokens.clone(), self.reqs[r].src.clone());
             let mut out = PushSettled::default();
-            self.ps[p].src.prefill_started(&key, &format!("p-req-{r}"), &tokens, &mut out);
+            self.ps[p].src.prefill_started(&key, &format!("p-req-{r}"), &tokens, &src, &mut out);
             for job in out.early {
                 self.early_job(p, inc, r, job);
             }

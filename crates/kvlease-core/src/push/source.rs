@@ -210,6 +210,9 @@ struct Transfer<B> {
     /// U4: the lease's blocks held for early writes in flight when it was granted or posted
     /// after it.
     early_reads: Vec<ReadTicket>,
+    /// U4: the lease was granted to the prefill that writes early (on its very blocks), so its
+    /// early writer may go on after the grant; another prefill's early writer may not.
+    early_granted: bool,
 }
 
 impl<B> Transfer<B> {
@@ -223,6 +226,7 @@ impl<B> Transfer<B> {
             transferred: None,
             held: Vec::new(),
             early_reads: Vec::new(),
+            early_granted: false,
         }
     }
 
@@ -233,6 +237,15 @@ impl<B> Transfer<B> {
     fn early_in_flight(&self) -> bool {
         self.regs.iter().any(|r| r.early > 0)
     }
+}
+
+/// A prefill that may write early (SPEC U4): its request, its prompt's digest and its source
+/// blocks, which name it among prefills under the same key (two dispatches hold different blocks).
+#[derive(Debug)]
+struct Prefill {
+    request: String,
+    digest: PromptDigest,
+    blocks: Vec<u32>,
 }
 
 /// A transfer whose every write landed (U5): what its holder is told again if its renewal of
@@ -413,7 +426,7 @@ pub struct PushSource<B> {
     keys: HashMap<PushKey, Transfer<B>>,
     /// SPEC U4: keys whose prefill runs here now (early writes allowed), with the request and
     /// the digest of its tokens.
-    prefilling: HashMap<PushKey, (String, PromptDigest)>,
+    prefilling: HashMap<PushKey, Prefill>,
     by_lease: HashMap<LeaseId, PushKey>,
     pending: usize,
     /// Keys that ended, and for those whose every write landed, what was written (U3, U5).
@@ -477,8 +490,10 @@ impl<B: BlockGuard> PushSource<B> {
         tokens: &[u32],
         out: &mut PushSettled<B>,
     ) -> Result<PushGranted, PushGrantError> {
-        if let Some(k) = &key {
-            if self.prefilling.get(k).is_some_and(|(r, _)| r == request) {
+        // The prefill that writes early is this one if it holds these very blocks.
+        let early = key.as_ref().is_some_and(|k| self.prefilling.get(k).is_some_and(|p| p.request == request && p.blocks == blocks.ids()));
+        if early {
+            if let Some(k) = &key {
                 self.prefilling.remove(k);
             }
         }
@@ -514,6 +529,7 @@ impl<B: BlockGuard> PushSource<B> {
             None => self.keys.entry(key.clone()).or_insert(Transfer::new(None, now)),
         };
         t.lease = Some(lease_id);
+        t.early_granted = early;
         // U2: the renewal D sent before the grant was acknowledged as kept: it holds now.
         let mut released = Vec::new();
         if let Some((h, _)) = &t.holder {
@@ -757,17 +773,18 @@ impl<B: BlockGuard> PushSource<B> {
     /// SPEC U4 (early writes): P's prefill of `request` under `key` started, of `tokens`. From
     /// now until its grant ([`PushSource::grant`]) or abort ([`PushSource::abort_prefill`]), a
     /// registration of `key` from D (come already, or still to come) is handed to the driver as
-    /// an [`EarlyJob`], so the blocks the prefill has computed can be written while it computes
-    /// the rest. Returns false (no early writes for this prefill) when the key ended, is
-    /// granted, or another prefill here runs under it (two dispatches never share one).
-    pub fn prefill_started(&mut self, key: &PushKey, request: &str, tokens: &[u32], out: &mut PushSettled<B>) -> bool {
+    /// an [`EarlyJob`], so the blocks the prefill has computed (of its source blocks `blocks`)
+    /// can be written while it computes the rest. Returns false (no early writes for this
+    /// prefill) when the key ended, is granted, or another prefill here runs under it (two
+    /// dispatches never share one).
+    pub fn prefill_started(&mut self, key: &PushKey, request: &str, tokens: &[u32], blocks: &[u32], out: &mut PushSettled<B>) -> bool {
         if self.ended.contains_key(key) || self.keys.get(key).is_some_and(|t| t.lease.is_some() || t.ending) {
             return false;
         }
         match self.prefilling.entry(key.clone()) {
             Entry::Occupied(_) => return false,
             Entry::Vacant(v) => {
-                v.insert((request.to_owned(), PromptDigest::of(tokens)));
+                v.insert(Prefill { request: request.to_owned(), digest: PromptDigest::of(tokens), blocks: blocks.to_vec() });
             }
         }
         self.announce_early(key, out);
@@ -793,12 +810,13 @@ impl<B: BlockGuard> PushSource<B> {
         out: &mut PushSettled<B>,
     ) -> Result<EarlyTicket, WriteRefused> {
         let margin = Self::write_margin(&self.cfg);
-        let prefilling = self.prefilling.get(key).map(|(_, d)| *d);
+        let prefilling = self.prefilling.get(key).map(|p| p.digest);
         let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
         let Some((holder, _)) = t.holder.clone().filter(|_| !t.ending) else { return Err(WriteRefused::NotLive) };
         let granted = match (t.lease, prefilling) {
             (None, Some(_)) => None,
-            (Some(id), None) => Some(id),
+            // Only the granted prefill's own early writer: another's blocks are not the lease's.
+            (Some(id), None) if t.early_granted => Some(id),
             _ => return Err(WriteRefused::NotLive),
         };
         let Some(reg) =
@@ -812,17 +830,27 @@ impl<B: BlockGuard> PushSource<B> {
         if now + margin > reg.post_until {
             return Err(WriteRefused::Deadline);
         }
+        reg.early += 1;
         let digest = reg.reg.digest;
         if let Some(id) = granted {
             let mut released = Vec::new();
             let read = self.table.begin_read(holder, id, Some(digest), now, &mut released);
+            match (read, self.keys.get_mut(key)) {
+                (Some(read), Some(t)) => t.early_reads.push(read),
+                (read, t) => {
+                    // The lease ended meanwhile (or is no longer this engine's): not posted.
+                    if let Some(reg) = t.and_then(|t| t.regs.last_mut()) {
+                        reg.early -= 1;
+                    }
+                    if let Some(source) = read.and_then(|r| self.table.end_read(r)) {
+                        out.freed.push(source.blocks);
+                    }
+                    self.settle(now, released, out);
+                    return Err(WriteRefused::NotLive);
+                }
+            }
             self.settle(now, released, out);
-            let Some(read) = read else { return Err(WriteRefused::NotLive) };
-            let Some(t) = self.keys.get_mut(key) else { return Err(WriteRefused::NotLive) };
-            t.early_reads.push(read);
         }
-        let Some(reg) = self.keys.get_mut(key).and_then(|t| t.regs.last_mut()) else { return Err(WriteRefused::NotLive) };
-        reg.early += 1;
         Ok(EarlyTicket { key: key.clone(), attempt })
     }
 
@@ -875,7 +903,8 @@ impl<B: BlockGuard> PushSource<B> {
     /// writes may be reading them) come back: D is told (once no early write is in flight), and
     /// the blocks go to the pool once the last early write ended.
     pub fn abort_prefill(&mut self, key: &PushKey, request: &str, blocks: Option<B>, now: Nanos, out: &mut PushSettled<B>) {
-        if self.prefilling.get(key).is_some_and(|(r, _)| r == request) {
+        let ids = blocks.as_ref().map(|b| b.ids());
+        if self.prefilling.get(key).is_some_and(|p| p.request == request && ids.is_none_or(|ids| p.blocks == ids)) {
             self.prefilling.remove(key);
         }
         self.abort(key, now, out);
@@ -897,10 +926,10 @@ impl<B: BlockGuard> PushSource<B> {
     /// SPEC U4: hands `key`'s newest registration to the driver for early writes, if P prefills
     /// the key now, D registered it for that prompt, and it was not handed over already.
     fn announce_early(&mut self, key: &PushKey, out: &mut PushSettled<B>) {
-        let Some((_, digest)) = self.prefilling.get(key) else { return };
+        let Some(digest) = self.prefilling.get(key).map(|p| p.digest) else { return };
         let Some(t) = self.keys.get_mut(key) else { return };
         let Some((_, to)) = t.holder.clone().filter(|_| t.lease.is_none() && !t.ending) else { return };
-        let Some(reg) = t.regs.last_mut().filter(|r| !r.early_announced && !r.closed() && r.reg.digest == *digest) else { return };
+        let Some(reg) = t.regs.last_mut().filter(|r| !r.early_announced && !r.closed() && r.reg.digest == digest) else { return };
         reg.early_announced = true;
         out.early.push(EarlyJob {
             key: key.clone(),
@@ -908,7 +937,7 @@ impl<B: BlockGuard> PushSource<B> {
             to,
             dst_ranks: reg.reg.dst_ranks,
             block_ids: reg.reg.block_ids.clone(),
-            digest: *digest,
+            digest,
         });
     }
 

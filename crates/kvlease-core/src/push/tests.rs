@@ -785,7 +785,7 @@ fn u8_blocks_a_write_given_up_on_may_still_land_in_wait_for_it_to_stop() {
 fn prefilling_registered(k: &PushKey) -> PushSource<Ids> {
     let mut p = source();
     let mut out = PushSettled::default();
-    assert!(p.prefill_started(k, "r", &TOKENS, &mut out));
+    assert!(p.prefill_started(k, "r", &TOKENS, &[1, 2], &mut out));
     assert!(out.early.is_empty(), "no registration yet: nothing to write into");
     p.on_message(D, &Message::PushRegister(reg(k, 1, 1, 1)), T0, &mut out);
     let job = out.early.pop().expect("a registration while P prefills makes an early job");
@@ -819,13 +819,13 @@ fn u4_early_writes_fill_computed_blocks_before_the_grant_and_count_toward_nothin
     let mut p = source();
     let mut out = PushSettled::default();
     p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), T0, &mut out);
-    assert!(p.prefill_started(&k, "r", &TOKENS, &mut out));
+    assert!(p.prefill_started(&k, "r", &TOKENS, &[1, 2], &mut out));
     assert_eq!(out.early.len(), 1);
-    assert!(!p.prefill_started(&k, "r2", &TOKENS, &mut out), "two dispatches never share early writes");
+    assert!(!p.prefill_started(&k, "r2", &TOKENS, &[3], &mut out), "two dispatches never share early writes");
     let mut p = source();
     let mut out = PushSettled::default();
     p.on_message(D, &Message::PushRegister(reg(&k, 1, 1, 1)), T0, &mut out);
-    assert!(p.prefill_started(&k, "r", &[9, 9], &mut out));
+    assert!(p.prefill_started(&k, "r", &[9, 9], &[1, 2], &mut out));
     assert!(out.early.is_empty(), "registered for another prompt: nothing written early");
     assert_eq!(p.begin_early_write(&k, 1, at(1), &mut out).err(), Some(WriteRefused::NotRegistered));
 }
@@ -886,6 +886,25 @@ fn u4_u5_an_early_write_after_the_grant_holds_the_lease_and_the_transfer_complet
     assert!(msgs(&out).contains(&&done(&k, 1, 0, 0)));
     assert_eq!(out.ended.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![ReleaseReason::Transferred]);
     assert_eq!(out.freed, vec![Ids(vec![1, 2])]);
+}
+
+/// SPEC U1, U4: two dispatches under one key on P (a router's mistake), the one writing early
+/// not the one granted: its early writer may write neither while the other holds the lease nor
+/// after its own prefill was refused the key and gave its blocks back — also when both carry the
+/// same request id (the blocks tell them apart).
+#[test]
+fn u1_u4_after_the_grant_only_the_granted_prefills_early_writer_may_write() {
+    for other in ["r2", "r"] {
+        let k = key("t");
+        let mut p = prefilling_registered(&k);
+        let mut out = PushSettled::default();
+        p.grant(at(1), Some(k.clone()), other, Ids(vec![7, 8]), &TOKENS, &mut out).unwrap();
+        assert_eq!(p.begin_early_write(&k, 1, at(1), &mut out).err(), Some(WriteRefused::NotLive), "{other}: another's lease");
+        let mut out = PushSettled::default();
+        assert_eq!(p.grant(at(2), Some(k.clone()), "r", Ids(vec![1, 2]), &TOKENS, &mut out), Err(PushGrantError::KeyTaken(k.clone())));
+        assert_eq!(out.freed, vec![Ids(vec![1, 2])], "{other}: the early prefill's blocks are back");
+        assert_eq!(p.begin_early_write(&k, 1, at(2), &mut out).err(), Some(WriteRefused::NotLive), "{other}: not from blocks given back");
+    }
 }
 
 /// SPEC U4: a grant while an early write is in flight: the lease's blocks stay held by it, also
