@@ -369,6 +369,10 @@ struct Req {
     src: Vec<u32>,
     prefilled: bool,
     p_aborted: bool,
+    /// Registrations (attempts) an early write filled whole, every block of P's KV, with no
+    /// failed early write after it: the transfer's writes then carry no byte (as the engine's
+    /// writer does once every block landed early).
+    early_whole: BTreeSet<u32>,
     lease: Option<LeaseId>,
     /// SPEC P2/P4: the deadline the lease must reach at least (surely renewed) and may reach at
     /// most (renewed within a millisecond of the deadline).
@@ -565,6 +569,7 @@ impl World {
                 src: Vec::new(),
                 prefilled: false,
                 p_aborted: false,
+                early_whole: BTreeSet::new(),
                 lease: None,
                 dl_min: Nanos::ZERO,
                 dl_max: Nanos::ZERO,
@@ -950,10 +955,14 @@ impl World {
                 q.dl_max = q.dl_max.max(now + e);
             }
         }
+        // Every block landed early into this registration: the write carries no byte, only
+        // its completion (SPEC U4, U5).
+        let nothing = self.reqs[r].early_whole.contains(&attempt);
         let dst = match self.reqs[r].allocs.iter().find(|a| a.attempt == attempt) {
-            Some(a) => a.blocks.iter().copied().zip(a.gens.iter().copied()).collect(),
-            None => Vec::new(),
+            Some(a) if !nothing => a.blocks.iter().copied().zip(a.gens.iter().copied()).collect(),
+            _ => Vec::new(),
         };
+        let src = if nothing { Vec::new() } else { self.reqs[r].src.clone() };
         let slow = self.rng.chance(self.c.slow_write.0);
         let time = if slow {
             self.rng.secs(self.c.write_time.as_secs_f64(), self.c.slow_write.1.as_secs_f64())
@@ -968,7 +977,7 @@ impl World {
             attempt,
             rank,
             stage,
-            src: self.reqs[r].src.clone(),
+            src,
             d,
             dst,
             ticket,
@@ -977,8 +986,9 @@ impl World {
             landed: false,
             dropped: false,
         });
+        let what = if nothing { ", no byte: every block landed early" } else { "" };
         self.note(format!(
-            "p{p}: req {r}'s write ({rank},{stage}) of attempt {attempt} posted (w{w}, lands in {:.3} s)",
+            "p{p}: req {r}'s write ({rank},{stage}) of attempt {attempt} posted (w{w}, lands in {:.3} s{what})",
             time.as_secs_f64()
         ));
         self.push(now + time, Ev::Land { w });
@@ -997,12 +1007,15 @@ impl World {
         }
         let ok = self.ds[d].alive && !self.rng.chance(self.c.write_error);
         let garbage = !ok && self.ds[d].alive && self.rng.chance(0.5);
+        // An early write that put P's KV, right, into every block of the registration.
+        let mut whole = ok && self.writes[w].was_early && self.writes[w].dst.len() == self.reqs[r].src.len();
         if ok || garbage {
             let mut moved = false;
             for i in 0..self.writes[w].dst.len() {
                 let (b, gen) = self.writes[w].dst[i];
                 let slot = &self.ds[d].slots[b as usize];
                 if slot.gen != gen || slot.owner != Some((r, attempt)) {
+                    whole = false;
                     if !moved {
                         moved = true;
                         self.violation_once(
@@ -1029,6 +1042,7 @@ impl World {
                         None => Kv::Garbage,
                     }
                 };
+                whole &= kv == Kv::Of(r);
                 if self.writes[w].early.is_some() {
                     let (ranks, stages) = (self.reqs[r].ranks, self.reqs[r].stages);
                     for part in (0..ranks).flat_map(|x| (0..stages).map(move |y| (x, y))) {
@@ -1040,6 +1054,14 @@ impl World {
             }
         }
         self.note(format!("w{w} (req {r}, ({rank},{stage})) lands in d{d}: {}", if ok { "ok" } else { "error" }));
+        if self.writes[w].was_early && !self.writes[w].dropped {
+            // The engine's writer stops writing early after a failure and writes the rest itself.
+            if whole {
+                self.reqs[r].early_whole.insert(attempt);
+            } else {
+                self.reqs[r].early_whole.remove(&attempt);
+            }
+        }
         if !self.ps[p].alive || self.ps[p].inc != inc {
             return;
         }
