@@ -157,6 +157,57 @@ async fn early_writes_overlap_the_prefill(transport: TransportKind, p_tp: u32, d
     assert_eq!(d.metrics().writes_refused.get(), 0);
 }
 
+/// SPEC U1, U4 (a router's mistake): two prefill legs under one key reach P at once while D
+/// waits with its registration; they prefill in one step, one of them writing early. Exactly one
+/// is granted and the other refused with 409 naming the key; D's answer equals local, nothing is
+/// recomputed, and P ends with no lease and every block back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
+    let prompt = [PROMPT; 4].join(" ");
+    let want = run(&engine(config(30.0, 1)).await, &prompt, 8, None).await.expect("local run").0;
+    let mut pcfg = push_config(30.0, 1, 30.0);
+    pcfg.model.prefill_ms_per_token = 2.0;
+    let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
+    for i in 0..4 {
+        let id = format!("dup-{i}");
+        let decode = {
+            let (d, params, prompt) = (d.clone(), router_params(&p, &id), prompt.clone());
+            tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 8, Some(params)).await })
+        };
+        // A local prefill holds P's scheduler while both legs queue: they prefill in one step.
+        let hog = {
+            let (p, prompt) = (p.clone(), [PROMPT; 2].join(" "));
+            tokio::spawn(async move { run(&p, &prompt, 1, None).await })
+        };
+        until("P computes", Duration::from_secs(5), || p.metrics().requests_running.get() == 1).await;
+        let legs: Vec<_> = (0..2)
+            .map(|_| {
+                let (p, id, prompt) = (p.clone(), id.clone(), prompt.clone());
+                tokio::spawn(async move { run_as(&p, &id, &prompt, 1, prefill_params()).await })
+            })
+            .collect();
+        // (The legs are submitted within milliseconds; the local prefill's step lasts 400 ms.)
+        hog.await.expect("joins").expect("the local request");
+        let mut refused = 0;
+        for leg in legs {
+            if let Err(e) = leg.await.expect("joins") {
+                assert_eq!((e.status, e.code), (409, "transfer_key_in_use"), "request {i}: {e:?}");
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 1, "request {i}: prefilled in one step, the second grant finds the key taken");
+        let (got, _) = decode.await.expect("joins").expect("decode");
+        assert_eq!(got, want, "request {i}");
+        assert_eq!(p.metrics().leases_granted.get(), i + 1, "request {i}: one grant a key");
+    }
+    until("P ends the leases and has every block back", Duration::from_secs(5), || {
+        p.live_leases() == 0 && p.metrics().kv_blocks_free.get() == 256
+    })
+    .await;
+    assert_eq!(p.metrics().released(ReleaseReason::Transferred).get(), 4);
+    assert_eq!(d.metrics().recomputed_requests.get(), 0);
+}
+
 /// SPEC U4, U6, U7: P's client leaves while its prefill writes early: D hears the transfer
 /// failed (once no early write is in flight) and computes the prompt itself (the default
 /// policy), with the answer equal to local; P grants nothing and has every block back.
