@@ -24,8 +24,9 @@
 #
 # For scale, each zero-compute concurrency-1 round also runs the same load straight against one
 # engine (the pull cluster's D, a plain local request: one HTTP round trip to an engine and its
-# zero-time steps, no proxy and no P/D), printed as "direct"; and P's lease hold in push mode is the
-# transfer itself (grant to the write's acknowledgement, on the `tcp` agent).
+# zero-time steps, no proxy and no P/D), printed as "direct"; and P's lease hold in push mode is
+# what is left of the transfer after the grant (the writes early writes did not carry, usually
+# none, and the completion).
 #
 # Afterwards every P must hold no lease and have released every lease as `transferred`, no D may
 # have recomputed a request, and the push proxy must have sent every request but the first both

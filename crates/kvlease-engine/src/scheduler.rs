@@ -72,8 +72,8 @@ pub(crate) struct Seq {
     output: Vec<u32>,
     /// P, push mode (SPEC U1): the key D's registration pairs this prefill's lease by.
     push_key: Option<PushKey>,
-    /// P, push mode (SPEC U4): where this prefill tells its early writer how many of its blocks
-    /// are computed, while it may write early.
+    /// P, push mode (SPEC U4): where this prefill tells its early writer when its blocks are
+    /// computed, while it may write early.
     push_progress: Option<tokio::sync::watch::Sender<push::BlockTimes>>,
     /// D, push mode: the sink is done with this request (ready, or failed over).
     push_done: bool,

@@ -26,6 +26,19 @@ fn router_params(p: &EngineHandle, request_id: &str) -> Value {
         "remote_request_id": request_id})
 }
 
+/// D's leg of a dispatch that sends both legs at once (vLLM's push router): started now, it waits
+/// for P's writes under `request_id`.
+fn decode_leg(
+    d: &EngineHandle,
+    p: &EngineHandle,
+    request_id: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> tokio::task::JoinHandle<Result<(String, Option<Value>), kvlease_engine::RequestError>> {
+    let (d, params, prompt) = (d.clone(), router_params(p, request_id), prompt.to_owned());
+    tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, max_tokens, Some(params)).await })
+}
+
 async fn local_answer(max_tokens: u32) -> String {
     let local = engine(config(30.0, 1)).await;
     run(&local, PROMPT, max_tokens, None).await.expect("local run").0
@@ -88,10 +101,7 @@ async fn u2_both_legs_at_once_pair_by_the_routers_id() {
     let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
     for i in 0..3 {
         let id = format!("both-{i}");
-        let decode = {
-            let (d, params) = (d.clone(), router_params(&p, &id));
-            tokio::spawn(async move { run_as(&d, "decode-leg", PROMPT, 16, Some(params)).await })
-        };
+        let decode = decode_leg(&d, &p, &id, PROMPT, 16);
         let (_, params) = run_as(&p, &id, PROMPT, 1, prefill_params()).await.expect("prefill");
         assert_eq!(params.expect("params")["transfer_mode"], "push");
         let (got, _) = decode.await.expect("joins").expect("decode");
@@ -135,10 +145,7 @@ async fn early_writes_overlap_the_prefill(transport: TransportKind, p_tp: u32, d
     let (p, d) = (engine(pcfg).await, engine(on(push_config(30.0, d_tp, 30.0), transport)).await);
     for i in 0..3 {
         let id = format!("early-{p_tp}-{d_tp}-{i}");
-        let decode = {
-            let (d, params, prompt) = (d.clone(), router_params(&p, &id), prompt.clone());
-            tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 16, Some(params)).await })
-        };
+        let decode = decode_leg(&d, &p, &id, &prompt, 16);
         let (_, params) = run_as(&p, &id, &prompt, 1, prefill_params()).await.expect("prefill");
         assert_eq!(params.expect("params")["transfer_mode"], "push");
         let (got, _) = decode.await.expect("joins").expect("decode");
@@ -170,10 +177,7 @@ async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
     let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
     for i in 0..4 {
         let id = format!("dup-{i}");
-        let decode = {
-            let (d, params, prompt) = (d.clone(), router_params(&p, &id), prompt.clone());
-            tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 8, Some(params)).await })
-        };
+        let decode = decode_leg(&d, &p, &id, &prompt, 8);
         // A local prefill holds P's scheduler while both legs queue: they prefill in one step.
         let hog = {
             let (p, prompt) = (p.clone(), [PROMPT; 2].join(" "));
@@ -186,7 +190,8 @@ async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
                 tokio::spawn(async move { run_as(&p, &id, &prompt, 1, prefill_params()).await })
             })
             .collect();
-        // (The legs are submitted within milliseconds; the local prefill's step lasts 400 ms.)
+        // (The legs are submitted within milliseconds; the local prefill's step, about 100
+        // tokens at 2 ms, lasts some 200 ms.)
         hog.await.expect("joins").expect("the local request");
         let mut refused = 0;
         for leg in legs {
@@ -218,10 +223,7 @@ async fn u4_u6_a_prefill_abandoned_while_it_writes_early_fails_over_d_and_frees_
     let mut pcfg = push_config(30.0, 1, 30.0);
     pcfg.model.prefill_ms_per_token = 20.0;
     let (p, d) = (engine(pcfg).await, engine(push_config(30.0, 1, 30.0)).await);
-    let decode = {
-        let (d, params, prompt) = (d.clone(), router_params(&p, "left"), prompt.clone());
-        tokio::spawn(async move { run_as(&d, "decode-leg", &prompt, 8, Some(params)).await })
-    };
+    let decode = decode_leg(&d, &p, "left", &prompt, 8);
     let prefill = {
         let (p, prompt) = (p.clone(), prompt.clone());
         tokio::spawn(async move { run_as(&p, "left", &prompt, 1, prefill_params()).await })
