@@ -248,13 +248,51 @@ pub(crate) struct Req {
 /// What a request produced: its tokens and how it finished.
 pub(crate) type Answer = (Vec<u32>, Option<FinishReason>);
 
+/// A P instance the run started (P `index`): live, its handle; crashed, what it had counted
+/// when it died. A crashed instance's handle is dropped with its last clone, so its agents and
+/// side channel close, as a killed process's sockets do: its peers see the link break.
+struct PInstance {
+    index: usize,
+    live: Option<EngineHandle>,
+    died_with: PCounts,
+}
+
+/// What the end-of-run checks read of a P instance.
+#[derive(Debug, Clone, Copy, Default)]
+struct PCounts {
+    released: [u64; ReleaseReason::ALL.len()],
+    early_blocks: u64,
+}
+
+impl PInstance {
+    fn new(index: usize, h: &EngineHandle) -> PInstance {
+        PInstance { index, live: Some(h.clone()), died_with: PCounts::default() }
+    }
+
+    fn counts(&self) -> PCounts {
+        match &self.live {
+            Some(h) => PCounts {
+                released: ReleaseReason::ALL.map(|r| h.metrics().released(r).get()),
+                early_blocks: h.metrics().push_early_blocks.get(),
+            },
+            None => self.died_with,
+        }
+    }
+
+    /// The instance was killed: its counts are kept, its handle goes.
+    fn die(&mut self) {
+        self.died_with = self.counts();
+        self.live = None;
+    }
+}
+
 /// The shared state of a run (one thread; `Arc<Mutex>` only because tasks must be `Send`).
 struct World {
     start: Instant,
     p: Vec<Option<EngineHandle>>,
     d: Vec<Option<EngineHandle>>,
     /// Every P instance ever started (restarts included), for the end-of-run checks.
-    all_p: Vec<(usize, EngineHandle, bool)>,
+    all_p: Vec<PInstance>,
     trace: Vec<String>,
     violations: Vec<String>,
     answered: usize,
@@ -521,7 +559,7 @@ async fn run(c: Cluster) -> Outcome {
         let h = start(config(&c, &net, &format!("p{i}"), 5000 + i as u16, rng.next()), &w).await;
         with(&w, |w| {
             if let Some(h) = &h {
-                w.all_p.push((i, h.clone(), true));
+                w.all_p.push(PInstance::new(i, h));
             }
             w.p.push(h);
         });
@@ -582,14 +620,14 @@ async fn run(c: Cluster) -> Outcome {
             let Some(p) = with(&w, |w| w.p.get_mut(pi).and_then(Option::take)) else { return };
             note(&w, format!("crash p{pi}; back in {:.2} s", down.as_secs_f64()));
             p.kill();
-            with(&w, |w| w.all_p.iter_mut().filter(|(i, _, _)| *i == pi).for_each(|e| e.2 = false));
+            with(&w, |w| w.all_p.iter_mut().filter(|x| x.index == pi).for_each(PInstance::die));
             drop(p);
             tokio::time::sleep(down).await;
             let h = start(config(&c2, &net, &format!("p{pi}"), 5000 + pi as u16, inc), &w).await;
             note(&w, format!("p{pi} restarted"));
             with(&w, |w| {
                 if let Some(h) = &h {
-                    w.all_p.push((pi, h.clone(), true));
+                    w.all_p.push(PInstance::new(pi, h));
                 }
                 w.p[pi] = h;
             });
@@ -632,10 +670,8 @@ async fn reclaim(w: Shared, dj: usize, crash: Duration, held: Vec<Held>) {
         tokio::time::sleep_until(t0 + by).await;
         let still = with(&w, |w| {
             !w.rehanded.contains(&h.rehand_key())
-                && w.all_p.iter().any(|(i, p, alive)| {
-                    *i == h.pi
-                        && *alive
-                        && p.incarnation() == h.inc
+                && w.all_p.iter().filter(|x| x.index == h.pi).filter_map(|x| x.live.as_ref()).any(|p| {
+                    p.incarnation() == h.inc
                         && match &h.params {
                             Some(v) => p.holds_push_lease(v),
                             None => p.holds_lease(h.id),
@@ -1079,7 +1115,7 @@ async fn relay(
 /// The end of the run: no lease left, every lease released once, every block back.
 async fn check_quiescent(w: &Shared) {
     let engines: Vec<(String, EngineHandle)> = with(w, |w| {
-        let ps = w.all_p.iter().filter(|(_, _, alive)| *alive).map(|(i, h, _)| (format!("p{i}"), h.clone()));
+        let ps = w.all_p.iter().filter_map(|x| x.live.as_ref().map(|h| (format!("p{}", x.index), h.clone())));
         let ds = w.d.iter().enumerate().filter_map(|(j, h)| h.clone().map(|h| (format!("d{j}"), h)));
         ps.chain(ds).collect()
     });
@@ -1125,7 +1161,7 @@ fn check_push(c: &Cluster, w: &Shared, landed: u64) {
 
 /// Leases every P (every incarnation) ended for `reason`.
 fn released(w: &World, reason: ReleaseReason) -> u64 {
-    w.all_p.iter().map(|(_, h, _)| h.metrics().released(reason).get()).sum()
+    w.all_p.iter().map(|x| x.counts().released[reason as usize]).sum()
 }
 
 /// Requests recomputed on every D, crashed ones included.
@@ -1137,7 +1173,7 @@ fn finish(c: &Cluster, w: &Shared, simulated: u64) -> Outcome {
     with(w, |w| {
         let recomputed = recomputed(w);
         let transferred = released(w, ReleaseReason::Transferred);
-        let early_blocks = w.all_p.iter().map(|(_, h, _)| h.metrics().push_early_blocks.get()).sum();
+        let early_blocks = w.all_p.iter().map(|x| x.counts().early_blocks).sum();
         Outcome {
             seed: c.seed,
             requests: c.requests,
