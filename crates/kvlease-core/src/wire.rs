@@ -157,6 +157,12 @@ pub struct PushRegistration {
     pub block_ids: Vec<u32>,
     /// SPEC U8: how long from sending this D still waits for the writes; P posts none after it.
     pub window_ns: u64,
+    /// SPEC D5, §3: how long before sending this D admitted the request (its decode leg, sent
+    /// with the prefill leg). A P that has lived less than that, by more than a prefill leg may
+    /// trail its decode leg, never had its prefill: it answers a key it does not know lost at
+    /// once (a restarted P), rather than keeping it for a prefill that will not come. On the
+    /// wire after `window_ns`, left off by a D that does not send it (then 0: not known).
+    pub age_ns: u64,
 }
 
 /// One key of a [`Message::PushHeartbeat`]: renew it, and D still waits `window_ns` for its
@@ -427,6 +433,7 @@ impl Message {
                     put_varint(out, u64::from(*b));
                 }
                 put_varint(out, r.window_ns);
+                put_varint(out, r.age_ns);
             }
             Message::PushRegisterAck { key, attempt, granted } => {
                 out.push(tag::PUSH_REGISTER_ACK);
@@ -539,6 +546,7 @@ impl Message {
                     block_ids.push(r.u32()?);
                 }
                 let window_ns = r.varint()?;
+                let age_ns = if r.buf.is_empty() { 0 } else { r.varint()? };
                 Message::PushRegister(PushRegistration {
                     key,
                     attempt,
@@ -549,6 +557,7 @@ impl Message {
                     stages,
                     block_ids,
                     window_ns,
+                    age_ns,
                 })
             }
             tag::PUSH_REGISTER_ACK => Message::PushRegisterAck { key: r.key()?, attempt: r.u32()?, granted: r.bool()? },
@@ -845,7 +854,24 @@ mod tests {
             stages: 2,
             block_ids: vec![9, 3, 7, u32::MAX],
             window_ns: 30_000_000_000,
+            age_ns: 4_000_000_000,
         }
+    }
+
+    /// SPEC D5: a registration from a D that does not send its age (nothing after the window)
+    /// decodes with age 0 (not known), and a present age round-trips.
+    #[test]
+    fn a_registration_without_its_age_decodes_as_age_unknown() {
+        let with_age = Message::PushRegister(registration());
+        let mut bytes = with_age.encode();
+        assert_eq!(Message::decode(&bytes), Ok(with_age));
+        let age_len = {
+            let mut v = Vec::new();
+            put_varint(&mut v, registration().age_ns);
+            v.len()
+        };
+        bytes.truncate(bytes.len() - age_len);
+        assert_eq!(Message::decode(&bytes), Ok(Message::PushRegister(PushRegistration { age_ns: 0, ..registration() })));
     }
 
     /// One of each push message (SPEC §13), every key kind among them.
@@ -912,7 +938,17 @@ mod tests {
         assert_eq!(Message::decode(&m), Err(WireError::Body("trailing bytes")));
         for msg in push_messages() {
             let b = msg.encode();
-            for cut in 0..b.len() {
+            // A registration's age is optional on the wire: cut whole, it decodes as age 0
+            // (`a_registration_without_its_age_decodes_as_age_unknown`).
+            let optional = match &msg {
+                Message::PushRegister(r) => {
+                    let mut v = Vec::new();
+                    put_varint(&mut v, r.age_ns);
+                    v.len()
+                }
+                _ => 0,
+            };
+            for cut in (0..b.len()).filter(|&cut| optional == 0 || cut != b.len() - optional) {
                 assert!(Message::decode(&b[..cut]).is_err(), "{msg:?} cut at {cut}");
             }
         }

@@ -89,11 +89,12 @@ impl EngineHandle {
             // Simulator only (`kvlease sim`'s vLLM lease): vLLM's head-only sweep (#58222).
             holder.sweep_head_only();
         }
+        // An hour from 0, moved by the test-only skew: engines' clocks never agree anyway.
+        let clock_base = (3_600_000_000_000i64 + cfg.debug_clock_skew.unwrap_or(0).clamp(-3_000_000_000_000, 3_000_000_000_000)) as u64;
         let inner = Arc::new(Inner {
             incarnation,
             origin: tokio::time::Instant::now(),
-            // An hour from 0, moved by the test-only skew: engines' clocks never agree anyway.
-            clock_base: (3_600_000_000_000i64 + cfg.debug_clock_skew.unwrap_or(0).clamp(-3_000_000_000_000, 3_000_000_000_000)) as u64,
+            clock_base,
             metrics,
             pool,
             ranks: OnceLock::new(),
@@ -103,7 +104,8 @@ impl EngineHandle {
             renewer: Woken::new(Renewer::new(&lease_cfg)),
             news: Notify::new(),
             read_acks: Mutex::new(BTreeMap::new()),
-            push_source: Woken::new(PushSource::new(&lease_cfg, incarnation)),
+            // SPEC D5: its clock reads `clock_base` as it starts (`Inner::now`).
+            push_source: Woken::new(PushSource::new(&lease_cfg, incarnation).started_at(kvlease_core::Nanos(clock_base))),
             push_sink: Woken::new(PushSink::new(&lease_cfg)),
             push_actions: OnceLock::new(),
             push_parked: Mutex::new(BTreeMap::new()),

@@ -643,12 +643,16 @@ pub(crate) fn link_ready(inner: &Inner, engine_id: &str) {
 }
 
 /// The handshake with P engine `engine_id` failed: what was parked for it is dropped, and no
-/// longer holds the link (its push transfers, if any, still do, and retry with back-off).
+/// longer holds the link (requests not registered yet still do, and retry with back-off); the
+/// requests registered with it fail over now (SPEC D5, O4: [`PushSink::link_failed`]).
 pub(crate) fn link_failed(inner: &Inner, engine_id: &str) {
     let parked = lock(&inner.push_parked).remove(engine_id).unwrap_or_default();
     if !parked.is_empty() {
         tracing::debug!(engine = %engine_id, dropped = parked.len(), "push messages parked for a failed handshake dropped");
         inner.renewer.with(|r| parked.iter().for_each(|_| r.push_unlink(engine_id)));
+    }
+    if inner.cfg.transfer.push_mode() {
+        with_sink(inner, None, |s, now, out| s.link_failed(engine_id, now, out));
     }
 }
 

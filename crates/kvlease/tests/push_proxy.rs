@@ -147,3 +147,102 @@ async fn o3_o4_a_refused_or_unreached_decode_leg_leaves_no_lease_on_p() {
     tokio::time::sleep(Duration::from_secs_f64(LEASE + 1.0)).await;
     assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"expired\"}").await, 0.0, "no lease waited for expiry");
 }
+
+/// SPEC U2, U10, D5 (liveness after a restart): a push prefiller killed (SIGKILL) and started
+/// again at the same addresses, as a supervisor restarts it, serves push transfers again at
+/// once. D's link to the dead incarnation breaks with the process; it handshakes with the new
+/// one before it registers (the proxy's decode legs name no incarnation, so nothing else tells
+/// it), and no request waits out D's `push_registration_timeout` (10 s) to be recomputed. Fails
+/// with D's handling of a broken link removed (request 3 takes 10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u10_a_prefill_engine_restarted_in_place_serves_push_again_at_once() {
+    restarted_in_place("tcp").await;
+}
+
+/// The same over NIXL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_u10_a_prefill_engine_restarted_in_place_serves_push_again_at_once() {
+    if nixl_or_skip() {
+        restarted_in_place("nixl").await;
+    }
+}
+
+/// `kvlease serve` args for a push prefiller `name` on fixed ports (HTTP and side channel), so a
+/// restart takes the same addresses, as a supervisor's would.
+fn fixed_push_prefiller(name: &str, transport: &str) -> Vec<String> {
+    let free_port = || std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let (http, kv) = (free_port().to_string(), free_port().to_string());
+    let args = ["serve", "--port", &http, "--kv-port", &kv, "--engine-id", name, "--log-level", "warn", "--transport", transport];
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--kv-transfer-config".to_string(), push_config(30.0, 10.0)]);
+    args
+}
+
+fn start_args(name: &str, args: &[String]) -> Proc {
+    Proc::start(name, &args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+async fn restarted_in_place(transport: &str) {
+    const N: usize = 8;
+    let want = local_answers(N).await;
+    let name = format!("pr-p-{transport}");
+    let args = fixed_push_prefiller(&name, transport);
+    let p = start_args(&name, &args);
+    let d = push_engine(&format!("pr-d-{transport}"), 30.0, &["--transport", transport]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    for (i, want) in want.iter().enumerate().take(3) {
+        let (body, chat, stream) = request(i);
+        assert_eq!(answer(&proxy.url, &body, chat, stream).await.as_ref(), Ok(want), "before the restart, request {i}");
+    }
+    p.signal("KILL");
+    drop(p);
+    let p = start_args(&name, &args);
+    let recomputed = metric(&d.url, "kvlease_recomputed_requests_total").await;
+    for (i, want) in want.iter().enumerate().skip(3) {
+        let (body, chat, stream) = request(i);
+        let t = Instant::now();
+        assert_eq!(answer(&proxy.url, &body, chat, stream).await.as_ref(), Ok(want), "after the restart, request {i}");
+        assert!(t.elapsed() < Duration::from_secs(5), "request {i} after the restart took {:?}", t.elapsed());
+    }
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, recomputed, "D recomputed a request after the restart");
+    assert_eq!(metric(&p.url, "kvlease_leases_released_total{reason=\"transferred\"}").await, (N - 3) as f64);
+}
+
+/// SPEC D5, §3 (liveness): a request whose prefill P answered, waiting on D behind a busy slot,
+/// when P is killed and restarted in place. Its lease and key died with the old incarnation; the
+/// new one would keep its registration pending, waiting for a prefill that will not come. The
+/// registration says how long ago D admitted the request, longer than the new P has lived: P
+/// answers it lost at once, so D computes the prompt itself (answer equal to local) as soon as
+/// it has a slot, instead of waiting out `push_registration_timeout` (10 s). Fails with
+/// `PushSource::before_my_time` always false.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d5_a_request_whose_prefill_died_with_p_fails_over_when_d_links_to_the_restarted_p() {
+    let want = local_answers(3).await;
+    let args = fixed_push_prefiller("rs-p", "tcp");
+    let p = start_args("rs-p", &args);
+    let d = push_engine("rs-d", 30.0, &["--max-num-seqs", "1", "--decode-ms-per-token", "20"]);
+    let proxy = Proc::proxy(&[&p], &[&d]);
+    for (i, want) in want.iter().enumerate().take(2) {
+        let (body, chat, stream) = request(i);
+        assert_eq!(answer(&proxy.url, &body, chat, stream).await.as_ref(), Ok(want), "warm-up {i}");
+    }
+    let busy = occupy(&d, 1000).await;
+    let (url, (body, chat, stream)) = (proxy.url.clone(), request(2));
+    let waiting = tokio::spawn(async move { answer(&url, &body, chat, stream).await });
+    until("its lease granted on P", DEADLINE, || async { metric(&p.url, "kvlease_leases_active").await == 1.0 }).await;
+    let recomputed = metric(&d.url, "kvlease_recomputed_requests_total").await;
+    // The request waits on D for a while, as behind a long decode (more than the second a
+    // prefill leg may trail its decode leg), then P dies and comes back.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    p.signal("KILL");
+    drop(p);
+    let _p = start_args("rs-p", &args);
+    // D links to the new incarnation (its renewals of the waiting request want the link).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    busy.abort();
+    let t = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(30), waiting).await.expect("answered").expect("task");
+    assert_eq!(got.as_ref(), Ok(&want[2]), "computed by D itself, the same answer");
+    assert!(t.elapsed() < Duration::from_secs(5), "the request waited {:?} once D had a slot", t.elapsed());
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, recomputed + 1.0);
+}

@@ -59,6 +59,8 @@ pub enum WriteLost {
     LeaseLost,
     /// No progress from P within `push_registration_timeout` (U10).
     TimedOut { waited: Duration },
+    /// D has no transfer link to P: the handshake that would carry the registration failed (D5).
+    NoLink,
 }
 
 impl WriteLost {
@@ -68,6 +70,7 @@ impl WriteLost {
             WriteLost::Failed(why) => why.as_str(),
             WriteLost::LeaseLost => "lease_lost",
             WriteLost::TimedOut { .. } => "push_timed_out",
+            WriteLost::NoLink => "no_link",
         }
     }
 }
@@ -78,6 +81,7 @@ impl fmt::Display for WriteLost {
             WriteLost::Failed(why) => write!(f, "the prefill engine's writes failed ({})", why.as_str()),
             WriteLost::LeaseLost => write!(f, "the prefill engine holds no lease for the transfer"),
             WriteLost::TimedOut { waited } => write!(f, "no progress from the prefill engine's writes within {waited:?}"),
+            WriteLost::NoLink => write!(f, "no transfer link to the prefill engine: its handshake failed"),
         }
     }
 }
@@ -189,6 +193,14 @@ struct Sink {
     /// The registration D scheduled the request over ([`PushAction::Ready`]): its blocks are
     /// the decode's, not handed back. An aborted request whose writes all land later has none.
     ready: Option<u32>,
+    /// When D admitted it: a registration tells P its age (SPEC D5: a P that started after
+    /// the request's prefill leg went out answers it lost at once).
+    admitted: Nanos,
+}
+
+/// How long ago D admitted a request admitted at `admitted` (SPEC D5, [`PushRegistration::age_ns`]).
+fn age_ns(admitted: Nanos, now: Nanos) -> u64 {
+    u64::try_from(now.since(admitted).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// D's push transfers (see the module's documentation).
@@ -256,6 +268,7 @@ impl PushSink {
                 released: false,
                 done: false,
                 ready: None,
+                admitted: now,
             },
         );
     }
@@ -315,6 +328,7 @@ impl PushSink {
                 stages,
                 block_ids: block_ids.clone(),
                 window_ns: 0,
+                age_ns: 0,
             },
             heard: false,
             acked: false,
@@ -329,6 +343,7 @@ impl PushSink {
             stages,
             block_ids,
             window_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+            age_ns: age_ns(s.admitted, now),
         };
         Ok(PushAction::Send { engine_id: s.engine_id.clone(), msg: Message::PushRegister(reg) })
     }
@@ -371,7 +386,7 @@ impl PushSink {
                     });
                     // Admitted, not registered: the lease is gone all the same.
                     if let Some(req) = self.by_key.get(&(engine_id.to_owned(), key.clone())).cloned() {
-                        self.lost_unregistered(&req, out);
+                        self.lost_unregistered(&req, WriteLost::LeaseLost, out);
                     }
                 }
             }
@@ -403,6 +418,25 @@ impl PushSink {
             s.released = true;
         }
         self.free_blocks(request_id, now, out);
+    }
+
+    /// SPEC D5, O4: the handshake with P engine `engine_id` failed, so D has no transfer link
+    /// to it: no registration reaches it and no write of it lands. Every request registered
+    /// with it and not yet answered fails over now (its policy, as pull's requests waiting for
+    /// the same handshake are recomputed at once), rather than waiting out
+    /// `push_registration_timeout` (U10) in a slot of D's. Its blocks come back as for any
+    /// failure (U8: at once unless a write of it may still land). A request not registered yet
+    /// registers later, over the next handshake, or fails over at its failure.
+    pub fn link_failed(&mut self, engine_id: &str, now: Nanos, out: &mut Vec<PushAction>) {
+        let ids: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, s)| s.engine_id == engine_id && !s.done && !s.tallies.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            self.fail(&id, WriteLost::NoLink, now, out);
+        }
     }
 
     /// SPEC D2, D3, U2, U8, U10: heartbeats due, D's deadlines passed, blocks whose write
@@ -440,7 +474,7 @@ impl PushSink {
                         // nobody renewing): again, with what is left of D's wait (U8). A
                         // duplicate is acknowledged and changes nothing (U1).
                         let window_ns = u64::try_from(u.since(now).as_nanos()).unwrap_or(u64::MAX);
-                        let reg = PushRegistration { window_ns, ..tally.reg.clone() };
+                        let reg = PushRegistration { window_ns, age_ns: age_ns(t.admitted, now), ..tally.reg.clone() };
                         out.push(PushAction::Send { engine_id: engine.clone(), msg: Message::PushRegister(reg) });
                     }
                 }
@@ -592,15 +626,15 @@ impl PushSink {
     }
 
     /// `PushLost` for a request admitted but not registered: its lease is gone (U3).
-    fn lost_unregistered(&mut self, req: &str, out: &mut Vec<PushAction>) {
+    fn lost_unregistered(&mut self, req: &str, why: WriteLost, out: &mut Vec<PushAction>) {
         let Some(s) = self.requests.get_mut(req) else { return };
         if s.done || !s.tallies.is_empty() {
             return;
         }
         s.released = true;
         let verdict = match self.cfg.load_failure_policy {
-            LoadFailurePolicy::Recompute => PushVerdict::Recompute(WriteLost::LeaseLost),
-            LoadFailurePolicy::Fail => PushVerdict::Fail(WriteLost::LeaseLost),
+            LoadFailurePolicy::Recompute => PushVerdict::Recompute(why),
+            LoadFailurePolicy::Fail => PushVerdict::Fail(why),
         };
         out.push(PushAction::Failed { request_id: req.to_owned(), verdict, blocks_reusable: true });
         self.forget(req);

@@ -417,12 +417,19 @@ pub struct PushGranted {
     pub expiry: Nanos,
 }
 
+/// SPEC D5: how much later than its decode leg a request's prefill leg may reach P (a router
+/// sends both at once). A registration for an unknown key from a request D admitted longer ago
+/// than P has lived, by more than this, is from before P started ([`PushSource::started_at`]).
+pub const PREFILL_LEG_SKEW: Duration = Duration::from_secs(1);
+
 /// P's push leases (see the module's documentation).
 #[derive(Debug)]
 pub struct PushSource<B> {
     table: LeaseTable<Source<B>>,
     cfg: LeaseConfig,
     incarnation: u64,
+    /// SPEC D5: when this incarnation started, if the driver said ([`PushSource::started_at`]).
+    started: Option<Nanos>,
     keys: HashMap<PushKey, Transfer<B>>,
     /// SPEC U4: keys whose prefill runs here now (early writes allowed), with the request and
     /// the digest of its tokens.
@@ -449,6 +456,7 @@ impl<B: BlockGuard> PushSource<B> {
             table: LeaseTable::new(cfg),
             cfg: cfg.clone(),
             incarnation,
+            started: None,
             keys: HashMap::new(),
             prefilling: HashMap::new(),
             by_lease: HashMap::new(),
@@ -460,6 +468,24 @@ impl<B: BlockGuard> PushSource<B> {
             abandoned: Quarantine::new(cfg, true),
             next_abandoned: 1,
         }
+    }
+
+    /// SPEC D5: this incarnation of the engine started at `at` (its clock): a registration for a
+    /// key it never heard of, from a request D admitted before that by more than
+    /// [`PREFILL_LEG_SKEW`], had its prefill at an earlier incarnation, and is answered lost at
+    /// once. Without it no registration is judged by its age.
+    pub fn started_at(mut self, at: Nanos) -> Self {
+        self.started = Some(at);
+        self
+    }
+
+    /// SPEC D5, §3: whether a registration for a key this engine holds nothing of, whose request
+    /// D admitted `age_ns` before sending it, is from before this incarnation started: its
+    /// prefill leg (sent with its decode leg) reached an earlier one, with the lease and the key.
+    fn before_my_time(&self, age_ns: u64, now: Nanos) -> bool {
+        let Some(started) = self.started else { return false };
+        let lived = now.since(started);
+        age_ns > 0 && Duration::from_nanos(age_ns) > lived + PREFILL_LEG_SKEW
     }
 
     /// SPEC U4: whether the transport stops a write whose future is dropped — reads none of its
@@ -1080,6 +1106,14 @@ impl<B: BlockGuard> PushSource<B> {
         };
         // U11, §3: a registration meant for another life of this engine names nothing here.
         if reg.granted_by != 0 && reg.granted_by != self.incarnation {
+            return lost(out);
+        }
+        // D5, §3: nor does one from a request older than this life, for a key of which nothing
+        // is here but D's renewals (no prefill, no lease, no registration): the engine restarted
+        // after the request's prefill leg reached it, and the key would wait for a prefill that
+        // will not come.
+        let nothing = self.keys.get(&reg.key).is_none_or(|t| t.lease.is_none() && t.regs.is_empty());
+        if nothing && !self.prefilling.contains_key(&reg.key) && self.before_my_time(reg.age_ns, now) {
             return lost(out);
         }
         if !self.admit(holder, from, &reg.key, now) {

@@ -49,6 +49,7 @@ fn reg(k: &PushKey, attempt: u32, ranks: u32, stages: u32) -> PushRegistration {
         stages,
         block_ids: vec![4, 5],
         window_ns: 30 * SEC,
+        age_ns: 0,
     }
 }
 
@@ -990,4 +991,78 @@ fn u4_a_forsaken_key_with_an_early_write_in_flight_is_forgotten_once_it_ended() 
     let next = p.poll_timeout(late).expect("looked at again");
     while p.poll(next, &mut out) {}
     assert_eq!(p.pending(), 0, "forgotten once it ended");
+}
+
+fn failed_over(acts: &[PushAction], req: &str) -> Option<(PushVerdict, bool)> {
+    acts.iter().find_map(|a| match a {
+        PushAction::Failed { request_id, verdict, blocks_reusable } if request_id == req => Some((verdict.clone(), *blocks_reusable)),
+        _ => None,
+    })
+}
+
+/// SPEC D5, O4: the handshake that would carry D's registrations to P failed: every request
+/// registered with that P fails over at once (its policy, in other blocks: its own wait for
+/// U8's bound, as a write posted before the link broke might still land), P told, instead of
+/// waiting out `push_registration_timeout` in a slot of D's. A request toward another P, or one
+/// not registered yet (it registers over the next handshake), waits on.
+#[test]
+fn d5_o4_a_failed_handshake_fails_the_registered_requests_over_at_once() {
+    let cfg = LeaseConfig::default();
+    let k = key("t");
+    let mut d = d_registered(&cfg, &k, 1, 1);
+    d.admit("queued", "p", key("q"), T0);
+    d.admit("other", "p2", key("o"), T0);
+    d.register("other", 1, 0, PromptDigest::of(&TOKENS), 1, 1, vec![6], T0).unwrap();
+    let mut acts = Vec::new();
+    d.link_failed("p", at(1), &mut acts);
+    assert_eq!(failed_over(&acts, "req"), Some((PushVerdict::Recompute(WriteLost::NoLink), false)), "{acts:?}");
+    assert!(acts.contains(&PushAction::Send { engine_id: "p".into(), msg: Message::PushRelease { keys: vec![k.clone()] } }));
+    assert_eq!(failed_over(&acts, "queued"), None, "not registered: it registers over the next handshake");
+    assert_eq!(failed_over(&acts, "other"), None, "another engine's");
+    let mut again = Vec::new();
+    d.link_failed("p", at(2), &mut again);
+    assert_eq!(failed_over(&again, "req"), None, "once");
+}
+
+/// SPEC D5, §3: a restarted P (it started 10 s ago) gets registrations for keys it holds
+/// nothing of but D's renewals. One from a request D admitted 30 s ago had its prefill at an
+/// earlier incarnation: answered lost at once (D fails over, U3) instead of kept for a prefill
+/// that will not come. One from a request admitted 10.5 s ago may have its prefill leg still on
+/// its way here (within the skew a prefill leg may trail its decode leg), one without an age
+/// (an older D) is not judged, and one for a key whose prefill runs here is paired as ever.
+#[test]
+fn d5_a_restarted_p_answers_lost_a_registration_older_than_itself() {
+    use super::source::PREFILL_LEG_SKEW;
+    let started = at(0);
+    let now = at(10);
+    let mut p = PushSource::<Ids>::new(&LeaseConfig::default(), P_INC).started_at(started);
+    let old = key("old");
+    let renewal = |k: &PushKey| Message::PushHeartbeat { seq: 1, renewals: vec![PushRenewal { key: k.clone(), window_ns: 0 }] };
+    let mut out = PushSettled::default();
+    p.on_message(D, &renewal(&old), now, &mut out);
+    let aged = |k: &PushKey, age: Duration| PushRegistration { age_ns: age.as_nanos() as u64, ..reg(k, 1, 1, 1) };
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(aged(&old, Duration::from_secs(30))), now, &mut out);
+    assert_eq!(msgs(&out), vec![&lost(&old)], "admitted 30 s ago, P lived 10 s");
+
+    let recent = key("recent");
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(aged(&recent, Duration::from_secs(10) + PREFILL_LEG_SKEW / 2)), now, &mut out);
+    assert_eq!(msgs(&out), vec![&Message::PushRegisterAck { key: recent.clone(), attempt: 1, granted: false }], "kept");
+
+    let ageless = key("ageless");
+    let mut out = PushSettled::default();
+    p.on_message(D, &Message::PushRegister(aged(&ageless, Duration::ZERO)), now, &mut out);
+    assert!(!msgs(&out).contains(&&lost(&ageless)), "not judged: {:?}", msgs(&out));
+
+    let prefilled = key("prefilled");
+    let mut out = PushSettled::default();
+    p.grant(now, Some(prefilled.clone()), "r", Ids(vec![1]), &TOKENS, &mut out).unwrap();
+    p.on_message(D, &Message::PushRegister(aged(&prefilled, Duration::from_secs(30))), now, &mut out);
+    assert_eq!(out.ready.len(), 1, "a key whose lease is here pairs, whatever its age");
+
+    let mut unstarted = source();
+    let mut out = PushSettled::default();
+    unstarted.on_message(D, &Message::PushRegister(aged(&old, Duration::from_secs(30))), now, &mut out);
+    assert!(!msgs(&out).contains(&&lost(&old)), "a source not told when it started judges no age");
 }
