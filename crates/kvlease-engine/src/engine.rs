@@ -500,6 +500,14 @@ impl Drop for RequestStream {
             if let Some(inner) = inner.upgrade() {
                 // SPEC D4: the lease is released now, not after the scheduler's next step.
                 inner.renewer.with(|r| r.untrack(&internal, Untrack::Abandoned));
+                // SPEC O4: P answered (its lease granted) but the answer was never read: nobody
+                // holds its params, so the lease ends now, as a router's release would end it
+                // (never one a decoder holds), not at its expiry.
+                while let Ok(event) = self.rx.try_recv() {
+                    if let GenerateEvent::Done { kv_transfer_params: Some(params), .. } = event {
+                        let _ = crate::release::by_params(&inner, &params);
+                    }
+                }
             }
             let _ = sched.send(SchedMsg::Abort(id));
         }

@@ -426,3 +426,31 @@ async fn decode_steps_emit_their_tokens_when_their_compute_is_done() {
     let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(gaps.iter().all(|g| *g == Duration::from_millis(20)), "{gaps:?}");
 }
+
+/// SPEC O4, P3: a prefill leg whose client left just as P answered (the lease granted, the
+/// answer with its params queued but never read) releases its lease when the stream goes, as a
+/// router's release would (nobody holds the params, so no decoder can read it), rather than
+/// pinning the blocks until expiry. Pull and push engines alike; fails with the drop's release
+/// removed (the lease stays live).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn o4_an_answer_nobody_read_releases_its_lease_at_once() {
+    let mut push = config(30.0, 1);
+    push.transfer.kv_connector = kvlease_core::config::PUSH_CONNECTOR.into();
+    for cfg in [config(30.0, 1), push] {
+        let p = engine(cfg).await;
+        let req = GenerateRequest {
+            request_id: "left".into(),
+            prompt: Prompt::Text(PROMPT.into()),
+            max_tokens: 1,
+            ignore_eos: true,
+            kv_transfer_params: prefill_params(),
+            sampling: Default::default(),
+        };
+        let stream = p.submit(req).unwrap();
+        until("P answered", Duration::from_secs(10), || p.metrics().leases_granted.get() == 1).await;
+        assert_eq!(p.live_leases(), 1);
+        drop(stream); // the client left; the answer was never read
+        assert_eq!(p.live_leases(), 0, "released at once, not at expiry");
+        assert_eq!(p.metrics().released(kvlease_core::lease_table::ReleaseReason::Released).get(), 1);
+    }
+}
