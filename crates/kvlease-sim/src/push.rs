@@ -1302,7 +1302,8 @@ impl World {
         let e = &mut self.ps[p];
         e.inc += 1000;
         e.alive = true;
-        e.src = PushSource::new(&self.cfg, e.inc);
+        // SPEC D5: it knows when it started, to answer lost a registration older than itself.
+        e.src = PushSource::new(&self.cfg, e.inc).started_at(self.now);
         e.free = (0..self.c.p_blocks).rev().collect();
         for s in &mut e.slots {
             s.free = true;
