@@ -411,6 +411,11 @@ impl Pushed {
                         self.held.insert((request_id, attempt), b);
                     }
                 }
+                if seq.tx.is_closed() {
+                    // The client left (its abort is on its way, behind this verdict): nobody
+                    // waits for the prompt, so it is neither recomputed nor failed.
+                    return;
+                }
                 match verdict {
                     PushVerdict::Recompute(why) => {
                         tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); recomputing the prompt locally");

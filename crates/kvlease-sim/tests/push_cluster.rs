@@ -8,12 +8,26 @@ mod common;
 
 use kvlease_core::pull::PlantedBug;
 use kvlease_sim::push_cluster::PushCluster;
-use kvlease_sim::seeded::report;
+use kvlease_sim::seeded::{report, Seeded};
 
 /// SPEC D7, P3, P4, U5, U2, U9, U10: no seed of the push cluster breaks an invariant.
 #[test]
 fn d7_p3_p4_u5_every_push_cluster_seed_keeps_every_invariant() {
     common::every_seed_keeps_every_invariant::<PushCluster>(150);
+}
+
+/// Seeds that found faults, each fixed since, keep every invariant: 20,231 (the simulator's
+/// crash kept a killed P's agents open: every request to the restarted P waited out
+/// `push_registration_timeout`), 3,099 (a restarted P kept the registrations of requests whose
+/// prefill died with its previous life, and a failed handshake left registered requests
+/// waiting: SPEC D5), 21,836 (an answer nobody read kept its lease to expiry: O4) and 10,809 (a
+/// failover verdict that beat the client's abort recomputed a prompt nobody waited for).
+#[test]
+fn the_seeds_that_found_push_faults_keep_every_invariant() {
+    for seed in [3_099, 10_809, 20_231, 21_836] {
+        let out = PushCluster::from_seed(seed).run();
+        assert!(out.violations.is_empty(), "{}", report(&out));
+    }
 }
 
 /// The simulator is deterministic: one seed, one trace.
