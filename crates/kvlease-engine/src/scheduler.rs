@@ -400,7 +400,14 @@ impl Pushed {
                 }
             }
             PushAction::Failed { request_id, verdict, blocks_reusable } => {
-                let Some((id, attempt)) = self.waiting.remove(&request_id) else { return };
+                let Some((id, attempt)) = self.waiting.remove(&request_id) else {
+                    // Not registered yet (it waits for blocks, SPEC U3: P lost the key first):
+                    // the policy applies now all the same, never a registration P would refuse.
+                    if let Some(i) = waiting.iter().position(|s| s.internal == request_id && !s.recompute) {
+                        unregistered_failed(inner, i, verdict, waiting);
+                    }
+                    return;
+                };
                 let Some(mut seq) = loading.remove(&id) else { return };
                 seq.push_done = true;
                 inner.metrics.lease_lost.inc();
@@ -447,6 +454,30 @@ impl Pushed {
             }
             // Carried out by the push driver.
             PushAction::Send { .. } => {}
+        }
+    }
+}
+
+/// SPEC U3, D7: P lost the key of push request `waiting[i]` before D registered its blocks:
+/// `kv_load_failure_policy` applies at once. Recomputed, it stays in the queue and computes its
+/// prompt when admitted (it registers nothing); failed, it leaves the queue with the error. A
+/// request whose client left is its abort's to end.
+fn unregistered_failed(inner: &Arc<Inner>, i: usize, verdict: PushVerdict, waiting: &mut VecDeque<Seq>) {
+    if waiting[i].tx.is_closed() {
+        return;
+    }
+    inner.metrics.lease_lost.inc();
+    match verdict {
+        PushVerdict::Recompute(why) => {
+            let seq = &mut waiting[i];
+            tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); recomputing the prompt locally");
+            inner.metrics.recomputed_requests.inc();
+            seq.recompute = true;
+        }
+        PushVerdict::Fail(why) => {
+            let Some(seq) = waiting.remove(i) else { return };
+            tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+            seq.fail(RequestError::new(503, "kv_load_failed", None, format!("the prompt's KV cache was not written by the prefill engine: {why}")));
         }
     }
 }

@@ -416,3 +416,48 @@ async fn u4_u8_an_uncancellable_early_write_given_up_on_holds_both_sides_blocks_
     failed_over_and_held_until_the_write_ended(&p, &d, &got, &want, t0).await;
     assert_eq!(p.live_leases(), 0);
 }
+
+/// SPEC U3, U6, D7: P loses the transfer's key (it shuts down, telling D at once) while D's
+/// request still waits unregistered behind a busy slot. Under `kv_load_failure_policy=fail` the
+/// request fails at once with a clear error, as a registered one would; under the default it
+/// is recomputed (answer equal to local) once D has a slot, and registers nothing. Before, the
+/// verdict for an unregistered request was dropped and the request was recomputed whatever the
+/// policy, after the hog's 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u3_d7_a_key_lost_before_d_registered_applies_the_policy_at_once() {
+    let want = local_answer(4).await;
+    for policy in [kvlease_core::config::LoadFailurePolicy::Fail, kvlease_core::config::LoadFailurePolicy::Recompute] {
+        let p = engine(push_config(30.0, 1, 30.0)).await;
+        let mut dcfg = push_config(30.0, 1, 30.0);
+        dcfg.max_num_seqs = 1;
+        dcfg.model.decode_ms_per_token = 10.0;
+        dcfg.transfer.lease.load_failure_policy = policy;
+        let d = engine(dcfg).await;
+        let hog = {
+            let d = d.clone();
+            tokio::spawn(async move { run(&d, PROMPT, 2000, None).await })
+        };
+        until("the hog runs", Duration::from_secs(5), || d.metrics().requests_running.get() == 1).await;
+        let waiting = decode_leg(&d, &p, "lost-early", PROMPT, 4);
+        run_as(&p, "lost-early", PROMPT, 1, prefill_params()).await.expect("prefill");
+        until("D renews the key", Duration::from_secs(10), || p.metrics().heartbeats_received.get() >= 1).await;
+        p.shutdown().await;
+        let t0 = std::time::Instant::now();
+        match policy {
+            kvlease_core::config::LoadFailurePolicy::Fail => {
+                let err = waiting.await.expect("task").expect_err("failed by the policy");
+                assert_eq!((err.status, err.code), (503, "kv_load_failed"), "{err:?}");
+                assert!(t0.elapsed() < Duration::from_secs(5), "failed after {:?}, behind the hog", t0.elapsed());
+                assert_eq!(d.metrics().recomputed_requests.get(), 0);
+            }
+            kvlease_core::config::LoadFailurePolicy::Recompute => {
+                until("recompute decided", Duration::from_secs(5), || d.metrics().recomputed_requests.get() == 1).await;
+                hog.abort();
+                let (got, _) = waiting.await.expect("task").expect("recomputed");
+                assert_eq!(got, want);
+                assert_eq!(d.metrics().recomputed_requests.get(), 1, "counted once");
+            }
+        }
+        hog.abort();
+    }
+}
