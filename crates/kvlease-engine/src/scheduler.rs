@@ -17,7 +17,7 @@ use crate::{FinishReason, GenerateEvent, RequestError, SamplingParams};
 use futures_util::FutureExt;
 use kvlease_core::params::{KvRole, RemoteKv};
 use kvlease_core::pull::{PullLost, ReadFailure, Verdict};
-use kvlease_core::push::sink::{PushAction, PushVerdict};
+use kvlease_core::push::sink::{PushAction, PushVerdict, WriteLost};
 use kvlease_core::renewer::Untrack;
 use kvlease_core::wire::PushKey;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -438,14 +438,8 @@ impl Pushed {
                         }
                     }
                     PushVerdict::Fail(why) => {
-                        tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
                         drop(blocks);
-                        seq.fail(RequestError::new(
-                            503,
-                            "kv_load_failed",
-                            None,
-                            format!("the prompt's KV cache was not written by the prefill engine: {why}"),
-                        ));
+                        push_failed(seq, &why);
                     }
                 }
             }
@@ -475,11 +469,18 @@ fn unregistered_failed(inner: &Arc<Inner>, i: usize, verdict: PushVerdict, waiti
             seq.recompute = true;
         }
         PushVerdict::Fail(why) => {
-            let Some(seq) = waiting.remove(i) else { return };
-            tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
-            seq.fail(RequestError::new(503, "kv_load_failed", None, format!("the prompt's KV cache was not written by the prefill engine: {why}")));
+            if let Some(seq) = waiting.remove(i) {
+                push_failed(seq, &why);
+            }
         }
     }
+}
+
+/// SPEC D7 under `kv_load_failure_policy=fail`: push request `seq` ends with the error, P's KV
+/// not written (`why`).
+fn push_failed(seq: Seq, why: &WriteLost) {
+    tracing::warn!(request = %seq.client_id, "pushed KV not usable ({why}); failing the request (kv_load_failure_policy=fail)");
+    seq.fail(RequestError::new(503, "kv_load_failed", None, format!("the prompt's KV cache was not written by the prefill engine: {why}")));
 }
 
 /// The pull finished: decode from the pulled KV, or apply the load failure policy (SPEC D6).
