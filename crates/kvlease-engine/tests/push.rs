@@ -166,8 +166,9 @@ async fn early_writes_overlap_the_prefill(transport: TransportKind, p_tp: u32, d
 
 /// SPEC U1, U4 (a router's mistake): two prefill legs under one key reach P at once while D
 /// waits with its registration; they prefill in one step, one of them writing early. Exactly one
-/// is granted and the other refused with 409 naming the key; D's answer equals local, nothing is
-/// recomputed, and P ends with no lease and every block back.
+/// is granted; the other is refused with 409 naming the key (or finds the key's transfer ended
+/// already); D's answer equals local, nothing is recomputed, and P ends with no lease and every
+/// block back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
     let prompt = [PROMPT; 4].join(" ");
@@ -184,14 +185,23 @@ async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
             tokio::spawn(async move { run(&p, &prompt, 1, None).await })
         };
         until("P computes", Duration::from_secs(5), || p.metrics().requests_running.get() == 1).await;
+        // Both submitted here, back to back (microseconds apart, not as tasks a loaded machine
+        // may run late), while the local prefill's step (about 100 tokens at 2 ms: some 200 ms)
+        // holds the scheduler: they wait for the same next step.
         let legs: Vec<_> = (0..2)
             .map(|_| {
-                let (p, id, prompt) = (p.clone(), id.clone(), prompt.clone());
-                tokio::spawn(async move { run_as(&p, &id, &prompt, 1, prefill_params()).await })
+                let req = GenerateRequest {
+                    request_id: id.clone(),
+                    prompt: Prompt::Text(prompt.clone()),
+                    max_tokens: 1,
+                    ignore_eos: true,
+                    kv_transfer_params: prefill_params(),
+                    sampling: Default::default(),
+                };
+                let stream = p.submit(req).expect("submitted");
+                tokio::spawn(finish(stream))
             })
             .collect();
-        // (The legs are submitted within milliseconds; the local prefill's step, about 100
-        // tokens at 2 ms, lasts some 200 ms.)
         hog.await.expect("joins").expect("the local request");
         let mut refused = 0;
         for leg in legs {
@@ -200,7 +210,11 @@ async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
                 refused += 1;
             }
         }
-        assert_eq!(refused, 1, "request {i}: prefilled in one step, the second grant finds the key taken");
+        // The second grant finds the key taken (409), or, when the first transfer already
+        // ended (every block was written early: its completion can land while the second
+        // prefill computes its first token), the key ended: answered, no lease granted. Either
+        // way one grant a key (below).
+        assert!(refused <= 1, "request {i}: both legs refused");
         let (got, _) = decode.await.expect("joins").expect("decode");
         assert_eq!(got, want, "request {i}");
         assert_eq!(p.metrics().leases_granted.get(), i + 1, "request {i}: one grant a key");

@@ -49,7 +49,11 @@ pub async fn run_as(
         kv_transfer_params: params,
         sampling: Default::default(),
     };
-    let mut s = e.submit(req)?;
+    finish(e.submit(req)?).await
+}
+
+/// Reads a submitted request's stream to its end: (text, kv_transfer_params) or the error.
+pub async fn finish(mut s: kvlease_engine::RequestStream) -> Result<(String, Option<Value>), kvlease_engine::RequestError> {
     let mut text = String::new();
     let deadline = Duration::from_secs(30);
     loop {
