@@ -438,15 +438,7 @@ async fn o4_an_answer_nobody_read_releases_its_lease_at_once() {
     push.transfer.kv_connector = kvlease_core::config::PUSH_CONNECTOR.into();
     for cfg in [config(30.0, 1), push] {
         let p = engine(cfg).await;
-        let req = GenerateRequest {
-            request_id: "left".into(),
-            prompt: Prompt::Text(PROMPT.into()),
-            max_tokens: 1,
-            ignore_eos: true,
-            kv_transfer_params: prefill_params(),
-            sampling: Default::default(),
-        };
-        let stream = p.submit(req).unwrap();
+        let stream = p.submit(request("left", PROMPT, 1, prefill_params())).unwrap();
         until("P answered", Duration::from_secs(10), || p.metrics().leases_granted.get() == 1).await;
         assert_eq!(p.live_leases(), 1);
         drop(stream); // the client left; the answer was never read

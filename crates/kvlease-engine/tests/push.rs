@@ -190,15 +190,7 @@ async fn u1_u4_two_prefills_under_one_key_give_one_grant_and_a_right_answer() {
         // holds the scheduler: they wait for the same next step.
         let legs: Vec<_> = (0..2)
             .map(|_| {
-                let req = GenerateRequest {
-                    request_id: id.clone(),
-                    prompt: Prompt::Text(prompt.clone()),
-                    max_tokens: 1,
-                    ignore_eos: true,
-                    kv_transfer_params: prefill_params(),
-                    sampling: Default::default(),
-                };
-                let stream = p.submit(req).expect("submitted");
+                let stream = p.submit(request(&id, &prompt, 1, prefill_params())).expect("submitted");
                 tokio::spawn(finish(stream))
             })
             .collect();

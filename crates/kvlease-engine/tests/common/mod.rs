@@ -41,15 +41,19 @@ pub async fn run_as(
     max_tokens: u32,
     params: Option<Value>,
 ) -> Result<(String, Option<Value>), kvlease_engine::RequestError> {
-    let req = GenerateRequest {
+    finish(e.submit(request(request_id, prompt, max_tokens, params))?).await
+}
+
+/// A request under id `request_id` for `max_tokens` tokens (EOS ignored) with these params.
+pub fn request(request_id: &str, prompt: &str, max_tokens: u32, params: Option<Value>) -> GenerateRequest {
+    GenerateRequest {
         request_id: request_id.into(),
         prompt: Prompt::Text(prompt.into()),
         max_tokens,
         ignore_eos: true,
         kv_transfer_params: params,
         sampling: Default::default(),
-    };
-    finish(e.submit(req)?).await
+    }
 }
 
 /// Reads a submitted request's stream to its end: (text, kv_transfer_params) or the error.
