@@ -316,6 +316,21 @@ pub fn digest(seed: u64, bytes: &[u8]) -> u64 {
     mix(h)
 }
 
+/// The seed of one piece of a sequence's KV digest: the [`digest`] of one (global head, layer,
+/// K|V)'s bytes over the positions of one block from `pos` on. Keyed by where the piece sits, so
+/// the pieces may be read in any order (the pool's memory order, whatever the TP layout) and
+/// summed; [`fold_pieces`] ends the sum.
+pub fn piece_seed(seed: u64, head: u32, layer: u32, kv: u32, pos: usize) -> u64 {
+    mix(seed
+        ^ mix((u64::from(head) << 40) ^ (u64::from(layer) << 20) ^ (u64::from(kv) << 8) ^ 0x7069_6563)
+        ^ (pos as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// A KV digest from the wrapping sum of its pieces' digests (see [`piece_seed`]).
+pub fn fold_pieces(seed: u64, sum: u64) -> u64 {
+    mix(seed.rotate_left(23) ^ sum)
+}
+
 /// The token generated from a KV digest, and the digest carried to the next step.
 pub fn next_token(kv_digest: u64) -> u32 {
     let h = mix(kv_digest ^ 0x746f_6b65_6e21);

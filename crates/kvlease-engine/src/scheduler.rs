@@ -842,30 +842,36 @@ fn write_kv(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, pos: usize,
     }
 }
 
-/// Digest of the KV of positions `start..end` as held in the pool, in a layout-independent
-/// order (global head, layer, K/V, position), so any TP split reads back the same digest.
+/// Digest of the KV of positions `start..end` as held in the pool, chained from `seed`. Each
+/// (global head, layer, K/V) of each block is digested on its own, keyed by where it sits
+/// ([`model::piece_seed`]), and the pieces are summed: the pool is read in its memory order, a
+/// block front to back as an attention kernel streams it (a walk in position order would jump
+/// between blocks every few KiB, a cold page each time, and take 2-4x as long), and any TP
+/// split sums to the same digest.
 pub(crate) fn digest_positions(ranks: &[Rank], m: &model::ModelConfig, blocks: &Blocks, start: usize, end: usize, seed: u64) -> u64 {
     let bs = m.block_size as usize;
     let hb = m.head_bytes();
-    let mut h = seed;
-    for rank in ranks {
-        for head in rank.heads.clone() {
-            let local = head - rank.heads.start;
-            for layer in 0..m.num_layers {
-                for kv in 0..2 {
-                    let mut pos = start;
-                    while pos < end {
-                        let Some(&block) = blocks.ids().get(pos / bs) else { return h };
-                        let slot = pos % bs;
-                        let n = (bs - slot).min(end - pos);
+    let mut sum = 0u64;
+    let mut pos = start;
+    while pos < end {
+        let Some(&block) = blocks.ids().get(pos / bs) else { break };
+        let slot = pos % bs;
+        let n = (bs - slot).min(end - pos);
+        for rank in ranks {
+            for head in rank.heads.clone() {
+                let local = head - rank.heads.start;
+                for layer in 0..m.num_layers {
+                    for kv in 0..2 {
                         let off = m.kv_offset(local, layer, kv, slot as u32);
+                        let piece = model::piece_seed(seed, head, layer, kv, pos);
                         // SAFETY: as in `write_kv`; nobody writes the request's blocks meanwhile.
-                        h = unsafe { rank.arena.read_in_place(block, off, n * hb, |kv| model::digest(h, kv)) };
-                        pos += n;
+                        let d = unsafe { rank.arena.read_in_place(block, off, n * hb, |kv| model::digest(piece, kv)) };
+                        sum = sum.wrapping_add(d);
                     }
                 }
             }
         }
+        pos += n;
     }
-    h
+    model::fold_pieces(seed, sum)
 }
