@@ -80,51 +80,17 @@ fn spawn_write(inner: &Arc<Inner>, job: WriteJob) {
     inner.tasks.spawn(async move { write(inner2, job, 0).await });
 }
 
-/// When a prefill's KV is computed: `(at, end)`, in order, says the positions before `end` are
-/// computed at `at`, a piece of [`EARLY_PIECES`] per block at a time (empty until its step
+/// When each block of a prefill is computed: block `i` at `times[i]` (empty until its step
 /// starts). The scheduler says it once, as the step starts; the early writer waits on its own
-/// timers, so no piece's write waits for the scheduler's thread (a task the scheduler woke would
+/// timers, so no block's write waits for the scheduler's thread (a task the scheduler woke would
 /// sit in its worker's LIFO slot, which no other worker may take, until the step's end).
-pub(crate) type KvTimes = Vec<(tokio::time::Instant, usize)>;
-
-/// Pieces a block is written early in (SPEC U4): each piece goes to D once the prefill has
-/// computed its positions, so what is left to write when the prefill ends is at most a piece,
-/// not a block (a block is 1 MiB in a large model, and its write was on the transfer's path).
-pub(crate) const EARLY_PIECES: usize = 4;
-
-/// The positions in one early piece of a block of `block_size` positions.
-pub(crate) fn early_piece(block_size: u32) -> usize {
-    (block_size as usize).div_ceil(EARLY_PIECES).max(1)
-}
-
-/// What one write carries of one block: its source block, D's block, and the positions in
-/// the block (the whole block, or part of it for an early piece).
-struct Span {
-    src: u32,
-    dst: u32,
-    slots: std::ops::Range<u32>,
-}
-
-/// The spans of positions `range` of a prompt held in `src`, written into `dst` (SPEC U4).
-fn spans(src: &[u32], dst: &[u32], block_size: u32, range: std::ops::Range<usize>) -> Vec<Span> {
-    let bs = block_size.max(1) as usize;
-    let mut out = Vec::new();
-    let mut pos = range.start;
-    while pos < range.end {
-        let b = pos / bs;
-        let (Some(&s), Some(&d)) = (src.get(b), dst.get(b)) else { break };
-        let end = range.end.min((b + 1) * bs);
-        out.push(Span { src: s, dst: d, slots: (pos - b * bs) as u32..(end - b * bs) as u32 });
-        pos = end;
-    }
-    out
-}
+pub(crate) type BlockTimes = Vec<tokio::time::Instant>;
 
 /// P, push mode: a prefill running under a push key (SPEC U4, early writes): when its blocks
 /// are computed, its source blocks, and the early writer waiting for the transfer's
 /// [`WriteJob`] (the one of D's newest registration), to write what is left.
 pub(crate) struct Prefilling {
-    progress: watch::Receiver<KvTimes>,
+    progress: watch::Receiver<BlockTimes>,
     src: Vec<u32>,
     writer: Option<oneshot::Sender<WriteJob>>,
 }
@@ -140,7 +106,7 @@ pub(crate) fn prefill_started(
     request: &str,
     prompt: &[u32],
     src: &Blocks,
-) -> Option<watch::Sender<KvTimes>> {
+) -> Option<watch::Sender<BlockTimes>> {
     let (tx, progress) = watch::channel(Vec::new());
     {
         let mut prefills = lock(&inner.push_prefills);
@@ -186,41 +152,34 @@ fn spawn_early(inner: &Arc<Inner>, job: EarlyJob) {
     inner.tasks.spawn(async move { write_early(inner2, job, progress, src, final_job).await });
 }
 
-/// SPEC U4 (early writes): while P prefills, writes each piece of a block it computed into
-/// D's registration, each write through the source's early gate — the last one too, while P
+/// SPEC U4 (early writes): while P prefills, writes each block it computed into D's
+/// registration, each write through the source's early gate — the last one too, while P
 /// computes its first token before the grant; then, handed the transfer's [`WriteJob`], writes
 /// the rest ([`write`]): nothing when every block landed early (the transfer's completion is
-/// then reported right after the grant), everything from the first block not wholly landed if
-/// an early write failed, or everything if D registered again meanwhile. An early write that
-/// fails or is refused only stops the early writes.
+/// then reported right after the grant), everything if an early write failed or D registered
+/// again meanwhile. An early write that fails or is refused only stops the early writes.
 async fn write_early(
     inner: Arc<Inner>,
     job: EarlyJob,
-    mut progress: watch::Receiver<KvTimes>,
+    mut progress: watch::Receiver<BlockTimes>,
     src: Vec<u32>,
     mut final_job: oneshot::Receiver<WriteJob>,
 ) {
-    let bs = inner.cfg.model.block_size.max(1) as usize;
     let all = src.len().min(job.block_ids.len());
-    // Blocks wholly landed once the positions before `landed` did, of a prompt of `len`.
-    let whole = |landed: usize, len: usize| if landed >= len { len.div_ceil(bs) } else { landed / bs }.min(all);
     // `open`: the scheduler may still say when the blocks are computed (the times it said stay
     // true once it is gone: the source's gate refuses what the prefill's end made too late).
-    // `landed`, `upto`: positions.
     let (mut landed, mut early, mut open) = (0, true, true);
     loop {
-        let (upto, len, next) = {
+        let (upto, next) = {
             let times = progress.borrow_and_update();
             let now = tokio::time::Instant::now();
-            let len = times.last().map_or(0, |&(_, end)| end).min(all * bs);
-            let upto = times.iter().take_while(|&&(t, _)| t <= now).last().map_or(0, |&(_, end)| end).min(len);
-            let next = times.iter().map(|&(t, _)| t).find(|&t| t > now).filter(|_| early && upto < len);
-            (upto, len, next)
+            let upto = times.iter().take_while(|&&t| t <= now).count().min(all);
+            (upto, times.get(upto).copied().filter(|_| early && upto < all))
         };
         if early && upto > landed {
-            early = write_early_piece(&inner, &job, &src, landed..upto).await;
+            early = write_blocks_early(&inner, &job, &src, landed..upto).await;
             if early {
-                inner.metrics.push_early_blocks.inc_by((whole(upto, len) - whole(landed, len)) as u64);
+                inner.metrics.push_early_blocks.inc_by((upto - landed) as u64);
                 landed = upto;
             }
             continue;
@@ -234,8 +193,7 @@ async fn write_early(
             () = sleep_until(next), if next.is_some() => {}
             w = &mut final_job => {
                 if let Ok(w) = w {
-                    let same = w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src;
-                    let from = if same { whole(landed, len) } else { 0 };
+                    let from = if w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src { landed } else { 0 };
                     write(inner, w, from).await;
                 }
                 return;
@@ -251,9 +209,9 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// One early write of the KV of positions `range` into D's blocks at the same places, to every
-/// D rank (each from the P ranks whose heads overlap its own, T1). Whether every write landed.
-async fn write_early_piece(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], range: std::ops::Range<usize>) -> bool {
+/// One early write of source blocks `range` into D's blocks at the same places, to every D rank
+/// (each from the P ranks whose heads overlap its own, T1). Whether every write landed.
+async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], range: std::ops::Range<usize>) -> bool {
     let Some(plan) = kvlease_core::tp::read_plan(inner.cfg.model.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else { return false };
     let timeout = inner.cfg.transfer.lease.read_timeout();
     let until = tokio::time::Instant::now() + timeout;
@@ -264,8 +222,7 @@ async fn write_early_piece(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], rang
             return false;
         }
         let Ok(ticket) = with_source(inner, |s, now, out| s.begin_early_write(&job.key, job.attempt, now, out)) else { return false };
-        let spans = spans(src, &job.block_ids, inner.cfg.model.block_size, range.clone());
-        let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &spans);
+        let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &src[range.clone()], &job.block_ids[range.clone()]);
         let mut all = futures_util::future::join_all(writes);
         let ok = match tokio::time::timeout(timeout, &mut all).await {
             Ok(results) => !results.is_empty() && results.iter().all(Result::is_ok),
@@ -295,9 +252,8 @@ async fn write_early_piece(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], rang
     true
 }
 
-/// The writes to D rank `dst_rank` of `spans`: one per P rank whose heads overlap that D rank's
-/// (T1), each its heads' part of every span: of a whole block one segment, of part of a block
-/// one per head, layer and K/V.
+/// The writes to D rank `dst_rank` of source blocks `src` into D's blocks `dst` (in order): one
+/// per P rank whose heads overlap that D rank's (T1), each its heads' part of every block.
 #[allow(clippy::too_many_arguments)]
 fn rank_writes(
     inner: &Inner,
@@ -306,39 +262,24 @@ fn rank_writes(
     to: &str,
     key: &[u8],
     digest: &PromptDigest,
-    spans: &[Span],
+    src: &[u32],
+    dst: &[u32],
 ) -> Vec<impl std::future::Future<Output = Result<(), kvlease_transport::TransportError>>> {
-    let m = &inner.cfg.model;
-    let (hbb, hb, bs) = (m.head_block_bytes() as u32, m.head_bytes() as u32, m.block_size);
+    let hbb = inner.cfg.model.head_block_bytes() as u32;
     let mut writes = Vec::new();
     for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
         let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
-        let heads = pair.heads.end - pair.heads.start;
-        let mut segments = Vec::new();
-        for span in spans {
-            if span.slots == (0..bs) {
-                segments.push(Segment {
-                    remote_block: span.dst,
-                    remote_offset: pair.d_head_offset * hbb,
-                    local_block: span.src,
-                    local_offset: pair.p_head_offset * hbb,
-                    len: heads * hbb,
-                });
-                continue;
-            }
-            for head in 0..heads {
-                for lkv in 0..2 * m.num_layers {
-                    let at = (lkv * bs + span.slots.start) * hb;
-                    segments.push(Segment {
-                        remote_block: span.dst,
-                        remote_offset: (pair.d_head_offset + head) * hbb + at,
-                        local_block: span.src,
-                        local_offset: (pair.p_head_offset + head) * hbb + at,
-                        len: (span.slots.end - span.slots.start) * hb,
-                    });
-                }
-            }
-        }
+        let segments = src
+            .iter()
+            .zip(dst)
+            .map(|(&src, &dst)| Segment {
+                remote_block: dst,
+                remote_offset: pair.d_head_offset * hbb,
+                local_block: src,
+                local_offset: pair.p_head_offset * hbb,
+                len: (pair.heads.end - pair.heads.start) * hbb,
+            })
+            .collect();
         let op = WriteOp { key: key.to_vec(), segments, notif: None, tag: digest.0.to_vec() };
         let (agent, to) = (rank.agent.clone(), to.to_owned());
         writes.push(async move { agent.write(&to, op).await });
@@ -485,14 +426,16 @@ async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
                 continue;
             }
             let to = holder_agent(&job.to, dst_rank as usize);
-            let whole: Vec<Span> = job
-                .src_blocks
-                .iter()
-                .zip(&job.block_ids)
-                .skip(from)
-                .map(|(&src, &dst)| Span { src, dst, slots: 0..m.block_size })
-                .collect();
-            let writes = rank_writes(&inner, &plan, dst_rank, &to, &key, &job.digest, &whole);
+            let writes = rank_writes(
+                &inner,
+                &plan,
+                dst_rank,
+                &to,
+                &key,
+                &job.digest,
+                job.src_blocks.get(from..).unwrap_or_default(),
+                job.block_ids.get(from..).unwrap_or_default(),
+            );
             if writes.is_empty() {
                 if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
                     drop(ticket);

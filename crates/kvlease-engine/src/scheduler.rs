@@ -74,7 +74,7 @@ pub(crate) struct Seq {
     push_key: Option<PushKey>,
     /// P, push mode (SPEC U4): where this prefill tells its early writer when its blocks are
     /// computed, while it may write early.
-    push_progress: Option<tokio::sync::watch::Sender<push::KvTimes>>,
+    push_progress: Option<tokio::sync::watch::Sender<push::BlockTimes>>,
     /// D, push mode: the sink is done with this request (ready, or failed over).
     push_done: bool,
 }
@@ -808,13 +808,14 @@ async fn prefill_compute(running: &[Seq], m: &model::ModelConfig, pace: &mut Pac
     let prefilling = || running.iter().filter(|s| s.state == State::Prefill);
     let total = m.prefill_time(prefilling().map(|s| s.prompt.len() - s.reused.min(s.prompt.len())).sum());
     let written = tokio::time::Instant::now();
+    let bs = m.block_size.max(1) as usize;
     let mut before = 0;
     for seq in prefilling() {
         let computed = |end: usize| before + end.saturating_sub(seq.reused);
         if let Some(progress) = &seq.push_progress {
-            let (len, piece) = (seq.prompt.len(), push::early_piece(m.block_size));
-            let at = |end: usize| ((started + m.prefill_time(computed(end))).max(written), end);
-            progress.send_replace((piece..len).step_by(piece).chain([len]).map(at).collect());
+            let blocks = seq.prompt.len().div_ceil(bs);
+            let at = |b: usize| (started + m.prefill_time(computed((b * bs).min(seq.prompt.len())))).max(written);
+            progress.send_replace((1..=blocks).map(at).collect());
         }
         before = computed(seq.prompt.len());
     }
