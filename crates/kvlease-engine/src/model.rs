@@ -463,6 +463,32 @@ mod tests {
         }
     }
 
+    /// A KV digest is a sum of pieces read in any order, but each piece is keyed by where it
+    /// sits: KV in the wrong block or under the wrong head, layer or K/V (a mangled block list)
+    /// digests differently, and no two pieces of a large model share a seed.
+    #[test]
+    fn a_kv_digest_sees_where_each_piece_sits() {
+        let (a, b) = ([1u8; 64], [2u8; 64]);
+        let at = |head, pos| piece_seed(7, head, 3, 1, pos);
+        let right = fold_pieces(7, digest(at(0, 0), &a).wrapping_add(digest(at(0, 16), &b)));
+        let reordered = fold_pieces(7, digest(at(0, 16), &b).wrapping_add(digest(at(0, 0), &a)));
+        assert_eq!(right, reordered, "the order the pieces are read in does not matter");
+        let swapped = fold_pieces(7, digest(at(0, 0), &b).wrapping_add(digest(at(0, 16), &a)));
+        assert_ne!(right, swapped, "blocks swapped");
+        let other_head = fold_pieces(7, digest(at(1, 0), &a).wrapping_add(digest(at(0, 16), &b)));
+        assert_ne!(right, other_head, "a head's bytes under another head");
+        let mut seen = std::collections::HashSet::new();
+        for head in 0..8 {
+            for layer in 0..16 {
+                for kv in 0..2 {
+                    for pos in (0..4096).step_by(16) {
+                        assert!(seen.insert(piece_seed(0, head, layer, kv, pos)), "{head} {layer} {kv} {pos}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn tokens_and_text() {
         assert_eq!(tokenize("hi"), vec![104, 105]);

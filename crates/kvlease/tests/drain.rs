@@ -142,11 +142,16 @@ async fn sigterm_drains_the_proxy() {
         &dp,
     ]);
     let url = format!("{}/v1/completions", proxy.url);
+    // It asks for the usage chunk: a stream that completed counts all 25 tokens (an EOS it
+    // went past under `ignore_eos` is a token with no text, so words do not count them).
     let streaming = {
         let url = url.clone();
         tokio::spawn(async move {
-            post_stream(&url, &json!({"prompt": "streamed through a drain", "max_tokens": 25, "ignore_eos": true, "stream": true}), false)
-                .await
+            let body = json!({"prompt": "streamed through a drain", "max_tokens": 25, "ignore_eos": true, "stream": true,
+                              "stream_options": {"include_usage": true}});
+            let r = client().post(&url).json(&body).send().await.expect("send");
+            assert_eq!(r.status().as_u16(), 200);
+            r.text().await.expect("body")
         })
     };
     until("D decoding", DEADLINE, || async { metric(&d.url, "kvlease_requests_running").await >= 1.0 }).await;
@@ -155,8 +160,14 @@ async fn sigterm_drains_the_proxy() {
         .await;
     let r = client().post(&url).json(&json!({"prompt": "late", "max_tokens": 2})).send().await.expect("answered");
     assert_eq!((r.status().as_u16(), r.headers()["retry-after"].to_str().ok()), (503, Some("1")));
-    let text = streaming.await.expect("task");
-    assert_eq!(text.split_whitespace().count(), 25, "the stream in flight completed: {text}");
+    let sse = streaming.await.expect("task");
+    let (_, _, done) = sse_text(&sse, false).unwrap_or_else(|e| panic!("stream failed: {e}"));
+    let tokens = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find_map(|v| v["usage"]["completion_tokens"].as_u64());
+    assert!(done && tokens == Some(25), "the stream in flight completed: {sse}");
     assert_eq!(proxy.exit_code().await, Some(0));
 }
 
