@@ -503,11 +503,6 @@ impl<T> LeaseTable<T> {
             let cursor = self.wheel.cursor;
             self.file(s, self.ns(deadline), cursor);
         }
-        // The next grant's slot, found as it will find it, is fetched into the cache meanwhile:
-        // where releases left free slots scattered, it is a miss otherwise.
-        let next = self.slot(self.next_id);
-        let run = self.taken_run(self.next_id, next);
-        self.prefetch_slot(if run == 0 { next } else { self.slot(self.next_id + run) }, true);
         id
     }
 
@@ -543,11 +538,11 @@ impl<T> LeaseTable<T> {
             }
         };
         for &id in ids.iter().take(FETCH_AHEAD) {
-            self.prefetch_slot(slot(id), false);
+            self.prefetch_lease(slot(id));
         }
         for (i, &id) in ids.iter().enumerate() {
             if let Some(&ahead) = ids.get(i + FETCH_AHEAD) {
-                self.prefetch_slot(slot(ahead), false);
+                self.prefetch_lease(slot(ahead));
             }
             // `find`, written out: one record, indexed once.
             let s = slot(id);
@@ -878,14 +873,10 @@ impl<T> LeaseTable<T> {
         self.cap
     }
 
-    /// Asks the CPU to fetch slot `s`'s lease record, and its expiry-index links if `links`
-    /// ([`prefetch`]); `s` may be past the end.
-    fn prefetch_slot(&self, s: usize, links: bool) {
+    /// Asks the CPU to fetch slot `s`'s lease record ([`prefetch`]); `s` may be past the end.
+    fn prefetch_lease(&self, s: usize) {
         if let Some(p) = self.pages.get(s >> PAGE_BITS) {
             prefetch(p.lease.as_ptr().wrapping_add(s & (PAGE - 1)));
-            if links {
-                prefetch(p.link.as_ptr().wrapping_add(s & (PAGE - 1)));
-            }
         }
     }
 
