@@ -1208,8 +1208,11 @@ impl Legs<'_> {
             if prefill.is_none() && decode.is_none() {
                 return Err(ApiError::bad_gateway("the proxy lost track of the request (a bug: please report it)"));
             }
-            // Whichever leg answers first (or the deadline).
+            // Whichever leg answers first (or the deadline). Polled prefill first: the legs go
+            // out as they are first polled, and the prefill leg is the one the first token waits
+            // on (random order sent D's leg first half the time).
             let event = tokio::select! {
+                biased;
                 outcome = async { prefill.as_mut().expect("guarded").answer.as_mut().await }, if prefill.is_some() => {
                     let Some(InFlight { to, .. }) = prefill.take() else { unreachable!() };
                     match outcome {
