@@ -27,30 +27,7 @@ impl EngineHandle {
     pub fn release_by_params(&self, params: &Value) -> Result<bool, RequestError> {
         by_params(self.inner(), params)
     }
-}
 
-/// P: [`EngineHandle::release_by_params`] on the engine's state (also the lease of an answer
-/// nobody read: `RequestStream`'s drop).
-pub(crate) fn by_params(inner: &Arc<Inner>, params: &Value) -> Result<bool, RequestError> {
-    let bad = |m: String| RequestError::bad_request(Some("kv_transfer_params"), m);
-    let rk = match KvRole::parse(Some(params)).map_err(|e| bad(e.to_string()))? {
-        KvRole::DecodeRemote(rk) => rk,
-        KvRole::DecodePush(pr) => {
-            if !inner.cfg.transfer.push_mode() {
-                return Err(bad("push-mode params, but this engine runs pull mode: it holds no push lease".into()));
-            }
-            if pr.engine_id != inner.cfg.engine_id || (pr.incarnation != 0 && pr.incarnation != inner.incarnation) {
-                return Err(bad(format!("these params name engine {:?}, not this one", pr.engine_id)));
-            }
-            return Ok(crate::push::with_source(inner, |s, now, out| s.release_unheld(&pr.key, now, out)));
-        }
-        _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
-    };
-    inner.admission().names_our_lease(&rk).map_err(|e| bad(e.to_string()))?;
-    Ok(lease_holder::release_own(inner, rk.lease_id))
-}
-
-impl EngineHandle {
     /// D: a request carrying P's params was refused before admission: release P's lease now
     /// (SPEC O3), as the core's [`kvlease_core::params::Admission::releases_on_refusal`] decides.
     /// Returns whether a release was queued.
@@ -74,4 +51,25 @@ impl EngineHandle {
             true
         })
     }
+}
+
+/// P: [`EngineHandle::release_by_params`] on the engine's state (also the lease of an answer
+/// nobody read: `RequestStream`'s drop).
+pub(crate) fn by_params(inner: &Arc<Inner>, params: &Value) -> Result<bool, RequestError> {
+    let bad = |m: String| RequestError::bad_request(Some("kv_transfer_params"), m);
+    let rk = match KvRole::parse(Some(params)).map_err(|e| bad(e.to_string()))? {
+        KvRole::DecodeRemote(rk) => rk,
+        KvRole::DecodePush(pr) => {
+            if !inner.cfg.transfer.push_mode() {
+                return Err(bad("push-mode params, but this engine runs pull mode: it holds no push lease".into()));
+            }
+            if pr.engine_id != inner.cfg.engine_id || (pr.incarnation != 0 && pr.incarnation != inner.incarnation) {
+                return Err(bad(format!("these params name engine {:?}, not this one", pr.engine_id)));
+            }
+            return Ok(crate::push::with_source(inner, |s, now, out| s.release_unheld(&pr.key, now, out)));
+        }
+        _ => return Err(bad("not the kv_transfer_params of a lease (do_remote_prefill must be true)".into())),
+    };
+    inner.admission().names_our_lease(&rk).map_err(|e| bad(e.to_string()))?;
+    Ok(lease_holder::release_own(inner, rk.lease_id))
 }

@@ -1,9 +1,10 @@
 //! Push mode (SPEC §13) under the faults of the vLLM push-mode issues (issue 24), between real
 //! `kvlease serve` processes driven by a real HTTP client: a decode leg given up on D (vLLM
 //! #46283), a write that fails between the processes (#48633 C2, #50754), P shutting down under
-//! a transfer, leases ending while writes are in flight (#55470). Each test says which protection
-//! it proves: with that protection removed (a temporary local edit), the test was run and
-//! failed — except the soak of #55470 under pauses, which says why not.
+//! a transfer, a P killed under a registered request (SPEC D5), leases ending while writes are
+//! in flight (#55470). Each test says which protection it proves: with that protection removed
+//! (a temporary local edit), the test was run and failed — except the soak of #55470 under
+//! pauses, which says why not.
 //!
 //! #55470's protections stack, so each is proven where the others do not apply, across real
 //! hosts (network namespaces, `common::hosts`) with P's sending throttled so a write of a long
@@ -678,4 +679,41 @@ async fn nixl_u4_a_write_given_up_on_p_reads_no_freed_block() {
     // Held, not leaked: back once NIXL said the WRITE ended; D answered from its own prefill.
     until_nothing_held(&p.url, Duration::from_secs(15)).await;
     assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+}
+
+/// SPEC D5, O4: P is killed (`SIGKILL`) while D holds a request registered with it and waiting
+/// for its writes (the router's prefill leg not sent yet), and P does not come back. D's link
+/// to P breaks, its next handshake fails, and the request fails over then (recomputed: the local
+/// run's answer), not at the end of its 30 s wait for writes (U10). Fails when a failed
+/// handshake does not reach D's push machine (`PushSink::link_failed` not called from the
+/// engine's `push::link_failed`): D answers after its full wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d5_o4_p_killed_under_a_registered_request_fails_it_over_at_the_next_handshake() {
+    let cfg = push_config(30.0, 30.0);
+    let p = Proc::serve("d5k-p", &["--kv-transfer-config", &cfg]);
+    let d = Proc::serve("d5k-d", &["--kv-transfer-config", &cfg]);
+    let local = Proc::serve("d5k-local", &[]);
+    let kv_port = prefill(&p, "probe").await["remote_port"].as_u64().expect("P's side-channel port");
+    let prompt = "a request registered with a prefill engine that dies";
+    let want = local_text(&local, prompt, 4).await;
+    let leg = {
+        let url = format!("{}/v1/completions", d.url);
+        let body = json!({"model": "kvlease-synthetic", "prompt": prompt, "max_tokens": 4, "ignore_eos": true,
+            "kv_transfer_params": router_params("d5k-p", kv_port, "d5k-router-id")});
+        tokio::spawn(async move {
+            let r = client().post(url).json(&body).send().await.expect("decode leg");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.expect("JSON"), Instant::now())
+        })
+    };
+    until("D registers and waits for P's writes", DEADLINE, || async { metric(&d.url, "kvlease_requests_running").await == 1.0 }).await;
+    p.signal("KILL");
+    let killed = Instant::now();
+    let (status, got, at) = leg.await.expect("decode leg");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(text_of(&got, false), want, "recomputed: the local run's answer");
+    assert!(at - killed < Duration::from_secs(15), "D answered {:?} after P died; its wait for writes was 30 s", at - killed);
+    assert_eq!(metric(&d.url, "kvlease_recomputed_requests_total").await, 1.0);
+    // Its registered blocks stay held to the end of the write window (U8: D cannot know that no
+    // write P posted is still on its way), as `u8_d_refuses_a_write_for_blocks_it_gave_up` shows.
 }
