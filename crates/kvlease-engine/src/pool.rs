@@ -38,7 +38,7 @@ impl BlockPool {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let ids = free.take(n)?;
         self.metrics.kv_blocks_free.set(i64::from(free.len()));
-        Some(Blocks { pool: self.clone(), ids })
+        Some(Blocks(Arc::new(Owned { pool: self.clone(), ids })))
     }
 }
 
@@ -72,16 +72,27 @@ impl Free {
     }
 }
 
-/// Owned blocks; dropping returns them to the pool.
+/// Owned blocks; dropping returns them to the pool, once every hold on them ([`Blocks::pin`]) is
+/// dropped.
 #[derive(Debug)]
-pub struct Blocks {
+pub struct Blocks(Arc<Owned>);
+
+#[derive(Debug)]
+struct Owned {
     pool: Arc<BlockPool>,
     ids: Vec<u32>,
 }
 
 impl Blocks {
     pub fn ids(&self) -> &[u32] {
-        &self.ids
+        &self.0.ids
+    }
+
+    /// Another hold on the same blocks, for a reader that must see them unchanged while their
+    /// owner may let them go (a push prefill's source blocks, handed to the lease as P computes
+    /// its first token from them): no block goes back to the pool before every hold is dropped.
+    pub(crate) fn pin(&self) -> Blocks {
+        Blocks(self.0.clone())
     }
 }
 
@@ -102,11 +113,11 @@ impl BlockPool {
 /// The holder keeps leased and quarantined blocks as this guard (SPEC P5).
 impl kvlease_core::holder::BlockGuard for Blocks {
     fn ids(&self) -> &[u32] {
-        &self.ids
+        &self.0.ids
     }
 }
 
-impl Drop for Blocks {
+impl Drop for Owned {
     fn drop(&mut self) {
         self.pool.give_back(std::mem::take(&mut self.ids));
     }
@@ -126,6 +137,21 @@ mod tests {
         drop(a);
         assert_eq!(m.kv_blocks_free.get(), 4);
         assert_eq!(pool.alloc(4).map(|b| b.ids().len()), Some(4));
+    }
+
+    /// A pinned block goes back only when its owner and every pin are dropped, in any order.
+    #[test]
+    fn pinned_blocks_come_back_after_the_last_hold() {
+        let m = Arc::new(Metrics::default());
+        let pool = BlockPool::new(4, m.clone());
+        let a = pool.alloc(3).unwrap();
+        let pin = a.pin();
+        assert_eq!(pin.ids(), a.ids());
+        drop(a);
+        assert_eq!(m.kv_blocks_free.get(), 1, "the pin still holds the blocks");
+        assert!(pool.alloc(2).is_none());
+        drop(pin);
+        assert_eq!(m.kv_blocks_free.get(), 4);
     }
 
     /// The lazy free list hands out exactly the ids, in exactly the order, of the stack it

@@ -2,10 +2,10 @@
 //! rules are kvlease-core's [`PushSource`] (P) and [`PushSink`] (D); this is glue: lock, call,
 //! carry out (send, write, free, tell the scheduler), and the two timers.
 //!
-//! * P: [`grant_and_finish`] when a `do_remote_decode` prefill ends (P1, U1, U2), the
-//!   messages from D ([`on_message`]), one task per transfer ready to write ([`write`]: each
-//!   write asks the source's gate right before it is posted, U4, U8, U11), and the reaper
-//!   ([`source_reaper`], P4).
+//! * P: [`grant`] when a `do_remote_decode` prefill has computed its KV and [`answer`] once P
+//!   has its first token (P1, U1, U2), the messages from D ([`on_message`]), one task per
+//!   transfer ready to write ([`write`]: each write asks the source's gate right before it is
+//!   posted, U4, U8, U11), and the reaper ([`source_reaper`], P4).
 //! * D: [`admit`] as the request arrives (D1, U2: renewed from then on), [`register`] once its
 //!   blocks are allocated (U1), the messages from P ([`on_message`]), the sink's timer
 //!   ([`sink_driver`], D3: not the forward loop), and the write gate ([`Gate`]: not a byte lands
@@ -80,17 +80,51 @@ fn spawn_write(inner: &Arc<Inner>, job: WriteJob) {
     inner.tasks.spawn(async move { write(inner2, job, 0).await });
 }
 
-/// When each block of a prefill is computed: block `i` at `times[i]` (empty until its step
+/// When a prefill's KV is computed: `(at, end)`, in order, says the positions before `end` are
+/// computed at `at`, a piece of [`EARLY_PIECES`] per block at a time (empty until its step
 /// starts). The scheduler says it once, as the step starts; the early writer waits on its own
-/// timers, so no block's write waits for the scheduler's thread (a task the scheduler woke would
+/// timers, so no piece's write waits for the scheduler's thread (a task the scheduler woke would
 /// sit in its worker's LIFO slot, which no other worker may take, until the step's end).
-pub(crate) type BlockTimes = Vec<tokio::time::Instant>;
+pub(crate) type KvTimes = Vec<(tokio::time::Instant, usize)>;
+
+/// Pieces a block is written early in (SPEC U4): each piece goes to D once the prefill has
+/// computed its positions, so what is left to write when the prefill ends is at most a piece,
+/// not a block (a block is 1 MiB in a large model, and its write was on the transfer's path).
+pub(crate) const EARLY_PIECES: usize = 4;
+
+/// The positions in one early piece of a block of `block_size` positions.
+pub(crate) fn early_piece(block_size: u32) -> usize {
+    (block_size as usize).div_ceil(EARLY_PIECES).max(1)
+}
+
+/// What one write carries of one block: its source block, D's block, and the positions in
+/// the block (the whole block, or part of it for an early piece).
+struct Span {
+    src: u32,
+    dst: u32,
+    slots: std::ops::Range<u32>,
+}
+
+/// The spans of positions `range` of a prompt held in `src`, written into `dst` (SPEC U4).
+fn spans(src: &[u32], dst: &[u32], block_size: u32, range: std::ops::Range<usize>) -> Vec<Span> {
+    let bs = block_size.max(1) as usize;
+    let mut out = Vec::new();
+    let mut pos = range.start;
+    while pos < range.end {
+        let b = pos / bs;
+        let (Some(&s), Some(&d)) = (src.get(b), dst.get(b)) else { break };
+        let end = range.end.min((b + 1) * bs);
+        out.push(Span { src: s, dst: d, slots: (pos - b * bs) as u32..(end - b * bs) as u32 });
+        pos = end;
+    }
+    out
+}
 
 /// P, push mode: a prefill running under a push key (SPEC U4, early writes): when its blocks
 /// are computed, its source blocks, and the early writer waiting for the transfer's
 /// [`WriteJob`] (the one of D's newest registration), to write what is left.
 pub(crate) struct Prefilling {
-    progress: watch::Receiver<BlockTimes>,
+    progress: watch::Receiver<KvTimes>,
     src: Vec<u32>,
     writer: Option<oneshot::Sender<WriteJob>>,
 }
@@ -106,7 +140,7 @@ pub(crate) fn prefill_started(
     request: &str,
     prompt: &[u32],
     src: &Blocks,
-) -> Option<watch::Sender<BlockTimes>> {
+) -> Option<watch::Sender<KvTimes>> {
     let (tx, progress) = watch::channel(Vec::new());
     {
         let mut prefills = lock(&inner.push_prefills);
@@ -152,48 +186,55 @@ fn spawn_early(inner: &Arc<Inner>, job: EarlyJob) {
     inner.tasks.spawn(async move { write_early(inner2, job, progress, src, final_job).await });
 }
 
-/// SPEC U4 (early writes): while P prefills, writes each block it computed into D's
-/// registration, each write through the source's early gate — the last one too, while P
-/// computes its first token before the grant; then, handed the transfer's [`WriteJob`], writes
+/// SPEC U4 (early writes): while P prefills, writes each piece of a block it computed into
+/// D's registration, each write through the source's early gate — the last one too, as the
+/// prefill ends and P grants; then, handed the transfer's [`WriteJob`], writes
 /// the rest ([`write`]): nothing when every block landed early (the transfer's completion is
-/// then reported right after the grant), everything if an early write failed or D registered
-/// again meanwhile. An early write that fails or is refused only stops the early writes.
+/// then reported right after the grant), everything from the first block not wholly landed if
+/// an early write failed, or everything if D registered again meanwhile. An early write that
+/// fails or is refused only stops the early writes.
 async fn write_early(
     inner: Arc<Inner>,
     job: EarlyJob,
-    mut progress: watch::Receiver<BlockTimes>,
+    mut progress: watch::Receiver<KvTimes>,
     src: Vec<u32>,
     mut final_job: oneshot::Receiver<WriteJob>,
 ) {
+    let bs = inner.cfg.model.block_size.max(1) as usize;
     let all = src.len().min(job.block_ids.len());
+    // Blocks wholly landed once the positions before `landed` did, of a prompt of `len`.
+    let whole = |landed: usize, len: usize| if landed >= len { len.div_ceil(bs) } else { landed / bs }.min(all);
     // `open`: the scheduler may still say when the blocks are computed (the times it said stay
     // true once it is gone: the source's gate refuses what the prefill's end made too late).
+    // `landed`, `upto`: positions.
     let (mut landed, mut early, mut open) = (0, true, true);
     loop {
-        let (upto, next) = {
+        let (upto, len, next) = {
             let times = progress.borrow_and_update();
             let now = tokio::time::Instant::now();
-            let upto = times.iter().take_while(|&&t| t <= now).count().min(all);
-            (upto, times.get(upto).copied().filter(|_| early && upto < all))
+            let len = times.last().map_or(0, |&(_, end)| end).min(all * bs);
+            let upto = times.iter().take_while(|&&(t, _)| t <= now).last().map_or(0, |&(_, end)| end).min(len);
+            let next = times.iter().map(|&(t, _)| t).find(|&t| t > now).filter(|_| early && upto < len);
+            (upto, len, next)
         };
         if early && upto > landed {
-            early = write_blocks_early(&inner, &job, &src, landed..upto).await;
+            early = write_early_piece(&inner, &job, &src, landed..upto).await;
             if early {
-                inner.metrics.push_early_blocks.inc_by((upto - landed) as u64);
+                inner.metrics.push_early_blocks.inc_by((whole(upto, len) - whole(landed, len)) as u64);
                 landed = upto;
             }
             continue;
         }
         tokio::select! {
-            // Blocks computed go first: the last one is computed before the grant hands the job
-            // over, and written early it is off the transfer's path (P computes its first token
-            // meanwhile).
+            // Blocks computed go first: the last one is computed as the grant hands the job
+            // over, and written early it needs no second look at what is left.
             biased;
             changed = progress.changed(), if open => open = changed.is_ok(),
             () = sleep_until(next), if next.is_some() => {}
             w = &mut final_job => {
                 if let Ok(w) = w {
-                    let from = if w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src { landed } else { 0 };
+                    let same = w.attempt == job.attempt && w.block_ids == job.block_ids && w.src_blocks == src;
+                    let from = if same { whole(landed, len) } else { 0 };
                     write(inner, w, from).await;
                 }
                 return;
@@ -209,9 +250,9 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// One early write of source blocks `range` into D's blocks at the same places, to every D rank
-/// (each from the P ranks whose heads overlap its own, T1). Whether every write landed.
-async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], range: std::ops::Range<usize>) -> bool {
+/// One early write of the KV of positions `range` into D's blocks at the same places, to every
+/// D rank (each from the P ranks whose heads overlap its own, T1). Whether every write landed.
+async fn write_early_piece(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], range: std::ops::Range<usize>) -> bool {
     let Some(plan) = kvlease_core::tp::read_plan(inner.cfg.model.num_kv_heads, inner.cfg.tp_size, job.dst_ranks) else { return false };
     let timeout = inner.cfg.transfer.lease.read_timeout();
     let until = tokio::time::Instant::now() + timeout;
@@ -222,7 +263,8 @@ async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], ran
             return false;
         }
         let Ok(ticket) = with_source(inner, |s, now, out| s.begin_early_write(&job.key, job.attempt, now, out)) else { return false };
-        let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &src[range.clone()], &job.block_ids[range.clone()]);
+        let spans = spans(src, &job.block_ids, inner.cfg.model.block_size, range.clone());
+        let writes = rank_writes(inner, &plan, dst_rank, &to, &key, &job.digest, &spans);
         let mut all = futures_util::future::join_all(writes);
         let ok = match tokio::time::timeout(timeout, &mut all).await {
             Ok(results) => !results.is_empty() && results.iter().all(Result::is_ok),
@@ -252,8 +294,9 @@ async fn write_blocks_early(inner: &Arc<Inner>, job: &EarlyJob, src: &[u32], ran
     true
 }
 
-/// The writes to D rank `dst_rank` of source blocks `src` into D's blocks `dst` (in order): one
-/// per P rank whose heads overlap that D rank's (T1), each its heads' part of every block.
+/// The writes to D rank `dst_rank` of `spans`: one per P rank whose heads overlap that D rank's
+/// (T1), each its heads' part of every span: of a whole block one segment, of part of a block
+/// one per head, layer and K/V.
 #[allow(clippy::too_many_arguments)]
 fn rank_writes(
     inner: &Inner,
@@ -262,24 +305,39 @@ fn rank_writes(
     to: &str,
     key: &[u8],
     digest: &PromptDigest,
-    src: &[u32],
-    dst: &[u32],
+    spans: &[Span],
 ) -> Vec<impl std::future::Future<Output = Result<(), kvlease_transport::TransportError>>> {
-    let hbb = inner.cfg.model.head_block_bytes() as u32;
+    let m = &inner.cfg.model;
+    let (hbb, hb, bs) = (m.head_block_bytes() as u32, m.head_bytes() as u32, m.block_size);
     let mut writes = Vec::new();
     for pair in plan.iter().filter(|p| p.d_rank == dst_rank) {
         let Some(rank) = inner.ranks().get(pair.p_rank as usize) else { continue };
-        let segments = src
-            .iter()
-            .zip(dst)
-            .map(|(&src, &dst)| Segment {
-                remote_block: dst,
-                remote_offset: pair.d_head_offset * hbb,
-                local_block: src,
-                local_offset: pair.p_head_offset * hbb,
-                len: (pair.heads.end - pair.heads.start) * hbb,
-            })
-            .collect();
+        let heads = pair.heads.end - pair.heads.start;
+        let mut segments = Vec::new();
+        for span in spans {
+            if span.slots == (0..bs) {
+                segments.push(Segment {
+                    remote_block: span.dst,
+                    remote_offset: pair.d_head_offset * hbb,
+                    local_block: span.src,
+                    local_offset: pair.p_head_offset * hbb,
+                    len: heads * hbb,
+                });
+                continue;
+            }
+            for head in 0..heads {
+                for lkv in 0..2 * m.num_layers {
+                    let at = (lkv * bs + span.slots.start) * hb;
+                    segments.push(Segment {
+                        remote_block: span.dst,
+                        remote_offset: (pair.d_head_offset + head) * hbb + at,
+                        local_block: span.src,
+                        local_offset: (pair.p_head_offset + head) * hbb + at,
+                        len: (span.slots.end - span.slots.start) * hb,
+                    });
+                }
+            }
+        }
         let op = WriteOp { key: key.to_vec(), segments, notif: None, tag: digest.0.to_vec() };
         let (agent, to) = (rank.agent.clone(), to.to_owned());
         writes.push(async move { agent.write(&to, op).await });
@@ -297,51 +355,81 @@ fn send_to_holder(inner: &Inner, holder: &str, msg: &Message) {
     }
 }
 
-/// SPEC P1, U1, U2: a `do_remote_decode` prefill of a push engine finished: grant the lease
-/// under the transfer's key and answer with P's coordinates and the key (no blocks: D
-/// registers its own). A registration D sent before is paired now and the writes start.
-pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: PushKey, wrote_early: bool) {
-    let Some(blocks) = done.blocks.take() else { return };
-    if done.tx.is_closed() {
-        abort_prefill(inner, &key, &done.client_id, wrote_early, Some(blocks));
-        return;
+/// A push prefill's lease, granted as its compute ended ([`grant`]); P answers once it has its
+/// own first token ([`answer`]).
+pub(crate) struct Granted {
+    key: PushKey,
+    /// The lease's deadline; `None` when D gave the transfer up before the grant.
+    expiry: Option<Nanos>,
+}
+
+/// SPEC P1, U1, U2, U4: a `do_remote_decode` prefill of a push engine has computed its KV:
+/// grant the lease under the transfer's key. A registration D sent before is paired now and the
+/// writes go on at once (the early writer, if any, writes what is left): D decodes once they
+/// land, and it does not wait for P's own first token, which P computes afterwards (from
+/// blocks it keeps a [`crate::pool::Blocks::pin`] on) and sends with [`answer`]. `None`: the
+/// request is over (its client left, or the grant failed and the request was failed).
+pub(crate) fn grant(
+    inner: &Arc<Inner>,
+    request: &str,
+    prompt: &[u32],
+    tx: &tokio::sync::mpsc::UnboundedSender<GenerateEvent>,
+    blocks: Blocks,
+    key: PushKey,
+    wrote_early: bool,
+) -> Option<Granted> {
+    if tx.is_closed() {
+        abort_prefill(inner, &key, request, wrote_early, Some(blocks));
+        return None;
     }
     // SPEC U4: the early writer, if this prefill had one, writes what is left.
     let mut early_writer = if wrote_early { prefill_over(inner, &key) } else { None };
-    // The writes a registration that came first makes ready start once the answer is handed
-    // over (below), not before: the task a spawn wakes runs first on this thread, and the answer's
-    // wake-up would push the writes behind the HTTP answer's serialization. Spawned after it, the
-    // writes (the request's critical path: D decodes once they land) run here first and the
-    // answer, which the router only needs before D's first token, goes to another thread.
     let mut ready = Vec::new();
     let granted = with_source(inner, |s, now, out| {
-        let granted = s.grant(now, Some(key.clone()), &done.client_id, blocks, &done.prompt, out);
+        let granted = s.grant(now, Some(key.clone()), request, blocks, prompt, out);
         ready = std::mem::take(&mut out.ready);
         granted
     });
     let expiry = match granted {
         Ok(g) => {
             inner.metrics.leases_granted.inc();
-            tracing::debug!(request = %done.client_id, lease_id = g.lease_id, %key, "push lease granted");
+            tracing::debug!(%request, lease_id = g.lease_id, %key, "push lease granted");
             Some(g.expiry)
         }
         // D gave the transfer up before the prefill ended: nobody will take the KV; the
         // answer still names the key, and a decoder that registers later hears it is lost.
         Err(PushGrantError::Released(_)) => None,
         Err(PushGrantError::KeyTaken(k)) => {
-            let _ = done.tx.send(GenerateEvent::Failed(RequestError::new(
+            let _ = tx.send(GenerateEvent::Failed(RequestError::new(
                 409,
                 "transfer_key_in_use",
                 Some("kv_transfer_params"),
                 format!("another request on this prefill engine is already paired by {k} (SPEC U1); give each request its own X-Request-Id or transfer_id"),
             )));
-            return;
+            return None;
         }
         Err(PushGrantError::Grant(e)) => {
-            let _ = done.tx.send(GenerateEvent::Failed(RequestError::unavailable(format!("no lease granted: {e}"))));
-            return;
+            let _ = tx.send(GenerateEvent::Failed(RequestError::unavailable(format!("no lease granted: {e}"))));
+            return None;
         }
     };
+    for job in ready {
+        match early_writer.take() {
+            Some(writer) if job.key == key => {
+                if let Err(job) = writer.send(job) {
+                    spawn_write(inner, job);
+                }
+            }
+            _ => spawn_write(inner, job),
+        }
+    }
+    Some(Granted { key, expiry })
+}
+
+/// SPEC P1: P's answer to a push prefill [`grant`]ed before: its first token, P's coordinates
+/// and the key (no blocks: D registers its own).
+pub(crate) fn answer(inner: &Arc<Inner>, done: PrefillDone, granted: Granted) {
+    let Granted { key, expiry } = granted;
     let kv = inner.kv_addr.get().copied();
     let host = match (inner.cfg.advertise_host, kv) {
         (Some(ip), _) => ip.to_string(),
@@ -361,19 +449,8 @@ pub(crate) fn grant_and_finish(inner: &Arc<Inner>, mut done: PrefillDone, key: P
     if let (Some(at), serde_json::Value::Object(o)) = (expiry, &mut params) {
         o.insert("remote_blocks_expiry_time".into(), serde_json::json!(at.0 as f64 / 1e9));
     }
-    let sent = crate::lease_holder::answer_prefill(&done, params);
-    for job in ready {
-        match early_writer.take() {
-            Some(writer) if job.key == key => {
-                if let Err(job) = writer.send(job) {
-                    spawn_write(inner, job);
-                }
-            }
-            _ => spawn_write(inner, job),
-        }
-    }
-    if !sent {
-        // The client left between the check and now: nobody will read; D is told.
+    if !crate::lease_holder::answer_prefill(&done, params) {
+        // The client left meanwhile: nobody will read; D is told.
         with_source(inner, |s, now, out| s.abort(&key, now, out));
     }
 }
@@ -426,16 +503,14 @@ async fn write(inner: Arc<Inner>, job: WriteJob, from: usize) {
                 continue;
             }
             let to = holder_agent(&job.to, dst_rank as usize);
-            let writes = rank_writes(
-                &inner,
-                &plan,
-                dst_rank,
-                &to,
-                &key,
-                &job.digest,
-                job.src_blocks.get(from..).unwrap_or_default(),
-                job.block_ids.get(from..).unwrap_or_default(),
-            );
+            let whole: Vec<Span> = job
+                .src_blocks
+                .iter()
+                .zip(&job.block_ids)
+                .skip(from)
+                .map(|(&src, &dst)| Span { src, dst, slots: 0..m.block_size })
+                .collect();
+            let writes = rank_writes(&inner, &plan, dst_rank, &to, &key, &job.digest, &whole);
             if writes.is_empty() {
                 if planted(&inner, PlantedBug::PushFailureOnlyLogged) {
                     drop(ticket);

@@ -116,10 +116,11 @@ async fn u2_both_legs_at_once_pair_by_the_routers_id() {
 }
 
 /// SPEC U4 (early writes), U5, D7: both legs at once and a prefill that takes time: P writes
-/// each block into D's registration as its prefill computes it, the last one too (before the
-/// grant, while P computes its first token), so the transfer's writes after the grant carry no
-/// byte, only the completion. The answer equals local, every lease ends `transferred`, nothing
-/// is recomputed, D refuses no write, every block is back on P.
+/// each block into D's registration as its prefill computes it, the last one too (as the
+/// prefill ends and P grants, before P computes its own first token), so the transfer's writes
+/// after the grant carry no byte, only the completion. The answer equals local, and so does P's
+/// first token (computed from its blocks while the lease may already have ended), every lease
+/// ends `transferred`, nothing is recomputed, D refuses no write, every block is back on P.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn u4_early_writes_overlap_the_prefill_and_the_answer_equals_local() {
     for (p_tp, d_tp) in [(1, 1), (2, 1), (1, 2)] {
@@ -146,8 +147,12 @@ async fn early_writes_overlap_the_prefill(transport: TransportKind, p_tp: u32, d
     for i in 0..3 {
         let id = format!("early-{p_tp}-{d_tp}-{i}");
         let decode = decode_leg(&d, &p, &id, &prompt, 16);
-        let (_, params) = run_as(&p, &id, &prompt, 1, prefill_params()).await.expect("prefill");
+        let (first, params) = run_as(&p, &id, &prompt, 1, prefill_params()).await.expect("prefill");
         assert_eq!(params.expect("params")["transfer_mode"], "push");
+        assert!(
+            !first.is_empty() && want.starts_with(&first),
+            "P tp {p_tp}, D tp {d_tp}, request {i}: P's first token {first:?}, local {want:?}"
+        );
         let (got, _) = decode.await.expect("joins").expect("decode");
         assert_eq!(got, want, "P tp {p_tp}, D tp {d_tp}, request {i}");
     }

@@ -21,10 +21,12 @@ fn d7_p3_p4_u5_every_push_cluster_seed_keeps_every_invariant() {
 /// `push_registration_timeout`), 3,099 (a restarted P kept the registrations of requests whose
 /// prefill died with its previous life: SPEC D5), 21,836 (an answer nobody read kept its lease
 /// to expiry: O4) and 10,809 (a failover verdict that beat the client's abort recomputed a
-/// prompt nobody waited for). With the synthetic model's digest changed (its words, so where
-/// EOS falls), 3,099, 10,809 and 21,836 were checked to fail again with their fix removed; a
-/// failed handshake's failover (also found by 3,099) is proven between processes instead
-/// (`push_faults.rs`, `d5_o4_p_killed_under_a_registered_request_…`).
+/// prompt nobody waited for). Since P grants a push lease before computing its own first token
+/// (its steps now yield once between the two), 3,099 and 10,809 were checked to fail again with
+/// their fix removed; 21,836 no longer does, and its fix is proven by the engine test
+/// `disagg.rs` `o4_an_answer_nobody_read_releases_its_lease_at_once`; a failed handshake's
+/// failover (also found by 3,099) is proven between processes (`push_faults.rs`,
+/// `d5_o4_p_killed_under_a_registered_request_…`).
 #[test]
 fn the_seeds_that_found_push_faults_keep_every_invariant() {
     for seed in [3_099, 10_809, 20_231, 21_836] {
