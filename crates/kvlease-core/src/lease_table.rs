@@ -215,8 +215,23 @@ struct Wide {
 const WIDE: u16 = u16::MAX;
 
 /// The 16-bit form of a holder number or block count (`WIDE`: too large).
+#[inline]
 fn narrow(x: u32) -> u16 {
     u16::try_from(x).ok().filter(|&x| x != WIDE).unwrap_or(WIDE)
+}
+
+/// SPEC S5 for the live lease `id` with record `l`: whether engine `who` may act on it; the
+/// first to ask owns it.
+fn claim<T>(l: &mut Lease<T>, wide: &mut HashMap<LeaseId, Wide>, id: LeaseId, who: u32) -> bool {
+    let code = narrow(who);
+    if l.holder == 0 {
+        l.holder = code;
+        if code == WIDE {
+            wide.entry(id).or_default().holder = who;
+        }
+        return true;
+    }
+    l.holder == code && (code != WIDE || wide.get(&id).is_some_and(|w| w.holder == who))
 }
 
 /// What the table's tests read of a slot: the lease's deadline (0: vacant).
@@ -335,6 +350,13 @@ pub struct LeaseTable<T> {
     holes_until: u32,
     /// The table's times are milliseconds from here (a multiple of 1 ms, only increasing).
     epoch: u64,
+    /// `epoch + REBASE_AT` ms: the epoch moves once now reaches this ([`LeaseTable::rebase`]).
+    rebase_from: u64,
+    /// A grant grows the table first once this many leases are live (the load bound, kept with
+    /// the capacity).
+    grow_at: usize,
+    /// The first id a slot's 32-bit generation cannot name at the current `k`.
+    id_end: u64,
     live: usize,
     aux: HashMap<LeaseId, Aux>,
     parked: Parked<T>,
@@ -399,6 +421,9 @@ impl<T> LeaseTable<T> {
             wide: HashMap::new(),
             holes_until: 0,
             epoch: 0,
+            rebase_from: REBASE_AT * MS,
+            grow_at: 0,
+            id_end: 0,
             live: 0,
             aux: HashMap::new(),
             parked: HashMap::new(),
@@ -412,6 +437,7 @@ impl<T> LeaseTable<T> {
         };
         t.append(slots);
         t.cap = MIN_SLOTS;
+        t.resized();
         while t.cap < slots {
             t.split();
         }
@@ -441,36 +467,41 @@ impl<T> LeaseTable<T> {
     /// names the prompt's digest, SPEC S4). The caller grants only for a request that finished
     /// prefill normally and holds ≥ 1 block.
     pub fn grant(&mut self, now: Nanos, blocks: u32, payload: T) -> LeaseId {
-        let lease = Duration::from_nanos(self.lease);
-        self.grant_for(now, lease, blocks, payload)
+        self.grant_ns(now, self.lease, blocks, payload)
     }
 
     /// SPEC B1: a grant whose first deadline is `lifetime` away rather than L (a decoder's
     /// cached turn, held for `decoder_kv_blocks_ttl`); renewals, release and expiry as for any
     /// lease.
     pub fn grant_for(&mut self, now: Nanos, lifetime: Duration, blocks: u32, payload: T) -> LeaseId {
+        self.grant_ns(now, u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX), blocks, payload)
+    }
+
+    /// [`LeaseTable::grant_for`] with the lifetime in nanoseconds.
+    fn grant_ns(&mut self, now: Nanos, lifetime: u64, blocks: u32, payload: T) -> LeaseId {
         self.rebase(now);
-        while (self.live + 1) * FREE_SHARE > self.cap * (FREE_SHARE - 1) || self.live + 2 > self.cap {
+        while self.live >= self.grow_at {
             self.grow();
         }
         // Skip ids whose slot a lease of an earlier turn still holds; the load bound keeps a
         // free slot in every 32 on average. A slot keeps 32 bits of the id: past them the table
         // grows (after 2^36 grants at least).
         let s = loop {
-            if self.next_id >> self.k > u64::from(u32::MAX) {
+            if self.next_id >= self.id_end {
                 self.grow();
                 continue;
             }
             let s = self.slot(self.next_id);
-            let run = self.taken_run(self.next_id, s);
-            if run == 0 {
-                break s;
-            }
+            let (run, free) = self.taken_run(self.next_id, s);
             self.next_id += run;
+            if free {
+                debug_assert_eq!(s + run as usize, self.slot(self.next_id), "id {} run {run} cap {} k {}", self.next_id, self.cap, self.k);
+                break s + run as usize;
+            }
         };
         let id = self.next_id;
         self.next_id += 1;
-        let deadline_ns = now.0.saturating_add(u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX));
+        let deadline_ns = now.0.saturating_add(lifetime);
         let deadline = self.ms_ceil(deadline_ns);
         let granted = self.ms_floor(now.0);
         let gen = (id >> self.width(s)) as u32;
@@ -589,16 +620,30 @@ impl<T> LeaseTable<T> {
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         self.rebase(now);
+        let now_ms = self.ms_floor(now.0);
+        let who = holder.0.get();
         for &id in ids {
-            match self.find(id) {
-                None => lost.push(id),
-                Some(s) if !self.admit(s, holder) => lost.push(id),
-                Some(s) if self.expired(s, now) => {
-                    lost.push(id);
-                    self.end(s, ReleaseReason::Expired, now, released);
-                }
-                Some(s) => self.end(s, ReleaseReason::Released, now, released),
+            // `find`, `admit` and `expired` on one record, looked up once: a release of a random
+            // id is one cache miss, and the fewer instructions around it, the more of the next
+            // release's miss the CPU overlaps with this one's.
+            let s = self.slot(id);
+            let w = self.width(s);
+            let record = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1)));
+            let Some(l) = record.and_then(Option::as_mut).filter(|l| id != 0 && u64::from(l.gen) == id >> w) else {
+                lost.push(id);
+                continue;
+            };
+            if !claim(l, &mut self.wide, id, who) {
+                lost.push(id);
+                continue;
             }
+            let reason = if l.deadline.get() <= now_ms {
+                lost.push(id);
+                ReleaseReason::Expired
+            } else {
+                ReleaseReason::Released
+            };
+            self.end_id(s, id, reason, now, released);
         }
     }
 
@@ -938,16 +983,23 @@ impl<T> LeaseTable<T> {
     /// How many ids from `id` (in slot `s`) on are in slots a lease holds, counted up to the
     /// end of `s`'s bitmap word, of the run of slots the next ids map to one by one, and of the
     /// ids a slot's 32-bit generation can name: the grant's skip over taken slots.
-    fn taken_run(&self, id: LeaseId, s: usize) -> u64 {
+    ///
+    /// Also whether the slot of the id `run` ahead is known free: the run ended at a vacant
+    /// slot of the word, not at the end of the word, of the row or of the generations (so `id +
+    /// run` lives in slot `s + run`).
+    fn taken_run(&self, id: LeaseId, s: usize) -> (u64, bool) {
         let word = self.used[s / 64] >> (s % 64);
         let taken = u64::from((!word).trailing_zeros());
         if taken == 0 {
-            return 0;
+            return (0, true);
         }
         let raw = id & ((2u64 << self.k) - 1);
         let in_row = if raw < self.cap as u64 { self.cap as u64 - raw } else { (2u64 << self.k) - raw };
-        let gens = ((u64::from(u32::MAX) + 1) << self.k).saturating_sub(id);
-        taken.min(in_row).min(gens).max(1)
+        let gens = self.id_end.saturating_sub(id);
+        // `taken` ends at a vacant slot of the word unless the word ended first; it names a slot
+        // of this row and generation only if both go on past it.
+        let free = taken < 64 - (s % 64) as u64 && taken < in_row && taken < gens;
+        (taken.min(in_row).min(gens).max(1), free)
     }
 
     /// The slot of lease `id` if it is live (linear hashing; see [`LeaseTable`]).
@@ -1005,12 +1057,13 @@ impl<T> LeaseTable<T> {
     /// time and SPEC P9's cap of a lease older than 12 days are counted from there), and a
     /// deadline already past it as 1 ms after it (still past). O(capacity), once in 12 days.
     fn rebase(&mut self, now: Nanos) {
-        if now.0.saturating_sub(self.epoch) / MS < REBASE_AT {
+        if now.0 < self.rebase_from {
             return;
         }
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
+        self.rebase_from = self.epoch.saturating_add(REBASE_AT * MS);
         for l in self.pages.iter_mut().flat_map(|p| p.lease.iter_mut()).flatten() {
             l.deadline = NonZeroU32::new(l.deadline.get().saturating_sub(by32)).unwrap_or(NonZeroU32::MIN);
             l.granted = l.granted.saturating_sub(by32);
@@ -1020,29 +1073,31 @@ impl<T> LeaseTable<T> {
 
     /// SPEC S5 for a live lease: whether `holder` may act on it; the first to ask owns it.
     fn admit(&mut self, s: usize, holder: Holder) -> bool {
-        let (who, id) = (holder.0.get(), self.id_of(s));
-        let code = narrow(who);
+        let id = self.id_of(s);
         let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].as_mut() else { return false };
-        if l.holder == 0 {
-            l.holder = code;
-            if code == WIDE {
-                self.wide.entry(id).or_default().holder = who;
-            }
-            return true;
-        }
-        l.holder == code && (code != WIDE || self.wide.get(&id).is_some_and(|w| w.holder == who))
+        claim(l, &mut self.wide, id, holder.0.get())
     }
 
     /// Ends a live lease: the one place a release happens and is counted (SPEC P3).
+    /// Kept out of line: [`LeaseTable::renew`] calls it for the rare lease past its deadline,
+    /// and inlined there it slowed every renewal.
+    #[inline(never)]
     fn end(&mut self, s: usize, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
-        if self.lease(s).is_none() {
-            return;
+        if self.lease(s).is_some() {
+            let id = self.id_of(s);
+            self.end_id(s, id, reason, now, released);
         }
-        let id = self.id_of(s);
+    }
+
+    /// [`LeaseTable::end`] of lease `id`, known to be live in slot `s`.
+    #[inline(always)]
+    fn end_id(&mut self, s: usize, id: LeaseId, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
         if !self.turns.is_empty() {
             self.turns.remove(&id);
         }
-        let Some(l) = self.pages[s >> PAGE_BITS].lease[s & (PAGE - 1)].take() else { return };
+        let Some(l) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::take) else {
+            return;
+        };
         self.used[s / 64] &= !(1 << (s % 64));
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
@@ -1123,6 +1178,14 @@ impl<T> LeaseTable<T> {
         if self.cap == 2 * base {
             self.k += 1;
         }
+        self.resized();
+    }
+
+    /// Keeps `grow_at` and `id_end` with the capacity and `k`: a grant grows the table while
+    /// `(live + 1) / cap > 1 - 1/FREE_SHARE` or fewer than two slots would stay free.
+    fn resized(&mut self) {
+        self.grow_at = (self.cap * (FREE_SHARE - 1) / FREE_SHARE).min(self.cap - 1);
+        self.id_end = (u64::from(u32::MAX) + 1) << self.k;
     }
 
     /// Moves the lease in slot `from` to the vacant slot `to`, keeping its expiry-index entry.
@@ -1152,7 +1215,7 @@ impl<T> LeaseTable<T> {
         let ring = w.buckets.len() as u64;
         // Past the horizon an entry waits in the furthest bucket and is refiled when visited.
         let k = (deadline / w.width).clamp(lo, w.cursor + ring - 1).max(lo);
-        let r = (k % ring) as usize;
+        let r = w.index(k);
         let b = &mut w.buckets[r];
         // An empty bucket's `min` may be a stale bound from entries removed before the cursor
         // reached it (the cursor skips ahead over an empty wheel): it starts afresh.
@@ -1222,7 +1285,7 @@ impl<T> LeaseTable<T> {
         }
         while self.wheel.cursor <= now_k {
             let cursor = self.wheel.cursor;
-            let r = (cursor % ring) as usize;
+            let r = self.wheel.index(cursor);
             if cursor < now_k {
                 // The cursor leaves this bucket: everything in it goes, expired or refiled
                 // (also entries filed here from past the horizon).
@@ -1420,8 +1483,14 @@ const EMPTY: Bucket = Bucket { min: u64::MAX, head: NIL };
 
 impl Wheel {
     fn new(width: u64, horizon: u64) -> Wheel {
-        let n = (horizon / width).saturating_add(3).min(1 << 16) as usize;
+        // A power of two, so a bucket's place in the ring is a mask, not a division.
+        let n = ((horizon / width).saturating_add(3).min(1 << 16) as usize).next_power_of_two();
         Wheel { width, buckets: vec![EMPTY; n], cursor: 0, len: 0, pass: None, backlog: None, expired: Vec::new() }
+    }
+
+    /// The place in the ring of absolute bucket `k`.
+    fn index(&self, k: u64) -> usize {
+        (k & (self.buckets.len() as u64 - 1)) as usize
     }
 
     /// The earliest `min` of a non-empty bucket. Buckets are looked at from the cursor on and
@@ -1441,14 +1510,14 @@ impl Wheel {
             if i >= 2 && best.is_some_and(|b| k.saturating_mul(self.width) >= b) {
                 break;
             }
-            let b = &self.buckets[(k % ring) as usize];
+            let b = &self.buckets[self.index(k)];
             if b.head != NIL {
                 best = Some(best.map_or(b.min, |x| x.min(b.min)));
             }
         }
         debug_assert_eq!(
             best,
-            (0..ring).map(|i| &self.buckets[((self.cursor + i) % ring) as usize]).filter(|b| b.head != NIL).map(|b| b.min).min(),
+            (0..ring).map(|i| &self.buckets[self.index(self.cursor + i)]).filter(|b| b.head != NIL).map(|b| b.min).min(),
             "the early-stopping scan missed an earlier bucket"
         );
         best
