@@ -224,14 +224,25 @@ fn narrow(x: u32) -> u16 {
 /// first to ask owns it.
 fn claim<T>(l: &mut Lease<T>, wide: &mut HashMap<LeaseId, Wide>, id: LeaseId, who: u32) -> bool {
     let code = narrow(who);
-    if l.holder == 0 {
+    let first = l.holder == 0;
+    if first {
         l.holder = code;
-        if code == WIDE {
-            wide.entry(id).or_default().holder = who;
-        }
+    } else if l.holder != code {
+        return false;
+    }
+    code != WIDE || claim_wide(wide, id, who, first)
+}
+
+/// [`claim`] for a holder number past 16 bits, kept in `wide`: the first to ask owns the lease,
+/// later askers must match it.
+#[cold]
+#[inline(never)]
+fn claim_wide(wide: &mut HashMap<LeaseId, Wide>, id: LeaseId, who: u32, first: bool) -> bool {
+    if first {
+        wide.entry(id).or_default().holder = who;
         return true;
     }
-    l.holder == code && (code != WIDE || wide.get(&id).is_some_and(|w| w.holder == who))
+    wide.get(&id).is_some_and(|w| w.holder == who)
 }
 
 /// What the table's tests read of a slot: the lease's deadline (0: vacant).
@@ -622,7 +633,6 @@ impl<T> LeaseTable<T> {
     /// another holder owns go to `lost` unchanged (S5).
     pub fn release(&mut self, holder: Holder, ids: &[LeaseId], now: Nanos, lost: &mut Vec<LeaseId>, released: &mut Vec<Released<T>>) {
         self.rebase(now);
-        let now_ms = self.ms_floor(now.0);
         let who = holder.0.get();
         for &id in ids {
             // `find`, `admit` and `expired` on one record, looked up once: a release of a random
@@ -639,7 +649,8 @@ impl<T> LeaseTable<T> {
                 lost.push(id);
                 continue;
             }
-            let reason = if l.deadline.get() <= now_ms {
+            // Past its deadline at `now` (`expired`, without converting `now`).
+            let reason = if self.epoch.saturating_add(u64::from(l.deadline.get()) * MS) <= now.0 {
                 lost.push(id);
                 ReleaseReason::Expired
             } else {
@@ -1095,7 +1106,7 @@ impl<T> LeaseTable<T> {
     #[inline(always)]
     fn end_id(&mut self, s: usize, id: LeaseId, reason: ReleaseReason, now: Nanos, released: &mut Vec<Released<T>>) {
         if !self.turns.is_empty() {
-            self.turns.remove(&id);
+            self.forget_turn(id);
         }
         let Some(l) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::take) else {
             return;
@@ -1104,27 +1115,51 @@ impl<T> LeaseTable<T> {
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
         let d = l.deadline.get();
-        if d <= self.ms_ceil(now.0.saturating_add(self.lease)) {
+        if self.ns(d) <= now.0.saturating_add(self.lease) {
             self.holes_until = self.holes_until.max(d);
             self.holes[s / 64] |= 1 << (s % 64);
         } else {
             self.unfile(s);
         }
-        let wide = if l.holder == WIDE || l.blocks == WIDE { self.wide.remove(&id).unwrap_or_default() } else { Wide::default() };
+        let wide = if l.holder == WIDE || l.blocks == WIDE { self.take_wide(id) } else { Wide::default() };
         let blocks = if l.blocks == WIDE { wide.blocks } else { u32::from(l.blocks) };
         let payload = Some(l.payload);
         self.live -= 1;
         self.leased_blocks -= u64::from(blocks);
         self.stats.released[reason as usize] += 1;
-        let readers = if self.aux.is_empty() { 0 } else { self.aux.remove(&id).map_or(0, |a| a.readers) };
         let payload = match payload {
-            Some(p) if readers > 0 => {
-                self.parked.insert(id, (p, readers));
-                None
-            }
+            Some(p) if !self.aux.is_empty() => self.park(id, p),
             p => p,
         };
         released.push(Released { lease_id: id, reason, payload, blocks, held: now.since(Nanos(self.ns(l.granted))) });
+    }
+
+    // The rare branches of `end_id`, out of line so a plain release's code stays short.
+
+    #[cold]
+    #[inline(never)]
+    fn forget_turn(&mut self, id: LeaseId) {
+        self.turns.remove(&id);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_wide(&mut self, id: LeaseId) -> Wide {
+        self.wide.remove(&id).unwrap_or_default()
+    }
+
+    /// SPEC P5: the payload of a lease that just ended, parked while readers hold its blocks
+    /// (`None`), or given back (no reader).
+    #[cold]
+    #[inline(never)]
+    fn park(&mut self, id: LeaseId, payload: T) -> Option<T> {
+        match self.aux.remove(&id).map_or(0, |a| a.readers) {
+            0 => Some(payload),
+            readers => {
+                self.parked.insert(id, (payload, readers));
+                None
+            }
+        }
     }
 
     /// Appends `n` vacant slots after the last (the capacity is set by the caller).
