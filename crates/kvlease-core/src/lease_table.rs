@@ -1069,10 +1069,16 @@ impl<T> LeaseTable<T> {
     /// times move with it; a grant time older than the new epoch is kept as the epoch (the hold
     /// time and SPEC P9's cap of a lease older than 12 days are counted from there), and a
     /// deadline already past it as 1 ms after it (still past). O(capacity), once in 12 days.
+    #[inline(always)]
     fn rebase(&mut self, now: Nanos) {
-        if now.0 < self.rebase_from {
-            return;
+        if now.0 >= self.rebase_from {
+            self.move_epoch(now);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn move_epoch(&mut self, now: Nanos) {
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
