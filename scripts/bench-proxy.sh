@@ -18,8 +18,9 @@
 #  5. the routers side by side (issue 27): `kvlease proxy` and vLLM's Rust router `vllm-router`
 #     (PyPI, PD mode, round robin; scripts/install-vllm-router.sh caches it in a venv under
 #     ${KVLEASE_CACHE:-~/.cache/kvlease}) in front of the same P and D, ROUTER_ROUNDS rounds of
-#     ROUTER_REQUESTS requests at concurrency 1, 16 and 64 (not streamed) and 16 streamed, each
-#     router's CPU per request at 16 from /proc; vLLM's toy proxy too, with TOY_REQUESTS (300) a
+#     ROUTER_REQUESTS requests at concurrency 1 and 64 (not streamed) and ROUTER_CPU_REQUESTS at 16
+#     (not streamed and streamed), each router's CPU per request at 16 from /proc (which counts
+#     CPU in 10 ms ticks: 10,000 requests resolve 1 µs a request, 3,000 only 3.3 µs); vLLM's toy proxy too, with TOY_REQUESTS (300) a
 #     load, if scripts/real-vllm/install.sh has cached it (it is not installed for this). About a
 #     minute with the defaults (half a minute more with the toy proxy), plus 30–50 s to install
 #     vllm-router the first time; skipped (with a line saying so) if the install fails, or with
@@ -49,6 +50,7 @@ FLOOR_ROUNDS=${FLOOR_ROUNDS:-3}
 ROUTERS=${ROUTERS:-1}
 ROUTER_ROUNDS=${ROUTER_ROUNDS:-3}
 ROUTER_REQUESTS=${ROUTER_REQUESTS:-3000}
+ROUTER_CPU_REQUESTS=${ROUTER_CPU_REQUESTS:-10000}
 TOY_REQUESTS=${TOY_REQUESTS:-300}
 
 command -v curl >/dev/null || { echo "error: curl is needed (apt-get install -y curl)" >&2; exit 1; }
@@ -192,7 +194,7 @@ else
   done
 fi
 
-echo "== 5. routers side by side, same P and D: $ROUTER_ROUNDS rounds of $ROUTER_REQUESTS requests, max_tokens $MAX_TOKENS, zero compute"
+echo "== 5. routers side by side, same P and D: $ROUTER_ROUNDS rounds of $ROUTER_REQUESTS requests ($ROUTER_CPU_REQUESTS at c=16), max_tokens $MAX_TOKENS, zero compute"
 # answering NAME URL: waits (30 s at most) for URL to answer; fails if NAME exited or it did not.
 answering() {
   for _ in $(seq 300); do
@@ -242,17 +244,21 @@ else
 fi
 if [[ $ROUTERS != 0 ]]; then
   routers=(proxy) # NAME in PID, its URL and how many requests a load
-  declare -A ROUTER_URL=([proxy]=$PROXY) ROUTER_N=([proxy]=$ROUTER_REQUESTS)
+  # NAME's requests a load, and a c=16 load (the one whose CPU is measured)
+  declare -A ROUTER_URL=([proxy]=$PROXY) ROUTER_N=([proxy]=$ROUTER_REQUESTS) ROUTER_N16=([proxy]=$ROUTER_CPU_REQUESTS)
   if [[ -n $VLLM_ROUTER ]]; then
     routers+=(vllm_router) ROUTER_URL[vllm_router]=$VLLM_ROUTER ROUTER_N[vllm_router]=$ROUTER_REQUESTS
+    ROUTER_N16[vllm_router]=$ROUTER_CPU_REQUESTS
   fi
   if [[ -n $TOY ]]; then
-    routers+=(toy) ROUTER_URL[toy]=$TOY ROUTER_N[toy]=$TOY_REQUESTS
+    routers+=(toy) ROUTER_URL[toy]=$TOY ROUTER_N[toy]=$TOY_REQUESTS ROUTER_N16[toy]=$TOY_REQUESTS
   fi
   for round in $(seq "$ROUTER_ROUNDS"); do
     for r in "${routers[@]}"; do
-      url=${ROUTER_URL[$r]} n=${ROUTER_N[$r]} line="round $round, $(printf '%-12s' "$r"):"
+      url=${ROUTER_URL[$r]} line="round $round, $(printf '%-12s' "$r"):"
       for c in 1 16 64; do
+        n=${ROUTER_N[$r]}
+        [[ $c == 16 ]] && n=${ROUTER_N16[$r]}
         x0=$(cpu_ticks "$r"); e0=$(cpu_ticks p d)
         out=$(load "$url" "$n" "$c" "$MAX_TOKENS")
         x1=$(cpu_ticks "$r"); e1=$(cpu_ticks p d)
@@ -260,6 +266,7 @@ if [[ $ROUTERS != 0 ]]; then
         [[ $c == 16 ]] && line+=" (router $(cpu_us "$x0" "$x1" "$n") us/req, P + D $(cpu_us "$e0" "$e1" "$n"))"
         line+=" |"
       done
+      n=${ROUTER_N16[$r]}
       x0=$(cpu_ticks "$r")
       out=$(load "$url" "$n" 16 "$MAX_TOKENS" --stream)
       x1=$(cpu_ticks "$r")
