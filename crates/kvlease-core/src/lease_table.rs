@@ -1079,6 +1079,10 @@ impl<T> LeaseTable<T> {
     #[cold]
     #[inline(never)]
     fn move_epoch(&mut self, now: Nanos) {
+        // `rebase_from` saturates at the end of the clock's range: only move when due.
+        if now.0.saturating_sub(self.epoch) / MS < REBASE_AT {
+            return;
+        }
         let by = now.0.saturating_sub(self.epoch) / MS - REBASE_AT + REBASE_BY;
         let by32 = u32::try_from(by).unwrap_or(u32::MAX);
         self.epoch += by * MS;
@@ -1401,7 +1405,8 @@ impl<T> LeaseTable<T> {
             let filed_min = self.wheel.pass.take().map_or(u64::MAX, |p| p.filed_min);
             let b = &mut self.wheel.buckets[r];
             b.min = if b.head == NIL { u64::MAX } else { pass.kept_min.min(filed_min) };
-            if b.min > now {
+            // An emptied bucket is through even at `now` = u64::MAX, where no `min` is later.
+            if b.min > now || b.head == NIL {
                 return false;
             }
         }

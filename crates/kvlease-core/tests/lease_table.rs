@@ -650,6 +650,26 @@ fn with_capacity_never_grows_up_to_its_size() {
     assert_eq!(LeaseTable::<()>::with_capacity(&LeaseConfig::default(), 0).capacity(), 16);
 }
 
+/// A clock at the very end of its range (`u64::MAX` ns) moves the epoch once and then never
+/// again: the table's time of the next move saturates there, and a second call at the same
+/// time must not try to move it by a negative amount (it panicked in a debug build). A lease
+/// granted and released there leaves the expiry index at the next tick, which returns (the
+/// reaper looped forever on its emptied bucket: no deadline is later than u64::MAX).
+#[test]
+fn p4_a_clock_at_the_end_of_its_range_moves_the_epoch_once() {
+    let mut t: LeaseTable<u32> = LeaseTable::new(&LeaseConfig::default());
+    let end = Nanos(u64::MAX);
+    let mut rel = Vec::new();
+    t.tick(end, &mut rel);
+    t.tick(end, &mut rel);
+    let id = t.grant(end, 1, 7);
+    let mut lost = Vec::new();
+    t.release(D, &[id], end, &mut lost, &mut rel);
+    t.tick(end, &mut rel);
+    assert!(rel.iter().any(|r| r.lease_id == id), "{rel:?}");
+    assert_eq!(t.live(), 0);
+}
+
 /// The table's times are 32-bit milliseconds from an epoch that moves forward (about every 12
 /// days): a lease renewed for 60 days keeps its exact deadlines across four moves (SPEC P2),
 /// leases granted around each move expire exactly at their deadlines and in deadline order
