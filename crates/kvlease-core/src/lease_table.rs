@@ -1125,7 +1125,8 @@ impl<T> LeaseTable<T> {
         // The entry stays as a hole if a grant from now on, due `L` from now or later, could
         // take it over as it is (see `holes_until`); a lease due later is unlinked at once.
         let d = l.deadline.get();
-        if self.ns(d) <= now.0.saturating_add(self.lease) {
+        // (`d <= ms_ceil(now + L)`, without the division: `d·MS < now + L + 1 ms` from the epoch.)
+        if self.ns(d) < now.0.saturating_add(self.lease).saturating_add(MS) {
             self.holes_until = self.holes_until.max(d);
             self.holes[s / 64] |= 1 << (s % 64);
         } else {
