@@ -245,6 +245,15 @@ fn claim_wide(wide: &mut HashMap<LeaseId, Wide>, id: LeaseId, who: u32, first: b
     wide.get(&id).is_some_and(|w| w.holder == who)
 }
 
+/// The record in slot `s` (named by the low `w` bits of an id) if it is lease `id`'s: `find`
+/// for a caller that goes on to change the record (a borrow of the pages alone, so the caller
+/// may still use the table's other fields).
+#[inline(always)]
+fn record_of<T>(pages: &mut [Page<T>], s: usize, w: u32, id: LeaseId) -> Option<&mut Lease<T>> {
+    let l = pages.get_mut(s >> PAGE_BITS)?.lease.get_mut(s & (PAGE - 1))?.as_mut()?;
+    (id != 0 && u64::from(l.gen) == id >> w).then_some(l)
+}
+
 /// What the table's tests read of a slot: the lease's deadline (0: vacant).
 #[cfg(test)]
 #[derive(Debug, Clone, Copy)]
@@ -591,14 +600,10 @@ impl<T> LeaseTable<T> {
             // `find`, written out: one record, indexed once.
             let s = slot(id);
             let w = k + u32::from(s < cap - base || s >= base);
-            let Some(h) = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1))).and_then(Option::as_mut) else {
+            let Some(h) = record_of(&mut self.pages, s, w, id) else {
                 lost.push(id);
                 continue;
             };
-            if u64::from(h.gen) != id >> w || id == 0 {
-                lost.push(id);
-                continue;
-            }
             // SPEC S5: the first holder to name the lease owns it.
             if h.holder == 0 {
                 h.holder = code;
@@ -640,8 +645,7 @@ impl<T> LeaseTable<T> {
             // release's miss the CPU overlaps with this one's.
             let s = self.slot(id);
             let w = self.width(s);
-            let record = self.pages.get_mut(s >> PAGE_BITS).and_then(|p| p.lease.get_mut(s & (PAGE - 1)));
-            let Some(l) = record.and_then(Option::as_mut).filter(|l| id != 0 && u64::from(l.gen) == id >> w) else {
+            let Some(l) = record_of(&mut self.pages, s, w, id) else {
                 lost.push(id);
                 continue;
             };
