@@ -597,7 +597,7 @@ impl<T> LeaseTable<T> {
             if let Some(&ahead) = ids.get(i + FETCH_AHEAD) {
                 self.prefetch_lease(slot(ahead));
             }
-            // `find`, written out: one record, indexed once.
+            // `find` on the record, indexed once (slot and width from the values read above).
             let s = slot(id);
             let w = k + u32::from(s < cap - base || s >= base);
             let Some(h) = record_of(&mut self.pages, s, w, id) else {
